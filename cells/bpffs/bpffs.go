@@ -1,0 +1,83 @@
+// Package bpffs provides the directory under which every cell pins its BPF
+// maps, on a mounted bpffs.
+package bpffs
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/cilium/hive/cell"
+	"github.com/spf13/pflag"
+
+	"github.com/apiary-net/apiary/bpf"
+)
+
+// Cell provides PinDir. It mounts bpffs at /sys/fs/bpf when the pin directory
+// lies below it and nothing is mounted there yet.
+var Cell = cell.Module(
+	"bpffs",
+	"BPF filesystem and pin directory",
+
+	cell.Config(Config{PinDir: DefaultPinDir}),
+	cell.Provide(newPinDir),
+	// Checked even before any feature pins a map, so a bad --bpf-pin-dir or
+	// a missing privilege is reported at start.
+	cell.Invoke(func(PinDir) {}),
+)
+
+// DefaultPinDir is where maps are pinned unless --bpf-pin-dir says otherwise.
+const DefaultPinDir = "/sys/fs/bpf/apiary"
+
+// Config is the bpffs cell's configuration.
+type Config struct {
+	// PinDir is the directory for the agent's pinned maps and links.
+	PinDir string `mapstructure:"bpf-pin-dir"`
+}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(fs *pflag.FlagSet) {
+	fs.String("bpf-pin-dir", def.PinDir, "Directory on bpffs where the agent pins its BPF maps (kept across restarts)")
+}
+
+// PinDir is an existing directory on bpffs, ready for pins.
+type PinDir string
+
+func newPinDir(cfg Config, log *slog.Logger) (PinDir, error) {
+	dir, err := Prepare(cfg.PinDir)
+	if err != nil {
+		return "", err
+	}
+	log.Debug("BPF pin directory ready", "dir", dir)
+	return PinDir(dir), nil
+}
+
+// Prepare makes dir absolute, mounts bpffs at /sys/fs/bpf if dir lies below
+// it and it is not mounted, creates dir and checks that it is on bpffs.
+func Prepare(dir string) (string, error) {
+	if dir == "" {
+		return "", fmt.Errorf("--bpf-pin-dir is empty")
+	}
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return "", fmt.Errorf("--bpf-pin-dir %s: %w", dir, err)
+	}
+	if abs == bpf.DefaultFSRoot || strings.HasPrefix(abs, bpf.DefaultFSRoot+"/") {
+		if err := bpf.EnsureFS(bpf.DefaultFSRoot); err != nil {
+			return "", fmt.Errorf("--bpf-pin-dir %s: %w (the agent must run as root)", abs, err)
+		}
+	}
+	if err := os.MkdirAll(abs, 0o750); err != nil {
+		return "", fmt.Errorf("--bpf-pin-dir %s: %w", abs, err)
+	}
+	ok, err := bpf.IsBPFFS(abs)
+	if err != nil {
+		return "", fmt.Errorf("--bpf-pin-dir %s: %w", abs, err)
+	}
+	if !ok {
+		return "", fmt.Errorf("--bpf-pin-dir %s is not on a bpffs mount", abs)
+	}
+	return abs, nil
+}

@@ -1,0 +1,92 @@
+package health
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/statedb"
+
+	"github.com/apiary-net/apiary/tables"
+)
+
+func newTestRegistry(t *testing.T) (*Registry, *time.Time) {
+	t.Helper()
+	db := statedb.New()
+	r, err := NewRegistry(hivetest.Logger(t), db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	r.now = func() time.Time { return now }
+	return r, &now
+}
+
+func get(t *testing.T, r *Registry, scope string) *tables.HealthStatus {
+	t.Helper()
+	s, _, ok := r.table.Get(r.db.ReadTxn(), tables.HealthScopeIndex.Query(scope))
+	if !ok {
+		return nil
+	}
+	return s
+}
+
+func TestScopesAndLevels(t *testing.T) {
+	r, now := newTestRegistry(t)
+	lb := ModuleDecorator(r.Root(), "lb")
+	job := lb.NewScope("job-reconcile")
+
+	if s := get(t, r, "lb.job-reconcile"); s == nil || s.Level != cell.StatusUnknown || !s.Healthy() {
+		t.Fatalf("new scope: got %+v, want Unknown and healthy", s)
+	}
+
+	steps := []struct {
+		report    func()
+		level     cell.Level
+		message   string
+		err       string
+		sinceMove bool
+		unhealthy int
+	}{
+		{func() { job.OK("OK, 3 objects") }, cell.StatusOK, "OK, 3 objects", "", true, 0},
+		{func() { job.OK("OK, 4 objects") }, cell.StatusOK, "OK, 4 objects", "", false, 0},
+		{func() { job.Degraded("1 error", errors.New("map full")) }, cell.StatusDegraded, "1 error", "map full", true, 1},
+		{func() { job.Degraded("2 errors", errors.New("map full")) }, cell.StatusDegraded, "2 errors", "map full", false, 1},
+		{func() { job.OK("OK, 4 objects") }, cell.StatusOK, "OK, 4 objects", "", true, 0},
+		{func() { job.Stopped("done") }, cell.StatusStopped, "done", "", true, 1},
+	}
+	for i, step := range steps {
+		before := get(t, r, "lb.job-reconcile").Since
+		*now = now.Add(time.Second)
+		step.report()
+		s := get(t, r, "lb.job-reconcile")
+		if s.Level != step.level || s.Message != step.message || s.Error != step.err {
+			t.Fatalf("step %d: got %+v", i, s)
+		}
+		if moved := !s.Since.Equal(before); moved != step.sinceMove {
+			t.Fatalf("step %d: since moved=%v, want %v", i, moved, step.sinceMove)
+		}
+		if n := len(r.Unhealthy()); n != step.unhealthy {
+			t.Fatalf("step %d: %d unhealthy scopes, want %d", i, n, step.unhealthy)
+		}
+	}
+
+	job.Close()
+	if s := get(t, r, "lb.job-reconcile"); s != nil {
+		t.Fatalf("closed scope still present: %+v", s)
+	}
+	job.Degraded("late", errors.New("after close"))
+	if s := get(t, r, "lb.job-reconcile"); s != nil {
+		t.Fatalf("report after close resurrected the scope: %+v", s)
+	}
+
+	var names []string
+	for _, s := range r.All() {
+		names = append(names, s.Scope)
+	}
+	if len(names) != 2 || names[0] != "agent" || names[1] != "lb" {
+		t.Fatalf("All() = %v, want [agent lb] in order", names)
+	}
+}

@@ -1,0 +1,75 @@
+// Package testenv decides what a test may assume about the machine it runs on.
+//
+// Tests that need a privilege or an outside program call Skip (or one of the
+// Require helpers). Normally that skips the test with the reason; with
+// APIARY_STRICT=1 in the environment (as CI sets it) it fails the test instead,
+// so that nothing is silently skipped in CI.
+package testenv
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+
+	"github.com/apiary-net/apiary/bpf"
+)
+
+// StrictEnv is the environment variable that turns skips into failures.
+const StrictEnv = "APIARY_STRICT"
+
+// Strict reports whether skips are to be treated as failures.
+func Strict() bool {
+	return os.Getenv(StrictEnv) == "1"
+}
+
+// Skip skips the test with the given reason, or fails it under APIARY_STRICT=1.
+func Skip(tb testing.TB, reason string) {
+	tb.Helper()
+	if Strict() {
+		tb.Fatalf("%s=1 forbids skipping: %s", StrictEnv, reason)
+	}
+	tb.Skip(reason)
+}
+
+// RequireRoot skips (or fails under APIARY_STRICT=1) unless the test runs as root.
+func RequireRoot(tb testing.TB) {
+	tb.Helper()
+	if os.Geteuid() != 0 {
+		Skip(tb, "needs root (BPF maps, bpffs, namespaces)")
+	}
+}
+
+// RequireProgram returns the path of an outside program, looking in PATH and
+// then in the extra directories given; it skips (or fails under
+// APIARY_STRICT=1) when the program is nowhere to be found.
+func RequireProgram(tb testing.TB, name string, extraDirs ...string) string {
+	tb.Helper()
+	if p, err := exec.LookPath(name); err == nil {
+		return p
+	}
+	for _, dir := range extraDirs {
+		p := filepath.Join(dir, name)
+		if st, err := os.Stat(p); err == nil && !st.IsDir() && st.Mode()&0o111 != 0 {
+			return p
+		}
+	}
+	Skip(tb, "needs the program "+name+" (run scripts/install-deps.sh)")
+	return ""
+}
+
+// BPFPinDir returns a fresh directory on bpffs for the test's pinned maps and
+// removes it when the test ends. bpffs is mounted at /sys/fs/bpf when needed.
+func BPFPinDir(tb testing.TB) string {
+	tb.Helper()
+	RequireRoot(tb)
+	if err := bpf.EnsureFS(bpf.DefaultFSRoot); err != nil {
+		Skip(tb, "bpffs unavailable: "+err.Error())
+	}
+	dir, err := os.MkdirTemp(bpf.DefaultFSRoot, "apiary-test-")
+	if err != nil {
+		Skip(tb, "cannot create a directory on bpffs: "+err.Error())
+	}
+	tb.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
