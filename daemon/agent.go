@@ -1,0 +1,90 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+
+	"github.com/cilium/hive"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+	"go.uber.org/dig"
+
+	"github.com/apiary-net/apiary/cells/core"
+	"github.com/apiary-net/apiary/cells/k8s"
+)
+
+func newAgentCmd() *cobra.Command {
+	h := hive.NewWithOptions(core.HiveOptions(), agentCells(k8s.ClientCell)...)
+	logOpts := logOptions{Format: "text", Level: "info"}
+
+	cmd := &cobra.Command{
+		Use:   "agent",
+		Short: "Run the node agent",
+		Long: "Run the node agent: it reads Kubernetes objects (from the API server and/or --config-dir),\n" +
+			"keeps its tables in statedb, converges them into BPF maps pinned under --bpf-pin-dir,\n" +
+			"and serves its state on --api-addr. Every flag can also be set as APIARY_<FLAG>,\n" +
+			"e.g. APIARY_API_ADDR=0.0.0.0:9234.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			applyEnv(cmd.Flags(), "log-format", "log-level")
+			log, err := newLogger(cmd.ErrOrStderr(), logOpts)
+			if err != nil {
+				return err
+			}
+			log = withoutInvokeFailures(log)
+			slog.SetDefault(log)
+			return runHive(h, log)
+		},
+	}
+	cmd.Flags().StringVar(&logOpts.Format, "log-format", logOpts.Format, "Log format: text (coloured on a terminal) or json")
+	cmd.Flags().StringVar(&logOpts.Level, "log-level", logOpts.Level, "Log level: debug, info, warn or error")
+	h.RegisterFlags(cmd.Flags())
+	cmd.AddCommand(h.Command())
+	return cmd
+}
+
+// runHive builds the hive first, so that a bad flag is one clear line and
+// nothing has started, then runs it until SIGINT/SIGTERM.
+func runHive(h *hive.Hive, log *slog.Logger) error {
+	if err := h.Populate(log); err != nil {
+		return populateError(err)
+	}
+	return h.Run(log)
+}
+
+// populateError reduces dig's chain of "could not build arguments for ..."
+// to the error a constructor returned, which names the flag at fault.
+func populateError(err error) error {
+	root := dig.RootCause(err)
+	if root == nil || root == err {
+		var pe hive.ErrPopulate
+		if errors.As(err, &pe) {
+			return fmt.Errorf("invalid configuration: %s", firstLine(pe.Error()))
+		}
+		return err
+	}
+	return fmt.Errorf("invalid configuration: %w", root)
+}
+
+func firstLine(s string) string {
+	line, _, _ := strings.Cut(s, "\n")
+	return line
+}
+
+// applyEnv lets APIARY_<FLAG> set the named non-hive flags, as hive does for
+// its own flags; a flag given on the command line wins.
+func applyEnv(fs *pflag.FlagSet, names ...string) {
+	for _, name := range names {
+		f := fs.Lookup(name)
+		if f == nil || f.Changed {
+			continue
+		}
+		env := core.EnvPrefix + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
+		if v, ok := os.LookupEnv(env); ok {
+			f.Value.Set(v)
+		}
+	}
+}

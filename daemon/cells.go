@@ -1,0 +1,20 @@
+package main
+
+import (
+	"github.com/cilium/hive/cell"
+
+	"github.com/apiary-net/apiary/cells/infra"
+)
+
+// ControlPlane lists the agent's features. Including a cell switches its
+// feature on.
+var ControlPlane = cell.Group()
+
+// agentCells is the whole agent:
+//   - infra.Cell: statedb, health, jobs, metrics, the HTTP API, the
+//     node's config, bpffs and the input sources (Kubernetes, --config-dir);
+//   - the Kubernetes client (tests swap in a fake one);
+//   - the control plane.
+func agentCells(k8sClient cell.Cell) []cell.Cell {
+	return []cell.Cell{infra.Cell, k8sClient, ControlPlane}
+}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what apiary's tests need on a Debian machine that has Go: the Debian
+# packages below and the Go modules. Idempotent: a no-op when all is present.
+set -euo pipefail
+
+# Debian packages the tests use:
+#   containernetworking-plugins  the host-local IPAM plugin (delegated IPAM tests)
+#   iproute2                     network namespaces and veth pairs
+packages=(containernetworking-plugins iproute2)
+
+missing=()
+for p in "${packages[@]}"; do
+	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -gt 0 ]; then
+	sudo=""
+	[ "$(id -u)" -eq 0 ] || sudo="sudo"
+	echo "install-deps: installing ${missing[*]}"
+	$sudo apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+cd "$(dirname "$0")/.."
+go mod download
