@@ -131,7 +131,7 @@ func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string
 		tb:         tb,
 		log:        hivetest.Logger(tb, hivetest.LogLevel(slog.LevelInfo)),
 		newCells:   newCells,
-		fakeClient: k8s.NewFakeClientCell(fake.NewClientset()),
+		fakeClient: k8s.NewFakeClientCell(newFakeClientset()),
 		args:       append(defaults, args...),
 		configDir:  configDir,
 	}
@@ -324,4 +324,11 @@ func (a *agent) httpGetCmd() script.Cmd {
 				return fmt.Sprintf("%d\n%s", resp.StatusCode, respBody), "", nil
 			}, nil
 		})
+}
+
+// newFakeClientset returns a fake clientset whose tracker stores objects of
+// any type, so that k8s/add works for custom resources too
+// (fake.NewClientset rejects kinds it has no schema for).
+func newFakeClientset() *fake.Clientset {
+	return fake.NewSimpleClientset() //nolint:staticcheck // see above
 }

@@ -78,10 +78,6 @@ func DecodeFile(name string, data []byte, kinds *Kinds) ([]Decoded, error) {
 		}
 	}
 
-	type objectID struct {
-		gvk schema.GroupVersionKind
-		key Key
-	}
 	seen := map[objectID]int{}
 	for _, d := range out {
 		if d.Object == nil {

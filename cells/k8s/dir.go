@@ -46,8 +46,16 @@ type DirOptions struct {
 // and health, with file:line) and skipped, and the objects it contributed
 // before stay. When two files define the same object, the file whose name
 // sorts first wins and the other is reported. A directory that doesn't exist
-// counts as an empty one: the source is synced with no objects, reports
-// degraded, and watches the parent for the directory to appear.
+// counts as an empty one: the source is synced with no objects (so that
+// pruning isn't blocked forever by a typo), reports degraded, and watches the
+// parent for the directory to appear; removing the directory deletes its
+// objects. A directory that exists but can't be read (e.g. permissions) is
+// reported and leaves the objects as they were.
+//
+// Files should be replaced atomically (written aside and renamed over, as
+// editors and ConfigMap volumes do). A file written in place may be read
+// half written despite the debounce, so that its objects briefly go or it is
+// briefly reported, until the write's last event brings a rescan.
 type DirSource struct {
 	dir      string // absolute; empty when disabled
 	debounce time.Duration
