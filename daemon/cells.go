@@ -3,12 +3,15 @@ package main
 import (
 	"github.com/cilium/hive/cell"
 
+	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/infra"
 )
 
 // ControlPlane lists the agent's features. Including a cell switches its
 // feature on.
-var ControlPlane = cell.Group()
+var ControlPlane = cell.Group(
+	ct.Cell, // conntrack maps: sizing, resize keeping connections, GC
+)
 
 // agentCells is the whole agent:
 //   - infra.Cell: statedb, health, jobs, metrics, the HTTP API, the

@@ -32,6 +32,7 @@ const defaultServer = "http://127.0.0.1:9234"
 func rowDecoders() map[string]func([]byte) (statedb.TableWritable, error) {
 	return map[string]func([]byte) (statedb.TableWritable, error){
 		tables.HealthTableName: decodeRow[tables.HealthStatus],
+		tables.CTMapsTableName: decodeRow[tables.CTMap],
 	}
 }
 

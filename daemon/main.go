@@ -32,6 +32,7 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 	root.AddCommand(
 		newAgentCmd(),
 		newDBCmd(),
+		newBPFCmd(),
 		newVersionCmd(),
 	)
 	return root

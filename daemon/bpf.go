@@ -1,0 +1,45 @@
+package main
+
+import (
+	"github.com/spf13/cobra"
+
+	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/ct"
+)
+
+// newBPFCmd returns `apiary bpf`, which reads the agent's pinned BPF maps
+// directly from bpffs: it works without the agent's API, and even when the
+// agent is not running, since the maps outlive it.
+func newBPFCmd() *cobra.Command {
+	var pinDir string
+	cmd := &cobra.Command{
+		Use:   "bpf",
+		Short: "Read the agent's pinned BPF maps",
+		Long: "Read the BPF maps the agent pins under --bpf-pin-dir (or APIARY_BPF_PIN_DIR), read-only.\n" +
+			"Needs root. Examples:\n  apiary bpf ct list\n  apiary bpf ct list ct_any4_global",
+		PersistentPreRun: func(cmd *cobra.Command, _ []string) {
+			applyEnv(cmd.Flags(), "bpf-pin-dir")
+		},
+	}
+	cmd.PersistentFlags().StringVar(&pinDir, "bpf-pin-dir", bpffs.DefaultPinDir,
+		"Directory on bpffs where the agent pins its BPF maps (the agent's --bpf-pin-dir)")
+
+	ctCmd := &cobra.Command{
+		Use:   "ct",
+		Short: "Conntrack maps",
+	}
+	ctCmd.AddCommand(&cobra.Command{
+		Use:   "list [MAP...]",
+		Short: "Print the conntrack entries, one per line",
+		Long: "Print every entry of the conntrack maps (ct4_global, ct_any4_global and, with IPv6,\n" +
+			"ct6_global and ct_any6_global), or of the maps named, sorted, one per line:\n" +
+			"protocol, direction, addresses and ports as the key stores them, remaining lifetime,\n" +
+			"flags and counters.",
+		Args: cobra.ArbitraryArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return ct.WritePinned(cmd.OutOrStdout(), pinDir, args...)
+		},
+	})
+	cmd.AddCommand(ctCmd)
+	return cmd
+}
