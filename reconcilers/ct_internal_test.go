@@ -8,7 +8,7 @@ import (
 	"github.com/apiary-net/apiary/bpf"
 )
 
-func TestLRUBudget(t *testing.T) {
+func TestCTLRUBudget(t *testing.T) {
 	cpus, err := ebpf.PossibleCPU()
 	if err != nil {
 		t.Fatal(err)
@@ -30,7 +30,7 @@ func TestLRUBudget(t *testing.T) {
 	}
 }
 
-func TestCompactLive(t *testing.T) {
+func TestCTCompactLive(t *testing.T) {
 	keys := []int{0, 1, 2, 3, 4, 5}
 	values := []bpf.CTEntry{{Lifetime: 9}, {Lifetime: 10}, {Lifetime: 11}, {Lifetime: 5}, {Lifetime: 100}, {Lifetime: 0}}
 	n := compactLive(keys, values, 10)

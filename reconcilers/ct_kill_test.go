@@ -22,22 +22,22 @@ import (
 
 // Environment of TestCTResizeHelper.
 const (
-	helperDirEnv = "APIARY_TEST_CT_RESIZE_DIR"
-	helperMaxEnv = "APIARY_TEST_CT_RESIZE_MAX"
+	ctHelperDirEnv = "APIARY_TEST_CT_RESIZE_DIR"
+	ctHelperMaxEnv = "APIARY_TEST_CT_RESIZE_MAX"
 )
 
 // TestCTResizeHelper is the agent TestCTMapsKillMidMigration kills: run
-// with helperDirEnv set (and nothing else), it resizes ct4_global in that
-// pin directory to helperMaxEnv entries, as a starting agent would. Without
+// with ctHelperDirEnv set (and nothing else), it resizes ct4_global in that
+// pin directory to ctHelperMaxEnv entries, as a starting agent would. Without
 // the variable it does nothing.
 func TestCTResizeHelper(t *testing.T) {
-	dir := os.Getenv(helperDirEnv)
+	dir := os.Getenv(ctHelperDirEnv)
 	if dir == "" {
 		return
 	}
-	n, err := strconv.ParseUint(os.Getenv(helperMaxEnv), 10, 32)
+	n, err := strconv.ParseUint(os.Getenv(ctHelperMaxEnv), 10, 32)
 	if err != nil {
-		t.Fatalf("%s: %v", helperMaxEnv, err)
+		t.Fatalf("%s: %v", ctHelperMaxEnv, err)
 	}
 	ops := reconcilers.NewCTMaps(nil, dir)
 	defer ops.Close()
@@ -67,7 +67,7 @@ func TestCTMapsKillMidMigration(t *testing.T) {
 	keys := make([]bpf.CTKey4, live)
 	values := make([]bpf.CTEntry, live)
 	for i := range keys {
-		keys[i] = key4(i)
+		keys[i] = ctKey4(i)
 		values[i] = bpf.CTEntry{Lifetime: now + 3600 + uint32(i%1000), TxBytes: uint64(i)}
 	}
 
@@ -89,7 +89,7 @@ func TestCTMapsKillMidMigration(t *testing.T) {
 		if n, err := pm.BatchUpdate(keys, values, nil); err != nil || n != live {
 			t.Fatalf("fill old map: %d, %v", n, err)
 		}
-		return mapID(t, pm.Map)
+		return ctMapID(t, pm.Map)
 	}
 
 	// checkWhole checks that m holds every entry.
@@ -120,7 +120,7 @@ func TestCTMapsKillMidMigration(t *testing.T) {
 	resize := func(kill bool, after time.Duration) time.Duration {
 		t.Helper()
 		cmd := exec.Command(os.Args[0], "-test.run=^TestCTResizeHelper$")
-		cmd.Env = append(os.Environ(), helperDirEnv+"="+dir, helperMaxEnv+"="+strconv.Itoa(newMax),
+		cmd.Env = append(os.Environ(), ctHelperDirEnv+"="+dir, ctHelperMaxEnv+"="+strconv.Itoa(newMax),
 			// The race detector otherwise sleeps a second before exiting,
 			// which would count as part of the resize.
 			"GORACE=atexit_sleep_ms=0")
@@ -161,7 +161,7 @@ func TestCTMapsKillMidMigration(t *testing.T) {
 	pinOld()
 	copyTime := resize(false, 0)
 	t.Logf("uninterrupted resize of %d entries: %s from the temporary pin to exit", live, copyTime)
-	m := pinnedMap(t, dir, bpf.CT4GlobalMap)
+	m := ctPinnedMap(t, dir, bpf.CT4GlobalMap)
 	if m.MaxEntries() != newMax {
 		t.Fatalf("after resize the pin has max entries %d, want %d", m.MaxEntries(), newMax)
 	}
@@ -185,7 +185,7 @@ func TestCTMapsKillMidMigration(t *testing.T) {
 		}
 		var outcome string
 		switch {
-		case mapID(t, pinned) == oldID:
+		case ctMapID(t, pinned) == oldID:
 			outcome = "old"
 			if errTmp == nil {
 				outcome = "old with temporary pin"
@@ -196,18 +196,18 @@ func TestCTMapsKillMidMigration(t *testing.T) {
 			checkWhole("new map after kill", pinned)
 		default:
 			t.Fatalf("kill %d after %s: pin holds map %d with max entries %d, neither old nor new",
-				i, after, mapID(t, pinned), pinned.MaxEntries())
+				i, after, ctMapID(t, pinned), pinned.MaxEntries())
 		}
 		pinned.Close()
 		outcomes[outcome]++
 
 		// The next start completes the resize.
-		ops := newOps(t, dir)
-		row := update(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: newMax})
+		ops := ctNewOps(t, dir)
+		row := ctUpdate(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: newMax})
 		if row.ActualMaxEntries != newMax || (outcome == "new") != (row.Pin == "reused") {
 			t.Fatalf("restart after kill (%s): %+v", outcome, row)
 		}
-		useMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) { checkWhole("map after restart", m) })
+		ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) { checkWhole("map after restart", m) })
 		ops.Close()
 		if _, err := os.Stat(tmpPath); !errors.Is(err, fs.ErrNotExist) {
 			t.Fatalf("temporary pin left after restart (stat: %v)", err)

@@ -14,7 +14,8 @@ import (
 
 // migrateBatch is the number of entries per batch lookup and update when a
 // conntrack map is copied. Beyond a few thousand the per-entry cost hardly
-// drops (see docs/benchmarks.md), and the buffers stay under 1 MiB.
+// drops (measured in the project's bpf-limits reference), and the buffers
+// stay under 1 MiB.
 const migrateBatch = 8192
 
 // lruLocalFree is how many free elements the kernel moves at a time from an
@@ -33,6 +34,10 @@ type CTMigration struct {
 	// Expired is how many expired entries were left behind.
 	Expired uint64
 }
+
+// ErrCTLayoutChanged means that a conntrack map's entries cannot be copied
+// into its replacement because their byte layout differs.
+var ErrCTLayoutChanged = errors.New("conntrack entry layout changed")
 
 // MigrateCT copies the live entries of the conntrack map old into new, which
 // is empty and may be smaller or larger, and reports what it copied. Entries
@@ -59,10 +64,6 @@ func MigrateCT(ctx context.Context, old, new *ebpf.Map, now uint32) (CTMigration
 	return CTMigration{}, fmt.Errorf("%w: key/value size %d/%d is no conntrack layout",
 		ErrCTLayoutChanged, new.KeySize(), new.ValueSize())
 }
-
-// ErrCTLayoutChanged means that a conntrack map's entries cannot be copied
-// into its replacement because their byte layout differs.
-var ErrCTLayoutChanged = errors.New("conntrack entry layout changed")
 
 func migrateCT[K bpf.CTKey](ctx context.Context, old, new *ebpf.Map, now uint32) (CTMigration, error) {
 	budget := lruBudget(new.MaxEntries())

@@ -21,12 +21,12 @@ import (
 	"github.com/apiary-net/apiary/tables"
 )
 
-// ctEntries are conntrack entries as a test writes them, the way the
+// ctEntrySet holds conntrack entries as a test writes them, the way the
 // datapath would: keyed by tuple, lifetime relative to the CT clock.
-type ctEntries[K bpf.CTKey] map[K]bpf.CTEntry
+type ctEntrySet[K bpf.CTKey] map[K]bpf.CTEntry
 
-// key4 returns a distinct TCP tuple for each i.
-func key4(i int) bpf.CTKey4 {
+// ctKey4 returns a distinct TCP tuple for each i.
+func ctKey4(i int) bpf.CTKey4 {
 	return bpf.CTKey4{
 		DAddr:   [4]byte{10, 1, byte(i >> 16), byte(i >> 8)},
 		SAddr:   [4]byte{10, 2, 0, byte(i)},
@@ -36,8 +36,8 @@ func key4(i int) bpf.CTKey4 {
 	}
 }
 
-// key6 returns a distinct UDP tuple for each i.
-func key6(i int) bpf.CTKey6 {
+// ctKey6 returns a distinct UDP tuple for each i.
+func ctKey6(i int) bpf.CTKey6 {
 	d := netip.MustParseAddr("fd00::").As16()
 	d[13], d[14], d[15] = byte(i>>16), byte(i>>8), byte(i)
 	return bpf.CTKey6{
@@ -60,10 +60,10 @@ func ctNow(t testing.TB) uint32 {
 	return now
 }
 
-// makeEntries returns live entries with lifetimes now+firstLife, now+firstLife+1,
+// ctMakeEntries returns live entries with lifetimes now+firstLife, now+firstLife+1,
 // … and expired entries with lifetimes in the past.
-func makeEntries[K bpf.CTKey](key func(int) K, now uint32, live, expired int, firstLife uint32) ctEntries[K] {
-	e := ctEntries[K]{}
+func ctMakeEntries[K bpf.CTKey](key func(int) K, now uint32, live, expired int, firstLife uint32) ctEntrySet[K] {
+	e := ctEntrySet[K]{}
 	for i := range live {
 		e[key(i)] = bpf.CTEntry{Lifetime: now + firstLife + uint32(i), TxPackets: uint64(i), RevNAT: bpf.NewBe16(7)}
 	}
@@ -73,8 +73,8 @@ func makeEntries[K bpf.CTKey](key func(int) K, now uint32, live, expired int, fi
 	return e
 }
 
-// writeEntries puts entries into m with one batch update.
-func writeEntries[K bpf.CTKey](t testing.TB, m *ebpf.Map, entries ctEntries[K]) {
+// ctWriteEntries puts entries into m with one batch update.
+func ctWriteEntries[K bpf.CTKey](t testing.TB, m *ebpf.Map, entries ctEntrySet[K]) {
 	t.Helper()
 	keys := make([]K, 0, len(entries))
 	values := make([]bpf.CTEntry, 0, len(entries))
@@ -87,10 +87,10 @@ func writeEntries[K bpf.CTKey](t testing.TB, m *ebpf.Map, entries ctEntries[K]) 
 	}
 }
 
-// readEntries returns every entry of m.
-func readEntries[K bpf.CTKey](t testing.TB, m *ebpf.Map) ctEntries[K] {
+// ctReadEntries returns every entry of m.
+func ctReadEntries[K bpf.CTKey](t testing.TB, m *ebpf.Map) ctEntrySet[K] {
 	t.Helper()
-	got := ctEntries[K]{}
+	got := ctEntrySet[K]{}
 	if err := bpf.WalkCT(m, 1024, func(keys []K, values []bpf.CTEntry) error {
 		for i, k := range keys {
 			got[k] = values[i]
@@ -102,8 +102,8 @@ func readEntries[K bpf.CTKey](t testing.TB, m *ebpf.Map) ctEntries[K] {
 	return got
 }
 
-// pinnedMap opens what is pinned under name in dir.
-func pinnedMap(t testing.TB, dir, name string) *ebpf.Map {
+// ctPinnedMap opens what is pinned under name in dir.
+func ctPinnedMap(t testing.TB, dir, name string) *ebpf.Map {
 	t.Helper()
 	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), nil)
 	if err != nil {
@@ -113,7 +113,7 @@ func pinnedMap(t testing.TB, dir, name string) *ebpf.Map {
 	return m
 }
 
-func mapID(t testing.TB, m *ebpf.Map) ebpf.MapID {
+func ctMapID(t testing.TB, m *ebpf.Map) ebpf.MapID {
 	t.Helper()
 	info, err := m.Info()
 	if err != nil {
@@ -126,9 +126,9 @@ func mapID(t testing.TB, m *ebpf.Map) ebpf.MapID {
 	return id
 }
 
-// update reconciles row with ops, as the reconciler would, and returns the
+// ctUpdate reconciles row with ops, as the reconciler would, and returns the
 // row as the reconciler would store it.
-func update(t testing.TB, ops *reconcilers.CTMaps, row *tables.CTMap) *tables.CTMap {
+func ctUpdate(t testing.TB, ops *reconcilers.CTMaps, row *tables.CTMap) *tables.CTMap {
 	t.Helper()
 	row = row.Clone()
 	if err := ops.Update(context.Background(), nil, 0, row); err != nil {
@@ -137,13 +137,13 @@ func update(t testing.TB, ops *reconcilers.CTMaps, row *tables.CTMap) *tables.CT
 	return row
 }
 
-func newOps(t testing.TB, dir string) *reconcilers.CTMaps {
+func ctNewOps(t testing.TB, dir string) *reconcilers.CTMaps {
 	ops := reconcilers.NewCTMaps(nil, dir)
 	t.Cleanup(func() { ops.Close() })
 	return ops
 }
 
-func useMap(t testing.TB, ops *reconcilers.CTMaps, name string, fn func(*ebpf.Map)) {
+func ctUseMap(t testing.TB, ops *reconcilers.CTMaps, name string, fn func(*ebpf.Map)) {
 	t.Helper()
 	if err := ops.Use(name, func(m *ebpf.Map) error { fn(m); return nil }); err != nil {
 		t.Fatal(err)
@@ -154,32 +154,32 @@ func TestCTMapsCreateThenReuse(t *testing.T) {
 	dir := testenv.BPFPinDir(t)
 	row := &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: 4096}
 	now := ctNow(t)
-	entries := makeEntries(key4, now, 100, 20, 3600)
+	entries := ctMakeEntries(ctKey4, now, 100, 20, 3600)
 
-	ops := newOps(t, dir)
-	got := update(t, ops, row)
+	ops := ctNewOps(t, dir)
+	got := ctUpdate(t, ops, row)
 	if got.Pin != "created" || got.ActualMaxEntries != 4096 || got.Change != "" || got.Copied != 0 {
 		t.Errorf("first open: %+v", got)
 	}
 	var id ebpf.MapID
-	useMap(t, ops, row.Name, func(m *ebpf.Map) {
-		writeEntries(t, m, entries)
-		id = mapID(t, m)
+	ctUseMap(t, ops, row.Name, func(m *ebpf.Map) {
+		ctWriteEntries(t, m, entries)
+		id = ctMapID(t, m)
 	})
 	ops.Close()
 
 	// A restart with the same size keeps the very same map, expired
 	// entries included (the GC deals with those).
-	ops = newOps(t, dir)
-	got = update(t, ops, row)
+	ops = ctNewOps(t, dir)
+	got = ctUpdate(t, ops, row)
 	if got.Pin != "reused" || got.ActualMaxEntries != 4096 || got.Change != "" {
 		t.Errorf("reopen: %+v", got)
 	}
-	useMap(t, ops, row.Name, func(m *ebpf.Map) {
-		if got := mapID(t, m); got != id {
+	ctUseMap(t, ops, row.Name, func(m *ebpf.Map) {
+		if got := ctMapID(t, m); got != id {
 			t.Errorf("reopen: map ID %d, want %d", got, id)
 		}
-		if got := readEntries[bpf.CTKey4](t, m); len(got) != len(entries) {
+		if got := ctReadEntries[bpf.CTKey4](t, m); len(got) != len(entries) {
 			t.Errorf("reopen: %d entries, want %d", len(got), len(entries))
 		}
 	})
@@ -213,31 +213,31 @@ func TestCTMapsResize(t *testing.T) {
 				name = bpf.CTAny6GlobalMap
 			}
 			if c.v6 {
-				testResize(t, name, key6, c.from, c.to, c.live, c.expired, c.wantKept)
+				testCTResize(t, name, ctKey6, c.from, c.to, c.live, c.expired, c.wantKept)
 			} else {
-				testResize(t, name, key4, c.from, c.to, c.live, c.expired, c.wantKept)
+				testCTResize(t, name, ctKey4, c.from, c.to, c.live, c.expired, c.wantKept)
 			}
 		})
 	}
 }
 
-func testResize[K bpf.CTKey](t *testing.T, name string, key func(int) K, from, to uint32, live, expired, wantKept int) {
+func testCTResize[K bpf.CTKey](t *testing.T, name string, key func(int) K, from, to uint32, live, expired, wantKept int) {
 	dir := testenv.BPFPinDir(t)
 	now := ctNow(t)
 	// Live lifetimes start an hour out, so none expires during the test.
-	entries := makeEntries(key, now, live, expired, 3600)
+	entries := ctMakeEntries(key, now, live, expired, 3600)
 
-	ops := newOps(t, dir)
-	update(t, ops, &tables.CTMap{Name: name, MaxEntries: from})
+	ops := ctNewOps(t, dir)
+	ctUpdate(t, ops, &tables.CTMap{Name: name, MaxEntries: from})
 	var oldID ebpf.MapID
-	useMap(t, ops, name, func(m *ebpf.Map) {
-		writeEntries(t, m, entries)
-		oldID = mapID(t, m)
+	ctUseMap(t, ops, name, func(m *ebpf.Map) {
+		ctWriteEntries(t, m, entries)
+		oldID = ctMapID(t, m)
 	})
 	ops.Close()
 
-	ops = newOps(t, dir)
-	got := update(t, ops, &tables.CTMap{Name: name, MaxEntries: to})
+	ops = ctNewOps(t, dir)
+	got := ctUpdate(t, ops, &tables.CTMap{Name: name, MaxEntries: to})
 	t.Logf("resize %d → %d: copied %d, dropped %d, expired %d", from, to, got.Copied, got.Dropped, got.Expired)
 	if got.Pin != "replaced" || got.ActualMaxEntries != to {
 		t.Errorf("resize: pin %q, actual max entries %d; want replaced, %d", got.Pin, got.ActualMaxEntries, to)
@@ -252,15 +252,15 @@ func testResize[K bpf.CTKey](t *testing.T, name string, key func(int) K, from, t
 		t.Errorf("copied %d + dropped %d != %d live, or entries %d != copied", got.Copied, got.Dropped, live, got.Entries)
 	}
 
-	var after ctEntries[K]
-	useMap(t, ops, name, func(m *ebpf.Map) {
-		if mapID(t, m) == oldID {
+	var after ctEntrySet[K]
+	ctUseMap(t, ops, name, func(m *ebpf.Map) {
+		if ctMapID(t, m) == oldID {
 			t.Error("the old map is still in use")
 		}
-		after = readEntries[K](t, m)
+		after = ctReadEntries[K](t, m)
 	})
 	// The pin holds the new map, the temporary pin is gone.
-	if pinned := pinnedMap(t, dir, name); pinned.MaxEntries() != to {
+	if pinned := ctPinnedMap(t, dir, name); pinned.MaxEntries() != to {
 		t.Errorf("pin has max entries %d, want %d", pinned.MaxEntries(), to)
 	}
 	if _, err := os.Stat(filepath.Join(dir, name+"_new")); !errors.Is(err, fs.ErrNotExist) {
@@ -315,18 +315,18 @@ func TestCTMapsLayoutChanged(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := old.Put(key4(1), make([]byte, 48)); err != nil {
+	if err := old.Put(ctKey4(1), make([]byte, 48)); err != nil {
 		t.Fatal(err)
 	}
 	old.Close()
 
-	ops := newOps(t, dir)
-	got := update(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: 4096})
+	ops := ctNewOps(t, dir)
+	got := ctUpdate(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: 4096})
 	if got.Pin != "replaced" || got.Change != "value size 48 → 56" || got.Copied != 0 {
 		t.Errorf("got %+v", got)
 	}
-	useMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
-		if n := len(readEntries[bpf.CTKey4](t, m)); n != 0 {
+	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
+		if n := len(ctReadEntries[bpf.CTKey4](t, m)); n != 0 {
 			t.Errorf("%d entries after a layout change, want 0", n)
 		}
 	})
@@ -349,11 +349,11 @@ func TestCTMapsLayoutChanged(t *testing.T) {
 
 func TestCTMapsPruneAndDelete(t *testing.T) {
 	dir := testenv.BPFPinDir(t)
-	ops := newOps(t, dir)
+	ops := ctNewOps(t, dir)
 	var rows []*tables.CTMap
 	for _, name := range bpf.CTMapNames(true) {
 		row := &tables.CTMap{Name: name, MaxEntries: 1024}
-		update(t, ops, row)
+		ctUpdate(t, ops, row)
 		rows = append(rows, row)
 	}
 
@@ -397,14 +397,14 @@ func TestCTMapsPruneAndDelete(t *testing.T) {
 // the map already pinned stays in service, entries and all.
 func TestCTMapsFailedResizeKeepsOld(t *testing.T) {
 	dir := testenv.BPFPinDir(t)
-	ops := newOps(t, dir)
-	update(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: 4096})
-	useMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
-		writeEntries(t, m, makeEntries(key4, ctNow(t), 10, 0, 3600))
+	ops := ctNewOps(t, dir)
+	ctUpdate(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: 4096})
+	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
+		ctWriteEntries(t, m, ctMakeEntries(ctKey4, ctNow(t), 10, 0, 3600))
 	})
 	ops.Close()
 
-	ops = newOps(t, dir)
+	ops = ctNewOps(t, dir)
 	row := &tables.CTMap{Name: bpf.CT4GlobalMap}
 	err := ops.Update(context.Background(), nil, 0, row)
 	if err == nil || !strings.Contains(err.Error(), "the pinned map of 4096 entries stays in service") {
@@ -413,15 +413,15 @@ func TestCTMapsFailedResizeKeepsOld(t *testing.T) {
 	if row.Pin != "kept" || row.ActualMaxEntries != 4096 {
 		t.Errorf("row after a failed resize: %+v", row)
 	}
-	useMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
-		if n := len(readEntries[bpf.CTKey4](t, m)); m.MaxEntries() != 4096 || n != 10 {
+	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
+		if n := len(ctReadEntries[bpf.CTKey4](t, m)); m.MaxEntries() != 4096 || n != 10 {
 			t.Errorf("map in service: max entries %d, %d entries; want 4096, 10", m.MaxEntries(), n)
 		}
 	})
 }
 
 func TestCTMapsBadRow(t *testing.T) {
-	ops := newOps(t, testenv.BPFPinDir(t))
+	ops := ctNewOps(t, testenv.BPFPinDir(t))
 	if err := ops.Update(context.Background(), nil, 0, &tables.CTMap{Name: "lb4_services", MaxEntries: 1024}); err == nil {
 		t.Error("Update accepted a map that is no conntrack map")
 	}
@@ -432,10 +432,10 @@ func TestCTMapsBadRow(t *testing.T) {
 
 func TestMigrateCTCancelled(t *testing.T) {
 	dir := testenv.BPFPinDir(t)
-	ops := newOps(t, dir)
-	update(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: 4096})
-	useMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
-		writeEntries(t, m, makeEntries(key4, ctNow(t), 100, 0, 3600))
+	ops := ctNewOps(t, dir)
+	ctUpdate(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: 4096})
+	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
+		ctWriteEntries(t, m, ctMakeEntries(ctKey4, ctNow(t), 100, 0, 3600))
 	})
 	ops.Close()
 
@@ -446,8 +446,8 @@ func TestMigrateCTCancelled(t *testing.T) {
 		t.Fatalf("update with a cancelled context: %v", err)
 	}
 	// The old map stays pinned, whole.
-	m := pinnedMap(t, dir, bpf.CT4GlobalMap)
-	if m.MaxEntries() != 4096 || len(readEntries[bpf.CTKey4](t, m)) != 100 {
+	m := ctPinnedMap(t, dir, bpf.CT4GlobalMap)
+	if m.MaxEntries() != 4096 || len(ctReadEntries[bpf.CTKey4](t, m)) != 100 {
 		t.Errorf("after a cancelled resize the pin has max entries %d", m.MaxEntries())
 	}
 }
