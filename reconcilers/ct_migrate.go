@@ -124,6 +124,11 @@ func streamCT[K bpf.CTKey](ctx context.Context, old, new *ebpf.Map, now uint32) 
 	)
 	for c := range full {
 		if err == nil {
+			// Checked here as well as by the reader: a select between a
+			// cancelled context and a ready channel may pick either.
+			err = ctx.Err()
+		}
+		if err == nil {
 			n := compactLive(c.keys, c.values, now)
 			res.Expired += uint64(len(c.keys) - n)
 			if n > 0 {
@@ -149,6 +154,9 @@ func streamCT[K bpf.CTKey](ctx context.Context, old, new *ebpf.Map, now uint32) 
 func readCT[K bpf.CTKey](ctx context.Context, m *ebpf.Map, free <-chan *ctChunk[K], full chan<- *ctChunk[K]) error {
 	var cursor ebpf.MapBatchCursor
 	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
 		var c *ctChunk[K]
 		select {
 		case <-ctx.Done():
