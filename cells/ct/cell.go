@@ -1,5 +1,6 @@
 // Package ct owns the conntrack maps: ct4_global (TCP) and ct_any4_global
-// (other protocols), plus ct6_global and ct_any6_global with --enable-ipv6.
+// (other protocols), plus ct6_global and ct_any6_global with --enable-ipv6
+// (a node flag, see node.Config).
 //
 // The cell sizes the maps from flags or from the node's memory and writes
 // one row per map into the ct-maps table. The reconciler (reconcilers.CTMaps)
@@ -23,6 +24,7 @@ import (
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/node"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -66,7 +68,7 @@ type Maps interface {
 // desiredMaps are the rows the configuration asks for.
 type desiredMaps []*tables.CTMap
 
-func newDesiredMaps(cfg Config, log *slog.Logger) (desiredMaps, error) {
+func newDesiredMaps(cfg Config, nc node.Config, log *slog.Logger) (desiredMaps, error) {
 	mem, err := totalMemory()
 	if err != nil {
 		return nil, err
@@ -77,10 +79,10 @@ func newDesiredMaps(cfg Config, log *slog.Logger) (desiredMaps, error) {
 	}
 	log.Info("Conntrack map sizes",
 		"tcp", tcp.entries, "tcpSizedBy", tcp.sizedBy, "other", other.entries, "otherSizedBy", other.sizedBy,
-		"totalMemory", mem, "ipv6", cfg.EnableIPv6)
+		"totalMemory", mem, "ipv6", nc.EnableIPv6)
 
 	var rows desiredMaps
-	for _, name := range bpf.CTMapNames(cfg.EnableIPv6) {
+	for _, name := range bpf.CTMapNames(nc.EnableIPv6) {
 		size := other
 		if name == bpf.CT4GlobalMap || name == bpf.CT6GlobalMap {
 			size = tcp

@@ -31,6 +31,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/health"
 	"github.com/apiary-net/apiary/cells/metrics"
+	"github.com/apiary-net/apiary/cells/node"
 	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -57,7 +58,7 @@ func newHive(t *testing.T, pinDir string, flags ...string) (*agent, error) {
 	t.Helper()
 	a := &agent{log: hivetest.Logger(t, hivetest.LogLevel(slog.LevelInfo))}
 	a.h = hive.NewWithOptions(core.HiveOptions(),
-		statedb.Cell, health.Cell, job.Cell, metrics.Cell, bpffs.Cell,
+		statedb.Cell, health.Cell, job.Cell, metrics.Cell, bpffs.Cell, node.Cell,
 		ct.Cell,
 		cell.Invoke(func(db *statedb.DB, tbl statedb.Table[*tables.CTMap], h statedb.Table[*tables.HealthStatus],
 			m ct.Maps, reg *prometheus.Registry) {
@@ -66,7 +67,8 @@ func newHive(t *testing.T, pinDir string, flags ...string) (*agent, error) {
 	)
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
 	a.h.RegisterFlags(fs)
-	if err := fs.Parse(append([]string{"--bpf-pin-dir=" + pinDir}, flags...)); err != nil {
+	defaults := []string{"--bpf-pin-dir=" + pinDir, "--state-dir=" + t.TempDir(), "--node-name=test-node", "--node-ips=192.0.2.1"}
+	if err := fs.Parse(append(defaults, flags...)); err != nil {
 		return nil, err
 	}
 	return a, a.h.Populate(a.log)

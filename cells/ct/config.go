@@ -14,7 +14,6 @@ const (
 	AnyMaxFlag     = "bpf-ct-global-any-max"
 	SizeRatioFlag  = "bpf-map-dynamic-size-ratio"
 	GCIntervalFlag = "conntrack-gc-interval"
-	IPv6Flag       = "enable-ipv6"
 )
 
 // Config is the conntrack cell's configuration.
@@ -31,8 +30,6 @@ type Config struct {
 	// ConntrackGCInterval is the time between garbage collections; 0 adapts
 	// it to how much each run deletes.
 	ConntrackGCInterval time.Duration
-	// EnableIPv6 adds the IPv6 maps.
-	EnableIPv6 bool
 }
 
 var defaultConfig = Config{
@@ -49,7 +46,6 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Fraction of total memory for conntrack maps whose size flag is 0 (split 2:1 between TCP and other protocols)")
 	fs.Duration(GCIntervalFlag, def.ConntrackGCInterval,
 		"Time between conntrack garbage collections; 0 adapts it between 10s and 12h to how much each run deletes")
-	fs.Bool(IPv6Flag, def.EnableIPv6, "Track IPv6 connections too (adds the ct6_global and ct_any6_global maps)")
 }
 
 // validate checks the flags on their own; sizes are checked by mapSizes.

@@ -39,7 +39,12 @@ var scriptTestCell = cell.Group(
 		})
 	}),
 	cell.DecorateAll(overrideFlags),
+	cell.DecorateAll(overrideNodeFlags),
 )
+
+// ipv6Flag is the node's flag that adds the IPv6 conntrack maps; ct/set-flags
+// accepts it too, as it changes what the ct cell does.
+const ipv6Flag = "enable-ipv6"
 
 // flagsFile, in the script's state directory, holds the flags ct/set-flags
 // set; it outlives restarts as the state directory does.
@@ -53,45 +58,67 @@ func setFlagsCmd(stateDir string) script.Cmd {
 		},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
 			// Parse now, so that a typo fails here and not in the restart.
-			if _, err := applyFlags(ct.Config{}, args); err != nil {
+			if _, _, err := parseFlags(ct.Config{}, false, args); err != nil {
 				return nil, err
 			}
 			return nil, os.WriteFile(filepath.Join(stateDir, flagsFile), []byte(strings.Join(args, "\n")), 0o600)
 		})
 }
 
+// savedFlags returns the flags ct/set-flags saved, or nil.
+func savedFlags(stateDir string) ([]string, error) {
+	data, err := os.ReadFile(filepath.Join(stateDir, flagsFile))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return strings.Split(string(data), "\n"), nil
+}
+
 // overrideFlags applies the flags ct/set-flags saved to the configuration
 // the hive parsed.
 func overrideFlags(cfg ct.Config, nc node.Config) (ct.Config, error) {
-	data, err := os.ReadFile(filepath.Join(nc.StateDir, flagsFile))
-	if errors.Is(err, fs.ErrNotExist) {
-		return cfg, nil
-	}
-	if err != nil {
+	args, err := savedFlags(nc.StateDir)
+	if err != nil || args == nil {
 		return cfg, err
 	}
-	return applyFlags(cfg, strings.Split(string(data), "\n"))
+	cfg, _, err = parseFlags(cfg, nc.EnableIPv6, args)
+	return cfg, err
 }
 
-// applyFlags parses args as the ct cell's flags on top of cfg.
-func applyFlags(cfg ct.Config, args []string) (ct.Config, error) {
+// overrideNodeFlags applies a saved --enable-ipv6 to the node's
+// configuration.
+func overrideNodeFlags(nc node.Config) (node.Config, error) {
+	args, err := savedFlags(nc.StateDir)
+	if err != nil || args == nil {
+		return nc, err
+	}
+	_, nc.EnableIPv6, err = parseFlags(ct.Config{}, nc.EnableIPv6, args)
+	return nc, err
+}
+
+// parseFlags parses args as the ct cell's flags on top of cfg, and the
+// node's --enable-ipv6 on top of ipv6.
+func parseFlags(cfg ct.Config, ipv6 bool, args []string) (ct.Config, bool, error) {
 	fs := pflag.NewFlagSet("ct", pflag.ContinueOnError)
 	cfg.Flags(fs)
+	fs.Bool(ipv6Flag, ipv6, "")
 	if err := fs.Parse(args); err != nil {
-		return cfg, err
+		return cfg, ipv6, err
 	}
 	tcp, err1 := fs.GetInt(ct.TCPMaxFlag)
 	other, err2 := fs.GetInt(ct.AnyMaxFlag)
 	ratio, err3 := fs.GetFloat64(ct.SizeRatioFlag)
 	interval, err4 := fs.GetDuration(ct.GCIntervalFlag)
-	ipv6, err5 := fs.GetBool(ct.IPv6Flag)
+	ipv6, err5 := fs.GetBool(ipv6Flag)
 	return ct.Config{
 		BPFCTGlobalTCPMax:      tcp,
 		BPFCTGlobalAnyMax:      other,
 		BPFMapDynamicSizeRatio: ratio,
 		ConntrackGCInterval:    interval,
-		EnableIPv6:             ipv6,
-	}, errors.Join(err1, err2, err3, err4, err5)
+	}, ipv6, errors.Join(err1, err2, err3, err4, err5)
 }
 
 func writeCmd(maps ct.Maps) script.Cmd {

@@ -1,12 +1,16 @@
 // Package node provides the configuration of the node the agent runs on: its
-// name and its state directory.
+// name, its state directory, its own addresses and whether it runs IPv6.
 package node
 
 import (
 	"errors"
 	"fmt"
+	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 
 	"github.com/cilium/hive/cell"
 	"github.com/spf13/pflag"
@@ -31,6 +35,12 @@ type Flags struct {
 	NodeName string
 	// StateDir holds what must survive a restart (checkpoints, IPAM records).
 	StateDir string
+	// NodeIPs are the node's own addresses; empty: the global unicast
+	// addresses of its interfaces.
+	NodeIPs []string
+	// EnableIPv6 turns on IPv6 (dual stack) in every feature that cares:
+	// IPv6 conntrack maps, world-ipv4/world-ipv6 labels.
+	EnableIPv6 bool
 }
 
 // DefaultStateDir is where state lives unless --state-dir says otherwise.
@@ -45,6 +55,10 @@ func defaultFlags() Flags {
 func (def Flags) Flags(fs *pflag.FlagSet) {
 	fs.String("node-name", def.NodeName, "Name of this node as Kubernetes knows it (selects the node's pods)")
 	fs.String("state-dir", def.StateDir, "Directory for state that survives a restart (identity and DNS checkpoints, IPAM records)")
+	fs.StringSlice("node-ips", def.NodeIPs,
+		"The node's own addresses, labelled reserved:host (comma-separated); empty: the global unicast addresses of its interfaces")
+	fs.Bool("enable-ipv6", def.EnableIPv6,
+		"Dual stack: IPv6 conntrack maps (ct6_global, ct_any6_global) and world-ipv4/world-ipv6 instead of reserved:world")
 }
 
 // Config is the validated node configuration.
@@ -52,6 +66,11 @@ type Config struct {
 	NodeName string
 	// StateDir is an absolute path to an existing, writable directory.
 	StateDir string
+	// NodeIPs are the node's own addresses, sorted; with IPv6 off, only
+	// the IPv4 ones.
+	NodeIPs []netip.Addr
+	// EnableIPv6 is true on a dual-stack node.
+	EnableIPv6 bool
 }
 
 func newConfig(f Flags) (Config, error) {
@@ -62,7 +81,38 @@ func newConfig(f Flags) (Config, error) {
 	if err != nil {
 		return Config{}, err
 	}
-	return Config{NodeName: f.NodeName, StateDir: dir}, nil
+	ips, err := nodeIPs(f.NodeIPs, f.EnableIPv6)
+	if err != nil {
+		return Config{}, err
+	}
+	return Config{NodeName: f.NodeName, StateDir: dir, NodeIPs: ips, EnableIPv6: f.EnableIPv6}, nil
+}
+
+// nodeIPs parses --node-ips, or finds the addresses of the node's
+// interfaces when it is empty. The IPv6 ones are dropped unless ipv6 is set.
+func nodeIPs(flag []string, ipv6 bool) ([]netip.Addr, error) {
+	var ips []netip.Addr
+	for _, s := range flag {
+		ip, err := netip.ParseAddr(strings.TrimSpace(s))
+		if err != nil {
+			return nil, fmt.Errorf("--node-ips: %w", err)
+		}
+		ips = append(ips, ip.Unmap())
+	}
+	if len(flag) == 0 {
+		addrs, err := net.InterfaceAddrs()
+		if err != nil {
+			return nil, fmt.Errorf("find the node's addresses (set --node-ips): %w", err)
+		}
+		for _, a := range addrs {
+			if p, err := netip.ParsePrefix(a.String()); err == nil && p.Addr().IsGlobalUnicast() {
+				ips = append(ips, p.Addr().Unmap())
+			}
+		}
+	}
+	ips = slices.DeleteFunc(ips, func(ip netip.Addr) bool { return ip.Is6() && !ipv6 })
+	slices.SortFunc(ips, netip.Addr.Compare)
+	return slices.Compact(ips), nil
 }
 
 // PrepareStateDir makes dir absolute, creates it and checks that files can be
