@@ -49,8 +49,11 @@ type AgentIP struct {
 	// Labels are the labels the IP's prefix carries ("reserved:health" or
 	// "reserved:ingress").
 	Labels []string `json:"labels" yaml:"labels"`
-	// IP is the allocated address; invalid (JSON "") unless Ready.
+	// IP is the allocated IPv4 address; invalid (JSON "") unless Ready.
 	IP netip.Addr `json:"ip" yaml:"ip"`
+	// IPv6 is the allocated IPv6 address on a dual-stack node
+	// (--enable-ipv6), absent otherwise.
+	IPv6 netip.Addr `json:"ipv6,omitzero" yaml:"ipv6,omitempty"`
 	// ContainerID is the CNI_CONTAINERID the plugin is called with
 	// ("apiary-health", "apiary-ingress"); the plugin keys its lease on it.
 	ContainerID string `json:"containerID" yaml:"containerID"`
@@ -92,17 +95,19 @@ func (a *AgentIP) Ready() bool { return a.Status == AgentIPReady && a.IP.IsValid
 
 // TableHeader implements statedb.TableWritable.
 func (*AgentIP) TableHeader() []string {
-	return []string{"Kind", "Owner", "IP", "ContainerID", "Network", "Plugin", "Status", "Action", "Attempts", "Error"}
+	return []string{"Kind", "Owner", "IP", "IPv6", "ContainerID", "Network", "Plugin", "Status", "Action", "Attempts", "Error"}
 }
 
 // TableRow implements statedb.TableWritable.
 func (a *AgentIP) TableRow() []string {
-	ip := ""
-	if a.IP.IsValid() {
-		ip = a.IP.String()
+	str := func(ip netip.Addr) string {
+		if ip.IsValid() {
+			return ip.String()
+		}
+		return ""
 	}
 	return []string{
-		a.Kind, a.Owner, ip, a.ContainerID, a.Network, a.Plugin, a.Status, a.Action,
+		a.Kind, a.Owner, str(a.IP), str(a.IPv6), a.ContainerID, a.Network, a.Plugin, a.Status, a.Action,
 		strconv.Itoa(a.Attempts), strings.ReplaceAll(a.Error, "\n", " "),
 	}
 }

@@ -35,6 +35,8 @@ type allocator struct {
 	health  cell.Health
 	records *records
 	plugins *plugins
+	// ipv6 asks for an IPv6 address per kind too (--enable-ipv6).
+	ipv6 bool
 
 	// done holds the kinds that need nothing more (allocated, checked or
 	// released); errs the last error of the others.
@@ -135,7 +137,7 @@ func (a *allocator) ensure(ctx context.Context, kind string, d *delegate, confEr
 	containerID := tables.AgentIPContainerID(kind)
 	row := a.begin(kind)
 	fail := func(err error) error {
-		row.Status, row.Error, row.IP, row.Action = tables.AgentIPError, err.Error(), netip.Addr{}, ""
+		row.Status, row.Error, row.IP, row.IPv6, row.Action = tables.AgentIPError, err.Error(), netip.Addr{}, netip.Addr{}, ""
 		a.put(row)
 		return err
 	}
@@ -153,12 +155,17 @@ func (a *allocator) ensure(ctx context.Context, kind string, d *delegate, confEr
 	}
 
 	// 1. A recorded IP of the same network is kept if CHECK confirms it.
-	if rec != nil && rec.Delegate.sameLease(d) {
+	if rec != nil && rec.Delegate.sameLease(d) && a.ipv6 && !rec.IPv6.IsValid() {
+		a.log.Info("Recorded agent IP has no IPv6 address, allocating anew for dual stack", "kind", kind, "ip", rec.IP)
+	} else if rec != nil && rec.Delegate.sameLease(d) {
 		if d.supportsCheck() {
 			err := a.check(ctx, containerID, d, rec)
 			if err == nil {
 				a.log.Info("Agent IP restored", "kind", kind, "ip", rec.IP, "network", d.Network)
-				row.IP, row.Status, row.Action, row.Error = rec.IP, tables.AgentIPReady, "checked", ""
+				row.IP, row.IPv6, row.Status, row.Action, row.Error = rec.IP, netip.Addr{}, tables.AgentIPReady, "checked", ""
+				if a.ipv6 {
+					row.IPv6 = rec.IPv6
+				}
 				a.put(row)
 				return nil
 			}
@@ -179,7 +186,7 @@ func (a *allocator) ensure(ctx context.Context, kind string, d *delegate, confEr
 	if err := a.records.remove(kind); err != nil {
 		return fail(err)
 	}
-	row.IP = netip.Addr{}
+	row.IP, row.IPv6 = netip.Addr{}, netip.Addr{}
 	if _, err := a.plugins.call(ctx, "DEL", containerID, d, nil); err != nil {
 		a.log.Debug("DEL before ADD failed (ignored)", "kind", kind, "error", err)
 	}
@@ -189,12 +196,12 @@ func (a *allocator) ensure(ctx context.Context, kind string, d *delegate, confEr
 	if err != nil {
 		return fail(err)
 	}
-	ip, err := pickIP(res)
+	ip, ip6, err := pickIPs(res, a.ipv6)
 	if err == nil {
 		var raw []byte
 		if raw, err = resultJSON(res); err == nil {
 			err = a.records.store(&record{
-				Kind: kind, ContainerID: containerID, IP: ip, Delegate: *d, Result: raw, Allocated: time.Now(),
+				Kind: kind, ContainerID: containerID, IP: ip, IPv6: ip6, Delegate: *d, Result: raw, Allocated: time.Now(),
 			})
 		}
 	}
@@ -206,8 +213,8 @@ func (a *allocator) ensure(ctx context.Context, kind string, d *delegate, confEr
 		}
 		return fail(fmt.Errorf("%s ADD: %w", d.Plugin, err))
 	}
-	a.log.Info("Agent IP allocated", "kind", kind, "ip", ip, "network", d.Network, "plugin", d.Plugin)
-	row.IP, row.Status, row.Action, row.Error = ip, tables.AgentIPReady, "allocated", ""
+	a.log.Info("Agent IP allocated", "kind", kind, "ip", ip, "ipv6", ip6, "network", d.Network, "plugin", d.Plugin)
+	row.IP, row.IPv6, row.Status, row.Action, row.Error = ip, ip6, tables.AgentIPReady, "allocated", ""
 	a.put(row)
 	return nil
 }
@@ -234,7 +241,7 @@ func (a *allocator) release(ctx context.Context, kind string) error {
 		return nil
 	}
 	row := a.begin(kind)
-	row.Status, row.IP, row.Network, row.Plugin, row.Action = tables.AgentIPReleasing, netip.Addr{}, rec.Delegate.Network, rec.Delegate.Plugin, ""
+	row.Status, row.IP, row.IPv6, row.Network, row.Plugin, row.Action = tables.AgentIPReleasing, netip.Addr{}, netip.Addr{}, rec.Delegate.Network, rec.Delegate.Plugin, ""
 	a.put(row)
 	if _, err := a.plugins.call(ctx, "DEL", rec.ContainerID, &rec.Delegate, nil); err != nil {
 		return a.failRelease(kind, row, err)
@@ -295,7 +302,11 @@ func (a *allocator) reportOK() {
 	for _, kind := range a.cfg.kindOrder {
 		row, _, found := a.table.Get(a.db.ReadTxn(), tables.AgentIPKindIndex.Query(kind))
 		if found && row.Ready() {
-			parts = append(parts, kind+" "+row.IP.String())
+			part := kind + " " + row.IP.String()
+			if row.IPv6.IsValid() {
+				part += " " + row.IPv6.String()
+			}
+			parts = append(parts, part)
 		}
 	}
 	if len(parts) == 0 {

@@ -91,6 +91,7 @@ func start(p startParams) error {
 		health:  p.Health,
 		records: recs,
 		plugins: &plugins{log: p.Log, binDir: p.Cfg.binDir, exec: &lockedExec{}},
+		ipv6:    p.Node.EnableIPv6,
 		done:    map[string]bool{},
 		errs:    map[string]error{},
 	}

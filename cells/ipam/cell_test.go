@@ -154,6 +154,39 @@ func TestNetworkChange(t *testing.T) {
 	}
 }
 
+// TestDualStack: with --enable-ipv6 each kind gets an IPv4 and an IPv6
+// address from one lease; a record from before IPv6 was on is replaced.
+func TestDualStack(t *testing.T) {
+	e := newEnv(t)
+	e.writeConflist(t, "1.0.0", e.hostLocalIPAM("host-local", "10.28.0.0/24", "fd00:28::/120"))
+	a := startAgent(t, e.flags(true, false))
+	v4only := a.waitReady(health)[health]
+	if v4only.IPv6.IsValid() {
+		t.Errorf("IPv6 %s without --enable-ipv6", v4only.IPv6)
+	}
+	a.stop()
+
+	a = startAgent(t, e.flags(true, true, "--enable-ipv6"))
+	rows := a.waitReady(health, ingress)
+	for kind, r := range rows {
+		if !r.IP.Is4() || !r.IPv6.Is6() || !strings.HasPrefix(r.IPv6.String(), "fd00:28::") || r.Action != "allocated" {
+			t.Errorf("%s: %s", kind, strings.Join(r.TableRow(), " | "))
+		}
+	}
+	// host-local keeps one lease file per address.
+	if leases := e.leases(t); len(leases) != 4 {
+		t.Errorf("leases %v, want 4 (two addresses for each of two kinds)", leases)
+	}
+	a.stop()
+
+	a = startAgent(t, e.flags(true, true, "--enable-ipv6"))
+	for kind, r := range a.waitReady(health, ingress) {
+		if r.Action != "checked" || r.IPv6 != rows[kind].IPv6 || r.IP != rows[kind].IP {
+			t.Errorf("after restart %s: %s", kind, strings.Join(r.TableRow(), " | "))
+		}
+	}
+}
+
 // TestConflistAppearsLater: without the conflist the row and health say so,
 // the agent keeps running, and the IPs come as soon as it is installed.
 func TestConflistAppearsLater(t *testing.T) {
@@ -216,8 +249,10 @@ func TestFailures(t *testing.T) {
 		wantErr: "exit status 2: fake-ipam: segmentation fault (pretend)",
 		failing: []string{health},
 	}, {
-		name:    "no IPv4 address",
-		conf:    func(t *testing.T, e *env) { e.writeConflist(t, "1.0.0", e.hostLocalIPAM("host-local", "fd00:20::/120")) },
+		name: "no IPv4 address",
+		conf: func(t *testing.T, e *env) {
+			e.writeConflist(t, "1.0.0", e.hostLocalIPAM("host-local", "fd00:20::/120"))
+		},
 		kinds:   []string{health},
 		wantErr: "the plugin's result has no IPv4 address (only [fd00:20::",
 		failing: []string{health},
@@ -250,7 +285,7 @@ func TestFailures(t *testing.T) {
 		wantErr: "read CNI configuration:",
 		failing: []string{health},
 	}, {
-		name:    "no ipam section",
+		name: "no ipam section",
 		conf: func(t *testing.T, e *env) {
 			conf := `{"cniVersion":"1.0.0","name":"apiary-test","plugins":[{"type":"bridge"},{"type":"portmap"}]}`
 			if err := os.WriteFile(e.confFile, []byte(conf), 0o644); err != nil {

@@ -156,32 +156,41 @@ func TestRecords(t *testing.T) {
 
 func TestParseResult(t *testing.T) {
 	for _, tc := range []struct {
-		version, result, want, wantErr string
+		version, result string
+		ipv6            bool
+		want, want6     string
+		wantErr         string
 	}{
-		{"1.0.0", `{"cniVersion":"1.0.0","ips":[{"address":"fd00::5/64"},{"address":"10.0.0.5/24","gateway":"10.0.0.1"}]}`, "10.0.0.5", ""},
-		{"0.4.0", `{"cniVersion":"0.4.0","ips":[{"version":"4","address":"10.0.0.6/24"}]}`, "10.0.0.6", ""},
-		{"0.3.1", `{"cniVersion":"0.3.1","ips":[{"version":"4","address":"10.0.0.7/24"}]}`, "10.0.0.7", ""},
-		{"1.0.0", `{"cniVersion":"1.0.0","ips":[{"address":"fd00::5/64"}]}`, "", "no IPv4 address (only [fd00::5])"},
-		{"1.0.0", `{"cniVersion":"1.0.0","ips":[]}`, "", "no IP address"},
-		{"1.0.0", `{"cniVersion":"1.0.0","ips":[{"address":"0.0.0.0/0"}]}`, "", "no IPv4 address"},
-		{"1.0.0", `not json`, "", "invalid character"},
+		{"1.0.0", `{"cniVersion":"1.0.0","ips":[{"address":"fd00::5/64"},{"address":"10.0.0.5/24","gateway":"10.0.0.1"}]}`, false, "10.0.0.5", "", ""},
+		{"1.0.0", `{"cniVersion":"1.0.0","ips":[{"address":"fd00::5/64"},{"address":"10.0.0.5/24","gateway":"10.0.0.1"}]}`, true, "10.0.0.5", "fd00::5", ""},
+		{"0.4.0", `{"cniVersion":"0.4.0","ips":[{"version":"4","address":"10.0.0.6/24"}]}`, false, "10.0.0.6", "", ""},
+		{"0.3.1", `{"cniVersion":"0.3.1","ips":[{"version":"4","address":"10.0.0.7/24"}]}`, false, "10.0.0.7", "", ""},
+		{"0.3.1", `{"cniVersion":"0.3.1","ips":[{"version":"4","address":"10.0.0.7/24"}]}`, true, "", "", "no IPv6 address, which --enable-ipv6 needs (only [10.0.0.7])"},
+		{"1.0.0", `{"cniVersion":"1.0.0","ips":[{"address":"fd00::5/64"}]}`, false, "", "", "no IPv4 address (only [fd00::5])"},
+		{"1.0.0", `{"cniVersion":"1.0.0","ips":[]}`, false, "", "", "no IP address"},
+		{"1.0.0", `{"cniVersion":"1.0.0","ips":[{"address":"0.0.0.0/0"}]}`, false, "", "", "no IPv4 address"},
+		{"1.0.0", `not json`, false, "", "", "invalid character"},
 	} {
-		ip, err := parseResult(tc.version, []byte(tc.result))
+		ip, ip6, err := parseResult(tc.version, []byte(tc.result), tc.ipv6)
 		if tc.wantErr != "" {
 			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 				t.Errorf("%s: %v, %v; want error %q", tc.result, ip, err, tc.wantErr)
 			}
 			continue
 		}
-		if err != nil || ip.String() != tc.want {
-			t.Errorf("%s: %v, %v; want %s", tc.result, ip, err, tc.want)
+		str6 := ""
+		if ip6.IsValid() {
+			str6 = ip6.String()
+		}
+		if err != nil || ip.String() != tc.want || str6 != tc.want6 {
+			t.Errorf("%s (ipv6 %t): %v %v, %v; want %s %s", tc.result, tc.ipv6, ip, ip6, err, tc.want, tc.want6)
 		}
 	}
 }
 
 // FuzzParseResult feeds arbitrary plugin output to the result parsing the
-// ADD path uses: it never panics, and an IP it returns is an IPv4 address
-// present in the result.
+// ADD path uses: it never panics, an IP it returns is an IPv4 address
+// present in the result, and it returns an IPv6 address exactly when asked.
 func FuzzParseResult(f *testing.F) {
 	for _, seed := range []string{
 		`{"cniVersion":"1.0.0","ips":[{"address":"10.0.0.5/24","gateway":"10.0.0.1"}],"dns":{}}`,
@@ -192,16 +201,19 @@ func FuzzParseResult(f *testing.F) {
 		`{"cniVersion":"1.0.0","ips":[null,{}]}`,
 		`null`,
 	} {
-		f.Add("1.0.0", []byte(seed))
-		f.Add("0.3.1", []byte(seed))
+		f.Add("1.0.0", []byte(seed), false)
+		f.Add("0.3.1", []byte(seed), true)
 	}
-	f.Fuzz(func(t *testing.T, version string, data []byte) {
-		ip, err := parseResult(version, data)
+	f.Fuzz(func(t *testing.T, version string, data []byte, ipv6 bool) {
+		ip, ip6, err := parseResult(version, data, ipv6)
 		if err != nil {
 			return
 		}
 		if !ip.Is4() || ip.IsUnspecified() {
 			t.Fatalf("picked %v from %s", ip, data)
+		}
+		if ipv6 != ip6.IsValid() || ipv6 && (!ip6.Is6() || ip6.Is4In6()) {
+			t.Fatalf("picked IPv6 %v (ipv6 %t) from %s", ip6, ipv6, data)
 		}
 	})
 }

@@ -20,6 +20,7 @@ type record struct {
 	Kind        string          `json:"kind"`
 	ContainerID string          `json:"containerID"`
 	IP          netip.Addr      `json:"ip"`
+	IPv6        netip.Addr      `json:"ipv6,omitzero"`
 	Delegate    delegate        `json:"delegate"`
 	Result      json.RawMessage `json:"result"`
 	Allocated   time.Time       `json:"allocated"`

@@ -11,18 +11,19 @@ import (
 	"github.com/containernetworking/cni/pkg/types/create"
 )
 
-// pickIP returns the first IPv4 address of an ADD result. The agent needs
-// one IPv4 address per kind; other addresses in the result (IPv6, further
-// IPv4 ones) stay with the lease and are released with it.
-func pickIP(res types.Result) (netip.Addr, error) {
+// pickIPs returns the first IPv4 address of an ADD result and, if ipv6,
+// its first IPv6 address. The agent needs one address of each family it
+// runs per kind; other addresses in the result stay with the lease and are
+// released with it.
+func pickIPs(res types.Result, ipv6 bool) (v4, v6 netip.Addr, err error) {
 	if res == nil {
-		return netip.Addr{}, errors.New("no result")
+		return v4, v6, errors.New("no result")
 	}
 	r, err := types100.NewResultFromResult(res)
 	if err != nil {
-		return netip.Addr{}, fmt.Errorf("convert result: %w", err)
+		return v4, v6, fmt.Errorf("convert result: %w", err)
 	}
-	var others []string
+	var all []string
 	for _, ipc := range r.IPs {
 		if ipc == nil || ipc.Address.IP == nil {
 			continue
@@ -32,25 +33,36 @@ func pickIP(res types.Result) (netip.Addr, error) {
 			continue
 		}
 		addr = addr.Unmap()
-		if addr.Is4() && !addr.IsUnspecified() {
-			return addr, nil
+		all = append(all, addr.String())
+		switch {
+		case addr.IsUnspecified() || addr.IsMulticast():
+		case addr.Is4() && !v4.IsValid():
+			v4 = addr
+		case addr.Is6() && !v6.IsValid():
+			v6 = addr
 		}
-		others = append(others, addr.String())
 	}
-	if len(others) == 0 {
-		return netip.Addr{}, errors.New("the plugin's result has no IP address")
+	switch {
+	case len(all) == 0:
+		return netip.Addr{}, netip.Addr{}, errors.New("the plugin's result has no IP address")
+	case !v4.IsValid():
+		return netip.Addr{}, netip.Addr{}, fmt.Errorf("the plugin's result has no IPv4 address (only %v)", all)
+	case ipv6 && !v6.IsValid():
+		return netip.Addr{}, netip.Addr{}, fmt.Errorf("the plugin's result has no IPv6 address, which --enable-ipv6 needs (only %v)", all)
+	case !ipv6:
+		v6 = netip.Addr{}
 	}
-	return netip.Addr{}, fmt.Errorf("the plugin's result has no IPv4 address (only %v)", others)
+	return v4, v6, nil
 }
 
 // parseResult decodes a result as the plugin printed it for cniVersion and
-// picks its IP, as the ADD path does (the fuzz target).
-func parseResult(cniVersion string, data []byte) (netip.Addr, error) {
+// picks its IPs, as the ADD path does (the fuzz target).
+func parseResult(cniVersion string, data []byte, ipv6 bool) (v4, v6 netip.Addr, err error) {
 	res, err := create.Create(cniVersion, data)
 	if err != nil {
-		return netip.Addr{}, err
+		return v4, v6, err
 	}
-	return pickIP(res)
+	return pickIPs(res, ipv6)
 }
 
 // resultJSON encodes a result for the record, in its own version.
