@@ -1,0 +1,211 @@
+// Package ipcache owns the prefixes table (labels by prefix and owner), the
+// ipcache table (resolved labels and identity per prefix) and the ipcache
+// BPF map they are reconciled into.
+//
+// Other cells label prefixes through Prefixes; the cell itself labels the
+// node's own addresses reserved:host. See docs/identities.md.
+package ipcache
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/netip"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spf13/pflag"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/identity"
+	"github.com/apiary-net/apiary/cells/metrics"
+	"github.com/apiary-net/apiary/cells/node"
+	"github.com/apiary-net/apiary/reconcilers"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// Cell provides Prefixes, the read-only prefixes and ipcache tables and the
+// ipcache/dump script command, and keeps the ipcache map.
+var Cell = cell.Module(
+	"ipcache",
+	"Prefix labels identities and the ipcache map",
+
+	cell.Config(defaultConfig),
+	cell.ProvidePrivate(
+		tables.NewPrefixesTable,
+		tables.NewIPCacheTable,
+		newOps,
+		newPrefixesImpl,
+	),
+	cell.Provide(
+		statedb.RWTable[*tables.PrefixLabels].ToTable,
+		statedb.RWTable[*tables.IPCacheEntry].ToTable,
+		func(p *prefixes) Prefixes { return p },
+		scriptCommands,
+	),
+	cell.Invoke(
+		registerReconciler,
+		registerResolver,
+		registerNodeIPs,
+		registerMetrics,
+	),
+)
+
+// OwnerNode owns the node's own addresses.
+const OwnerNode = "node"
+
+// Config is the ipcache cell's configuration.
+type Config struct {
+	// BPFIPCacheMapMax is the capacity of the ipcache map in prefixes.
+	BPFIPCacheMapMax uint32
+	// IPCacheChunkSize is how many prefixes are relabelled per write
+	// transaction.
+	IPCacheChunkSize int
+}
+
+var defaultConfig = Config{BPFIPCacheMapMax: bpf.DefaultIPCacheMaxEntries, IPCacheChunkSize: 512}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(fs *pflag.FlagSet) {
+	fs.Uint32("bpf-ipcache-map-max", def.BPFIPCacheMapMax,
+		"Capacity of the ipcache map in prefixes; a change resizes the pinned map, keeping its entries")
+	fs.Int("ipcache-chunk-size", def.IPCacheChunkSize,
+		"Prefixes relabelled per transaction, which bounds how many old and new identities coexist during a mass relabel")
+}
+
+func newOps(log *slog.Logger) *reconcilers.IPCache {
+	return reconcilers.NewIPCache(log)
+}
+
+func newPrefixesImpl(db *statedb.DB, table statedb.RWTable[*tables.PrefixLabels], ipc statedb.RWTable[*tables.IPCacheEntry]) *prefixes {
+	return newPrefixes(db, table, ipc)
+}
+
+type resolverParams struct {
+	cell.In
+
+	Log       *slog.Logger
+	DB        *statedb.DB
+	Config    Config
+	Node      node.Config
+	PinDir    bpffs.PinDir
+	Lifecycle cell.Lifecycle
+	Jobs      job.Group
+	Prefixes  *prefixes
+	Table     statedb.RWTable[*tables.PrefixLabels]
+	IPCache   statedb.RWTable[*tables.IPCacheEntry]
+	Alloc     *identity.Allocator
+	Ops       *reconcilers.IPCache
+}
+
+func registerResolver(p resolverParams) error {
+	if p.Config.IPCacheChunkSize < 1 {
+		return fmt.Errorf("--ipcache-chunk-size=%d: want at least 1", p.Config.IPCacheChunkSize)
+	}
+	if p.Config.BPFIPCacheMapMax < 1 {
+		return fmt.Errorf("--bpf-ipcache-map-max=%d: want at least 1", p.Config.BPFIPCacheMapMax)
+	}
+	wtxn := p.DB.WriteTxn(p.IPCache)
+	markInit := p.IPCache.RegisterInitializer(wtxn, "prefixes-resolved")
+	wtxn.Commit()
+
+	r := &resolver{
+		log: p.Log, db: p.DB, prefixes: p.Prefixes, table: p.Table, ipcache: p.IPCache, alloc: p.Alloc,
+		dualStack: p.Node.EnableIPv6, chunkSize: p.Config.IPCacheChunkSize,
+		present: map[netip.Prefix]struct{}{}, hints: map[netip.Prefix]uint32{}, failed: map[netip.Prefix]string{},
+		markInitialized: markInit,
+	}
+	// The old map is read before the resolver's first write: its
+	// identities are the hints that keep every prefix's number.
+	p.Lifecycle.Append(cell.Hook{
+		OnStart: func(cell.HookContext) error {
+			restored, err := p.Ops.Open(string(p.PinDir), p.Config.BPFIPCacheMapMax)
+			if err != nil {
+				return fmt.Errorf("open ipcache map: %w", err)
+			}
+			ids := make([]uint32, 0, len(restored))
+			for _, e := range restored {
+				r.hints[e.Prefix] = e.Identity
+				ids = append(ids, e.Identity)
+			}
+			p.Alloc.Withhold(ids)
+			if len(restored) > 0 {
+				p.Log.Info("Read the old ipcache map", "entries", len(restored))
+			}
+			return nil
+		},
+		// Jobs, the reconciler among them, stop before this.
+		OnStop: func(cell.HookContext) error { return p.Ops.Close() },
+	})
+	p.Jobs.Add(job.OneShot("resolve", r.run))
+	return nil
+}
+
+func registerReconciler(rp reconciler.Params, table statedb.RWTable[*tables.IPCacheEntry], ops *reconcilers.IPCache, p *prefixes) error {
+	rec, err := reconciler.Register(rp, table,
+		(*tables.IPCacheEntry).Clone, (*tables.IPCacheEntry).SetStatus, (*tables.IPCacheEntry).GetStatus,
+		ops, ops,
+		// Update skips entries the map already holds, so a refresh would
+		// only compare; the map is not written by anyone else.
+		reconciler.WithRefreshing(0, nil),
+	)
+	p.rec = rec
+	return err
+}
+
+// registerNodeIPs labels the node's addresses reserved:host.
+func registerNodeIPs(p *prefixes, nc node.Config, jobs job.Group) {
+	done := p.RegisterInitializer(OwnerNode)
+	jobs.Add(job.OneShot("node-ips", func(ctx context.Context, _ cell.Health) error {
+		changes := make([]Change, 0, len(nc.NodeIPs))
+		for _, ip := range nc.NodeIPs {
+			changes = append(changes, Upsert(tables.HostPrefix(ip), OwnerNode, tables.LabelHost))
+		}
+		// Addresses of an earlier run that are no longer the node's go.
+		wtxn := p.db.ReadTxn()
+		for row := range p.table.List(wtxn, tables.PrefixOwnerIndex.Query(OwnerNode)) {
+			if !slicesContainsAddr(nc.NodeIPs, row.Prefix) {
+				changes = append(changes, Delete(row.Prefix, OwnerNode))
+			}
+		}
+		if _, err := p.Update(changes...); err != nil {
+			return fmt.Errorf("label the node's addresses: %w", err)
+		}
+		done()
+		return nil
+	}))
+}
+
+func slicesContainsAddr(ips []netip.Addr, p netip.Prefix) bool {
+	for _, ip := range ips {
+		if tables.HostPrefix(ip) == p {
+			return true
+		}
+	}
+	return false
+}
+
+func registerMetrics(reg prometheus.Registerer, ops *reconcilers.IPCache, db *statedb.DB, table statedb.Table[*tables.IPCacheEntry]) error {
+	updates := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Namespace: metrics.Namespace, Subsystem: "ipcache", Name: "map_updates_total",
+		Help: "Entries written to the ipcache map",
+	}, func() float64 { u, _ := ops.Writes(); return float64(u) })
+	deletes := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Namespace: metrics.Namespace, Subsystem: "ipcache", Name: "map_deletes_total",
+		Help: "Entries deleted from the ipcache map",
+	}, func() float64 { _, d := ops.Writes(); return float64(d) })
+	entries := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: metrics.Namespace, Subsystem: "ipcache", Name: "prefixes",
+		Help: "Prefixes in the ipcache table",
+	}, func() float64 { return float64(table.NumObjects(db.ReadTxn())) })
+	for _, c := range []prometheus.Collector{updates, deletes, entries} {
+		if err := reg.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,326 @@
+package reconcilers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"iter"
+	"log/slog"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// IPCache converges the ipcache table into the pinned ipcache LPM trie.
+//
+// It keeps a copy of what the map holds, read from the map when it is opened,
+// so that an entry whose value is already in the map costs no write: a
+// restart with unchanged desired state writes nothing. Entries without an
+// identity (Identity 0, allocation failed) are kept out of the map, so that
+// the address falls back to the longest shorter prefix, or to world.
+//
+// It implements reconciler.Operations and reconciler.BatchOperations of
+// *tables.IPCacheEntry.
+type IPCache struct {
+	log *slog.Logger
+
+	// mu guards m and shadow. Reconciler operations run one at a time, but
+	// Dump and Close come from other goroutines.
+	mu     sync.Mutex
+	m      *ebpf.Map
+	shadow map[bpf.IPCacheKey]bpf.IPCacheValue
+
+	writes, deletes atomic.Uint64
+}
+
+var (
+	_ reconciler.Operations[*tables.IPCacheEntry]      = (*IPCache)(nil)
+	_ reconciler.BatchOperations[*tables.IPCacheEntry] = (*IPCache)(nil)
+)
+
+// NewIPCache returns operations on no map yet; call Open before the
+// reconciler starts. A nil log discards log messages.
+func NewIPCache(log *slog.Logger) *IPCache {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &IPCache{log: log, shadow: map[bpf.IPCacheKey]bpf.IPCacheValue{}}
+}
+
+// IPCacheRestored is an entry found in the pinned map when it was opened.
+type IPCacheRestored struct {
+	Prefix   netip.Prefix
+	Identity uint32
+}
+
+// Open opens (or creates) the ipcache map pinned in pinDir with room for
+// maxEntries, and returns the entries it already held, which tell the
+// identity allocator which numbers the datapath is using. A pin of another
+// size is replaced by a new map holding the old one's entries.
+func (c *IPCache) Open(pinDir string, maxEntries uint32) ([]IPCacheRestored, error) {
+	pinned, err := bpf.OpenPinnedMap(c.log, bpf.IPCacheMapSpec(maxEntries), pinDir, copyIPCache)
+	if err != nil {
+		return nil, err
+	}
+	if pinned.Outcome != bpf.PinReused {
+		c.log.Info("ipcache map", "pin", pinned.Outcome, "change", pinned.Mismatch, "maxEntries", maxEntries)
+	}
+	shadow, err := readIPCache(pinned.Map)
+	if err != nil {
+		pinned.Close()
+		return nil, fmt.Errorf("read %s: %w", pinned.Path, err)
+	}
+	var restored []IPCacheRestored
+	for k, v := range shadow {
+		p, err := k.Prefix()
+		if err != nil || k.ClusterID != 0 {
+			continue // not ours to interpret; prune removes it
+		}
+		restored = append(restored, IPCacheRestored{Prefix: p, Identity: v.Identity})
+	}
+	c.mu.Lock()
+	c.m, c.shadow = pinned.Map, shadow
+	c.mu.Unlock()
+	return restored, nil
+}
+
+// Close closes the map; the pin stays.
+func (c *IPCache) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil {
+		return nil
+	}
+	err := c.m.Close()
+	c.m = nil
+	return err
+}
+
+// Writes returns how many map updates and deletes the operations made.
+func (c *IPCache) Writes() (updates, deletes uint64) {
+	return c.writes.Load(), c.deletes.Load()
+}
+
+// Dump calls fn with the map's entries, read from the kernel.
+func (c *IPCache) Dump(fn func(bpf.IPCacheKey, bpf.IPCacheValue)) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil {
+		return errors.New("ipcache map not open")
+	}
+	entries, err := readIPCache(c.m)
+	if err != nil {
+		return err
+	}
+	for k, v := range entries {
+		fn(k, v)
+	}
+	return nil
+}
+
+// desired returns the key of e and the value the map should hold for it;
+// ok is false when the map should hold nothing.
+func desired(e *tables.IPCacheEntry) (k bpf.IPCacheKey, v bpf.IPCacheValue, ok bool) {
+	return bpf.NewIPCacheKey(e.Prefix), bpf.IPCacheValue{Identity: e.Identity}, e.Identity != 0
+}
+
+// Update implements reconciler.Operations.
+func (c *IPCache) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.IPCacheEntry) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	k, v, ok := desired(e)
+	if !ok {
+		return c.deleteLocked(k)
+	}
+	return c.putLocked(k, v)
+}
+
+// Delete implements reconciler.Operations.
+func (c *IPCache) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.IPCacheEntry) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.deleteLocked(bpf.NewIPCacheKey(e.Prefix))
+}
+
+func (c *IPCache) putLocked(k bpf.IPCacheKey, v bpf.IPCacheValue) error {
+	if old, ok := c.shadow[k]; ok && old == v {
+		return nil
+	}
+	if c.m == nil {
+		return errors.New("ipcache map not open")
+	}
+	if err := c.m.Put(k, v); err != nil {
+		return fmt.Errorf("write ipcache entry: %w", err)
+	}
+	c.writes.Add(1)
+	c.shadow[k] = v
+	return nil
+}
+
+func (c *IPCache) deleteLocked(k bpf.IPCacheKey) error {
+	if _, ok := c.shadow[k]; !ok {
+		return nil
+	}
+	if c.m == nil {
+		return errors.New("ipcache map not open")
+	}
+	if err := c.m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("delete ipcache entry: %w", err)
+	}
+	c.deletes.Add(1)
+	delete(c.shadow, k)
+	return nil
+}
+
+// Prune implements reconciler.Operations: entries the table doesn't hold
+// (left by an earlier run, or for prefixes without identity) are deleted.
+func (c *IPCache) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*tables.IPCacheEntry, statedb.Revision]) error {
+	want := map[bpf.IPCacheKey]struct{}{}
+	for e := range objs {
+		if k, _, ok := desired(e); ok {
+			want[k] = struct{}{}
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var errs []error
+	for k := range c.shadow {
+		if _, ok := want[k]; !ok {
+			if err := c.deleteLocked(k); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// UpdateBatch implements reconciler.BatchOperations: the entries whose value
+// changed are written with one batch update; if that fails they are written
+// one by one so that each gets its own result.
+func (c *IPCache) UpdateBatch(ctx context.Context, txn statedb.ReadTxn, batch []reconciler.BatchEntry[*tables.IPCacheEntry]) {
+	c.mu.Lock()
+	var (
+		keys   []bpf.IPCacheKey
+		values []bpf.IPCacheValue
+		idx    []int
+	)
+	for i := range batch {
+		k, v, ok := desired(batch[i].Object)
+		if !ok {
+			batch[i].Result = c.deleteLocked(k)
+			continue
+		}
+		if old, ok := c.shadow[k]; ok && old == v {
+			continue
+		}
+		keys, values, idx = append(keys, k), append(values, v), append(idx, i)
+	}
+	if len(keys) == 0 {
+		c.mu.Unlock()
+		return
+	}
+	var err error
+	if c.m == nil {
+		err = errors.New("ipcache map not open")
+	} else {
+		_, err = c.m.BatchUpdate(keys, values, nil)
+	}
+	if err == nil {
+		for i, k := range keys {
+			c.shadow[k] = values[i]
+		}
+		c.writes.Add(uint64(len(keys)))
+		c.mu.Unlock()
+		return
+	}
+	c.mu.Unlock()
+	for _, i := range idx {
+		batch[i].Result = c.Update(ctx, txn, batch[i].Revision, batch[i].Object)
+	}
+}
+
+// DeleteBatch implements reconciler.BatchOperations.
+func (c *IPCache) DeleteBatch(ctx context.Context, txn statedb.ReadTxn, batch []reconciler.BatchEntry[*tables.IPCacheEntry]) {
+	c.mu.Lock()
+	var (
+		keys []bpf.IPCacheKey
+		idx  []int
+	)
+	for i := range batch {
+		k := bpf.NewIPCacheKey(batch[i].Object.Prefix)
+		if _, ok := c.shadow[k]; ok {
+			keys, idx = append(keys, k), append(idx, i)
+		}
+	}
+	if len(keys) == 0 {
+		c.mu.Unlock()
+		return
+	}
+	var err error
+	if c.m == nil {
+		err = errors.New("ipcache map not open")
+	} else {
+		_, err = c.m.BatchDelete(keys, nil)
+	}
+	if err == nil {
+		for _, k := range keys {
+			delete(c.shadow, k)
+		}
+		c.deletes.Add(uint64(len(keys)))
+		c.mu.Unlock()
+		return
+	}
+	c.mu.Unlock()
+	// Some key may have vanished meanwhile; one by one, a missing key is
+	// not an error.
+	for _, i := range idx {
+		batch[i].Result = c.Delete(ctx, txn, batch[i].Revision, batch[i].Object)
+	}
+}
+
+// readIPCache reads every entry of an ipcache map with batch lookups.
+func readIPCache(m *ebpf.Map) (map[bpf.IPCacheKey]bpf.IPCacheValue, error) {
+	out := map[bpf.IPCacheKey]bpf.IPCacheValue{}
+	keys := make([]bpf.IPCacheKey, 1024)
+	values := make([]bpf.IPCacheValue, 1024)
+	var cursor ebpf.MapBatchCursor
+	for {
+		n, err := m.BatchLookup(&cursor, keys, values, nil)
+		for i := range n {
+			out[keys[i]] = values[i]
+		}
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return out, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+}
+
+// copyIPCache is the migration of a resized ipcache map: every entry moves.
+func copyIPCache(old, new *ebpf.Map) error {
+	entries, err := readIPCache(old)
+	if err != nil {
+		return fmt.Errorf("read old ipcache map: %w", err)
+	}
+	keys := make([]bpf.IPCacheKey, 0, len(entries))
+	values := make([]bpf.IPCacheValue, 0, len(entries))
+	for k, v := range entries {
+		keys, values = append(keys, k), append(values, v)
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	if _, err := new.BatchUpdate(keys, values, nil); err != nil {
+		return fmt.Errorf("copy %d ipcache entries: %w", len(keys), err)
+	}
+	return nil
+}

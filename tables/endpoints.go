@@ -1,0 +1,60 @@
+package tables
+
+import (
+	"net/netip"
+	"strings"
+
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/index"
+)
+
+// EndpointsTableName is the statedb name of the endpoints table.
+const EndpointsTableName = "endpoints"
+
+// Endpoint is a Pod running on this node, with its security identity.
+type Endpoint struct {
+	// Name is "<namespace>/<name>".
+	Name string `json:"name" yaml:"name"`
+	// IPs are the pod's addresses.
+	IPs []netip.Addr `json:"ips" yaml:"ips"`
+	// Labels are the pod's security labels.
+	Labels Labels `json:"labels" yaml:"labels"`
+	// Identity is the identity of the pod's IPs, 0 until resolved.
+	Identity uint32 `json:"identity" yaml:"identity"`
+	// IdentitySource says who handed the number out ("agent" for this
+	// agent's cluster allocator, "reserved"); empty while pending.
+	IdentitySource string `json:"identitySource" yaml:"identitySource"`
+	// Error says why the pod has no identity.
+	Error string `json:"error,omitempty" yaml:"error,omitempty"`
+}
+
+// TableHeader implements statedb.TableWritable.
+func (*Endpoint) TableHeader() []string {
+	return []string{"Name", "IPs", "Labels", "Identity", "IdentitySource", "Error"}
+}
+
+// TableRow implements statedb.TableWritable.
+func (e *Endpoint) TableRow() []string {
+	ips := make([]string, len(e.IPs))
+	for i, ip := range e.IPs {
+		ips[i] = ip.String()
+	}
+	return []string{
+		e.Name, strings.Join(ips, ", "), strings.Join(e.Labels, ", "), formatUint(e.Identity),
+		e.IdentitySource, e.Error,
+	}
+}
+
+// EndpointNameIndex is the primary index of the endpoints table.
+var EndpointNameIndex = statedb.Index[*Endpoint, string]{
+	Name:       "name",
+	FromObject: func(e *Endpoint) index.KeySet { return index.NewKeySet(index.String(e.Name)) },
+	FromKey:    index.String,
+	FromString: index.FromString,
+	Unique:     true,
+}
+
+// NewEndpointsTable registers the endpoints table with db.
+func NewEndpointsTable(db *statedb.DB) (statedb.RWTable[*Endpoint], error) {
+	return statedb.NewTable(db, EndpointsTableName, EndpointNameIndex)
+}
