@@ -213,7 +213,11 @@ func (a *allocator) ensure(ctx context.Context, kind string, d *delegate, confEr
 		}
 		return fail(fmt.Errorf("%s ADD: %w", d.Plugin, err))
 	}
-	a.log.Info("Agent IP allocated", "kind", kind, "ip", ip, "ipv6", ip6, "network", d.Network, "plugin", d.Plugin)
+	attrs := []any{"kind", kind, "ip", ip, "network", d.Network, "plugin", d.Plugin}
+	if ip6.IsValid() {
+		attrs = append(attrs, "ipv6", ip6)
+	}
+	a.log.Info("Agent IP allocated", attrs...)
 	row.IP, row.IPv6, row.Status, row.Action, row.Error = ip, ip6, tables.AgentIPReady, "allocated", ""
 	a.put(row)
 	return nil
@@ -235,7 +239,10 @@ func (a *allocator) check(ctx context.Context, containerID string, d *delegate, 
 func (a *allocator) release(ctx context.Context, kind string) error {
 	rec, err := a.records.load(kind)
 	if err != nil {
-		return a.failRelease(kind, nil, err)
+		// Without the record there is no telling which plugin and network
+		// hold the lease; a person has to.
+		return a.failRelease(kind, nil, fmt.Errorf("%w (release the lease of container ID %s by hand, then delete the file)",
+			err, tables.AgentIPContainerID(kind)))
 	}
 	if rec == nil {
 		return nil

@@ -338,6 +338,29 @@ func TestFailures(t *testing.T) {
 	}
 }
 
+// TestUnreadableRecordOfDisabledKind: a record that cannot be read cannot
+// be released; the row and health say so and the other kind is unaffected.
+func TestUnreadableRecordOfDisabledKind(t *testing.T) {
+	e := newEnv(t)
+	e.writeConflist(t, "1.0.0", e.hostLocalIPAM("host-local", "10.29.0.0/24"))
+	if err := os.MkdirAll(filepath.Join(e.stateDir, "ipam"), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(e.stateDir, "ipam", "ingress.json"), []byte(`{"kind":"ingr`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a := startAgent(t, e.flags(true, false))
+	rows := a.waitRows("health ready, ingress failing", func(rows map[string]*tables.AgentIP) bool {
+		return rows[health] != nil && rows[health].Ready() && rows[ingress] != nil && rows[ingress].Error != ""
+	})
+	if r := rows[ingress]; r.Status != tables.AgentIPReleasing || !strings.Contains(r.Error, "release the lease of container ID apiary-ingress by hand") {
+		t.Errorf("ingress row: %s", strings.Join(r.TableRow(), " | "))
+	}
+	a.waitHealth("degraded", func(s *tables.HealthStatus) bool {
+		return s.Level == cell.StatusDegraded && strings.Contains(s.Message, "ingress")
+	})
+}
+
 // TestRecoversWhenPluginInstalled: a missing plugin binary is retried, and
 // the IP comes once the plugin is installed.
 func TestRecoversWhenPluginInstalled(t *testing.T) {
