@@ -1,7 +1,6 @@
 package bpf
 
 import (
-	"errors"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -285,32 +284,10 @@ func CTClockNow() (uint32, error) {
 }
 
 // WalkCT reads every entry of the conntrack map m with batch lookups of up
-// to batchSize entries and calls fn with each batch. The slices are reused
-// for the next batch, so fn must copy what it keeps. fn may delete the
-// entries it is given: the walk's cursor only moves forward.
-//
-// Entries that the datapath adds or removes during the walk may or may not
-// be seen, and one that moves between hash buckets may be seen twice.
+// to batchSize entries and calls fn with each batch, as Walk does.
 func WalkCT[K CTKey](m *ebpf.Map, batchSize int, fn func(keys []K, values []CTEntry) error) error {
-	if batchSize <= 0 {
-		return fmt.Errorf("walk conntrack map: batch size %d", batchSize)
+	if err := Walk(m, batchSize, fn); err != nil {
+		return fmt.Errorf("walk conntrack map: %w", err)
 	}
-	keys := make([]K, batchSize)
-	values := make([]CTEntry, batchSize)
-	var cursor ebpf.MapBatchCursor
-	for {
-		n, err := m.BatchLookup(&cursor, keys, values, nil)
-		done := errors.Is(err, ebpf.ErrKeyNotExist)
-		if err != nil && !done {
-			return fmt.Errorf("walk conntrack map: %w", err)
-		}
-		if n > 0 {
-			if err := fn(keys[:n], values[:n]); err != nil {
-				return err
-			}
-		}
-		if done {
-			return nil
-		}
-	}
+	return nil
 }

@@ -5,6 +5,7 @@ import (
 
 	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/ct"
+	"github.com/apiary-net/apiary/reconcilers"
 )
 
 // newBPFCmd returns `apiary bpf`, which reads the agent's pinned BPF maps
@@ -41,5 +42,21 @@ func newBPFCmd() *cobra.Command {
 		},
 	})
 	cmd.AddCommand(ctCmd)
+
+	lbCmd := &cobra.Command{
+		Use:   "lb",
+		Short: "Load-balancing maps",
+	}
+	lbCmd.AddCommand(&cobra.Command{
+		Use:   "list",
+		Short: "Print the load-balancing entries, one per line",
+		Long: "Print every entry of lb4_services (service entries by address, protocol and slot),\n" +
+			"lb4_backends and lb4_reverse_nat (by ID), one per line, addresses and protocols in text.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return reconcilers.WritePinnedLB(cmd.OutOrStdout(), pinDir)
+		},
+	})
+	cmd.AddCommand(lbCmd)
 	return cmd
 }

@@ -5,12 +5,16 @@ import (
 
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/infra"
+	"github.com/apiary-net/apiary/cells/ipam"
+	"github.com/apiary-net/apiary/cells/lb"
 )
 
 // ControlPlane lists the agent's features. Including a cell switches its
 // feature on.
 var ControlPlane = cell.Group(
-	ct.Cell, // conntrack maps: sizing, resize keeping connections, GC
+	ct.Cell,   // conntrack maps: sizing, resize keeping connections, GC
+	ipam.Cell, // agent IPs (health, ingress) through the delegated CNI IPAM plugin
+	lb.Cell,   // load balancing: services, frontends, backends → lb4_* maps
 )
 
 // agentCells is the whole agent:

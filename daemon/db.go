@@ -31,8 +31,12 @@ const defaultServer = "http://127.0.0.1:9234"
 // newer agent) are printed with their JSON fields as columns.
 func rowDecoders() map[string]func([]byte) (statedb.TableWritable, error) {
 	return map[string]func([]byte) (statedb.TableWritable, error){
-		tables.HealthTableName: decodeRow[tables.HealthStatus],
-		tables.CTMapsTableName: decodeRow[tables.CTMap],
+		tables.HealthTableName:    decodeRow[tables.HealthStatus],
+		tables.CTMapsTableName:    decodeRow[tables.CTMap],
+		tables.AgentIPsTableName:  decodeRow[tables.AgentIP],
+		tables.ServicesTableName:  decodeRow[tables.Service],
+		tables.FrontendsTableName: decodeRow[tables.Frontend],
+		tables.BackendsTableName:  decodeRow[tables.Backend],
 	}
 }
 

@@ -1,0 +1,188 @@
+package bpf
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+// Names of the IPv4 load-balancing maps, which are also their pins' file
+// names.
+const (
+	// LB4ServicesMap maps (frontend address, port, protocol, slot) to the
+	// service entry (slot 0) or one of its backends (slots 1..).
+	LB4ServicesMap = "lb4_services"
+	// LB4BackendsMap maps a backend ID to the backend's address.
+	LB4BackendsMap = "lb4_backends"
+	// LB4RevNatMap maps a rev-NAT index (a service ID) to the frontend
+	// address that replies are translated back to.
+	LB4RevNatMap = "lb4_reverse_nat"
+)
+
+// LBMapNames lists the load-balancing maps.
+var LBMapNames = [...]string{LB4ServicesMap, LB4BackendsMap, LB4RevNatMap}
+
+// Byte sizes of the load-balancing keys and values, as the datapath's C
+// structs (struct lb4_key, lb4_service, lb4_backend, lb4_reverse_nat) lay
+// them out.
+const (
+	LB4ServiceKeySize   = 12
+	LB4ServiceValueSize = 12
+	LB4BackendKeySize   = 4
+	LB4BackendValueSize = 12
+	LB4RevNatKeySize    = 2
+	LB4RevNatValueSize  = 6
+)
+
+// LB4ServiceKey is the key of lb4_services (struct lb4_key). Slot 0 is the
+// service entry; slots 1..count+qcount hold the backends.
+type LB4ServiceKey struct {
+	Address [4]byte
+	Port    Be16
+	Slot    uint16
+	Proto   uint8 // IANA protocol number
+	Scope   uint8
+	Pad     [2]byte
+}
+
+// LB4ServiceValue is the value of lb4_services (struct lb4_service). In slot
+// 0, BackendID carries the LB algorithm and affinity timeout (0: random, no
+// affinity), Count the number of active backends and QCount the terminating
+// ones after them, used only when Count is 0. In the other slots only
+// BackendID, RevNat and Flags are set.
+type LB4ServiceValue struct {
+	BackendID uint32
+	Count     uint16
+	RevNat    Be16
+	Flags     ServiceFlags
+	Flags2    uint8
+	QCount    uint16
+}
+
+// ServiceFlags are the low 8 bits of a service's flags (SVC_FLAG_* in the
+// datapath). A ClusterIP service has none of the type bits.
+type ServiceFlags uint8
+
+// Service flags apiary sets.
+const (
+	SvcFlagExternalIPs  ServiceFlags = 1 << 0
+	SvcFlagLoadBalancer ServiceFlags = 1 << 5
+	// SvcFlagRoutable marks addresses that are reachable from outside the
+	// node (every type but ClusterIP).
+	SvcFlagRoutable ServiceFlags = 1 << 6
+)
+
+// String names the service type and routability, e.g. "ClusterIP" or
+// "LoadBalancer+routable".
+func (f ServiceFlags) String() string {
+	var parts []string
+	switch {
+	case f&SvcFlagExternalIPs != 0:
+		parts = append(parts, "ExternalIP")
+	case f&SvcFlagLoadBalancer != 0:
+		parts = append(parts, "LoadBalancer")
+	default:
+		parts = append(parts, "ClusterIP")
+	}
+	if f&SvcFlagRoutable != 0 {
+		parts = append(parts, "routable")
+	}
+	if rest := f &^ (SvcFlagExternalIPs | SvcFlagLoadBalancer | SvcFlagRoutable); rest != 0 {
+		parts = append(parts, fmt.Sprintf("%#x", uint8(rest)))
+	}
+	return strings.Join(parts, "+")
+}
+
+// LB4BackendValue is the value of lb4_backends (struct lb4_backend); the key
+// is the backend ID, a host-order uint32.
+type LB4BackendValue struct {
+	Address   [4]byte
+	Port      Be16
+	Proto     uint8 // IANA protocol number
+	State     BackendState
+	ClusterID uint16
+	Zone      uint8
+	Pad       uint8
+}
+
+// BackendState is a backend's state as the datapath sees it (the flags field
+// of struct lb4_backend).
+type BackendState uint8
+
+// Backend states.
+const (
+	// BackendActive backends are chosen for new connections.
+	BackendActive BackendState = 0
+	// BackendTerminating backends keep their connections and are chosen
+	// only when a service has no active backend.
+	BackendTerminating BackendState = 1
+	// BackendQuarantined backends failed health checks.
+	BackendQuarantined BackendState = 2
+	// BackendMaintenance backends are not chosen at all, but keep their
+	// entry so that established connections to them still work.
+	BackendMaintenance BackendState = 3
+)
+
+// String returns "active", "terminating", "quarantined" or "maintenance".
+func (s BackendState) String() string {
+	switch s {
+	case BackendActive:
+		return "active"
+	case BackendTerminating:
+		return "terminating"
+	case BackendQuarantined:
+		return "quarantined"
+	case BackendMaintenance:
+		return "maintenance"
+	}
+	return fmt.Sprintf("state-%d", uint8(s))
+}
+
+// LB4RevNatValue is the value of lb4_reverse_nat (struct lb4_reverse_nat);
+// the key is the rev-NAT index in network order (Be16).
+type LB4RevNatValue struct {
+	Address [4]byte
+	Port    Be16
+}
+
+// LBMapSpec returns the spec of the load-balancing map called name with room
+// for maxEntries entries. The maps are hashes without preallocation, so an
+// empty map costs next to nothing whatever its size.
+func LBMapSpec(name string, maxEntries uint32) (*ebpf.MapSpec, error) {
+	spec := &ebpf.MapSpec{
+		Name:       name,
+		Type:       ebpf.Hash,
+		MaxEntries: maxEntries,
+		Flags:      unix.BPF_F_NO_PREALLOC,
+	}
+	switch name {
+	case LB4ServicesMap:
+		spec.KeySize, spec.ValueSize = LB4ServiceKeySize, LB4ServiceValueSize
+	case LB4BackendsMap:
+		spec.KeySize, spec.ValueSize = LB4BackendKeySize, LB4BackendValueSize
+	case LB4RevNatMap:
+		spec.KeySize, spec.ValueSize = LB4RevNatKeySize, LB4RevNatValueSize
+	default:
+		return nil, fmt.Errorf("%q is not a load-balancing map (want one of %s)",
+			name, strings.Join(LBMapNames[:], ", "))
+	}
+	return spec, nil
+}
+
+// L4Addr returns the address and port a service key stands for.
+func (k LB4ServiceKey) L4Addr() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom4(k.Address), k.Port.Uint16())
+}
+
+// L4Addr returns the backend's address and port.
+func (v LB4BackendValue) L4Addr() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom4(v.Address), v.Port.Uint16())
+}
+
+// L4Addr returns the frontend address and port replies are translated to.
+func (v LB4RevNatValue) L4Addr() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom4(v.Address), v.Port.Uint16())
+}

@@ -1,0 +1,146 @@
+// Package lb is the load balancer: it turns Services and EndpointSlices into
+// the services, frontends and backends tables, and keeps the lb4_services,
+// lb4_backends and lb4_reverse_nat maps in line with the frontends.
+//
+// The reflector reads both kinds from the input sources (Kubernetes or
+// --config-dir) and writes the three tables through one writer, a batch of
+// events per write transaction, so that the tables are always consistent
+// with each other. The reconciler (reconcilers.LB) writes only what
+// changed, in an order that never lets the datapath pick a missing slot.
+//
+// See docs/load-balancing.md.
+package lb
+
+import (
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+	"github.com/spf13/pflag"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+
+	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/reconcilers"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// Cell provides the read-only services, frontends and backends tables and
+// Maps, and keeps the load-balancing maps pinned and up to date.
+var Cell = cell.Module(
+	"lb",
+	"Load balancing of services to backends",
+
+	cell.Config(defaultConfig),
+	cell.ProvidePrivate(
+		tables.NewServicesTable,
+		tables.NewFrontendsTable,
+		tables.NewBackendsTable,
+		newLBOps,
+		newReflector,
+	),
+	cell.Provide(
+		statedb.RWTable[*tables.Service].ToTable,
+		statedb.RWTable[*tables.Frontend].ToTable,
+		statedb.RWTable[*tables.Backend].ToTable,
+		func(ops *reconcilers.LB) Maps { return ops },
+		scriptCommands,
+	),
+	cell.Invoke(
+		registerReflector,
+		registerReconciler,
+		registerMetrics,
+	),
+)
+
+// MapMaxFlag sizes the load-balancing maps.
+const MapMaxFlag = "bpf-lb-map-max"
+
+// Config is the load balancer's configuration.
+type Config struct {
+	// BPFLBMapMax is the number of entries of each load-balancing map.
+	BPFLBMapMax uint32
+}
+
+var defaultConfig = Config{BPFLBMapMax: 65536}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(fs *pflag.FlagSet) {
+	fs.Uint32(MapMaxFlag, def.BPFLBMapMax,
+		"Entries of each load-balancing map (lb4_services holds one per frontend plus one per backend of each frontend); a change resizes the maps keeping their entries")
+}
+
+// Maps gives other cells, such as the datapath loader, the maps the load
+// balancer keeps pinned.
+type Maps interface {
+	// Maps calls fn with the open maps. fn must not keep them.
+	Maps(fn func(services, backends, revNat *ebpf.Map) error) error
+}
+
+func newLBOps(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, backends statedb.RWTable[*tables.Backend], lc cell.Lifecycle) (*reconcilers.LB, error) {
+	if cfg.BPFLBMapMax < 16 || cfg.BPFLBMapMax > 1<<24 {
+		return nil, fmt.Errorf("--%s=%d is out of range 16-%d", MapMaxFlag, cfg.BPFLBMapMax, 1<<24)
+	}
+	ops := reconcilers.NewLB(log, reconcilers.LBConfig{
+		PinDir:         string(pinDir),
+		MaxEntries:     cfg.BPFLBMapMax,
+		MaxEntriesFlag: MapMaxFlag,
+	}, backends)
+	lc.Append(cell.Hook{
+		// The reconciler, a job, stops before this.
+		OnStop: func(cell.HookContext) error { return ops.Close() },
+	})
+	return ops, nil
+}
+
+func newReflector(
+	log *slog.Logger, db *statedb.DB,
+	services statedb.RWTable[*tables.Service],
+	frontends statedb.RWTable[*tables.Frontend],
+	backends statedb.RWTable[*tables.Backend],
+	svcs k8s.Resource[*corev1.Service],
+	slices k8s.Resource[*discoveryv1.EndpointSlice],
+) *reflector {
+	r := &reflector{
+		log:          log,
+		db:           db,
+		w:            &writer{services: services, frontends: frontends, backends: backends},
+		services:     svcs,
+		slices:       slices,
+		sliceService: map[k8s.Key]tables.ServiceName{},
+		problems:     map[string]string{},
+	}
+	// Registered before anything starts, so that the reconciler does not
+	// prune the maps of a restarted agent before the sources are read.
+	txn := db.WriteTxn(services, frontends, backends)
+	r.initDone = []func(statedb.WriteTxn){
+		services.RegisterInitializer(txn, "lb-sources"),
+		frontends.RegisterInitializer(txn, "lb-sources"),
+		backends.RegisterInitializer(txn, "lb-sources"),
+	}
+	txn.Commit()
+	return r
+}
+
+func registerReflector(jobs job.Group, r *reflector) {
+	jobs.Add(job.OneShot("reflect-services", r.run))
+}
+
+func registerReconciler(p reconciler.Params, frontends statedb.RWTable[*tables.Frontend], ops *reconcilers.LB) error {
+	_, err := reconciler.Register(p, frontends,
+		(*tables.Frontend).Clone, (*tables.Frontend).SetStatus, (*tables.Frontend).GetStatus,
+		ops, ops,
+		// Update works from a mirror of the maps, so a periodic refresh
+		// would find nothing to do.
+		reconciler.WithRefreshing(0, nil),
+		reconciler.WithPruning(30*time.Minute),
+		reconciler.WithRetry(100*time.Millisecond, time.Minute),
+	)
+	return err
+}

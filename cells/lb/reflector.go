@@ -1,0 +1,204 @@
+package lb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+
+	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// maxBatch bounds the events applied in one write transaction, so that
+// readers and the reconciler are never held up for long.
+const maxBatch = 1000
+
+// maxReportedProblems is how many invalid objects health lists by name.
+const maxReportedProblems = 10
+
+// reflector feeds Services and EndpointSlices into the tables through the
+// writer, a batch of events per write transaction.
+type reflector struct {
+	log      *slog.Logger
+	db       *statedb.DB
+	w        *writer
+	services k8s.Resource[*corev1.Service]
+	slices   k8s.Resource[*discoveryv1.EndpointSlice]
+	// initDone marks the tables initialized once both kinds have synced,
+	// which lets the reconciler prune.
+	initDone []func(statedb.WriteTxn)
+
+	// sliceService is the service each EndpointSlice was last seen with.
+	sliceService map[k8s.Key]tables.ServiceName
+	// problems are the invalid objects, by "Kind namespace/name".
+	problems map[string]string
+}
+
+// event is a Service or EndpointSlice event.
+type event struct {
+	svc   *k8s.Event[*corev1.Service]
+	slice *k8s.Event[*discoveryv1.EndpointSlice]
+}
+
+func (r *reflector) run(ctx context.Context, health cell.Health) error {
+	svcCh := r.services.Events(ctx)
+	sliceCh := r.slices.Events(ctx)
+	svcSynced, sliceSynced, initialized := false, false, false
+	health.OK("Waiting for Services and EndpointSlices")
+	for {
+		batch := make([]event, 0, 16)
+		receive := func(block bool) bool {
+			var ev event
+			if block {
+				select {
+				case e, ok := <-svcCh:
+					if !ok {
+						return false
+					}
+					ev.svc = &e
+				case e, ok := <-sliceCh:
+					if !ok {
+						return false
+					}
+					ev.slice = &e
+				}
+			} else {
+				select {
+				case e, ok := <-svcCh:
+					if !ok {
+						return false
+					}
+					ev.svc = &e
+				case e, ok := <-sliceCh:
+					if !ok {
+						return false
+					}
+					ev.slice = &e
+				default:
+					return false
+				}
+			}
+			batch = append(batch, ev)
+			return true
+		}
+		if !receive(true) {
+			return nil
+		}
+		for len(batch) < maxBatch && receive(false) {
+		}
+
+		for _, ev := range batch {
+			svcSynced = svcSynced || ev.svc != nil && ev.svc.Kind == k8s.Sync
+			sliceSynced = sliceSynced || ev.slice != nil && ev.slice.Kind == k8s.Sync
+		}
+		finishInit := svcSynced && sliceSynced && !initialized
+		r.apply(batch, finishInit)
+		if finishInit {
+			initialized = true
+			r.log.Info("Services and EndpointSlices synced")
+		}
+		r.reportHealth(health, initialized)
+	}
+}
+
+// apply writes a batch of events in one write transaction.
+func (r *reflector) apply(batch []event, finishInit bool) {
+	txn := r.db.WriteTxn(r.w.services, r.w.frontends, r.w.backends)
+	defer txn.Abort()
+	c := newChange()
+	for _, ev := range batch {
+		switch {
+		case ev.svc != nil:
+			r.applyService(txn, *ev.svc, c)
+		case ev.slice != nil:
+			r.applySlice(txn, *ev.slice, c)
+		}
+	}
+	r.w.refresh(txn, c)
+	for name, problems := range c.problems {
+		key := "Service " + name.String()
+		if len(problems) == 0 {
+			delete(r.problems, key)
+		} else {
+			r.problems[key] = strings.Join(problems, "; ")
+		}
+	}
+	if finishInit {
+		for _, done := range r.initDone {
+			done(txn)
+		}
+	}
+	txn.Commit()
+}
+
+func (r *reflector) applyService(txn statedb.WriteTxn, ev k8s.Event[*corev1.Service], c *change) {
+	name := tables.ServiceName{Namespace: ev.Key.Namespace, Name: ev.Key.Name}
+	switch ev.Kind {
+	case k8s.Upsert:
+		r.w.upsertService(txn, serviceFromK8s(ev.Object), c)
+	case k8s.Delete:
+		r.w.deleteService(txn, name, c)
+	}
+}
+
+func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.EndpointSlice], c *change) {
+	key := "EndpointSlice " + ev.Key.String()
+	prev, hadPrev := r.sliceService[ev.Key]
+	switch ev.Kind {
+	case k8s.Upsert:
+		p, ok := sliceFromK8s(ev.Object)
+		if len(p.errs) > 0 {
+			r.problems[key] = strings.Join(p.errs, "; ")
+		} else {
+			delete(r.problems, key)
+		}
+		if hadPrev && (!ok || prev != p.service) {
+			r.w.deleteSlice(txn, prev, ev.Key.Name, c)
+			delete(r.sliceService, ev.Key)
+		}
+		if ok {
+			r.w.upsertSlice(txn, p, c)
+			r.sliceService[ev.Key] = p.service
+		}
+	case k8s.Delete:
+		delete(r.problems, key)
+		if hadPrev {
+			r.w.deleteSlice(txn, prev, ev.Key.Name, c)
+			delete(r.sliceService, ev.Key)
+		}
+	}
+}
+
+// reportHealth lists the invalid objects, which are left out while
+// everything else keeps working.
+func (r *reflector) reportHealth(health cell.Health, initialized bool) {
+	if len(r.problems) == 0 {
+		if initialized {
+			health.OK("Services and EndpointSlices synced")
+		}
+		return
+	}
+	keys := slices.Sorted(maps.Keys(r.problems))
+	var b strings.Builder
+	for i, k := range keys {
+		if i == maxReportedProblems {
+			fmt.Fprintf(&b, "; and %d more", len(keys)-i)
+			break
+		}
+		if i > 0 {
+			b.WriteString("; ")
+		}
+		b.WriteString(k + ": " + r.problems[k])
+	}
+	health.Degraded(fmt.Sprintf("%d invalid object(s); their invalid parts are left out", len(keys)),
+		errors.New(b.String()))
+}

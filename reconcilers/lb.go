@@ -1,0 +1,372 @@
+package reconcilers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"iter"
+	"log/slog"
+	"slices"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// MaxServiceID and MaxBackendID bound the IDs the load balancer hands out;
+// 0 is never used, as the datapath reads it as "none".
+const (
+	MaxServiceID = 0xFFFF - 1
+	MaxBackendID = 0xFFFFFFFF - 1
+)
+
+// ErrLBIDsExhausted means every service or backend ID is in use.
+var ErrLBIDsExhausted = errors.New("load-balancing IDs exhausted")
+
+// LBConfig says where the load-balancing maps live and how big they are.
+type LBConfig struct {
+	// PinDir is the directory on bpffs the maps are pinned in.
+	PinDir string
+	// MaxEntries is the size of each map.
+	MaxEntries uint32
+	// MaxEntriesFlag names the flag that sets MaxEntries, for the error
+	// that says a map is full.
+	MaxEntriesFlag string
+}
+
+// LB converges the frontends table into lb4_services, lb4_backends and
+// lb4_reverse_nat. It implements reconciler.Operations and
+// reconciler.BatchOperations for *tables.Frontend.
+//
+// It keeps a mirror of what it wrote, restored from the pinned maps when it
+// first runs, so that every change writes only the entries that differ: a
+// restart with unchanged frontends writes nothing, and the IDs of frontends
+// and backends stay the same. See lb_slots.go for the slot layout.
+type LB struct {
+	log      *slog.Logger
+	cfg      LBConfig
+	backends statedb.Table[*tables.Backend]
+
+	// Ops counts the map operations by map and kind.
+	Ops LBOpCounts
+
+	mu            sync.Mutex
+	maps          *lbMaps
+	frontends     map[tables.L4Addr]*feState
+	frontendByID  map[uint16]*feState
+	backendByAddr map[tables.L4Addr]*beState
+	backendByID   map[uint32]*beState
+	// orphans are backends no frontend uses whose deletion failed; the
+	// next operation tries again.
+	orphans       []*beState
+	nextServiceID uint16
+	nextBackendID uint32
+}
+
+// feState is what the maps hold for one frontend.
+type feState struct {
+	addr tables.L4Addr
+	id   uint16
+	// master is set when slot 0 exists; count, qcount and flags are its
+	// contents.
+	master        bool
+	count, qcount uint16
+	flags         bpf.ServiceFlags
+	// slots[i] is the backend ID in slot i+1, 0 if the slot is missing.
+	// Slots beyond count+qcount are left over from a crash and go at the
+	// next update.
+	slots []uint32
+	// slotsFor are the ID and flags the slots were written with; a change
+	// rewrites them all.
+	slotsID    uint16
+	slotsFlags bpf.ServiceFlags
+	// held are the backend IDs this frontend counts a reference on, sorted.
+	held []uint32
+	// revNat is set when the reverse NAT entry for id holds addr.
+	revNat bool
+}
+
+// beState is what the maps hold for one backend.
+type beState struct {
+	id      uint32
+	addr    tables.L4Addr
+	refs    int32
+	written bool
+	value   bpf.LB4BackendValue
+}
+
+// NewLB returns the load-balancing reconciler operations. backends is read
+// for each backend's state across all the services that use it.
+func NewLB(log *slog.Logger, cfg LBConfig, backends statedb.Table[*tables.Backend]) *LB {
+	return &LB{
+		log:           log,
+		cfg:           cfg,
+		backends:      backends,
+		frontends:     map[tables.L4Addr]*feState{},
+		frontendByID:  map[uint16]*feState{},
+		backendByAddr: map[tables.L4Addr]*beState{},
+		backendByID:   map[uint32]*beState{},
+		nextServiceID: 1,
+		nextBackendID: 1,
+	}
+}
+
+// Close closes the maps; they stay pinned.
+func (l *LB) Close() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.maps == nil {
+		return nil
+	}
+	err := l.maps.close()
+	l.maps = nil
+	return err
+}
+
+// Maps calls fn with the open maps, opening and restoring them first if
+// this has not happened yet. fn must not keep them.
+func (l *LB) Maps(fn func(services, backends, revNat *ebpf.Map) error) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.ensureOpen(); err != nil {
+		return err
+	}
+	return fn(l.maps.services, l.maps.backends, l.maps.revNat)
+}
+
+// Update implements reconciler.Operations.
+func (l *LB) Update(ctx context.Context, txn statedb.ReadTxn, _ statedb.Revision, f *tables.Frontend) error {
+	batch := []reconciler.BatchEntry[*tables.Frontend]{{Object: f}}
+	l.UpdateBatch(ctx, txn, batch)
+	return batch[0].Result
+}
+
+// Delete implements reconciler.Operations.
+func (l *LB) Delete(ctx context.Context, txn statedb.ReadTxn, _ statedb.Revision, f *tables.Frontend) error {
+	batch := []reconciler.BatchEntry[*tables.Frontend]{{Object: f}}
+	l.DeleteBatch(ctx, txn, batch)
+	return batch[0].Result
+}
+
+// UpdateBatch implements reconciler.BatchOperations: the map writes of all
+// the frontends go out in one batch operation per map and step, so that a
+// burst of changes costs a few system calls instead of several per
+// frontend.
+func (l *LB) UpdateBatch(_ context.Context, txn statedb.ReadTxn, batch []reconciler.BatchEntry[*tables.Frontend]) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.ensureOpen(); err != nil {
+		for i := range batch {
+			batch[i].Result = err
+		}
+		return
+	}
+	run := newLBRun(len(batch))
+	plans := make([]*lbPlan, len(batch))
+	for i := range batch {
+		plans[i] = l.planUpdate(run, txn, batch[i].Object)
+	}
+	l.execute(run)
+	for _, p := range plans {
+		if p.err == nil {
+			l.finishUpdate(run, p)
+		}
+	}
+	l.executeReleases(run)
+	for i, p := range plans {
+		batch[i].Result = p.err
+		if p.err == nil {
+			batch[i].Object.ID = p.fe.id
+		}
+	}
+}
+
+// DeleteBatch implements reconciler.BatchOperations.
+func (l *LB) DeleteBatch(_ context.Context, _ statedb.ReadTxn, batch []reconciler.BatchEntry[*tables.Frontend]) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.ensureOpen(); err != nil {
+		for i := range batch {
+			batch[i].Result = err
+		}
+		return
+	}
+	run := newLBRun(len(batch))
+	plans := make([]*lbPlan, 0, len(batch))
+	for i := range batch {
+		if fe := l.frontends[batch[i].Object.Address]; fe != nil {
+			plans = append(plans, l.planDelete(run, fe))
+		}
+	}
+	l.execute(run)
+	for _, p := range plans {
+		if p.err == nil {
+			l.finishDelete(run, p)
+		}
+	}
+	l.executeReleases(run)
+	j := 0
+	for i := range batch {
+		if j < len(plans) && plans[j].fe.addr == batch[i].Object.Address {
+			batch[i].Result = plans[j].err
+			j++
+		}
+	}
+}
+
+// Prune implements reconciler.Operations. It runs once every source of
+// frontends has synced, and removes what the maps hold for frontends that
+// no longer exist, backends no frontend uses, and entries that the mirror
+// cannot explain (written by someone else, or left by a crash).
+func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tables.Frontend, statedb.Revision]) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.ensureOpen(); err != nil {
+		return err
+	}
+	want := map[tables.L4Addr]struct{}{}
+	used := map[tables.L4Addr]struct{}{}
+	for f := range desired {
+		want[f.Address] = struct{}{}
+		for _, b := range f.Backends {
+			used[b.Address] = struct{}{}
+		}
+	}
+
+	run := newLBRun(0)
+	var plans []*lbPlan
+	for addr, fe := range l.frontends {
+		if _, ok := want[addr]; !ok {
+			plans = append(plans, l.planDelete(run, fe))
+		}
+	}
+	l.execute(run)
+	var errs []error
+	for _, p := range plans {
+		if p.err != nil {
+			errs = append(errs, p.err)
+			continue
+		}
+		l.finishDelete(run, p)
+	}
+	for _, be := range l.backendByAddr {
+		if _, ok := used[be.addr]; !ok && be.refs == 0 && !slices.Contains(l.orphans, be) {
+			l.orphans = append(l.orphans, be)
+		}
+	}
+	l.executeReleases(run)
+	if len(l.orphans) > 0 {
+		errs = append(errs, fmt.Errorf("%d unused backends could not be deleted", len(l.orphans)))
+	}
+	if err := l.pruneStray(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// allocServiceID returns the next free service ID after the last one handed
+// out, so that a released ID is not reused at once: connections still
+// tracked under it would be translated to the wrong frontend.
+func (l *LB) allocServiceID() (uint16, error) {
+	for range MaxServiceID {
+		id := l.nextServiceID
+		l.nextServiceID++
+		if l.nextServiceID == 0 || l.nextServiceID > MaxServiceID {
+			l.nextServiceID = 1
+		}
+		if _, used := l.frontendByID[id]; !used {
+			return id, nil
+		}
+	}
+	return 0, fmt.Errorf("%w: all %d service IDs are in use", ErrLBIDsExhausted, MaxServiceID)
+}
+
+// allocBackendID is allocServiceID for backends.
+func (l *LB) allocBackendID() (uint32, error) {
+	for range len(l.backendByID) + 1 {
+		id := l.nextBackendID
+		l.nextBackendID++
+		if l.nextBackendID == 0 || l.nextBackendID > MaxBackendID {
+			l.nextBackendID = 1
+		}
+		if _, used := l.backendByID[id]; !used {
+			return id, nil
+		}
+	}
+	return 0, fmt.Errorf("%w: all %d backend IDs are in use", ErrLBIDsExhausted, uint32(MaxBackendID))
+}
+
+// backendFor returns the state of the backend at addr, giving it an ID if
+// it has none.
+func (l *LB) backendFor(addr tables.L4Addr) (*beState, error) {
+	if be := l.backendByAddr[addr]; be != nil {
+		return be, nil
+	}
+	id, err := l.allocBackendID()
+	if err != nil {
+		return nil, err
+	}
+	be := &beState{id: id, addr: addr}
+	l.backendByAddr[addr] = be
+	l.backendByID[id] = be
+	return be, nil
+}
+
+// forgetBackend drops a backend whose entry is gone from the map.
+func (l *LB) forgetBackend(be *beState) {
+	delete(l.backendByAddr, be.addr)
+	delete(l.backendByID, be.id)
+}
+
+// frontendFlags are the service flags of a frontend type.
+func frontendFlags(t tables.FrontendType) bpf.ServiceFlags {
+	switch t {
+	case tables.FrontendExternalIP:
+		return bpf.SvcFlagExternalIPs | bpf.SvcFlagRoutable
+	case tables.FrontendLoadBalancer:
+		return bpf.SvcFlagLoadBalancer | bpf.SvcFlagRoutable
+	}
+	return 0
+}
+
+// backendMapState is how the datapath encodes a backend state.
+func backendMapState(s tables.BackendState) bpf.BackendState {
+	switch s {
+	case tables.BackendActive:
+		return bpf.BackendActive
+	case tables.BackendTerminating:
+		return bpf.BackendTerminating
+	}
+	return bpf.BackendMaintenance
+}
+
+func serviceKey(addr tables.L4Addr, slot uint16) bpf.LB4ServiceKey {
+	return bpf.LB4ServiceKey{
+		Address: addr.Addr.As4(),
+		Port:    bpf.NewBe16(addr.Port),
+		Slot:    slot,
+		Proto:   uint8(addr.Proto),
+	}
+}
+
+func backendValue(addr tables.L4Addr, state tables.BackendState) bpf.LB4BackendValue {
+	return bpf.LB4BackendValue{
+		Address: addr.Addr.As4(),
+		Port:    bpf.NewBe16(addr.Port),
+		Proto:   uint8(addr.Proto),
+		State:   backendMapState(state),
+	}
+}
+
+// insertSorted adds id to the sorted set s.
+func insertSorted(s []uint32, id uint32) ([]uint32, bool) {
+	i, found := slices.BinarySearch(s, id)
+	if found {
+		return s, false
+	}
+	return slices.Insert(s, i, id), true
+}
