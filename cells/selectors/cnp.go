@@ -1,0 +1,250 @@
+package selectors
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/rest"
+	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/apiary-net/apiary/cells/k8s"
+)
+
+// GroupVersion is cilium.io/v2, the API group of the policy kinds. The
+// types below are apiary's own, holding the subset of the CRDs apiary
+// understands; fields they don't have are ignored when decoding, so
+// existing policies load unchanged.
+var GroupVersion = schema.GroupVersion{Group: "cilium.io", Version: "v2"}
+
+// CiliumNetworkPolicy is a namespaced policy.
+type CiliumNetworkPolicy struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata"`
+
+	// Spec is a single rule; Specs a list of them. Both may be set.
+	Spec  *Rule  `json:"spec,omitempty"`
+	Specs []Rule `json:"specs,omitempty"`
+}
+
+// CiliumClusterwideNetworkPolicy is a cluster-scoped policy: its selectors
+// are not restricted to a namespace.
+type CiliumClusterwideNetworkPolicy struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata"`
+
+	Spec  *Rule  `json:"spec,omitempty"`
+	Specs []Rule `json:"specs,omitempty"`
+}
+
+// Rule selects endpoints and says which peers they may talk to.
+type Rule struct {
+	EndpointSelector *EndpointSelector `json:"endpointSelector,omitempty"`
+	Ingress          []IngressRule     `json:"ingress,omitempty"`
+	Egress           []EgressRule      `json:"egress,omitempty"`
+	Description      string            `json:"description,omitempty"`
+}
+
+// EndpointSelector is a Kubernetes label selector over security labels.
+// Keys may carry a source ("k8s:app"); without one they match any source.
+type EndpointSelector struct {
+	MatchLabels      map[string]string          `json:"matchLabels,omitempty"`
+	MatchExpressions []LabelSelectorRequirement `json:"matchExpressions,omitempty"`
+}
+
+// LabelSelectorRequirement is one matchExpressions entry.
+type LabelSelectorRequirement struct {
+	Key      string   `json:"key"`
+	Operator string   `json:"operator"`
+	Values   []string `json:"values,omitempty"`
+}
+
+// IngressRule lists the peers allowed in.
+type IngressRule struct {
+	FromEndpoints []EndpointSelector `json:"fromEndpoints,omitempty"`
+	FromCIDR      []string           `json:"fromCIDR,omitempty"`
+	FromCIDRSet   []CIDRRule         `json:"fromCIDRSet,omitempty"`
+}
+
+// EgressRule lists the peers allowed out.
+type EgressRule struct {
+	ToEndpoints []EndpointSelector `json:"toEndpoints,omitempty"`
+	ToCIDR      []string           `json:"toCIDR,omitempty"`
+	ToCIDRSet   []CIDRRule         `json:"toCIDRSet,omitempty"`
+	ToFQDNs     []FQDNSelector     `json:"toFQDNs,omitempty"`
+}
+
+// CIDRRule is a prefix minus the prefixes in Except.
+type CIDRRule struct {
+	CIDR   string   `json:"cidr"`
+	Except []string `json:"except,omitempty"`
+}
+
+// FQDNSelector selects peers by DNS name (resolved by the DNS proxy).
+type FQDNSelector struct {
+	MatchName    string `json:"matchName,omitempty"`
+	MatchPattern string `json:"matchPattern,omitempty"`
+}
+
+// CiliumNetworkPolicyList is a list of CiliumNetworkPolicy.
+type CiliumNetworkPolicyList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata"`
+	Items           []CiliumNetworkPolicy `json:"items"`
+}
+
+// CiliumClusterwideNetworkPolicyList is a list of
+// CiliumClusterwideNetworkPolicy.
+type CiliumClusterwideNetworkPolicyList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata"`
+	Items           []CiliumClusterwideNetworkPolicy `json:"items"`
+}
+
+// deepCopy copies through JSON: the types hold only JSON data, and copies
+// are rare (informer stores hand out shared objects).
+func deepCopy[T any](in *T) *T {
+	out := new(T)
+	data, err := json.Marshal(in)
+	if err == nil {
+		err = json.Unmarshal(data, out)
+	}
+	if err != nil {
+		panic(fmt.Sprintf("deep copy %T: %v", in, err)) // can't happen for these types
+	}
+	return out
+}
+
+// DeepCopyObject implements runtime.Object.
+func (p *CiliumNetworkPolicy) DeepCopyObject() runtime.Object { return deepCopy(p) }
+
+// DeepCopyObject implements runtime.Object.
+func (p *CiliumClusterwideNetworkPolicy) DeepCopyObject() runtime.Object { return deepCopy(p) }
+
+// DeepCopyObject implements runtime.Object.
+func (l *CiliumNetworkPolicyList) DeepCopyObject() runtime.Object { return deepCopy(l) }
+
+// DeepCopyObject implements runtime.Object.
+func (l *CiliumClusterwideNetworkPolicyList) DeepCopyObject() runtime.Object { return deepCopy(l) }
+
+// CNPKind is cilium.io/v2 CiliumNetworkPolicy.
+var CNPKind = k8s.Kind[*CiliumNetworkPolicy]{
+	GVK:        GroupVersion.WithKind("CiliumNetworkPolicy"),
+	Resource:   "ciliumnetworkpolicies",
+	Namespaced: true,
+	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
+		return crdListWatch(c, "ciliumnetworkpolicies", func(items []runtime.Object) *CiliumNetworkPolicyList {
+			l := &CiliumNetworkPolicyList{}
+			for _, o := range items {
+				if p, ok := o.(*CiliumNetworkPolicy); ok {
+					l.Items = append(l.Items, *p)
+				}
+			}
+			return l
+		})
+	},
+}
+
+// CCNPKind is cilium.io/v2 CiliumClusterwideNetworkPolicy.
+var CCNPKind = k8s.Kind[*CiliumClusterwideNetworkPolicy]{
+	GVK:        GroupVersion.WithKind("CiliumClusterwideNetworkPolicy"),
+	Resource:   "ciliumclusterwidenetworkpolicies",
+	Namespaced: false,
+	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
+		return crdListWatch(c, "ciliumclusterwidenetworkpolicies", func(items []runtime.Object) *CiliumClusterwideNetworkPolicyList {
+			l := &CiliumClusterwideNetworkPolicyList{}
+			for _, o := range items {
+				if p, ok := o.(*CiliumClusterwideNetworkPolicy); ok {
+					l.Items = append(l.Items, *p)
+				}
+			}
+			return l
+		})
+	},
+}
+
+// scheme knows the policy types, for the REST client's JSON decoding.
+var scheme = func() *runtime.Scheme {
+	s := runtime.NewScheme()
+	s.AddKnownTypes(GroupVersion,
+		&CiliumNetworkPolicy{}, &CiliumNetworkPolicyList{},
+		&CiliumClusterwideNetworkPolicy{}, &CiliumClusterwideNetworkPolicyList{})
+	metav1.AddToGroupVersion(s, GroupVersion)
+	return s
+}()
+
+// tracker is what the fake clientset of tests offers.
+type tracker interface {
+	Tracker() k8stesting.ObjectTracker
+}
+
+// crdListWatch lists and watches a cilium.io/v2 resource: with a REST
+// client on a real API server, or through the object tracker of the fake
+// clientset, which stores objects of any kind but can only list the types
+// of its own scheme (so it is asked for a generic v1 List, whose items
+// carry the objects as they are).
+func crdListWatch[L runtime.Object](c *k8s.Clientset, resource string, toList func([]runtime.Object) L) cache.ListerWatcher {
+	gvr := GroupVersion.WithResource(resource)
+	if f, ok := c.Interface.(tracker); ok && c.RESTConfig == nil {
+		t := f.Tracker()
+		return k8s.NewListWatch(c.Interface,
+			func(_ context.Context, _ metav1.ListOptions) (L, error) {
+				obj, err := t.List(gvr, schema.GroupVersionKind{Version: "v1"}, "")
+				if err != nil {
+					var zero L
+					return zero, err
+				}
+				items, err := meta.ExtractList(obj)
+				if err != nil {
+					var zero L
+					return zero, err
+				}
+				return toList(items), nil
+			},
+			func(_ context.Context, _ metav1.ListOptions) (watch.Interface, error) {
+				return t.Watch(gvr, "")
+			})
+	}
+	rc, err := restClient(c.RESTConfig)
+	if err != nil {
+		return &failingListWatch{err: err}
+	}
+	return k8s.NewListWatch(c.Interface,
+		func(ctx context.Context, opts metav1.ListOptions) (L, error) {
+			out := toList(nil)
+			err := rc.Get().Resource(resource).VersionedParams(&opts, metav1.ParameterCodec).Do(ctx).Into(out)
+			return out, err
+		},
+		func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+			opts.Watch = true
+			return rc.Get().Resource(resource).VersionedParams(&opts, metav1.ParameterCodec).Watch(ctx)
+		})
+}
+
+func restClient(cfg *rest.Config) (*rest.RESTClient, error) {
+	if cfg == nil {
+		return nil, fmt.Errorf("no REST config for %s", GroupVersion)
+	}
+	cfg = rest.CopyConfig(cfg)
+	cfg.GroupVersion = &GroupVersion
+	cfg.APIPath = "/apis"
+	cfg.NegotiatedSerializer = serializer.NewCodecFactory(scheme).WithoutConversion()
+	if cfg.UserAgent == "" {
+		cfg.UserAgent = rest.DefaultKubernetesUserAgent()
+	}
+	return rest.RESTClientFor(cfg)
+}
+
+// failingListWatch reports a client that could not be built on every call,
+// so that the informer retries and logs it instead of the agent crashing.
+type failingListWatch struct{ err error }
+
+func (f *failingListWatch) List(metav1.ListOptions) (runtime.Object, error)   { return nil, f.err }
+func (f *failingListWatch) Watch(metav1.ListOptions) (watch.Interface, error) { return nil, f.err }

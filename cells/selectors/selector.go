@@ -1,0 +1,325 @@
+package selectors
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/apiary-net/apiary/tables"
+)
+
+// Selector selects identities by their labels. Three kinds exist: label
+// selectors (Kubernetes semantics over security labels), CIDR selectors
+// (prefix-aware over cidr: labels) and FQDN selectors (identities carrying
+// the selector's fqdn: label, which the DNS proxy gives the IPs of names it
+// matches).
+type Selector interface {
+	// String is the canonical form: two selectors with the same string
+	// select the same identities, and share a row of the selectors table.
+	String() string
+	// Matches reports whether the selector selects an identity with the
+	// labels l.
+	Matches(l tables.Labels) bool
+}
+
+// Label selector operators.
+const (
+	opIn           = "In"
+	opNotIn        = "NotIn"
+	opExists       = "Exists"
+	opDoesNotExist = "DoesNotExist"
+)
+
+// requirement is one condition of a label selector. An empty source (from
+// a key without one) matches any source.
+type requirement struct {
+	source, key string
+	op          string
+	values      []string // sorted
+}
+
+func (r requirement) label() string {
+	src := r.source
+	if src == "" {
+		src = "any"
+	}
+	return src + ":" + r.key
+}
+
+func (r requirement) String() string {
+	switch r.op {
+	case opIn:
+		if len(r.values) == 1 {
+			return r.label() + "=" + r.values[0]
+		}
+		return r.label() + " in (" + strings.Join(r.values, ",") + ")"
+	case opNotIn:
+		return r.label() + " notin (" + strings.Join(r.values, ",") + ")"
+	case opExists:
+		return r.label()
+	default:
+		return "!" + r.label()
+	}
+}
+
+// value returns the value of the label the requirement is about.
+func (r requirement) value(l tables.Labels) (string, bool) {
+	for _, s := range l {
+		src, key, value, _ := tables.SplitLabel(s)
+		if key == r.key && (r.source == "" || r.source == src) {
+			return value, true
+		}
+	}
+	return "", false
+}
+
+func (r requirement) matches(l tables.Labels) bool {
+	v, ok := r.value(l)
+	switch r.op {
+	case opIn:
+		return ok && slices.Contains(r.values, v)
+	case opNotIn:
+		return !ok || !slices.Contains(r.values, v)
+	case opExists:
+		return ok
+	default:
+		return !ok
+	}
+}
+
+// LabelSelector is a conjunction of requirements. It never selects
+// identities without workload or reserved labels of the cluster: CIDR and
+// FQDN identities are selected by CIDR and FQDN selectors only.
+type LabelSelector struct {
+	reqs []requirement
+	text string
+}
+
+// String implements Selector.
+func (s *LabelSelector) String() string { return s.text }
+
+// Matches implements Selector.
+func (s *LabelSelector) Matches(l tables.Labels) bool {
+	if outsideCluster(l) {
+		return false
+	}
+	for _, r := range s.reqs {
+		if !r.matches(l) {
+			return false
+		}
+	}
+	return true
+}
+
+// outsideCluster reports whether l is the label set of addresses outside
+// the cluster: only cidr:, fqdn: and world labels.
+func outsideCluster(l tables.Labels) bool {
+	for _, s := range l {
+		switch s {
+		case tables.LabelWorld, tables.LabelWorldIPv4, tables.LabelWorldIPv6:
+			continue
+		}
+		if src, _, _, _ := tables.SplitLabel(s); src != tables.SourceCIDR && src != tables.SourceFQDN {
+			return false
+		}
+	}
+	return true
+}
+
+// NamespaceLabel is the label of a pod's namespace.
+const NamespaceLabel = "io.kubernetes.pod.namespace"
+
+// ParseEndpointSelector returns the label selector of es. A namespace that
+// is not empty restricts it to endpoints of that namespace unless it names
+// a namespace itself, as a namespaced policy's selectors are.
+func ParseEndpointSelector(es EndpointSelector, namespace string) (*LabelSelector, error) {
+	var reqs []requirement
+	hasNamespace := false
+	add := func(key, op string, values []string) error {
+		source, k := "", key
+		if src, rest, ok := strings.Cut(key, ":"); ok {
+			source, k = src, rest
+		}
+		if source == "any" {
+			source = ""
+		}
+		if k == "" {
+			return fmt.Errorf("selector key %q is empty", key)
+		}
+		if strings.ContainsAny(k, " ,=()!") {
+			return fmt.Errorf("selector key %q holds a character that is not allowed", key)
+		}
+		switch op {
+		case opIn, opNotIn:
+			if len(values) == 0 {
+				return fmt.Errorf("selector %q: operator %s needs values", key, op)
+			}
+		case opExists, opDoesNotExist:
+			if len(values) != 0 {
+				return fmt.Errorf("selector %q: operator %s takes no values", key, op)
+			}
+		default:
+			return fmt.Errorf("selector %q: unknown operator %q (want In, NotIn, Exists or DoesNotExist)", key, op)
+		}
+		if k == NamespaceLabel && (source == "" || source == tables.SourceK8s) {
+			hasNamespace = true
+		}
+		vs := slices.Clone(values)
+		slices.Sort(vs)
+		reqs = append(reqs, requirement{source: source, key: k, op: op, values: slices.Compact(vs)})
+		return nil
+	}
+	for key, value := range es.MatchLabels {
+		if err := add(key, opIn, []string{value}); err != nil {
+			return nil, err
+		}
+	}
+	for _, e := range es.MatchExpressions {
+		if err := add(e.Key, e.Operator, e.Values); err != nil {
+			return nil, err
+		}
+	}
+	if namespace != "" && !hasNamespace {
+		reqs = append(reqs, requirement{source: tables.SourceK8s, key: NamespaceLabel, op: opIn, values: []string{namespace}})
+	}
+	parts := make([]string, len(reqs))
+	for i, r := range reqs {
+		parts[i] = r.String()
+	}
+	slices.Sort(parts)
+	text := strings.Join(parts, ", ")
+	if text == "" {
+		text = "all"
+	}
+	return &LabelSelector{reqs: reqs, text: text}, nil
+}
+
+// CIDRSelector selects the identities labelled with a cidr: label of a
+// prefix inside Prefix but not inside any of Except. Selection is
+// prefix-aware: cidr:192.0.2.0/24 selects an identity labelled only
+// cidr:192.0.2.128/25, since the ipcache keeps only the longest cidr:
+// label of each prefix.
+type CIDRSelector struct {
+	Prefix netip.Prefix
+	Except []netip.Prefix
+	text   string
+}
+
+// ParseCIDR returns the selector of cidr minus except. Every prefix of
+// except must lie inside cidr.
+func ParseCIDR(cidr string, except []string) (*CIDRSelector, error) {
+	p, err := parsePrefix(cidr)
+	if err != nil {
+		return nil, err
+	}
+	s := &CIDRSelector{Prefix: p}
+	for _, e := range except {
+		ep, err := parsePrefix(e)
+		if err != nil {
+			return nil, fmt.Errorf("except of %s: %w", p, err)
+		}
+		if ep.Addr().Is4() != p.Addr().Is4() || ep.Bits() < p.Bits() || !p.Contains(ep.Addr()) {
+			return nil, fmt.Errorf("except %s is not inside %s", ep, p)
+		}
+		s.Except = append(s.Except, ep)
+	}
+	slices.SortFunc(s.Except, func(a, b netip.Prefix) int { return strings.Compare(a.String(), b.String()) })
+	s.Except = slices.Compact(s.Except)
+	s.text = tables.CIDRLabel(p)
+	for _, e := range s.Except {
+		s.text += " except " + tables.CIDRLabel(e)
+	}
+	return s, nil
+}
+
+// parsePrefix parses a CIDR or a bare address (a host prefix).
+func parsePrefix(s string) (netip.Prefix, error) {
+	if p, err := netip.ParsePrefix(s); err == nil {
+		return tables.CanonicalPrefix(p), nil
+	}
+	if a, err := netip.ParseAddr(s); err == nil {
+		return tables.HostPrefix(a), nil
+	}
+	return netip.Prefix{}, fmt.Errorf("invalid CIDR %q", s)
+}
+
+// String implements Selector.
+func (s *CIDRSelector) String() string { return s.text }
+
+// Prefixes returns the prefixes the selector names; each needs its own
+// cidr: label in the ipcache so that Except can tell them apart.
+func (s *CIDRSelector) Prefixes() []netip.Prefix {
+	return append([]netip.Prefix{s.Prefix}, s.Except...)
+}
+
+// Matches implements Selector.
+func (s *CIDRSelector) Matches(l tables.Labels) bool {
+	inside := func(outer, inner netip.Prefix) bool {
+		return outer.Addr().Is4() == inner.Addr().Is4() && outer.Bits() <= inner.Bits() && outer.Contains(inner.Addr())
+	}
+	for _, label := range l {
+		q, ok := tables.ParseCIDRLabel(label)
+		if !ok || !inside(s.Prefix, q) {
+			continue
+		}
+		excluded := false
+		for _, e := range s.Except {
+			if inside(e, q) {
+				excluded = true
+				break
+			}
+		}
+		if !excluded {
+			return true
+		}
+	}
+	if s.Prefix.Bits() == 0 && len(s.Except) == 0 {
+		// The whole address family: the world as well.
+		world := tables.LabelWorldIPv6
+		if s.Prefix.Addr().Is4() {
+			world = tables.LabelWorldIPv4
+		}
+		return l.Has(world) || l.Has(tables.LabelWorld)
+	}
+	return false
+}
+
+// ParseFQDN returns the selector of a toFQDNs entry.
+func ParseFQDN(f FQDNSelector) (*FQDNPeer, error) {
+	pattern := f.MatchName
+	if f.MatchPattern != "" {
+		if f.MatchName != "" {
+			return nil, fmt.Errorf("toFQDNs entry has both matchName %q and matchPattern %q", f.MatchName, f.MatchPattern)
+		}
+		pattern = f.MatchPattern
+	}
+	pattern = strings.TrimSuffix(strings.ToLower(strings.TrimSpace(pattern)), ".")
+	if pattern == "" {
+		return nil, fmt.Errorf("toFQDNs entry has neither matchName nor matchPattern")
+	}
+	allowed := "abcdefghijklmnopqrstuvwxyz0123456789-_."
+	if f.MatchPattern != "" {
+		allowed += "*"
+	}
+	for _, c := range pattern {
+		if !strings.ContainsRune(allowed, c) {
+			return nil, fmt.Errorf("toFQDNs %q: character %q is not allowed", pattern, c)
+		}
+	}
+	return &FQDNPeer{Label: tables.SourceFQDN + ":" + pattern}, nil
+}
+
+// FQDNPeer is the selector of a toFQDNs entry: it selects the identities
+// carrying its Label, which the DNS proxy gives the IPs of the names the
+// pattern matches.
+type FQDNPeer struct {
+	// Label is "fqdn:<pattern>".
+	Label string
+}
+
+// String implements Selector.
+func (s *FQDNPeer) String() string { return s.Label }
+
+// Matches implements Selector.
+func (s *FQDNPeer) Matches(l tables.Labels) bool { return l.Has(s.Label) }
