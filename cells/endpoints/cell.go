@@ -1,0 +1,324 @@
+// Package endpoints owns the endpoints table: the Pods running on this node
+// with their security labels and identity. It also labels the IPs of every
+// Pod it hears of (on any node) with the Pod's security labels, so that
+// they resolve to workload identities in the ipcache.
+//
+// A Pod's security labels are its labels as k8s:<key>=<value> (less the
+// per-pod ones, see ignoredPodLabels), its namespace as
+// k8s:io.kubernetes.pod.namespace=<ns>, and its namespace's labels as
+// k8s:io.cilium.k8s.namespace.labels.<key>=<value>.
+package endpoints
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"slices"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/cells/node"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// Cell provides the read-only endpoints table.
+var Cell = cell.Module(
+	"endpoints",
+	"Pods on this node and their identities",
+
+	cell.ProvidePrivate(tables.NewEndpointsTable),
+	cell.Provide(statedb.RWTable[*tables.Endpoint].ToTable),
+	cell.Invoke(registerController),
+)
+
+// Label keys and prefixes of security labels.
+const (
+	NamespaceLabel       = "io.kubernetes.pod.namespace"
+	NamespaceLabelPrefix = "io.cilium.k8s.namespace.labels."
+)
+
+// ignoredPodLabels differ between the pods of one workload (hashes,
+// indexes, names); as security labels they would give every pod an identity
+// of its own.
+var ignoredPodLabels = []string{
+	"pod-template-hash",
+	"controller-revision-hash",
+	"pod-template-generation",
+	"statefulset.kubernetes.io/pod-name",
+	"apps.kubernetes.io/pod-index",
+	"controller-uid",
+	"batch.kubernetes.io/controller-uid",
+}
+
+// SecurityLabels returns the security labels of pod in a namespace with
+// the labels nsLabels.
+func SecurityLabels(pod *corev1.Pod, nsLabels map[string]string) tables.Labels {
+	out := make([]string, 0, len(pod.Labels)+len(nsLabels)+1)
+	for k, v := range pod.Labels {
+		if !slices.Contains(ignoredPodLabels, k) {
+			out = append(out, tables.SourceK8s+":"+k+"="+v)
+		}
+	}
+	for k, v := range nsLabels {
+		out = append(out, tables.SourceK8s+":"+NamespaceLabelPrefix+k+"="+v)
+	}
+	out = append(out, tables.SourceK8s+":"+NamespaceLabel+"="+pod.Namespace)
+	return tables.NewLabels(out...)
+}
+
+// podIPs returns the addresses of a pod that holds them: not one on the
+// host's network (those are the node's), nor one that has terminated.
+func podIPs(pod *corev1.Pod) []netip.Addr {
+	if pod.Spec.HostNetwork || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+		return nil
+	}
+	var out []netip.Addr
+	add := func(s string) {
+		if a, err := netip.ParseAddr(s); err == nil && !slices.Contains(out, a.Unmap()) {
+			out = append(out, a.Unmap())
+		}
+	}
+	for _, ip := range pod.Status.PodIPs {
+		add(ip.IP)
+	}
+	add(pod.Status.PodIP)
+	return out
+}
+
+type controllerParams struct {
+	cell.In
+
+	Log        *slog.Logger
+	DB         *statedb.DB
+	Jobs       job.Group
+	Node       node.Config
+	Endpoints  statedb.RWTable[*tables.Endpoint]
+	IPCache    statedb.Table[*tables.IPCacheEntry]
+	Identities statedb.Table[*tables.Identity]
+	Prefixes   ipcache.Prefixes
+	Pods       k8s.Resource[*corev1.Pod]
+	Namespaces k8s.Resource[*corev1.Namespace]
+}
+
+type podState struct {
+	pod    *corev1.Pod
+	ips    []netip.Addr
+	labels tables.Labels
+}
+
+type controller struct {
+	controllerParams
+
+	pods     map[k8s.Key]*podState
+	nsLabels map[string]map[string]string
+	// changes to the prefixes, applied by flush.
+	changes []ipcache.Change
+}
+
+func registerController(p controllerParams) {
+	c := &controller{controllerParams: p, pods: map[k8s.Key]*podState{}, nsLabels: map[string]map[string]string{}}
+	synced := p.Prefixes.RegisterInitializer("pods")
+	p.Jobs.Add(job.OneShot("pods", func(ctx context.Context, h cell.Health) error {
+		return c.run(ctx, h, synced)
+	}))
+}
+
+// owner returns the prefixes owner of a pod.
+func owner(key k8s.Key) string {
+	return "pod/" + key.Namespace + "/" + key.Name
+}
+
+const maxBatch = 1000
+
+func (c *controller) run(ctx context.Context, h cell.Health, synced func()) error {
+	pods, namespaces := c.Pods.Events(ctx), c.Namespaces.Events(ctx)
+	podsSynced, nsSynced, initDone := false, false, false
+	for {
+		if err := c.flush(); err != nil {
+			return err
+		}
+		if !initDone && podsSynced && nsSynced {
+			initDone = true
+			synced()
+		}
+		_, ipcacheWatch := c.IPCache.AllWatch(c.DB.ReadTxn())
+		if err := c.writeEndpoints(); err != nil {
+			return err
+		}
+		h.OK(fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local()))
+
+		for n := 0; n < maxBatch; n++ {
+			var (
+				pev  k8s.Event[*corev1.Pod]
+				nev  k8s.Event[*corev1.Namespace]
+				ok   bool
+				kind int
+			)
+			if n == 0 {
+				select {
+				case <-ctx.Done():
+					return nil
+				case <-ipcacheWatch:
+					kind = -1
+				case pev, ok = <-pods:
+					kind = 1
+				case nev, ok = <-namespaces:
+					kind = 2
+				}
+			} else {
+				select {
+				case pev, ok = <-pods:
+					kind = 1
+				case nev, ok = <-namespaces:
+					kind = 2
+				default:
+					kind = -1
+				}
+			}
+			if kind == -1 {
+				break
+			}
+			if !ok {
+				return nil
+			}
+			switch {
+			case kind == 1 && pev.Kind == k8s.Sync:
+				podsSynced = true
+			case kind == 1:
+				c.podChanged(pev)
+			case nev.Kind == k8s.Sync:
+				nsSynced = true
+			default:
+				c.namespaceChanged(nev)
+			}
+		}
+	}
+}
+
+func (c *controller) local() int {
+	n := 0
+	for _, s := range c.pods {
+		if s.pod.Spec.NodeName == c.Node.NodeName {
+			n++
+		}
+	}
+	return n
+}
+
+func (c *controller) podChanged(ev k8s.Event[*corev1.Pod]) {
+	old := c.pods[ev.Key]
+	if ev.Kind == k8s.Delete {
+		delete(c.pods, ev.Key)
+		c.relabel(ev.Key, old, nil)
+		return
+	}
+	s := &podState{pod: ev.Object, ips: podIPs(ev.Object), labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace])}
+	c.pods[ev.Key] = s
+	c.relabel(ev.Key, old, s)
+}
+
+func (c *controller) namespaceChanged(ev k8s.Event[*corev1.Namespace]) {
+	ns := ev.Key.Name
+	if ev.Kind == k8s.Delete {
+		delete(c.nsLabels, ns)
+	} else {
+		c.nsLabels[ns] = ev.Object.Labels
+	}
+	for key, old := range c.pods {
+		if key.Namespace != ns {
+			continue
+		}
+		s := &podState{pod: old.pod, ips: old.ips, labels: SecurityLabels(old.pod, c.nsLabels[ns])}
+		c.pods[key] = s
+		c.relabel(key, old, s)
+	}
+}
+
+// relabel queues the prefix changes from old to new (either may be nil).
+func (c *controller) relabel(key k8s.Key, old, new *podState) {
+	o := owner(key)
+	if old != nil {
+		for _, ip := range old.ips {
+			if new == nil || !slices.Contains(new.ips, ip) {
+				c.changes = append(c.changes, ipcache.Delete(tables.HostPrefix(ip), o))
+			}
+		}
+	}
+	if new == nil {
+		return
+	}
+	for _, ip := range new.ips {
+		if old == nil || !old.labels.Equal(new.labels) || !slices.Contains(old.ips, ip) {
+			c.changes = append(c.changes, ipcache.Change{Prefix: tables.HostPrefix(ip), Owner: o, Labels: new.labels})
+		}
+	}
+}
+
+func (c *controller) flush() error {
+	if len(c.changes) == 0 {
+		return nil
+	}
+	if _, err := c.Prefixes.Update(c.changes...); err != nil {
+		return fmt.Errorf("label pod IPs: %w", err)
+	}
+	c.changes = c.changes[:0]
+	return nil
+}
+
+// writeEndpoints brings the endpoints table in line with the local pods
+// and the identities their IPs resolved to.
+func (c *controller) writeEndpoints() error {
+	wtxn := c.DB.WriteTxn(c.Endpoints)
+	defer wtxn.Abort()
+	want := map[string]*tables.Endpoint{}
+	for key, s := range c.pods {
+		if s.pod.Spec.NodeName != c.Node.NodeName || s.pod.Spec.HostNetwork {
+			continue // host-network pods are the host
+		}
+		e := &tables.Endpoint{Name: key.String(), IPs: s.ips, Labels: s.labels}
+		if len(s.ips) > 0 {
+			entry, _, found := c.IPCache.Get(wtxn, tables.IPCachePrefixIndex.Query(tables.HostPrefix(s.ips[0])))
+			// Until the ipcache has resolved the pod's own labels the
+			// endpoint waits; the ipcache table's watch brings it back.
+			switch {
+			case !found || !slices.Contains(entry.Owners, owner(key)):
+			case entry.Error != "":
+				e.Error = entry.Error
+			default:
+				e.Identity = entry.Identity
+				if id, _, ok := c.Identities.Get(wtxn, tables.IdentityIDIndex.Query(entry.Identity)); ok {
+					e.IdentitySource = id.Source
+				}
+			}
+		}
+		want[e.Name] = e
+	}
+	for e := range c.Endpoints.All(wtxn) {
+		if _, ok := want[e.Name]; !ok {
+			if _, _, err := c.Endpoints.Delete(wtxn, e); err != nil {
+				return err
+			}
+		}
+	}
+	for _, e := range want {
+		if old, _, found := c.Endpoints.Get(wtxn, tables.EndpointNameIndex.Query(e.Name)); found && sameEndpoint(old, e) {
+			continue
+		}
+		if _, _, err := c.Endpoints.Insert(wtxn, e); err != nil {
+			return err
+		}
+	}
+	wtxn.Commit()
+	return nil
+}
+
+func sameEndpoint(a, b *tables.Endpoint) bool {
+	return a.Name == b.Name && slices.Equal(a.IPs, b.IPs) && a.Labels.Equal(b.Labels) &&
+		a.Identity == b.Identity && a.IdentitySource == b.IdentitySource && a.Error == b.Error
+}
