@@ -77,7 +77,6 @@ func WriteEntries(w io.Writer, entries []Entry) error {
 	return nil
 }
 
-
 // WritePinned prints the entries of the ipcache map pinned in pinDir, as
 // WriteEntries does, reading the map directly (`apiary bpf ipcache list`).
 func WritePinned(w io.Writer, pinDir string) error {
