@@ -59,7 +59,7 @@ const testNetwork = "apiary-test"
 
 // newEnv prepares the directories; it skips (or fails under
 // APIARY_STRICT=1) without host-local.
-func newEnv(t *testing.T) *env {
+func newEnv(t testing.TB) *env {
 	t.Helper()
 	hostLocal := testenv.RequireProgram(t, "host-local", "/usr/lib/cni", "/opt/cni/bin")
 	e := &env{
@@ -102,7 +102,7 @@ func (e *env) flags(health, ingress bool, extra ...string) []string {
 
 // writeConflist writes a conflist whose second plugin delegates to ipam
 // (the first has no ipam section, which the agent must skip).
-func (e *env) writeConflist(t *testing.T, cniVersion string, ipamConf map[string]any) {
+func (e *env) writeConflist(t testing.TB, cniVersion string, ipamConf map[string]any) {
 	t.Helper()
 	conf := map[string]any{
 		"cniVersion": cniVersion,
@@ -143,7 +143,7 @@ func (e *env) hostLocalIPAM(pluginType string, subnets ...string) map[string]any
 }
 
 // leases returns host-local's leases of the test network: IP → container ID.
-func (e *env) leases(t *testing.T) map[netip.Addr]string {
+func (e *env) leases(t testing.TB) map[netip.Addr]string {
 	t.Helper()
 	dir := filepath.Join(e.dataDir, testNetwork)
 	entries, err := os.ReadDir(dir)
@@ -171,7 +171,7 @@ func (e *env) leases(t *testing.T) map[netip.Addr]string {
 
 // calls returns the plugin calls logged by logged-host-local and forgets
 // them.
-func (e *env) calls(t *testing.T) []string {
+func (e *env) calls(t testing.TB) []string {
 	t.Helper()
 	path := filepath.Join(e.binDir, "calls.log")
 	data, err := os.ReadFile(path)
@@ -186,7 +186,7 @@ func (e *env) calls(t *testing.T) []string {
 }
 
 // record returns the IP in the kind's record, invalid if there is none.
-func (e *env) record(t *testing.T, kind string) netip.Addr {
+func (e *env) record(t testing.TB, kind string) netip.Addr {
 	t.Helper()
 	data, err := os.ReadFile(filepath.Join(e.stateDir, "ipam", kind+".json"))
 	if os.IsNotExist(err) {
@@ -206,7 +206,7 @@ func (e *env) record(t *testing.T, kind string) netip.Addr {
 
 // agent is a running hive with the ipam cell.
 type agent struct {
-	t      *testing.T
+	t      testing.TB
 	h      *hive.Hive
 	log    *slog.Logger
 	db     *statedb.DB
@@ -217,7 +217,7 @@ type agent struct {
 
 // startAgent starts a hive with the given flags; it is stopped at the end
 // of the test or by a.stop().
-func startAgent(t *testing.T, flags []string) *agent {
+func startAgent(t testing.TB, flags []string) *agent {
 	t.Helper()
 	a := &agent{t: t, log: hivetest.Logger(t, hivetest.LogLevel(slog.LevelInfo))}
 	h, err := newHive(a.log, flags, cell.Invoke(func(db *statedb.DB, tbl statedb.Table[*tables.AgentIP], hs statedb.Table[*tables.HealthStatus]) {
@@ -323,7 +323,7 @@ func formatRows(rows map[string]*tables.AgentIP) string {
 
 // wantLeases checks that host-local holds exactly the ready rows' IPs, each
 // under its kind's container ID, and that the records name the same IPs.
-func wantLeases(t *testing.T, e *env, rows map[string]*tables.AgentIP) {
+func wantLeases(t testing.TB, e *env, rows map[string]*tables.AgentIP) {
 	t.Helper()
 	want := map[netip.Addr]string{}
 	for _, r := range rows {
