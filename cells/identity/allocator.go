@@ -131,6 +131,14 @@ func (a *Allocator) ref(txn statedb.WriteTxn, id uint32) (*tables.Identity, erro
 	return obj, nil
 }
 
+// freed tells the ranges that id is free again.
+func (a *Allocator) freed(id uint32) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.local.Freed(id)
+	a.cluster.Freed(id)
+}
+
 // Release drops a reference to id; an identity nobody uses any more is
 // deleted, except the reserved ones, which always exist.
 func (a *Allocator) Release(txn statedb.WriteTxn, id uint32) error {
@@ -139,8 +147,11 @@ func (a *Allocator) Release(txn statedb.WriteTxn, id uint32) error {
 		return fmt.Errorf("BUG: release of identity %d that holds no reference", id)
 	}
 	if cur.RefCount == 1 && cur.Scope != tables.ScopeReserved {
-		_, _, err := a.table.Delete(txn, cur)
-		return err
+		if _, _, err := a.table.Delete(txn, cur); err != nil {
+			return err
+		}
+		a.freed(id)
+		return nil
 	}
 	obj := cur.Clone()
 	obj.RefCount--
@@ -229,11 +240,16 @@ func (a *Allocator) ReleaseRestored() (int, error) {
 			if _, _, err := a.table.Delete(wtxn, obj); err != nil {
 				return 0, err
 			}
+			a.freed(obj.ID)
 			n++
 		}
 	}
 	a.mu.Lock()
 	n += len(a.withheld)
+	for id := range a.withheld {
+		a.local.Freed(id)
+		a.cluster.Freed(id)
+	}
 	clear(a.withheld)
 	a.mu.Unlock()
 	wtxn.Commit()

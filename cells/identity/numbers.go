@@ -136,6 +136,10 @@ type NumberRange struct {
 	scope       tables.IdentityScope
 	first, last uint32
 	next        uint32
+	// full is set when a whole scan found no free number, and cleared when
+	// one is freed: an exhausted range fails at once instead of scanning
+	// all its numbers for every label set that waits for one.
+	full bool
 }
 
 // NewNumberRange returns a range of first..last.
@@ -155,15 +159,25 @@ func (r *NumberRange) Allocate(free func(uint32) bool, hint uint32) (uint32, err
 		r.advancePast(hint)
 		return hint, nil
 	}
-	size := uint64(r.last-r.first) + 1
-	for range size {
-		cand := r.next
-		r.advancePast(cand)
-		if free(cand) {
-			return cand, nil
+	if !r.full {
+		size := uint64(r.last-r.first) + 1
+		for range size {
+			cand := r.next
+			r.advancePast(cand)
+			if free(cand) {
+				return cand, nil
+			}
 		}
+		r.full = true
 	}
 	return 0, &ExhaustedError{Scope: r.scope, First: r.first, Last: r.last}
+}
+
+// Freed tells the range that a number of it is free again.
+func (r *NumberRange) Freed(id uint32) {
+	if r.Contains(id) {
+		r.full = false
+	}
 }
 
 // advancePast moves the cursor after id if id is at or after it, so that
@@ -191,6 +205,8 @@ type ClusterNumbers interface {
 	Assign(l tables.Labels, free func(uint32) bool, hint uint32) (uint32, error)
 	// Contains reports whether id is one of the numbers it hands out.
 	Contains(id uint32) bool
+	// Freed tells it that a number is no longer used by this node.
+	Freed(id uint32)
 }
 
 // agentNumbers is the agent mode: numbers from MinCluster–MaxCluster,
@@ -211,3 +227,5 @@ func (a *agentNumbers) Assign(_ tables.Labels, free func(uint32) bool, hint uint
 }
 
 func (a *agentNumbers) Contains(id uint32) bool { return a.r.Contains(id) }
+
+func (a *agentNumbers) Freed(id uint32) { a.r.Freed(id) }
