@@ -3,6 +3,7 @@ package lb
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"slices"
 
 	"github.com/cilium/statedb"
@@ -139,7 +140,8 @@ func instanceIndex(be *tables.Backend, svc tables.ServiceName, slice string) int
 // that freed frontend addresses, of the services waiting for one.
 func (w *writer) refresh(txn statedb.WriteTxn, c *change) {
 	freed := false
-	for name := range c.dirty {
+	// In name order, so that IDs do not depend on map iteration order.
+	for _, name := range slices.SortedFunc(maps.Keys(c.dirty), tables.ServiceName.Compare) {
 		freed = w.refreshService(txn, name, c) || freed
 	}
 	if !freed {
