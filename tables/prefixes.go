@@ -164,18 +164,11 @@ var IPCachePrefixIndex = statedb.Index[*IPCacheEntry, netip.Prefix]{
 	Unique:     true,
 }
 
-// IPCacheIdentityIndex finds the prefixes that have an identity.
-var IPCacheIdentityIndex = statedb.Index[*IPCacheEntry, uint32]{
-	Name:       "identity",
-	FromObject: func(e *IPCacheEntry) index.KeySet { return index.NewKeySet(index.Uint32(e.Identity)) },
-	FromKey:    index.Uint32,
-	FromString: index.Uint32String,
-	Unique:     false,
-}
-
 // NewIPCacheTable registers the ipcache table with db.
 func NewIPCacheTable(db *statedb.DB) (statedb.RWTable[*IPCacheEntry], error) {
-	return statedb.NewTable(db, IPCacheTableName, IPCachePrefixIndex, IPCacheIdentityIndex)
+	// No secondary index: every index costs on each of the table's writes,
+	// which include a status write per entry by the reconciler.
+	return statedb.NewTable(db, IPCacheTableName, IPCachePrefixIndex)
 }
 
 // statusString is a reconciliation status without its age, so that rows can

@@ -77,11 +77,17 @@ func (a *Allocator) Table() statedb.Table[*tables.Identity] {
 // old ipcache map, say), used for a new identity if it is free and in
 // range; 0 means none. The identity is returned as it is now in txn.
 func (a *Allocator) Acquire(txn statedb.WriteTxn, l tables.Labels, hint uint32) (*tables.Identity, error) {
+	return a.AcquireN(txn, l, hint, 1)
+}
+
+// AcquireN is Acquire taking n references at once (n ≥ 1), for n entries
+// with the same labels: one write of the identity instead of n.
+func (a *Allocator) AcquireN(txn statedb.WriteTxn, l tables.Labels, hint uint32, n uint32) (*tables.Identity, error) {
 	if id, ok := ReservedFor(l); ok {
-		return a.ref(txn, id)
+		return a.ref(txn, id, n)
 	}
 	if cur, _, found := a.table.Get(txn, tables.IdentityLabelsIndex.Query(l.Key())); found {
-		return a.ref(txn, cur.ID)
+		return a.ref(txn, cur.ID, n)
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -110,20 +116,20 @@ func (a *Allocator) Acquire(txn statedb.WriteTxn, l tables.Labels, hint uint32) 
 		return nil, err
 	}
 	delete(a.withheld, id)
-	obj := &tables.Identity{ID: id, Labels: l, Scope: scope, Source: source, RefCount: 1}
+	obj := &tables.Identity{ID: id, Labels: l, Scope: scope, Source: source, RefCount: n}
 	if _, _, err := a.table.Insert(txn, obj); err != nil {
 		return nil, fmt.Errorf("insert identity %d: %w", id, err)
 	}
 	return obj, nil
 }
 
-func (a *Allocator) ref(txn statedb.WriteTxn, id uint32) (*tables.Identity, error) {
+func (a *Allocator) ref(txn statedb.WriteTxn, id uint32, n uint32) (*tables.Identity, error) {
 	cur, _, found := a.table.Get(txn, tables.IdentityIDIndex.Query(id))
 	if !found {
 		return nil, fmt.Errorf("BUG: identity %d vanished", id)
 	}
 	obj := cur.Clone()
-	obj.RefCount++
+	obj.RefCount += n
 	obj.Restored = false
 	if _, _, err := a.table.Insert(txn, obj); err != nil {
 		return nil, err
@@ -142,11 +148,16 @@ func (a *Allocator) freed(id uint32) {
 // Release drops a reference to id; an identity nobody uses any more is
 // deleted, except the reserved ones, which always exist.
 func (a *Allocator) Release(txn statedb.WriteTxn, id uint32) error {
+	return a.ReleaseN(txn, id, 1)
+}
+
+// ReleaseN is Release of n references at once.
+func (a *Allocator) ReleaseN(txn statedb.WriteTxn, id uint32, n uint32) error {
 	cur, _, found := a.table.Get(txn, tables.IdentityIDIndex.Query(id))
-	if !found || cur.RefCount == 0 {
-		return fmt.Errorf("BUG: release of identity %d that holds no reference", id)
+	if !found || cur.RefCount < n {
+		return fmt.Errorf("BUG: release of %d references to identity %d that holds fewer", n, id)
 	}
-	if cur.RefCount == 1 && cur.Scope != tables.ScopeReserved {
+	if cur.RefCount == n && cur.Scope != tables.ScopeReserved {
 		if _, _, err := a.table.Delete(txn, cur); err != nil {
 			return err
 		}
@@ -154,7 +165,7 @@ func (a *Allocator) Release(txn statedb.WriteTxn, id uint32) error {
 		return nil
 	}
 	obj := cur.Clone()
-	obj.RefCount--
+	obj.RefCount -= n
 	_, _, err := a.table.Insert(txn, obj)
 	return err
 }

@@ -85,8 +85,16 @@ func (r *resolver) run(ctx context.Context, health cell.Health) error {
 			dirty[change.Object.Prefix] = struct{}{}
 		}
 		r.updatePresence(rtxn, dirty)
-		for p := range dirty {
-			r.addDescendants(rtxn, p, dirty)
+		// Sorted, a prefix comes after the prefixes containing it, and one
+		// inside the range scanned last was found by that scan.
+		var scanned netip.Prefix
+		for _, p := range slices.SortedFunc(maps.Keys(dirty), comparePrefixes) {
+			if scanned.IsValid() && scanned.Addr().Is4() == p.Addr().Is4() && scanned.Bits() <= p.Bits() && scanned.Contains(p.Addr()) {
+				continue
+			}
+			if r.addDescendants(rtxn, p, dirty) {
+				scanned = p
+			}
 		}
 		if len(dirty) > 0 {
 			// Released identities may make room for prefixes that had none.
@@ -170,50 +178,75 @@ func (r *resolver) updatePresence(txn statedb.ReadTxn, dirty map[netip.Prefix]st
 }
 
 // addDescendants adds the prefixes strictly inside p to dirty. They are the
-// run of keys from p's key up to the first address outside p.
-func (r *resolver) addDescendants(txn statedb.ReadTxn, p netip.Prefix, dirty map[netip.Prefix]struct{}) {
+// run of keys from p's key up to the first address outside p. It returns
+// whether it scanned.
+func (r *resolver) addDescendants(txn statedb.ReadTxn, p netip.Prefix, dirty map[netip.Prefix]struct{}) bool {
 	if p.Bits() == p.Addr().BitLen() {
-		return // a single address has nothing inside
+		return false // a single address has nothing inside
 	}
 	var last netip.Prefix
 	for row := range r.table.LowerBound(txn, tables.PrefixLabelsIndex.Query(tables.PrefixOwner{Prefix: p})) {
 		q := row.Prefix
 		if q.Addr().Is4() != p.Addr().Is4() || !p.Contains(q.Addr()) {
-			return
+			break
 		}
 		if q != last && q.Bits() > p.Bits() {
 			dirty[q] = struct{}{}
 		}
 		last = q
 	}
+	return true
 }
 
 // process resolves the prefixes, in chunks, and returns the revision of the
-// ipcache table after the last one.
+// ipcache table after the last one. A chunk closes once it holds chunkSize
+// relabels (prefixes that change identity); new and deleted prefixes don't
+// count, as they never hold two identities, so that a bulk add is one
+// transaction.
 func (r *resolver) process(dirty []netip.Prefix) (Revision, error) {
-	for chunk := range slices.Chunk(dirty, r.chunkSize) {
-		if err := r.processChunk(chunk); err != nil {
+	for len(dirty) > 0 {
+		n, err := r.processChunk(dirty)
+		if err != nil {
 			return 0, err
 		}
+		dirty = dirty[n:]
 	}
 	return r.ipcache.Revision(r.db.ReadTxn()), nil
 }
 
-func (r *resolver) processChunk(chunk []netip.Prefix) error {
+// relabel is the new state of one prefix within a chunk.
+type relabel struct {
+	entry  *tables.IPCacheEntry
+	labels tables.Labels
+	hint   uint32
+}
+
+// processChunk resolves prefixes from the start of dirty until a chunk is
+// full, and returns how many it took.
+func (r *resolver) processChunk(dirty []netip.Prefix) (int, error) {
 	wtxn := r.db.WriteTxn(r.ipcache, r.alloc.Table())
 	defer wtxn.Abort()
-	var release []uint32
-	for _, p := range chunk {
+	release := map[uint32]uint32{}
+	// Entries that need an identity, grouped by label set so that each
+	// identity is written once per chunk however many prefixes share it.
+	groups := map[string][]*relabel{}
+	var order []string
+	relabels, taken := 0, 0
+	for _, p := range dirty {
+		if relabels >= r.chunkSize {
+			break
+		}
+		taken++
 		old, _, hadOld := r.ipcache.Get(wtxn, tables.IPCachePrefixIndex.Query(p))
 		labels, owners := r.resolve(wtxn, p)
 		if len(owners) == 0 {
 			delete(r.failed, p)
 			if hadOld {
 				if _, _, err := r.ipcache.Delete(wtxn, old); err != nil {
-					return err
+					return 0, err
 				}
 				if old.Identity != 0 {
-					release = append(release, old.Identity)
+					release[old.Identity]++
 				}
 			}
 			continue
@@ -223,37 +256,59 @@ func (r *resolver) processChunk(chunk []netip.Prefix) error {
 				e := old.Clone()
 				e.Owners = owners
 				if _, _, err := r.ipcache.Insert(wtxn, e); err != nil {
-					return err
+					return 0, err
 				}
 			}
 			continue
 		}
-		e := &tables.IPCacheEntry{Prefix: p, Labels: labels, Owners: owners, Status: reconciler.StatusPending()}
-		id, err := r.alloc.Acquire(wtxn, labels, r.hints[p])
-		if err != nil {
-			e.Error = err.Error()
-			r.failed[p] = e.Error
-		} else {
-			e.Identity = id.ID
-			delete(r.failed, p)
-		}
-		if _, _, err := r.ipcache.Insert(wtxn, e); err != nil {
-			return err
-		}
 		if hadOld && old.Identity != 0 {
-			release = append(release, old.Identity)
+			relabels++
+			release[old.Identity]++
+		}
+		key := labels.Key()
+		if _, ok := groups[key]; !ok {
+			order = append(order, key)
+		}
+		groups[key] = append(groups[key], &relabel{
+			entry:  &tables.IPCacheEntry{Prefix: p, Labels: labels, Owners: owners, Status: reconciler.StatusPending()},
+			labels: labels,
+			hint:   r.hints[p],
+		})
+	}
+	for _, key := range order {
+		group := groups[key]
+		hint := uint32(0)
+		for _, rl := range group {
+			if rl.hint != 0 {
+				hint = rl.hint
+				break
+			}
+		}
+		id, err := r.alloc.AcquireN(wtxn, group[0].labels, hint, uint32(len(group)))
+		for _, rl := range group {
+			e := rl.entry
+			if err != nil {
+				e.Error = err.Error()
+				r.failed[e.Prefix] = e.Error
+			} else {
+				e.Identity = id.ID
+				delete(r.failed, e.Prefix)
+			}
+			if _, _, err := r.ipcache.Insert(wtxn, e); err != nil {
+				return 0, err
+			}
 		}
 	}
 	// Old identities go last, after the new ones are taken, so that an
 	// identity moving from one prefix to another within the chunk is never
 	// deleted and recreated with a new number.
-	for _, id := range release {
-		if err := r.alloc.Release(wtxn, id); err != nil {
-			return err
+	for _, id := range slices.Sorted(maps.Keys(release)) {
+		if err := r.alloc.ReleaseN(wtxn, id, release[id]); err != nil {
+			return 0, err
 		}
 	}
 	wtxn.Commit()
-	return nil
+	return taken, nil
 }
 
 // resolve returns the labels of p and its owners (none: p is gone).
@@ -275,6 +330,11 @@ func (r *resolver) resolve(txn statedb.ReadTxn, p netip.Prefix) (tables.Labels, 
 			continue
 		}
 		parent := netip.PrefixFrom(p.Addr(), bits).Masked()
+		if _, ok := r.present[parent]; !ok {
+			// Present as of the changes read; one added since is dirty
+			// in the next round, which re-resolves what it contains.
+			continue
+		}
 		for row := range r.table.Prefix(txn, tables.PrefixOwners(parent)) {
 			all = append(all, row.Labels...)
 		}
