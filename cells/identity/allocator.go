@@ -66,6 +66,14 @@ func NewAllocator(log *slog.Logger, db *statedb.DB, table statedb.RWTable[*table
 	return a, nil
 }
 
+// LimitLocal caps the local range at its first n numbers, so that tests can
+// exhaust it. Call it before the first Acquire.
+func (a *Allocator) LimitLocal(n uint32) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.local = NewNumberRange(tables.ScopeLocal, MinLocal, MinLocal+n-1)
+}
+
 // Table returns the identities table, to lock in the caller's write
 // transactions.
 func (a *Allocator) Table() statedb.Table[*tables.Identity] {

@@ -51,6 +51,9 @@ type resolver struct {
 	// failed are prefixes whose identity could not be allocated; they are
 	// retried whenever identities are released and periodically.
 	failed map[netip.Prefix]string
+	// released is set when identities were released since failed prefixes
+	// were last retried.
+	released bool
 
 	markInitialized func(statedb.WriteTxn)
 	initialized     bool
@@ -96,11 +99,12 @@ func (r *resolver) run(ctx context.Context, health cell.Health) error {
 				scanned = p
 			}
 		}
-		if len(dirty) > 0 {
+		if r.released {
 			// Released identities may make room for prefixes that had none.
 			for p := range r.failed {
 				dirty[p] = struct{}{}
 			}
+			r.released = false
 		}
 		ipcacheRev, err := r.process(slices.SortedFunc(maps.Keys(dirty), comparePrefixes))
 		if err != nil {
@@ -306,6 +310,7 @@ func (r *resolver) processChunk(dirty []netip.Prefix) (int, error) {
 		if err := r.alloc.ReleaseN(wtxn, id, release[id]); err != nil {
 			return 0, err
 		}
+		r.released = r.released || len(r.failed) > 0
 	}
 	wtxn.Commit()
 	return taken, nil

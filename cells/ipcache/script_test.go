@@ -25,6 +25,13 @@ func TestScript(t *testing.T) {
 	apiarytest.RunCells(t, "testdata/*.txtar", identity.Cell, ipcache.Cell, scriptTestCell)
 }
 
+// TestScriptExhausted runs testdata/exhausted/*.txtar with a local range of
+// two numbers.
+func TestScriptExhausted(t *testing.T) {
+	apiarytest.RunCells(t, "testdata/exhausted/*.txtar", identity.Cell, ipcache.Cell, scriptTestCell,
+		cell.Invoke(func(a *identity.Allocator) { a.LimitLocal(2) }))
+}
+
 // scriptTestCell adds commands that label prefixes through the Prefixes
 // interface, as the owners in other cells (policies, pods, IPAM, DNS) do:
 //
