@@ -281,7 +281,7 @@ func (c *controller) writeEndpoints() error {
 		if s.pod.Spec.NodeName != c.Node.NodeName || s.pod.Spec.HostNetwork {
 			continue // host-network pods are the host
 		}
-		e := &tables.Endpoint{Name: key.String(), IPs: s.ips, Labels: s.labels}
+		e := &tables.Endpoint{Name: key.String(), IPs: append([]netip.Addr{}, s.ips...), Labels: s.labels}
 		if len(s.ips) > 0 {
 			entry, _, found := c.IPCache.Get(wtxn, tables.IPCachePrefixIndex.Query(tables.HostPrefix(s.ips[0])))
 			// Until the ipcache has resolved the pod's own labels the

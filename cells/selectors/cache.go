@@ -107,10 +107,11 @@ func (c *selectorCache) takeDirty() map[string]*tables.Selector {
 			out[key] = nil
 			continue
 		}
+		// Non-nil, so that JSON has [] rather than null.
 		out[key] = &tables.Selector{
 			Selector:   key,
-			Identities: slices.Sorted(maps.Keys(s.ids)),
-			Policies:   slices.Sorted(maps.Keys(s.users)),
+			Identities: append([]uint32{}, slices.Sorted(maps.Keys(s.ids))...),
+			Policies:   append([]string{}, slices.Sorted(maps.Keys(s.users))...),
 		}
 	}
 	clear(c.dirty)

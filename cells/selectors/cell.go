@@ -170,6 +170,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 				if ev.Kind == k8s.Delete {
 					c.setPolicy(name, nil)
 				} else {
+					c.logUnknown(name, ev.Object.UnknownFields())
 					c.setPolicy(name, parsePolicy(name, ev.Key.Namespace, ev.Object.Spec, ev.Object.Specs))
 				}
 			case 2:
@@ -181,10 +182,20 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 				if cev.Kind == k8s.Delete {
 					c.setPolicy(name, nil)
 				} else {
+					c.logUnknown(name, cev.Object.UnknownFields())
 					c.setPolicy(name, parsePolicy(name, "", cev.Object.Spec, cev.Object.Specs))
 				}
 			}
 		}
+	}
+}
+
+// logUnknown logs the fields of a policy that apiary ignores (toPorts,
+// ingressDeny, …): existing policies load unchanged, and a user who wonders
+// why a field has no effect finds it in the debug log.
+func (c *controller) logUnknown(name string, fields []string) {
+	if len(fields) > 0 {
+		c.Log.Debug("Ignoring policy fields apiary does not implement", "policy", name, "fields", strings.Join(fields, ", "))
 	}
 }
 

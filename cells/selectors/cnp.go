@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -32,6 +33,8 @@ type CiliumNetworkPolicy struct {
 	// Spec is a single rule; Specs a list of them. Both may be set.
 	Spec  *Rule  `json:"spec,omitempty"`
 	Specs []Rule `json:"specs,omitempty"`
+
+	unknown []string
 }
 
 // CiliumClusterwideNetworkPolicy is a cluster-scoped policy: its selectors
@@ -42,6 +45,8 @@ type CiliumClusterwideNetworkPolicy struct {
 
 	Spec  *Rule  `json:"spec,omitempty"`
 	Specs []Rule `json:"specs,omitempty"`
+
+	unknown []string
 }
 
 // Rule selects endpoints and says which peers they may talk to.
@@ -123,10 +128,18 @@ func deepCopy[T any](in *T) *T {
 }
 
 // DeepCopyObject implements runtime.Object.
-func (p *CiliumNetworkPolicy) DeepCopyObject() runtime.Object { return deepCopy(p) }
+func (p *CiliumNetworkPolicy) DeepCopyObject() runtime.Object {
+	out := deepCopy(p)
+	out.unknown = slices.Clone(p.unknown)
+	return out
+}
 
 // DeepCopyObject implements runtime.Object.
-func (p *CiliumClusterwideNetworkPolicy) DeepCopyObject() runtime.Object { return deepCopy(p) }
+func (p *CiliumClusterwideNetworkPolicy) DeepCopyObject() runtime.Object {
+	out := deepCopy(p)
+	out.unknown = slices.Clone(p.unknown)
+	return out
+}
 
 // DeepCopyObject implements runtime.Object.
 func (l *CiliumNetworkPolicyList) DeepCopyObject() runtime.Object { return deepCopy(l) }

@@ -147,3 +147,25 @@ func FuzzParseSelectors(f *testing.F) {
 		ParseFQDN(FQDNSelector{MatchPattern: value})
 	})
 }
+
+func TestUnknownFields(t *testing.T) {
+	data := []byte(`{"apiVersion":"cilium.io/v2","kind":"CiliumNetworkPolicy","metadata":{"name":"x","labels":{"a":"b"}},
+	"spec":{"endpointSelector":{"matchLabels":{"app":"web"}},"nodeSelector":{},
+	  "egress":[{"toCIDR":["10.0.0.0/8"],"toPorts":[{"ports":[{"port":"80"}]}]}],
+	  "ingressDeny":[{}]},
+	"specs":[{"endpointSelector":{},"egress":[{"toFQDNs":[{"matchName":"a.com","extra":1}]}]}]}`)
+	var p CiliumNetworkPolicy
+	if err := p.UnmarshalJSON(data); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"spec.egress[0].toPorts", "spec.ingressDeny", "spec.nodeSelector", "specs[0].egress[0].toFQDNs[0].extra"}
+	if got := p.UnknownFields(); strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Errorf("unknown fields %v, want %v", got, want)
+	}
+	if p.Spec == nil || len(p.Spec.Egress) != 1 || p.Spec.Egress[0].ToCIDR[0] != "10.0.0.0/8" || p.Name != "x" {
+		t.Errorf("decoded %+v", p)
+	}
+	if cp := p.DeepCopyObject().(*CiliumNetworkPolicy); len(cp.UnknownFields()) != 4 || cp.Name != "x" {
+		t.Errorf("deep copy lost fields: %+v", cp)
+	}
+}
