@@ -166,8 +166,7 @@ func registerNodeIPs(p *prefixes, nc node.Config, jobs job.Group) {
 			changes = append(changes, Upsert(tables.HostPrefix(ip), OwnerNode, tables.LabelHost))
 		}
 		// Addresses of an earlier run that are no longer the node's go.
-		wtxn := p.db.ReadTxn()
-		for row := range p.table.List(wtxn, tables.PrefixOwnerIndex.Query(OwnerNode)) {
+		for row := range p.table.List(p.db.ReadTxn(), tables.PrefixOwnerIndex.Query(OwnerNode)) {
 			if !slicesContainsAddr(nc.NodeIPs, row.Prefix) {
 				changes = append(changes, Delete(row.Prefix, OwnerNode))
 			}
