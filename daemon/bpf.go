@@ -5,6 +5,7 @@ import (
 
 	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/ct"
+	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/reconcilers"
 )
 
@@ -58,5 +59,22 @@ func newBPFCmd() *cobra.Command {
 		},
 	})
 	cmd.AddCommand(lbCmd)
+
+	ipcacheCmd := &cobra.Command{
+		Use:   "ipcache",
+		Short: "The ipcache map (prefix → security identity)",
+	}
+	ipcacheCmd.AddCommand(&cobra.Command{
+		Use:   "list",
+		Short: "Print the ipcache entries, one per line",
+		Long: "Print every entry of the ipcache LPM trie, sorted by prefix, one per line:\n" +
+			"  <prefix> identity=<id>\n" +
+			"followed by tunnel=, key= and flags= when set. `apiary db show ipcache` shows the labels.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return ipcache.WritePinned(cmd.OutOrStdout(), pinDir)
+		},
+	})
+	cmd.AddCommand(ipcacheCmd)
 	return cmd
 }

@@ -4,17 +4,25 @@ import (
 	"github.com/cilium/hive/cell"
 
 	"github.com/apiary-net/apiary/cells/ct"
+	"github.com/apiary-net/apiary/cells/endpoints"
+	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/cells/infra"
 	"github.com/apiary-net/apiary/cells/ipam"
+	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/lb"
+	"github.com/apiary-net/apiary/cells/selectors"
 )
 
 // ControlPlane lists the agent's features. Including a cell switches its
 // feature on.
 var ControlPlane = cell.Group(
-	ct.Cell,   // conntrack maps: sizing, resize keeping connections, GC
-	ipam.Cell, // agent IPs (health, ingress) through the delegated CNI IPAM plugin
-	lb.Cell,   // load balancing: services, frontends, backends → lb4_* maps
+	ct.Cell,        // conntrack maps: sizing, resize keeping connections, GC
+	ipam.Cell,      // agent IPs (health, ingress) through the delegated CNI IPAM plugin
+	lb.Cell,        // load balancing: services, frontends, backends → lb4_* maps
+	identity.Cell,  // security identities: allocator, checkpoint in --state-dir
+	ipcache.Cell,   // prefix labels → identities → ipcache map
+	selectors.Cell, // CiliumNetworkPolicies: policies, selectors, policy CIDR prefixes
+	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node
 )
 
 // agentCells is the whole agent:

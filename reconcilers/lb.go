@@ -179,9 +179,7 @@ func (l *LB) UpdateBatch(_ context.Context, txn statedb.ReadTxn, batch []reconci
 	l.executeReleases(run)
 	for i, p := range plans {
 		batch[i].Result = p.err
-		if p.err == nil {
-			batch[i].Object.ID = p.fe.id
-		}
+		batch[i].Object.ID = p.fe.id
 	}
 }
 

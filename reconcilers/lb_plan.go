@@ -389,7 +389,10 @@ func (l *LB) execGroup(run *lbRun, ops []*lbOp) (failed []*lbOp) {
 func (l *LB) opError(op *lbOp, err error) error {
 	name := lbMapNames[op.m]
 	if errors.Is(err, unix.E2BIG) || errors.Is(err, unix.ENOSPC) {
-		return fmt.Errorf("map %s is full (%d entries): raise --%s: %w", name, l.cfg.MaxEntries, l.cfg.MaxEntriesFlag, err)
+		return &mapFullError{
+			msg: fmt.Sprintf("map %s is full (%d entries): raise --%s", name, l.cfg.MaxEntries, l.cfg.MaxEntriesFlag),
+			err: err,
+		}
 	}
 	verb := "update"
 	if op.del {
@@ -406,3 +409,13 @@ func (l *LB) opError(op *lbOp, err error) error {
 	}
 	return fmt.Errorf("%s %s %s: %w", verb, name, what, err)
 }
+
+// mapFullError says which map is full and which flag sizes it; the
+// library's text for the errno ("key too big for map") would mislead.
+type mapFullError struct {
+	msg string
+	err error
+}
+
+func (e *mapFullError) Error() string { return e.msg }
+func (e *mapFullError) Unwrap() error { return e.err }

@@ -49,7 +49,7 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 	}
 	if len(clusterIPs) > 0 && clusterIPs[0] == corev1.ClusterIPNone {
 		svc.Headless = true
-		return svc
+		clusterIPs = nil
 	}
 	svc.ClusterIPs = parse("clusterIP", clusterIPs)
 	svc.ExternalIPs = parse("externalIP", s.Spec.ExternalIPs)

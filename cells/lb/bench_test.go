@@ -1,0 +1,233 @@
+package lb
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+	"github.com/spf13/pflag"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/core"
+	"github.com/apiary-net/apiary/cells/health"
+	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/cells/metrics"
+	"github.com/apiary-net/apiary/cells/node"
+	"github.com/apiary-net/apiary/internal/testenv"
+	"github.com/apiary-net/apiary/reconcilers"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// BenchmarkServices feeds N Services with one EndpointSlice each through the
+// reflector, the tables and the reconciler into real pinned maps, waits
+// until every frontend is Done, then deletes them all and waits until the
+// maps are empty. It reports services per second for both directions, bytes
+// allocated per service, bytes the load balancer retains per service (the
+// tables and the reconciler's mirror; not the event source, whose objects
+// are an informer's business), and map operations per service.
+func BenchmarkServices(b *testing.B) {
+	for _, backends := range []int{1, 10} {
+		b.Run(fmt.Sprintf("services=50000/backends=%d", backends), func(b *testing.B) {
+			for range b.N {
+				benchServices(b, 50000, backends)
+			}
+		})
+	}
+}
+
+func benchServices(b *testing.B, n, backendsPerService int) {
+	testenv.RequireRoot(b)
+	b.StopTimer()
+	svcs := newChanResource[*corev1.Service]()
+	slices := newChanResource[*discoveryv1.EndpointSlice]()
+	var (
+		db        *statedb.DB
+		frontends statedb.Table[*tables.Frontend]
+		ops       *reconcilers.LB
+	)
+	h := hive.NewWithOptions(core.HiveOptions(),
+		statedb.Cell, health.Cell, job.Cell, metrics.Cell, bpffs.Cell, node.Cell,
+		cell.Provide(
+			func() k8s.Resource[*corev1.Service] { return svcs },
+			func() k8s.Resource[*discoveryv1.EndpointSlice] { return slices },
+		),
+		Cell,
+		cell.Invoke(func(d *statedb.DB, f statedb.Table[*tables.Frontend], m Maps) {
+			db, frontends, ops = d, f, m.(*reconcilers.LB)
+		}),
+	)
+	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(fs)
+	pinDir := testenv.BPFPinDir(b)
+	maxEntries := n * (backendsPerService + 2)
+	if err := fs.Parse([]string{
+		"--bpf-pin-dir=" + pinDir, "--state-dir=" + b.TempDir(), "--node-name=bench",
+		fmt.Sprintf("--%s=%d", MapMaxFlag, maxEntries),
+	}); err != nil {
+		b.Fatal(err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	if err := h.Start(log, context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	defer h.Stop(log, context.Background())
+
+	// The objects exist before the clock starts, as in an informer's cache.
+	svcEvents := make([]k8s.Event[*corev1.Service], n)
+	sliceEvents := make([]k8s.Event[*discoveryv1.EndpointSlice], n)
+	for i := range n {
+		svc, slice := benchObjects(i, backendsPerService)
+		svcEvents[i] = k8s.Event[*corev1.Service]{Kind: k8s.Upsert, Key: k8s.KeyOf(svc), Object: svc}
+		sliceEvents[i] = k8s.Event[*discoveryv1.EndpointSlice]{Kind: k8s.Upsert, Key: k8s.KeyOf(slice), Object: slice}
+	}
+	svcs.ch <- k8s.Event[*corev1.Service]{Kind: k8s.Sync}
+	slices.ch <- k8s.Event[*discoveryv1.EndpointSlice]{Kind: k8s.Sync}
+	opsBefore := totalOps(ops)
+
+	runtime.GC()
+	var m0, m1, m2 runtime.MemStats
+	runtime.ReadMemStats(&m0)
+	start := time.Now()
+	b.StartTimer()
+	go func() {
+		for i := range n {
+			slices.ch <- sliceEvents[i]
+			svcs.ch <- svcEvents[i]
+		}
+	}()
+	waitFrontends(b, db, frontends, n, true)
+	b.StopTimer()
+	insert := time.Since(start)
+	runtime.ReadMemStats(&m1)
+	runtime.GC()
+	runtime.ReadMemStats(&m2)
+	insertOps := totalOps(ops) - opsBefore
+
+	start = time.Now()
+	b.StartTimer()
+	go func() {
+		for i := range n {
+			svcEvents[i].Kind, sliceEvents[i].Kind = k8s.Delete, k8s.Delete
+			svcs.ch <- svcEvents[i]
+			slices.ch <- sliceEvents[i]
+		}
+	}()
+	waitFrontends(b, db, frontends, 0, false)
+	waitMapsEmpty(b, ops)
+	b.StopTimer()
+	remove := time.Since(start)
+
+	b.ReportMetric(float64(n)/insert.Seconds(), "insert-services/s")
+	b.ReportMetric(float64(n)/remove.Seconds(), "delete-services/s")
+	b.ReportMetric(float64(m1.TotalAlloc-m0.TotalAlloc)/float64(n), "alloc-B/service")
+	b.ReportMetric(float64(int64(m2.HeapAlloc)-int64(m0.HeapAlloc))/float64(n), "retained-B/service")
+	b.ReportMetric(float64(insertOps)/float64(n), "insert-map-ops/service")
+}
+
+// waitFrontends waits until the frontends table holds want rows, all Done
+// if done is set.
+func waitFrontends(b *testing.B, db *statedb.DB, frontends statedb.Table[*tables.Frontend], want int, done bool) {
+	deadline := time.Now().Add(2 * time.Minute)
+	for time.Now().Before(deadline) {
+		txn := db.ReadTxn()
+		if frontends.NumObjects(txn) == want {
+			ok := true
+			if done {
+				for fe := range frontends.All(txn) {
+					if fe.Status.Kind != reconciler.StatusKindDone {
+						ok = false
+						break
+					}
+				}
+			}
+			if ok {
+				return
+			}
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	b.Fatalf("frontends did not reach %d (done=%v) in time", want, done)
+}
+
+func waitMapsEmpty(b *testing.B, ops *reconcilers.LB) {
+	deadline := time.Now().Add(2 * time.Minute)
+	for time.Now().Before(deadline) {
+		empty := true
+		err := ops.Maps(func(services, backends, revNat *ebpf.Map) error {
+			for _, m := range []*ebpf.Map{services, backends, revNat} {
+				var k []byte = make([]byte, m.KeySize())
+				if err := m.NextKey(nil, &k); err == nil {
+					empty = false
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if empty {
+			return
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	b.Fatal("maps not empty in time")
+}
+
+func totalOps(ops *reconcilers.LB) uint64 {
+	var sum uint64
+	for _, name := range bpf.LBMapNames {
+		sum += ops.Ops.Get(name, false) + ops.Ops.Get(name, true)
+	}
+	return sum
+}
+
+// benchObjects returns the i-th service and its slice: cluster IP
+// 10.(96+i/65536).x.y, backends in 10.128.0.0/9.
+func benchObjects(i, backends int) (*corev1.Service, *discoveryv1.EndpointSlice) {
+	name := fmt.Sprintf("svc-%d", i)
+	ip := fmt.Sprintf("10.%d.%d.%d", 96+i>>16, (i>>8)&0xff, i&0xff)
+	svc := &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "bench", Name: name},
+		Spec: corev1.ServiceSpec{
+			ClusterIP: ip,
+			Ports:     []corev1.ServicePort{{Port: 80, Protocol: corev1.ProtocolTCP}},
+		},
+	}
+	slice := &discoveryv1.EndpointSlice{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "bench", Name: name + "-1",
+			Labels: map[string]string{discoveryv1.LabelServiceName: name}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Ports:       []discoveryv1.EndpointPort{{Port: ptr.To[int32](8080)}},
+	}
+	for j := range backends {
+		k := i*backends + j
+		slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{
+			Addresses: []string{fmt.Sprintf("10.%d.%d.%d", 128+k>>16, (k>>8)&0xff, k&0xff)},
+		})
+	}
+	return svc, slice
+}
+
+// chanResource is an event source fed by the benchmark, standing in for the
+// informer so that what is measured is the load balancer.
+type chanResource[T k8s.Object] struct{ ch chan k8s.Event[T] }
+
+func newChanResource[T k8s.Object]() *chanResource[T] {
+	return &chanResource[T]{ch: make(chan k8s.Event[T], 1024)}
+}
+
+func (r *chanResource[T]) Events(context.Context) <-chan k8s.Event[T] { return r.ch }
