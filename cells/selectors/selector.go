@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/apiary-net/apiary/cells/fqdn/pattern"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -287,27 +288,27 @@ func (s *CIDRSelector) Matches(l tables.Labels) bool {
 
 // ParseFQDN returns the selector of a toFQDNs entry.
 func ParseFQDN(f FQDNSelector) (*FQDNPeer, error) {
-	pattern := f.MatchName
-	if f.MatchPattern != "" {
-		if f.MatchName != "" {
-			return nil, fmt.Errorf("toFQDNs entry has both matchName %q and matchPattern %q", f.MatchName, f.MatchPattern)
-		}
-		pattern = f.MatchPattern
-	}
-	pattern = strings.TrimSuffix(strings.ToLower(strings.TrimSpace(pattern)), ".")
-	if pattern == "" {
+	switch {
+	case f.MatchPattern != "" && f.MatchName != "":
+		return nil, fmt.Errorf("toFQDNs entry has both matchName %q and matchPattern %q", f.MatchName, f.MatchPattern)
+	case f.MatchPattern == "" && f.MatchName == "":
 		return nil, fmt.Errorf("toFQDNs entry has neither matchName nor matchPattern")
 	}
-	allowed := "abcdefghijklmnopqrstuvwxyz0123456789-_."
+	// The rules of names and patterns live in one place, shared with the
+	// DNS proxy that matches names against them.
+	var (
+		p   *pattern.Pattern
+		err error
+	)
 	if f.MatchPattern != "" {
-		allowed += "*"
+		p, err = pattern.ParsePattern(f.MatchPattern)
+	} else {
+		p, err = pattern.ParseName(f.MatchName)
 	}
-	for _, c := range pattern {
-		if !strings.ContainsRune(allowed, c) {
-			return nil, fmt.Errorf("toFQDNs %q: character %q is not allowed", pattern, c)
-		}
+	if err != nil {
+		return nil, fmt.Errorf("toFQDNs: %w", err)
 	}
-	return &FQDNPeer{Label: tables.SourceFQDN + ":" + pattern}, nil
+	return &FQDNPeer{Label: tables.SourceFQDN + ":" + p.String()}, nil
 }
 
 // FQDNPeer is the selector of a toFQDNs entry: it selects the identities
