@@ -1,0 +1,81 @@
+// Package socketlb attaches the socket load-balancing programs (bpf/socklb)
+// to a cgroup, so that processes in it reach services' backends when they
+// connect to or send to a service frontend. The programs read the maps the
+// load balancer (cells/lb) keeps pinned.
+//
+// The programs are attached with BPF links pinned under --bpf-pin-dir, so
+// traffic keeps flowing while the agent is down or restarting; a new agent
+// swaps its programs into the pinned links atomically, and with
+// --enable-socket-lb=false removes them.
+//
+// See docs/datapath.md.
+package socketlb
+
+import (
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/spf13/pflag"
+
+	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/lb"
+)
+
+// Cell attaches (or, disabled, detaches) the socket load-balancing
+// programs. It needs lb.Maps, so lb.Cell must be part of the hive.
+var Cell = cell.Module(
+	"socketlb",
+	"Socket load balancing in cgroup hooks",
+
+	cell.Config(defaultConfig),
+	cell.ProvidePrivate(newAttacher),
+	cell.Invoke(registerJob),
+)
+
+// Flag names.
+const (
+	EnableFlag     = "enable-socket-lb"
+	CgroupRootFlag = "cgroup-root"
+)
+
+// DefaultCgroupRoot is where the agent mounts cgroup v2 when --cgroup-root
+// is not given and nothing is mounted there yet.
+const DefaultCgroupRoot = "/run/apiary/cgroupv2"
+
+// Config is the socket load balancer's configuration.
+type Config struct {
+	// EnableSocketLB attaches the programs; false detaches any the agent
+	// left attached.
+	EnableSocketLB bool
+	// CgroupRoot is the cgroup v2 directory the programs attach to; they
+	// act on every process in it and below it.
+	CgroupRoot string
+}
+
+var defaultConfig = Config{CgroupRoot: DefaultCgroupRoot}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(fs *pflag.FlagSet) {
+	fs.Bool(EnableFlag, def.EnableSocketLB,
+		"Load-balance connections to service frontends in cgroup socket hooks (connect, sendmsg, recvmsg, getpeername); false detaches them")
+	fs.String(CgroupRootFlag, def.CgroupRoot,
+		"cgroup v2 directory the socket load balancer attaches to (processes in it and below it are load-balanced); "+DefaultCgroupRoot+" is mounted when missing")
+}
+
+func registerJob(jobs job.Group, a *attacher, lc cell.Lifecycle) {
+	jobs.Add(job.OneShot("attach", a.run))
+	// The links stay pinned (and attached); only this process's handles
+	// go.
+	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
+}
+
+func newAttacher(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, maps lb.Maps) (*attacher, error) {
+	if cfg.EnableSocketLB && strings.TrimSpace(cfg.CgroupRoot) == "" {
+		return nil, fmt.Errorf("--%s is empty", CgroupRootFlag)
+	}
+	return &attacher{log: log, cfg: cfg, pinDir: string(pinDir), lbMaps: maps, retry: 5 * time.Second}, nil
+}
