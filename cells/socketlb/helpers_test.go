@@ -217,7 +217,7 @@ func runScripts(t *testing.T, pattern string) {
 			return nil, nil
 		})
 	client := script.Command(
-		script.CmdUsage{Summary: "Run a client process in the cgroup", Args: "[-outside] [-n N] [-timeout D] [-every D] tcp|udp addr"},
+		script.CmdUsage{Async: true, Summary: "Run a client process in the cgroup", Args: "[-outside] [-n N] [-timeout D] [-every D] tcp|udp addr"},
 		func(s *script.State, args ...string) (script.WaitFunc, error) {
 			outside := len(args) > 0 && args[0] == "-outside"
 			if outside {
