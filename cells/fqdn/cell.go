@@ -1,0 +1,416 @@
+// Package fqdn implements DNS-based policy: a DNS proxy that forwards the
+// workloads' queries to the upstream resolver, and for every answer whose
+// name matches FQDN selectors (toFQDNs matchName/matchPattern) labels the
+// answer's addresses with those selectors' labels ("fqdn:<pattern>", owner
+// "fqdn/<name>" in the prefixes table) before the answer reaches the
+// client. IPs with the same selectors share one identity. The cell owns the
+// fqdn-names table, the DNS cache, which it expires, garbage-collects and
+// checkpoints to --state-dir. See docs/fqdn.md.
+package fqdn
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"maps"
+	"net"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/miekg/dns"
+	"github.com/spf13/pflag"
+
+	"github.com/apiary-net/apiary/cells/fqdn/pattern"
+	"github.com/apiary-net/apiary/cells/identity"
+	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/cells/node"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// Cell provides the DNS proxy (*Proxy), the read-only fqdn-names table and
+// the fqdn/query script command.
+var Cell = cell.Module(
+	"fqdn",
+	"DNS proxy and the addresses of the names FQDN selectors match",
+
+	cell.Config(defaultConfig),
+	cell.ProvidePrivate(
+		tables.NewFQDNNamesTable,
+		newFQDNMetrics,
+		newNameManager,
+	),
+	cell.Provide(
+		statedb.RWTable[*tables.FQDNName].ToTable,
+		newProxy,
+		scriptCommands,
+	),
+	cell.Invoke(registerJobs),
+)
+
+// Config is the fqdn cell's configuration.
+type Config struct {
+	// DNSProxyAddr is where the DNS proxy listens (UDP and TCP); empty
+	// disables it.
+	DNSProxyAddr string
+	// DNSUpstream is the resolver the proxy forwards to, host:port;
+	// empty: the first nameserver of /etc/resolv.conf.
+	DNSUpstream string
+	// DNSUpstreamTimeout bounds one exchange with the upstream.
+	DNSUpstreamTimeout time.Duration
+	// ToFQDNsProxyResponseMaxDelay bounds how long an answer is held
+	// until the ipcache map has its addresses.
+	ToFQDNsProxyResponseMaxDelay time.Duration
+	// ToFQDNsMinTTL raises shorter TTLs, in seconds.
+	ToFQDNsMinTTL int
+	// ToFQDNsMaxIPsPerName caps the addresses kept per name.
+	ToFQDNsMaxIPsPerName int
+	// ToFQDNsGCInterval is how often expired addresses are removed.
+	ToFQDNsGCInterval time.Duration
+	// ToFQDNsMaxIdentities caps the identities carrying fqdn: labels that
+	// new selector combinations may create; 0 is no limit.
+	ToFQDNsMaxIdentities int
+}
+
+var defaultConfig = Config{
+	DNSUpstreamTimeout:           2 * time.Second,
+	ToFQDNsProxyResponseMaxDelay: 100 * time.Millisecond,
+	ToFQDNsMaxIPsPerName:         1000,
+	ToFQDNsGCInterval:            time.Minute,
+}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(fs *pflag.FlagSet) {
+	fs.String("dns-proxy-addr", def.DNSProxyAddr,
+		"Address (host:port, UDP and TCP) of the DNS proxy workloads use as their resolver; empty disables the proxy")
+	fs.String("dns-upstream", def.DNSUpstream,
+		"Resolver (host:port) the DNS proxy forwards to; default: the first nameserver of /etc/resolv.conf")
+	fs.Duration("dns-upstream-timeout", def.DNSUpstreamTimeout,
+		"How long the DNS proxy waits for the upstream before answering SERVFAIL")
+	fs.Duration("tofqdns-proxy-response-max-delay", def.ToFQDNsProxyResponseMaxDelay,
+		"How long a DNS answer with new addresses is held until the ipcache map has them")
+	fs.Int("tofqdns-min-ttl", def.ToFQDNsMinTTL,
+		"Shortest time (seconds) an address of a DNS answer is kept; shorter TTLs are raised to it")
+	fs.Int("tofqdns-max-ips-per-name", def.ToFQDNsMaxIPsPerName,
+		"Most addresses kept per DNS name; the least recently seen are evicted first")
+	fs.Duration("tofqdns-gc-interval", def.ToFQDNsGCInterval,
+		"How often expired DNS addresses and their labels are removed")
+	fs.Int("tofqdns-max-identities", def.ToFQDNsMaxIdentities,
+		"Most identities carrying fqdn: labels; past it new selector combinations are not labelled (0: no limit)")
+}
+
+func (c Config) validate() error {
+	switch {
+	case c.ToFQDNsProxyResponseMaxDelay <= 0:
+		return fmt.Errorf("--tofqdns-proxy-response-max-delay=%s must be positive", c.ToFQDNsProxyResponseMaxDelay)
+	case c.DNSUpstreamTimeout <= 0:
+		return fmt.Errorf("--dns-upstream-timeout=%s must be positive", c.DNSUpstreamTimeout)
+	case c.ToFQDNsMinTTL < 0:
+		return fmt.Errorf("--tofqdns-min-ttl=%d is negative", c.ToFQDNsMinTTL)
+	case c.ToFQDNsMaxIPsPerName < 1:
+		return fmt.Errorf("--tofqdns-max-ips-per-name=%d must be at least 1", c.ToFQDNsMaxIPsPerName)
+	case c.ToFQDNsGCInterval <= 0:
+		return fmt.Errorf("--tofqdns-gc-interval=%s must be positive", c.ToFQDNsGCInterval)
+	case c.ToFQDNsMaxIdentities < 0:
+		return fmt.Errorf("--tofqdns-max-identities=%d is negative", c.ToFQDNsMaxIdentities)
+	}
+	return nil
+}
+
+// defaultUpstream returns the first nameserver of /etc/resolv.conf.
+func defaultUpstream(resolvConf string) (string, error) {
+	cc, err := dns.ClientConfigFromFile(resolvConf)
+	if err != nil {
+		return "", fmt.Errorf("read %s: %w", resolvConf, err)
+	}
+	if len(cc.Servers) == 0 {
+		return "", fmt.Errorf("%s names no nameserver", resolvConf)
+	}
+	return net.JoinHostPort(cc.Servers[0], cc.Port), nil
+}
+
+type managerParams struct {
+	cell.In
+
+	Log        *slog.Logger
+	DB         *statedb.DB
+	Table      statedb.RWTable[*tables.FQDNName]
+	Identities statedb.Table[*tables.Identity]
+	Prefixes   ipcache.Prefixes
+	Metrics    *fqdnMetrics
+	Node       node.Config
+	Config     Config
+}
+
+// newNameManager builds the DNS cache and restores the checkpoint into it
+// and into the prefixes table, before the ipcache map may be pruned: FQDN
+// addresses keep their labels, and so their identities, across a restart.
+func newNameManager(p managerParams) (*nameManager, error) {
+	if err := p.Config.validate(); err != nil {
+		return nil, err
+	}
+	m := &nameManager{
+		log: p.Log, db: p.DB, table: p.Table, identities: p.Identities,
+		prefixes: p.Prefixes, metrics: p.Metrics,
+		minTTL:        time.Duration(p.Config.ToFQDNsMinTTL) * time.Second,
+		maxIPsPerName: p.Config.ToFQDNsMaxIPsPerName,
+		maxIdentities: p.Config.ToFQDNsMaxIdentities,
+		selectors:     map[string]*pattern.Pattern{},
+	}
+	done := p.Prefixes.RegisterInitializer("fqdn")
+	defer done()
+	path := filepath.Join(p.Node.StateDir, CheckpointFile)
+	rows, err := readCheckpoint(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		p.Log.Info("No DNS cache checkpoint, starting afresh", "path", path)
+		return m, nil
+	case err != nil:
+		p.Log.Warn("DNS cache checkpoint unusable, starting afresh", "error", err)
+		return m, nil
+	}
+	// Until the policies have synced, the restored names' selectors
+	// stand for the selectors.
+	for _, row := range rows {
+		for _, label := range row.Selectors {
+			if pat, err := parseSelectorLabel(label); err == nil {
+				m.selectors[label] = pat
+			}
+		}
+	}
+	if err := m.restore(rows); err != nil {
+		return nil, err
+	}
+	p.Log.Info("Restored the DNS cache", "names", len(rows), "path", path)
+	return m, nil
+}
+
+type proxyParams struct {
+	cell.In
+
+	Log       *slog.Logger
+	Lifecycle cell.Lifecycle
+	Names     *nameManager
+	Prefixes  ipcache.Prefixes
+	Metrics   *fqdnMetrics
+	Config    Config
+}
+
+func newProxy(p proxyParams) (*Proxy, error) {
+	cfg := p.Config
+	px := &Proxy{log: p.Log, names: p.Names, prefixes: p.Prefixes, metrics: p.Metrics, cfg: cfg, now: time.Now}
+	if cfg.DNSProxyAddr == "" {
+		return px, nil
+	}
+	if cfg.DNSUpstream == "" {
+		up, err := defaultUpstream("/etc/resolv.conf")
+		if err != nil {
+			return nil, fmt.Errorf("--dns-upstream is empty and no default: %w", err)
+		}
+		px.cfg.DNSUpstream = up
+	}
+	if _, _, err := net.SplitHostPort(px.cfg.DNSUpstream); err != nil {
+		return nil, fmt.Errorf("--dns-upstream=%q: want host:port: %w", px.cfg.DNSUpstream, err)
+	}
+	p.Lifecycle.Append(cell.Hook{
+		OnStart: func(cell.HookContext) error { return px.start() },
+		OnStop:  func(ctx cell.HookContext) error { return px.stop(ctx) },
+	})
+	return px, nil
+}
+
+type jobParams struct {
+	cell.In
+
+	Log           *slog.Logger
+	DB            *statedb.DB
+	Jobs          job.Group
+	Names         *nameManager
+	Table         statedb.Table[*tables.FQDNName]
+	Selectors     statedb.Table[*tables.Selector]
+	PrefixesTable statedb.Table[*tables.PrefixLabels]
+	Allocator     *identity.Allocator
+	Metrics       *fqdnMetrics
+	Node          node.Config
+	Config        Config
+}
+
+func registerJobs(p jobParams) {
+	p.Jobs.Add(
+		job.OneShot("selectors", func(ctx context.Context, h cell.Health) error {
+			return watchSelectors(ctx, h, p)
+		}),
+		job.Timer("gc", func(ctx context.Context) error {
+			n, err := p.Names.gc(time.Now())
+			if err != nil {
+				return err
+			}
+			if n > 0 {
+				p.Metrics.gcRemoved.Add(float64(n))
+				p.Log.Debug("Removed expired DNS addresses", "count", n)
+			}
+			return nil
+		}, p.Config.ToFQDNsGCInterval),
+		job.OneShot("checkpoint", func(ctx context.Context, h cell.Health) error {
+			return checkpointLoop(ctx, h, p)
+		}),
+	)
+}
+
+// watchSelectors follows the FQDN selectors of the selectors table into
+// the name manager, and pre-allocates the identity {fqdn:<pattern>, world}
+// of each, so that the first answer for a selector usually costs only an
+// ipcache map write. Until every source of prefixes has synced (and so the
+// policies), the selectors of the restored names are kept too: a selector
+// that has not come back yet does not unlabel anything.
+func watchSelectors(ctx context.Context, h cell.Health, p jobParams) error {
+	restored := p.Names.currentSelectors()
+	var (
+		current    map[string]*pattern.Pattern
+		held       = map[string][]uint32{} // pre-allocated identities by selector label
+		everSynced bool
+	)
+	worlds := []string{tables.LabelWorld}
+	if p.Node.EnableIPv6 {
+		worlds = []string{tables.LabelWorldIPv4, tables.LabelWorldIPv6}
+	}
+	for {
+		rtxn := p.DB.ReadTxn()
+		synced, syncWatch := p.PrefixesTable.Initialized(rtxn)
+		rows, watch := p.Selectors.AllWatch(rtxn)
+		next := map[string]*pattern.Pattern{}
+		for row := range rows {
+			if !strings.HasPrefix(row.Selector, tables.SourceFQDN+":") {
+				continue
+			}
+			pat, err := parseSelectorLabel(row.Selector)
+			if err != nil {
+				// The selectors cell validated it with the same parser.
+				p.Log.Warn("Ignoring an FQDN selector", "selector", row.Selector, "error", err)
+				continue
+			}
+			next[row.Selector] = pat
+		}
+		if err := preallocate(p, held, next, worlds); err != nil {
+			h.Degraded("Pre-allocation of FQDN identities failed", err)
+		}
+		effective := next
+		if !synced && !everSynced {
+			effective = maps.Clone(next)
+			maps.Copy(effective, restored)
+		}
+		everSynced = everSynced || synced
+		if current == nil || !slices.Equal(slices.Sorted(maps.Keys(current)), slices.Sorted(maps.Keys(effective))) {
+			if _, err := p.Names.setSelectors(effective); err != nil {
+				return err
+			}
+			current = effective
+		}
+		h.OK(fmt.Sprintf("%d FQDN selectors", len(next)))
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-watch:
+		case <-syncWatch:
+		}
+	}
+}
+
+// preallocate acquires {label, world} for every selector label in next not
+// yet held, and releases those of selectors gone.
+func preallocate(p jobParams, held map[string][]uint32, next map[string]*pattern.Pattern, worlds []string) error {
+	var added, removed []string
+	for label := range next {
+		if _, ok := held[label]; !ok {
+			added = append(added, label)
+		}
+	}
+	for label := range held {
+		if _, ok := next[label]; !ok {
+			removed = append(removed, label)
+		}
+	}
+	if len(added) == 0 && len(removed) == 0 {
+		return nil
+	}
+	// In order, so that numbers do not depend on map iteration.
+	slices.Sort(added)
+	slices.Sort(removed)
+	wtxn := p.DB.WriteTxn(p.Allocator.Table())
+	defer wtxn.Abort()
+	var errs []error
+	for _, label := range removed {
+		for _, id := range held[label] {
+			if err := p.Allocator.Release(wtxn, id); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		delete(held, label)
+	}
+	for _, label := range added {
+		var ids []uint32
+		for _, w := range worlds {
+			id, err := p.Allocator.Acquire(wtxn, tables.NewLabels(label, w), 0)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("pre-allocate the identity of %s: %w", label, err))
+				continue
+			}
+			ids = append(ids, id.ID)
+		}
+		held[label] = ids
+	}
+	wtxn.Commit()
+	return errors.Join(errs...)
+}
+
+// checkpointInterval throttles checkpoint writes: at most one per interval,
+// plus one when the agent stops.
+const checkpointInterval = time.Second
+
+func checkpointLoop(ctx context.Context, h cell.Health, p jobParams) error {
+	path := filepath.Join(p.Node.StateDir, CheckpointFile)
+	var last []byte
+	write := func() error {
+		var rows []*tables.FQDNName
+		for row := range p.Table.All(p.DB.ReadTxn()) {
+			rows = append(rows, row)
+		}
+		data, err := encodeCheckpoint(rows)
+		if err != nil {
+			return err
+		}
+		if string(data) == string(last) {
+			return nil
+		}
+		if err := writeFileAtomic(path, data); err != nil {
+			return fmt.Errorf("write DNS cache checkpoint %s: %w", path, err)
+		}
+		last = data
+		return nil
+	}
+	for {
+		_, watch := p.Table.AllWatch(p.DB.ReadTxn())
+		if err := write(); err != nil {
+			h.Degraded("DNS cache checkpoint not written", err)
+			p.Log.Warn("DNS cache checkpoint not written", "error", err)
+		} else {
+			h.OK("Checkpoint up to date")
+		}
+		select {
+		case <-ctx.Done():
+			return write()
+		case <-watch:
+		}
+		select {
+		case <-ctx.Done():
+			return write()
+		case <-time.After(checkpointInterval):
+		}
+	}
+}

@@ -1,0 +1,58 @@
+package fqdn
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/apiary-net/apiary/cells/metrics"
+)
+
+// fqdnMetrics are the fqdn cell's Prometheus metrics.
+type fqdnMetrics struct {
+	requests       *prometheus.CounterVec
+	delayExceeded  prometheus.Counter
+	holdSeconds    prometheus.Histogram
+	breakerRefused prometheus.Counter
+	evicted        prometheus.Counter
+	gcRemoved      prometheus.Counter
+	dropped        *prometheus.CounterVec
+}
+
+// Results of proxied requests.
+const (
+	resultForwarded = "forwarded" // answered from upstream, nothing to label
+	resultLabelled  = "labelled"  // answered after labelling new addresses
+	resultServFail  = "servfail"  // upstream failed or timed out
+	resultDropped   = "dropped"   // the upstream's answer was unusable
+)
+
+func newFQDNMetrics(reg prometheus.Registerer) (*fqdnMetrics, error) {
+	opts := func(name, help string) prometheus.Opts {
+		return prometheus.Opts{Namespace: metrics.Namespace, Subsystem: "fqdn", Name: name, Help: help}
+	}
+	m := &fqdnMetrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts(opts("proxy_requests_total",
+			"DNS requests the proxy answered, by result (forwarded, labelled, servfail, dropped)")), []string{"result"}),
+		delayExceeded: prometheus.NewCounter(prometheus.CounterOpts(opts("proxy_response_delay_exceeded_total",
+			"Answers released after --tofqdns-proxy-response-max-delay before the ipcache map had their addresses"))),
+		holdSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: metrics.Namespace, Subsystem: "fqdn", Name: "proxy_hold_seconds",
+			Help: "Time an answer with new addresses was held until the ipcache map had them",
+			// 50 µs to about 3 s.
+			Buckets: prometheus.ExponentialBuckets(0.00005, 3, 11),
+		}),
+		breakerRefused: prometheus.NewCounter(prometheus.CounterOpts(opts("identity_limit_refused_total",
+			"Addresses left unlabelled because a new selector combination would pass --tofqdns-max-identities"))),
+		evicted: prometheus.NewCounter(prometheus.CounterOpts(opts("evicted_ips_total",
+			"Addresses evicted because a name had more than --tofqdns-max-ips-per-name"))),
+		gcRemoved: prometheus.NewCounter(prometheus.CounterOpts(opts("gc_expired_ips_total",
+			"Expired (name, address) pairs removed by garbage collection"))),
+		dropped: prometheus.NewCounterVec(prometheus.CounterOpts(opts("proxy_dropped_answers_total",
+			"Upstream answers dropped as unusable, by reason")), []string{"reason"}),
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.delayExceeded, m.holdSeconds, m.breakerRefused, m.evicted, m.gcRemoved, m.dropped} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}

@@ -1,0 +1,246 @@
+package fqdn
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/miekg/dns"
+
+	"github.com/apiary-net/apiary/cells/ipcache"
+)
+
+// Proxy is the DNS proxy: it forwards queries to the upstream and, for
+// answers naming a name an FQDN selector matches, labels the addresses and
+// holds the answer until the ipcache map has them (bounded by
+// --tofqdns-proxy-response-max-delay).
+type Proxy struct {
+	log      *slog.Logger
+	names    *nameManager
+	prefixes ipcache.Prefixes
+	metrics  *fqdnMetrics
+	cfg      Config
+	now      func() time.Time
+
+	mu       sync.Mutex
+	udp, tcp *dns.Server
+	addr     string // the address it listens on, once started
+	servers  sync.WaitGroup
+}
+
+// Addr returns the address the proxy listens on (UDP and TCP), or "" when
+// it is disabled or not started.
+func (p *Proxy) Addr() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.addr
+}
+
+// start listens on cfg.DNSProxyAddr, UDP and TCP on the same port (with
+// port 0, the port the kernel picks for UDP).
+func (p *Proxy) start() error {
+	pc, ln, err := listenBoth(p.cfg.DNSProxyAddr)
+	if err != nil {
+		return fmt.Errorf("DNS proxy: %w", err)
+	}
+	udp := &dns.Server{PacketConn: pc, Handler: p, UDPSize: dns.MaxMsgSize}
+	tcp := &dns.Server{Listener: ln, Handler: p, ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second}
+	p.mu.Lock()
+	p.udp, p.tcp, p.addr = udp, tcp, pc.LocalAddr().String()
+	p.mu.Unlock()
+	for _, s := range []*dns.Server{udp, tcp} {
+		p.servers.Add(1)
+		go func() {
+			defer p.servers.Done()
+			if err := s.ActivateAndServe(); err != nil {
+				p.log.Error("DNS proxy server stopped", "error", err)
+			}
+		}()
+	}
+	p.log.Info("DNS proxy listening", "addr", p.addr, "upstream", p.cfg.DNSUpstream)
+	return nil
+}
+
+func (p *Proxy) stop(ctx context.Context) error {
+	p.mu.Lock()
+	udp, tcp := p.udp, p.tcp
+	p.addr = ""
+	p.mu.Unlock()
+	var errs []error
+	for _, s := range []*dns.Server{udp, tcp} {
+		if s != nil {
+			if err := s.ShutdownContext(ctx); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	p.servers.Wait()
+	return errors.Join(errs...)
+}
+
+// ServeDNS implements dns.Handler.
+func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
+	defer func() {
+		// The proxy never takes the agent down on input.
+		if r := recover(); r != nil {
+			p.log.Error("DNS proxy: panic while handling a request", "panic", r)
+		}
+	}()
+	if len(req.Question) != 1 || req.Response || req.Opcode != dns.OpcodeQuery {
+		p.reply(w, req, new(dns.Msg).SetRcode(req, dns.RcodeFormatError))
+		return
+	}
+	resp, result := p.handle(context.Background(), w.LocalAddr().Network(), req)
+	p.metrics.requests.WithLabelValues(result).Inc()
+	p.reply(w, req, resp)
+}
+
+// handle forwards req over network ("udp" or "tcp") and returns the reply
+// for the client, with the result for the metric.
+func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg) (*dns.Msg, string) {
+	q := req.Question[0]
+	maxSize := dns.MaxMsgSize
+	if network == "udp" {
+		maxSize = dns.MinMsgSize
+		if opt := req.IsEdns0(); opt != nil {
+			maxSize = max(int(opt.UDPSize()), dns.MinMsgSize)
+		}
+	}
+	wire, err := p.exchange(ctx, network, req)
+	if err != nil {
+		p.log.Warn("DNS upstream failed, answering SERVFAIL", "name", q.Name, "upstream", p.cfg.DNSUpstream, "error", err)
+		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultServFail
+	}
+	resp, ans, err := parseAnswer(req, wire, maxSize)
+	if err != nil {
+		reason := "malformed"
+		var de *dropError
+		if errors.As(err, &de) {
+			reason = de.reason
+		}
+		p.metrics.dropped.WithLabelValues(reason).Inc()
+		p.log.Warn("Dropped the upstream's answer, answering SERVFAIL", "name", q.Name, "upstream", p.cfg.DNSUpstream, "error", err)
+		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultDropped
+	}
+	if len(ans.ips) == 0 {
+		return resp, resultForwarded
+	}
+	start := time.Now()
+	rev, changed, err := p.names.observe(ans.name, ans.ips, ans.ttl, p.now())
+	if err != nil {
+		// The answer is still good; policy just does not know its
+		// addresses yet.
+		p.log.Error("Could not label the addresses of a DNS answer", "name", ans.name, "error", err)
+		return resp, resultForwarded
+	}
+	if !changed {
+		return resp, resultForwarded
+	}
+	wctx, cancel := context.WithTimeout(ctx, p.cfg.ToFQDNsProxyResponseMaxDelay)
+	defer cancel()
+	if err := p.prefixes.Wait(wctx, rev); err != nil {
+		p.metrics.delayExceeded.Inc()
+		p.log.Warn("Releasing a DNS answer before the ipcache map has its addresses",
+			"name", ans.name, "max-delay", p.cfg.ToFQDNsProxyResponseMaxDelay, "error", err)
+	}
+	p.metrics.holdSeconds.Observe(time.Since(start).Seconds())
+	return resp, resultLabelled
+}
+
+// reply writes resp to the client, truncated to what a UDP client takes.
+func (p *Proxy) reply(w dns.ResponseWriter, req, resp *dns.Msg) {
+	resp.Id = req.Id
+	if w.LocalAddr().Network() == "udp" {
+		size := dns.MinMsgSize
+		if opt := req.IsEdns0(); opt != nil {
+			size = max(int(opt.UDPSize()), dns.MinMsgSize)
+		}
+		resp.Truncate(size)
+	}
+	if err := w.WriteMsg(resp); err != nil {
+		p.log.Debug("DNS proxy: could not answer the client", "error", err)
+	}
+}
+
+// exchange sends req to the upstream and returns the reply's bytes, not
+// yet parsed: parseAnswer decides what is malformed. Over UDP, datagrams
+// from elsewhere or with another ID are ignored, as a resolver does.
+func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg) ([]byte, error) {
+	out, err := req.Pack()
+	if err != nil {
+		return nil, fmt.Errorf("pack the request: %w", err)
+	}
+	deadline := time.Now().Add(p.cfg.DNSUpstreamTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	var dialer net.Dialer
+	conn, err := dialer.DialContext(ctx, network, p.cfg.DNSUpstream)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	if err := conn.SetDeadline(deadline); err != nil {
+		return nil, err
+	}
+	if network == "tcp" {
+		msg := binary.BigEndian.AppendUint16(nil, uint16(len(out)))
+		if _, err := conn.Write(append(msg, out...)); err != nil {
+			return nil, err
+		}
+		var n [2]byte
+		if _, err := io.ReadFull(conn, n[:]); err != nil {
+			return nil, err
+		}
+		buf := make([]byte, binary.BigEndian.Uint16(n[:]))
+		if _, err := io.ReadFull(conn, buf); err != nil {
+			return nil, err
+		}
+		return buf, nil
+	}
+	if _, err := conn.Write(out); err != nil {
+		return nil, err
+	}
+	buf := make([]byte, dns.MaxMsgSize)
+	for {
+		n, err := conn.Read(buf)
+		if err != nil {
+			return nil, err
+		}
+		// A datagram too short to carry the ID, or with another ID, is
+		// not the reply (a late one to an earlier query, or spoofed).
+		if n >= 2 && binary.BigEndian.Uint16(buf) == req.Id {
+			return buf[:n], nil
+		}
+	}
+}
+
+// listenBoth listens on addr over UDP and TCP, on the same port. With port
+// 0 the kernel picks the UDP port, which may be taken over TCP: then it
+// tries again with another.
+func listenBoth(addr string) (net.PacketConn, net.Listener, error) {
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--dns-proxy-addr=%q: %w", addr, err)
+	}
+	for attempt := 0; ; attempt++ {
+		pc, err := net.ListenPacket("udp", addr)
+		if err != nil {
+			return nil, nil, fmt.Errorf("listen on udp %s: %w", addr, err)
+		}
+		ln, err := net.Listen("tcp", pc.LocalAddr().String())
+		if err == nil {
+			return pc, ln, nil
+		}
+		pc.Close()
+		if port != "0" || attempt == 10 {
+			return nil, nil, fmt.Errorf("listen on tcp %s: %w", pc.LocalAddr(), err)
+		}
+	}
+}
