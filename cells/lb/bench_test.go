@@ -39,11 +39,14 @@ import (
 // allocated per service, bytes the load balancer retains per service (the
 // tables and the reconciler's mirror; not the event source, whose objects
 // are an informer's business), and map operations per service.
+// benchN is the number of services per run.
+var benchN = 50000
+
 func BenchmarkServices(b *testing.B) {
 	for _, backends := range []int{1, 10} {
-		b.Run(fmt.Sprintf("services=50000/backends=%d", backends), func(b *testing.B) {
+		b.Run(fmt.Sprintf("services=%d/backends=%d", benchN, backends), func(b *testing.B) {
 			for range b.N {
-				benchServices(b, 50000, backends)
+				benchServices(b, benchN, backends)
 			}
 		})
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 	"github.com/spf13/pflag"
+	"golang.org/x/time/rate"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 
@@ -132,6 +133,13 @@ func registerReflector(jobs job.Group, r *reflector) {
 	jobs.Add(job.OneShot("reflect-services", r.run))
 }
 
+// Reconciler round limits: up to roundSize frontends per round and
+// roundsPerSecond rounds, i.e. a ceiling far above what the maps take.
+const (
+	roundSize       = 5000
+	roundsPerSecond = 200
+)
+
 func registerReconciler(p reconciler.Params, frontends statedb.RWTable[*tables.Frontend], ops *reconcilers.LB) error {
 	_, err := reconciler.Register(p, frontends,
 		(*tables.Frontend).Clone, (*tables.Frontend).SetStatus, (*tables.Frontend).GetStatus,
@@ -141,6 +149,10 @@ func registerReconciler(p reconciler.Params, frontends statedb.RWTable[*tables.F
 		reconciler.WithRefreshing(0, nil),
 		reconciler.WithPruning(30*time.Minute),
 		reconciler.WithRetry(100*time.Millisecond, time.Minute),
+		// Fewer, bigger rounds: the map writes of a round go out in one
+		// batch per map and step, and a round costs a write transaction.
+		// A lone change still goes out at once (burst 1).
+		reconciler.WithRoundLimits(roundSize, rate.NewLimiter(roundsPerSecond, 1)),
 	)
 	return err
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"runtime"
 	"slices"
 	"strings"
 
@@ -41,6 +42,8 @@ type reflector struct {
 	sliceService map[k8s.Key]tables.ServiceName
 	// problems are the invalid objects, by "Kind namespace/name".
 	problems map[string]string
+	// problemsChanged says that health must be updated.
+	problemsChanged bool
 }
 
 // event is a Service or EndpointSlice event.
@@ -60,6 +63,8 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 			var ev event
 			if block {
 				select {
+				case <-ctx.Done():
+					return false
 				case e, ok := <-svcCh:
 					if !ok {
 						return false
@@ -95,6 +100,13 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 		}
 		for len(batch) < maxBatch && receive(false) {
 		}
+		if len(batch) < maxBatch {
+			// Give a busy source a moment to add to the batch: one bigger
+			// transaction costs less than several small ones.
+			runtime.Gosched()
+			for len(batch) < maxBatch && receive(false) {
+			}
+		}
 
 		for _, ev := range batch {
 			svcSynced = svcSynced || ev.svc != nil && ev.svc.Kind == k8s.Sync
@@ -106,7 +118,10 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 			initialized = true
 			r.log.Info("Services and EndpointSlices synced")
 		}
-		r.reportHealth(health, initialized)
+		if r.problemsChanged || finishInit {
+			r.reportHealth(health, initialized)
+			r.problemsChanged = false
+		}
 	}
 }
 
@@ -125,12 +140,7 @@ func (r *reflector) apply(batch []event, finishInit bool) {
 	}
 	r.w.refresh(txn, c)
 	for name, problems := range c.problems {
-		key := "Service " + name.String()
-		if len(problems) == 0 {
-			delete(r.problems, key)
-		} else {
-			r.problems[key] = strings.Join(problems, "; ")
-		}
+		r.setProblem("Service "+name.String(), problems)
 	}
 	if finishInit {
 		for _, done := range r.initDone {
@@ -156,11 +166,7 @@ func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.E
 	switch ev.Kind {
 	case k8s.Upsert:
 		p, ok := sliceFromK8s(ev.Object)
-		if len(p.errs) > 0 {
-			r.problems[key] = strings.Join(p.errs, "; ")
-		} else {
-			delete(r.problems, key)
-		}
+		r.setProblem(key, p.errs)
 		if hadPrev && (!ok || prev != p.service) {
 			r.w.deleteSlice(txn, prev, ev.Key.Name, c)
 			delete(r.sliceService, ev.Key)
@@ -170,11 +176,27 @@ func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.E
 			r.sliceService[ev.Key] = p.service
 		}
 	case k8s.Delete:
-		delete(r.problems, key)
+		r.setProblem(key, nil)
 		if hadPrev {
 			r.w.deleteSlice(txn, prev, ev.Key.Name, c)
 			delete(r.sliceService, ev.Key)
 		}
+	}
+}
+
+// setProblem records what is invalid about an object; nothing clears it.
+func (r *reflector) setProblem(key string, problems []string) {
+	old, had := r.problems[key]
+	if len(problems) == 0 {
+		if had {
+			delete(r.problems, key)
+			r.problemsChanged = true
+		}
+		return
+	}
+	if msg := strings.Join(problems, "; "); !had || old != msg {
+		r.problems[key] = msg
+		r.problemsChanged = true
 	}
 }
 
