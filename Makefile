@@ -16,7 +16,7 @@ PKGS      ?= ./...
 TESTFLAGS ?=
 BENCHTIME ?= 1s
 
-.PHONY: all build test bench run lint deps clean
+.PHONY: all build test bench run lint deps clean bpf demo
 
 all: build
 
@@ -39,6 +39,14 @@ run: build
 	@echo "apiary: API on http://$(API_ADDR) — try: curl http://$(API_ADDR)/healthz; $(BIN) db show health"
 	$(if $(filter 0,$(shell id -u)),,sudo) $(BIN) agent --config-dir docs/examples \
 		--api-addr $(API_ADDR) --state-dir $(STATE_DIR) $(RUN_FLAGS)
+
+## bpf: regenerate the committed BPF objects and bindings (needs clang, llvm, libbpf-dev); reproducible.
+bpf:
+	cd bpf/socklb && $(GO) generate ./
+
+## demo: socket load balancing end to end — curl a Service VIP from a cgroup (root).
+demo:
+	scripts/demo-socketlb.sh
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi

@@ -11,6 +11,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/lb"
 	"github.com/apiary-net/apiary/cells/selectors"
+	"github.com/apiary-net/apiary/cells/socketlb"
 )
 
 // ControlPlane lists the agent's features. Including a cell switches its
@@ -19,6 +20,7 @@ var ControlPlane = cell.Group(
 	ct.Cell,        // conntrack maps: sizing, resize keeping connections, GC
 	ipam.Cell,      // agent IPs (health, ingress) through the delegated CNI IPAM plugin
 	lb.Cell,        // load balancing: services, frontends, backends → lb4_* maps
+	socketlb.Cell,  // socket LB: cgroup connect/sendmsg/recvmsg hooks on the lb4_* maps (--enable-socket-lb)
 	identity.Cell,  // security identities: allocator, checkpoint in --state-dir
 	ipcache.Cell,   // prefix labels → identities → ipcache map
 	selectors.Cell, // CiliumNetworkPolicies: policies, selectors, policy CIDR prefixes

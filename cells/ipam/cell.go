@@ -43,7 +43,7 @@ var Cell = cell.Module(
 		tables.NewAgentIPsTable,
 	),
 	cell.Provide(statedb.RWTable[*tables.AgentIP].ToTable),
-	cell.Invoke(start),
+	cell.Invoke(start, publishPrefixes),
 )
 
 type startParams struct {
