@@ -128,3 +128,49 @@ func opCounts(lb *LB) uint64 {
 	}
 	return n
 }
+
+// TestResizeKeepsEntries reopens the maps with another size: the entries
+// are copied into the new maps, and the frontend needs no write.
+func TestResizeKeepsEntries(t *testing.T) {
+	testenv.RequireRoot(t)
+	pinDir := testenv.BPFPinDir(t)
+	db := statedb.New()
+	backends, err := tables.NewBackendsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fe := &tables.Frontend{
+		Address: tables.L4Addr{Addr: netip.MustParseAddr("10.96.0.1"), Port: 53, Proto: tables.UDP},
+		Type:    tables.FrontendClusterIP,
+		Backends: []tables.FrontendBackend{
+			{Address: tables.L4Addr{Addr: netip.MustParseAddr("10.1.0.1"), Port: 5353, Proto: tables.UDP}},
+			{Address: tables.L4Addr{Addr: netip.MustParseAddr("10.1.0.2"), Port: 5353, Proto: tables.UDP}},
+		},
+	}
+	open := func(size uint32) (*LB, string) {
+		lb := NewLB(slog.New(slog.DiscardHandler), LBConfig{PinDir: pinDir, MaxEntries: size, MaxEntriesFlag: "bpf-lb-map-max"}, backends)
+		if err := lb.Update(context.Background(), db.ReadTxn(), 0, fe); err != nil {
+			t.Fatal(err)
+		}
+		var dump strings.Builder
+		if err := lb.Maps(func(services, backends, revNat *ebpf.Map) error {
+			if services.MaxEntries() != size {
+				t.Errorf("lb4_services has %d entries, want %d", services.MaxEntries(), size)
+			}
+			return WriteLBMaps(&dump, services, backends, revNat)
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return lb, dump.String()
+	}
+	small, before := open(64)
+	small.Close()
+	big, after := open(128)
+	defer big.Close()
+	if before != after {
+		t.Fatalf("entries changed across the resize:\n%s\nvs\n%s", before, after)
+	}
+	if n := opCounts(big); n != 0 {
+		t.Fatalf("%d map operations after the resize, want 0", n)
+	}
+}
