@@ -270,32 +270,46 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 // out, so that a released ID is not reused at once: connections still
 // tracked under it would be translated to the wrong frontend.
 func (l *LB) allocServiceID() (uint16, error) {
-	for range MaxServiceID {
-		id := l.nextServiceID
-		l.nextServiceID++
-		if l.nextServiceID == 0 || l.nextServiceID > MaxServiceID {
-			l.nextServiceID = 1
-		}
-		if _, used := l.frontendByID[id]; !used {
-			return id, nil
-		}
+	id, ok := nextFreeID(&l.nextServiceID, MaxServiceID, len(l.frontendByID), func(id uint16) bool {
+		_, used := l.frontendByID[id]
+		return used
+	})
+	if !ok {
+		return 0, fmt.Errorf("%w: all %d service IDs are in use", ErrLBIDsExhausted, MaxServiceID)
 	}
-	return 0, fmt.Errorf("%w: all %d service IDs are in use", ErrLBIDsExhausted, MaxServiceID)
+	return id, nil
 }
 
 // allocBackendID is allocServiceID for backends.
 func (l *LB) allocBackendID() (uint32, error) {
-	for range len(l.backendByID) + 1 {
-		id := l.nextBackendID
-		l.nextBackendID++
-		if l.nextBackendID == 0 || l.nextBackendID > MaxBackendID {
-			l.nextBackendID = 1
+	id, ok := nextFreeID(&l.nextBackendID, MaxBackendID, len(l.backendByID), func(id uint32) bool {
+		_, used := l.backendByID[id]
+		return used
+	})
+	if !ok {
+		return 0, fmt.Errorf("%w: all %d backend IDs are in use", ErrLBIDsExhausted, uint32(MaxBackendID))
+	}
+	return id, nil
+}
+
+// nextFreeID returns the first ID from *next on, wrapping from maxID to 1,
+// that is not used, and moves *next past it. With inUse IDs taken, at most
+// inUse+1 candidates need a look.
+func nextFreeID[T uint16 | uint32](next *T, maxID T, inUse int, used func(T) bool) (T, bool) {
+	if uint64(inUse) >= uint64(maxID) {
+		return 0, false
+	}
+	for range inUse + 1 {
+		id := *next
+		*next++
+		if *next == 0 || *next > maxID {
+			*next = 1
 		}
-		if _, used := l.backendByID[id]; !used {
-			return id, nil
+		if !used(id) {
+			return id, true
 		}
 	}
-	return 0, fmt.Errorf("%w: all %d backend IDs are in use", ErrLBIDsExhausted, uint32(MaxBackendID))
+	return 0, false
 }
 
 // backendFor returns the state of the backend at addr, giving it an ID if

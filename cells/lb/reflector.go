@@ -59,41 +59,39 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 	health.OK("Waiting for Services and EndpointSlices")
 	for {
 		batch := make([]event, 0, 16)
+		addSvc := func(e k8s.Event[*corev1.Service], ok bool) bool {
+			if ok {
+				batch = append(batch, event{svc: &e})
+			}
+			return ok
+		}
+		addSlice := func(e k8s.Event[*discoveryv1.EndpointSlice], ok bool) bool {
+			if ok {
+				batch = append(batch, event{slice: &e})
+			}
+			return ok
+		}
+		// receive appends one event to the batch; without block it gives up
+		// at once when none is ready.
 		receive := func(block bool) bool {
-			var ev event
-			if block {
-				select {
-				case <-ctx.Done():
-					return false
-				case e, ok := <-svcCh:
-					if !ok {
-						return false
-					}
-					ev.svc = &e
-				case e, ok := <-sliceCh:
-					if !ok {
-						return false
-					}
-					ev.slice = &e
-				}
-			} else {
+			if !block {
 				select {
 				case e, ok := <-svcCh:
-					if !ok {
-						return false
-					}
-					ev.svc = &e
+					return addSvc(e, ok)
 				case e, ok := <-sliceCh:
-					if !ok {
-						return false
-					}
-					ev.slice = &e
+					return addSlice(e, ok)
 				default:
 					return false
 				}
 			}
-			batch = append(batch, ev)
-			return true
+			select {
+			case <-ctx.Done():
+				return false
+			case e, ok := <-svcCh:
+				return addSvc(e, ok)
+			case e, ok := <-sliceCh:
+				return addSlice(e, ok)
+			}
 		}
 		if !receive(true) {
 			return nil
