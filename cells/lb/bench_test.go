@@ -57,37 +57,8 @@ func benchServices(b *testing.B, n, backendsPerService int) {
 	b.StopTimer()
 	svcs := newChanResource[*corev1.Service]()
 	slices := newChanResource[*discoveryv1.EndpointSlice]()
-	var (
-		db        *statedb.DB
-		frontends statedb.Table[*tables.Frontend]
-		ops       *reconcilers.LB
-	)
-	h := hive.NewWithOptions(core.HiveOptions(),
-		statedb.Cell, health.Cell, job.Cell, metrics.Cell, bpffs.Cell, node.Cell,
-		cell.Provide(
-			func() k8s.Resource[*corev1.Service] { return svcs },
-			func() k8s.Resource[*discoveryv1.EndpointSlice] { return slices },
-		),
-		Cell,
-		cell.Invoke(func(d *statedb.DB, f statedb.Table[*tables.Frontend], m Maps) {
-			db, frontends, ops = d, f, m.(*reconcilers.LB)
-		}),
-	)
-	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
-	h.RegisterFlags(fs)
-	pinDir := testenv.BPFPinDir(b)
 	maxEntries := n * (backendsPerService + 2)
-	if err := fs.Parse([]string{
-		"--bpf-pin-dir=" + pinDir, "--state-dir=" + b.TempDir(), "--node-name=bench",
-		fmt.Sprintf("--%s=%d", MapMaxFlag, maxEntries),
-	}); err != nil {
-		b.Fatal(err)
-	}
-	log := slog.New(slog.DiscardHandler)
-	if err := h.Start(log, context.Background()); err != nil {
-		b.Fatal(err)
-	}
-	defer h.Stop(log, context.Background())
+	db, frontends, ops := startChanHive(b, testenv.BPFPinDir(b), svcs, slices, fmt.Sprintf("--%s=%d", MapMaxFlag, maxEntries))
 
 	// The objects exist before the clock starts, as in an informer's cache.
 	svcEvents := make([]k8s.Event[*corev1.Service], n)
@@ -141,9 +112,45 @@ func benchServices(b *testing.B, n, backendsPerService int) {
 	b.ReportMetric(float64(insertOps)/float64(n), "insert-map-ops/service")
 }
 
+// startChanHive starts a hive with the lb cell fed by svcs and slices,
+// pinning in pinDir; it is stopped at the end of the test.
+func startChanHive(tb testing.TB, pinDir string, svcs *chanResource[*corev1.Service],
+	slices *chanResource[*discoveryv1.EndpointSlice], flags ...string,
+) (*statedb.DB, statedb.Table[*tables.Frontend], *reconcilers.LB) {
+	var (
+		db        *statedb.DB
+		frontends statedb.Table[*tables.Frontend]
+		ops       *reconcilers.LB
+	)
+	h := hive.NewWithOptions(core.HiveOptions(),
+		statedb.Cell, health.Cell, job.Cell, metrics.Cell, bpffs.Cell, node.Cell,
+		cell.Provide(
+			func() k8s.Resource[*corev1.Service] { return svcs },
+			func() k8s.Resource[*discoveryv1.EndpointSlice] { return slices },
+		),
+		Cell,
+		cell.Invoke(func(d *statedb.DB, f statedb.Table[*tables.Frontend], m Maps) {
+			db, frontends, ops = d, f, m.(*reconcilers.LB)
+		}),
+	)
+	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
+	h.RegisterFlags(fs)
+	if err := fs.Parse(append([]string{
+		"--bpf-pin-dir=" + pinDir, "--state-dir=" + tb.TempDir(), "--node-name=test",
+	}, flags...)); err != nil {
+		tb.Fatal(err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	if err := h.Start(log, context.Background()); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { h.Stop(log, context.Background()) })
+	return db, frontends, ops
+}
+
 // waitFrontends waits until the frontends table holds want rows, all Done
 // if done is set.
-func waitFrontends(b *testing.B, db *statedb.DB, frontends statedb.Table[*tables.Frontend], want int, done bool) {
+func waitFrontends(b testing.TB, db *statedb.DB, frontends statedb.Table[*tables.Frontend], want int, done bool) {
 	deadline := time.Now().Add(2 * time.Minute)
 	for time.Now().Before(deadline) {
 		txn := db.ReadTxn()
@@ -166,7 +173,7 @@ func waitFrontends(b *testing.B, db *statedb.DB, frontends statedb.Table[*tables
 	b.Fatalf("frontends did not reach %d (done=%v) in time", want, done)
 }
 
-func waitMapsEmpty(b *testing.B, ops *reconcilers.LB) {
+func waitMapsEmpty(b testing.TB, ops *reconcilers.LB) {
 	deadline := time.Now().Add(2 * time.Minute)
 	for time.Now().Before(deadline) {
 		empty := true

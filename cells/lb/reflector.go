@@ -56,6 +56,7 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 	svcCh := r.services.Events(ctx)
 	sliceCh := r.slices.Events(ctx)
 	svcSynced, sliceSynced, initialized := false, false, false
+	var initial []event
 	health.OK("Waiting for Services and EndpointSlices")
 	for {
 		batch := make([]event, 0, 16)
@@ -110,7 +111,19 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 			svcSynced = svcSynced || ev.svc != nil && ev.svc.Kind == k8s.Sync
 			sliceSynced = sliceSynced || ev.slice != nil && ev.slice.Kind == k8s.Sync
 		}
-		finishInit := svcSynced && sliceSynced && !initialized
+		if !initialized && !(svcSynced && sliceSynced) {
+			// Until both kinds have synced, hold everything back: a
+			// frontend written with only part of its backends would make
+			// a restarted agent delete the slots (and release the IDs) of
+			// backends whose slice has not been read yet.
+			initial = append(initial, batch...)
+			continue
+		}
+		finishInit := !initialized
+		if finishInit {
+			batch = append(initial, batch...)
+			initial = nil
+		}
 		r.apply(batch, finishInit)
 		if finishInit {
 			initialized = true
