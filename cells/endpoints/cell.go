@@ -56,12 +56,25 @@ var ignoredPodLabels = []string{
 	"batch.kubernetes.io/controller-uid",
 }
 
+// IgnoredPodLabels returns the pod label keys left out of security labels
+// by default. The operator computes the same label sets as the agents from
+// this list, so that agents find the Identities it creates.
+func IgnoredPodLabels() []string {
+	return slices.Clone(ignoredPodLabels)
+}
+
 // SecurityLabels returns the security labels of pod in a namespace with
 // the labels nsLabels.
 func SecurityLabels(pod *corev1.Pod, nsLabels map[string]string) tables.Labels {
+	return SecurityLabelsExcept(pod, nsLabels, ignoredPodLabels)
+}
+
+// SecurityLabelsExcept is SecurityLabels leaving out the pod label keys
+// ignored instead of the default ones.
+func SecurityLabelsExcept(pod *corev1.Pod, nsLabels map[string]string, ignored []string) tables.Labels {
 	out := make([]string, 0, len(pod.Labels)+len(nsLabels)+1)
 	for k, v := range pod.Labels {
-		if !slices.Contains(ignoredPodLabels, k) {
+		if !slices.Contains(ignored, k) {
 			out = append(out, tables.SourceK8s+":"+k+"="+v)
 		}
 	}
