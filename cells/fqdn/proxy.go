@@ -165,6 +165,11 @@ func (p *Proxy) reply(w dns.ResponseWriter, req, resp *dns.Msg) {
 	}
 	if err := w.WriteMsg(resp); err != nil {
 		p.log.Debug("DNS proxy: could not answer the client", "error", err)
+		if resp.Rcode != dns.RcodeServerFailure {
+			// An answer that parsed but does not pack again: the
+			// client gets SERVFAIL rather than silence.
+			_ = w.WriteMsg(new(dns.Msg).SetRcode(req, dns.RcodeServerFailure))
+		}
 	}
 }
 
