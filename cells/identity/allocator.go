@@ -118,7 +118,7 @@ func (a *Allocator) AcquireN(txn statedb.WriteTxn, l tables.Labels, hint uint32,
 		source = SourceAgent
 	default:
 		id, err = a.cluster.Assign(l, free, hint)
-		source = a.cluster.Source()
+		source = a.clusterSource(id)
 	}
 	if err != nil {
 		return nil, err
@@ -143,6 +143,107 @@ func (a *Allocator) ref(txn statedb.WriteTxn, id uint32, n uint32) (*tables.Iden
 		return nil, err
 	}
 	return obj, nil
+}
+
+// clusterSource names who handed out the cluster-scope number id.
+func (a *Allocator) clusterSource(id uint32) string {
+	if r, ok := a.cluster.(Renumberer); ok {
+		return r.SourceOf(id)
+	}
+	return a.cluster.Source()
+}
+
+// RenumberWatch returns a channel closed when Renumber may have work: the
+// ClusterNumbers changed its choices. Nil (never closed) in the agent mode.
+func (a *Allocator) RenumberWatch() <-chan struct{} {
+	if r, ok := a.cluster.(Renumberer); ok {
+		return r.Changed()
+	}
+	return nil
+}
+
+// Renumber moves every cluster identity whose number the ClusterNumbers no
+// longer stands by (a temporary number whose Identity has appeared, a
+// number whose Identity is gone) to the number it wants now, keeping the
+// references, and frees the old number. It returns old → new for the
+// caller to rewrite the entries that use them in the same transaction.
+// Label sets that cannot move (their wanted number is still used by
+// another row, or no temporary number is free) keep their number and are
+// retried at the next call.
+func (a *Allocator) Renumber(txn statedb.WriteTxn) (map[uint32]uint32, error) {
+	r, ok := a.cluster.(Renumberer)
+	if !ok {
+		return nil, nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	free := func(id uint32) bool {
+		if _, ok := a.withheld[id]; ok {
+			return false
+		}
+		_, _, found := a.table.Get(txn, tables.IdentityIDIndex.Query(id))
+		return !found
+	}
+	moved := map[uint32]uint32{}
+	var errs []error
+	// A move can free the number another label set waits for: a few
+	// passes settle chains of them.
+	for pass := 0; pass < 3; pass++ {
+		errs = errs[:0]
+		n, err := a.renumberPass(txn, r, free, moved, &errs)
+		if err != nil {
+			return nil, err
+		}
+		if n == 0 {
+			break
+		}
+	}
+	if len(errs) > 0 {
+		a.log.Warn("Some identities keep their numbers for now", "error", errors.Join(errs...))
+	}
+	return moved, nil
+}
+
+// renumberPass is one pass of Renumber; it returns how many rows moved.
+func (a *Allocator) renumberPass(txn statedb.WriteTxn, r Renumberer, free func(uint32) bool, moved map[uint32]uint32, errs *[]error) (int, error) {
+	var rows []*tables.Identity
+	for obj := range a.table.All(txn) {
+		if obj.Scope == tables.ScopeCluster {
+			rows = append(rows, obj)
+		}
+	}
+	count := 0
+	for _, obj := range rows {
+		want, err := r.Want(obj.Labels, obj.ID, free)
+		if err != nil {
+			*errs = append(*errs, err)
+			continue
+		}
+		if want == obj.ID {
+			continue
+		}
+		if _, _, err := a.table.Delete(txn, obj); err != nil {
+			return 0, err
+		}
+		n := obj.Clone()
+		n.ID = want
+		n.Source = r.SourceOf(want)
+		delete(a.withheld, want)
+		if _, _, err := a.table.Insert(txn, n); err != nil {
+			return 0, fmt.Errorf("renumber identity %d to %d: %w", obj.ID, want, err)
+		}
+		a.cluster.Freed(obj.ID)
+		// Entries still say the first number they had.
+		orig := obj.ID
+		for o, m := range moved {
+			if m == obj.ID {
+				orig = o
+			}
+		}
+		moved[orig] = want
+		count++
+	}
+	return count, nil
 }
 
 // freed tells the ranges that id is free again.
@@ -213,7 +314,7 @@ func (a *Allocator) Restore(checkpoint []*tables.Identity) error {
 		}
 		source := SourceAgent
 		if scope == tables.ScopeCluster {
-			source = a.cluster.Source()
+			source = a.clusterSource(c.ID)
 		}
 		row := &tables.Identity{ID: c.ID, Labels: c.Labels, Scope: scope, Source: source, Restored: true}
 		if _, _, err := a.table.Insert(wtxn, row); err != nil {

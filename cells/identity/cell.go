@@ -37,8 +37,9 @@ var Cell = cell.Module(
 	cell.Config(defaultConfig),
 	cell.ProvidePrivate(
 		tables.NewIdentitiesTable,
-		// The identity management mode's seam: agent mode only for now.
-		NewAgentClusterNumbers,
+		// The identity management mode's seam: agent mode unless a
+		// *ModeNumbers is provided (cells/identitymode).
+		newClusterNumbers,
 	),
 	cell.Provide(
 		newAllocator,

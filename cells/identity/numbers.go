@@ -3,6 +3,8 @@ package identity
 import (
 	"fmt"
 
+	"github.com/cilium/hive/cell"
+
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -16,6 +18,11 @@ const (
 	// FQDN label sets.
 	MinLocal uint32 = 0x01000001
 	MaxLocal uint32 = 0x0100FFFF
+	// MinTemporary and MaxTemporary bound the temporary identities the
+	// operator mode gives a workload label set on this node until the
+	// operator's Identity for it appears.
+	MinTemporary uint32 = 0x01010000
+	MaxTemporary uint32 = 0x010103FF
 )
 
 // Reserved identity numbers.
@@ -55,6 +62,10 @@ func Reserved() []*tables.Identity {
 const (
 	SourceReserved = "reserved"
 	SourceAgent    = "agent"
+	// SourceCluster: the number of an Identity object (operator mode).
+	SourceCluster = "cluster"
+	// SourceTemporary: a node-local stand-in until the Identity appears.
+	SourceTemporary = "temporary"
 )
 
 // ReservedFor returns the reserved identity a label set resolves to. An
@@ -114,6 +125,9 @@ func ScopeOfID(id uint32) tables.IdentityScope {
 		return tables.ScopeCluster
 	case id >= MinLocal && id <= MaxLocal:
 		return tables.ScopeLocal
+	case id >= MinTemporary && id <= MaxTemporary:
+		// Temporary numbers stand for workload label sets.
+		return tables.ScopeCluster
 	}
 	return ""
 }
@@ -207,6 +221,39 @@ type ClusterNumbers interface {
 	Contains(id uint32) bool
 	// Freed tells it that a number is no longer used by this node.
 	Freed(id uint32)
+}
+
+// Renumberer is a ClusterNumbers whose choice for a label set can change
+// after it was made (the operator mode: a temporary number until the
+// Identity appears). The allocator's Renumber asks it about every cluster
+// identity when Changed's channel closes.
+type Renumberer interface {
+	ClusterNumbers
+	// SourceOf names who handed out id.
+	SourceOf(id uint32) string
+	// Want returns the number l should have instead of cur, or cur.
+	Want(l tables.Labels, cur uint32, free func(uint32) bool) (uint32, error)
+	// Changed returns a channel closed at the next change of its choices.
+	Changed() <-chan struct{}
+}
+
+// ModeNumbers lets a cell outside this package supply the ClusterNumbers
+// (the identity management mode); nil or empty: the agent mode.
+type ModeNumbers struct {
+	ClusterNumbers
+}
+
+type modeParams struct {
+	cell.In
+
+	Mode *ModeNumbers `optional:"true"`
+}
+
+func newClusterNumbers(p modeParams) ClusterNumbers {
+	if p.Mode != nil && p.Mode.ClusterNumbers != nil {
+		return p.Mode.ClusterNumbers
+	}
+	return NewAgentClusterNumbers()
 }
 
 // agentNumbers is the agent mode: numbers from MinCluster–MaxCluster,

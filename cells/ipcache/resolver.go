@@ -80,6 +80,9 @@ func (r *resolver) run(ctx context.Context, health cell.Health) error {
 
 	retry := time.NewTicker(retryInterval)
 	defer retry.Stop()
+	// Kept until it fires and renewed before renumbering, so that no
+	// change of the cluster numbers is missed.
+	renumber := r.alloc.RenumberWatch()
 	for {
 		rtxn := r.db.ReadTxn()
 		seq, watch := changes.Next(rtxn)
@@ -127,6 +130,12 @@ func (r *resolver) run(ctx context.Context, health cell.Health) error {
 			return nil
 		case <-watch:
 		case <-initWatch:
+		case <-renumber:
+			renumber = r.alloc.RenumberWatch()
+			if err := r.renumber(); err != nil {
+				return err
+			}
+			r.reportHealth(health)
 		case <-retry.C:
 			if len(r.failed) > 0 {
 				if _, err := r.process(slices.SortedFunc(maps.Keys(r.failed), comparePrefixes)); err != nil {
@@ -136,6 +145,38 @@ func (r *resolver) run(ctx context.Context, health cell.Health) error {
 			}
 		}
 	}
+}
+
+// renumber moves the entries of identities whose number changed (the
+// operator mode: a temporary number replaced by the Identity's), in the
+// same transaction as the identities, then retries the prefixes that had
+// no identity, for which a number may have appeared.
+func (r *resolver) renumber() error {
+	wtxn := r.db.WriteTxn(r.ipcache, r.alloc.Table())
+	defer wtxn.Abort()
+	moved, err := r.alloc.Renumber(wtxn)
+	if err != nil {
+		return fmt.Errorf("renumber identities: %w", err)
+	}
+	if len(moved) > 0 {
+		for e := range r.ipcache.All(wtxn) {
+			if n, ok := moved[e.Identity]; ok {
+				c := e.Clone()
+				c.Identity = n
+				c.Status = reconciler.StatusPending()
+				if _, _, err := r.ipcache.Insert(wtxn, c); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	wtxn.Commit()
+	if len(r.failed) > 0 {
+		if _, err := r.process(slices.SortedFunc(maps.Keys(r.failed), comparePrefixes)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // finishInit marks the ipcache table initialized once every owner's

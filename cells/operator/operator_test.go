@@ -298,4 +298,3 @@ func TestLeaderElection(t *testing.T) {
 		t.Fatalf("after a stopped, lease holder = %s, want b", h)
 	}
 }
-

@@ -1,0 +1,17 @@
+package identitymode_test
+
+import (
+	"testing"
+
+	"github.com/apiary-net/apiary/apiarytest"
+	"github.com/apiary-net/apiary/cells/endpoints"
+	"github.com/apiary-net/apiary/cells/identity"
+	"github.com/apiary-net/apiary/cells/identitymode"
+	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/cells/selectors"
+)
+
+func TestScript(t *testing.T) {
+	apiarytest.RunCells(t, "testdata/*.txtar",
+		identitymode.Cell, identity.Cell, ipcache.Cell, selectors.Cell, endpoints.Cell)
+}
