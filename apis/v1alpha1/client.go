@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 
-	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -19,24 +18,21 @@ import (
 	"github.com/apiary-net/apiary/cells/k8s"
 )
 
-// Verbs on Identities that the code calls, next to the calls: the agent
-// in operator mode reads, the operator reads and writes. deploy/'s RBAC is
+// Verbs on Identities that the code calls, kept next to the calls: the
+// agent in operator mode reads, the operator reads and writes. deploy/'s RBAC is
 // tested against these lists (deploy/manifests_test.go), so a new call here
 // without a rule there fails a test rather than a cluster.
 var (
-	// AgentReadVerbs are what IdentityKind's informer uses.
-	AgentReadVerbs = []string{"get", "list", "watch"}
-	// AgentWriteVerbs are what the agent in agent mode would add. The
-	// agent mode keeps its numbers node-local today, so it writes nothing.
+	// AgentReadVerbs are what IdentityKind's informer uses (k8s.InformerVerbs).
+	AgentReadVerbs = []string{"list", "watch"}
+	// AgentWriteVerbs are none: agents never write Identities (in agent
+	// mode their numbers are node-local, in operator mode the operator
+	// writes).
 	AgentWriteVerbs = []string{}
 	// OperatorVerbs are the informer's plus Client.Create and Client.Delete.
-	OperatorVerbs = []string{"get", "list", "watch", "create", "delete"}
+	// Client.List and Client.Watch are the informer's.
+	OperatorVerbs = []string{"list", "watch", "create", "delete"}
 )
-
-// IdentityRule returns the RBAC rule the verbs need on Identities.
-func IdentityRule(verbs []string) rbacv1.PolicyRule {
-	return rbacv1.PolicyRule{APIGroups: []string{GroupVersion.Group}, Resources: []string{IdentityResource}, Verbs: verbs}
-}
 
 // IdentityKind is apiary.io/v1alpha1 Identity, for k8s.NewResource: an
 // informer over the clientset (the REST API, or the fake clientset's
