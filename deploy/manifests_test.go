@@ -233,7 +233,6 @@ func everything(rules map[string][]rbacv1.PolicyRule) []grant {
 	return out
 }
 
-
 func kindGrants(group, resource string, verbs []string) []grant {
 	var out []grant
 	for _, v := range verbs {
