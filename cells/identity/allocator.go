@@ -208,7 +208,9 @@ func (a *Allocator) Renumber(txn statedb.WriteTxn) (map[uint32]uint32, error) {
 func (a *Allocator) renumberPass(txn statedb.WriteTxn, r Renumberer, free func(uint32) bool, moved map[uint32]uint32, errs *[]error) (int, error) {
 	var rows []*tables.Identity
 	for obj := range a.table.All(txn) {
-		if obj.Scope == tables.ScopeCluster {
+		// Restored numbers nobody claimed wait for the grace period's end
+		// rather than take temporary numbers.
+		if obj.Scope == tables.ScopeCluster && obj.RefCount > 0 {
 			rows = append(rows, obj)
 		}
 	}

@@ -137,7 +137,16 @@ func (r *resolver) run(ctx context.Context, health cell.Health) error {
 			}
 			r.reportHealth(health)
 		case <-retry.C:
-			if len(r.failed) > 0 {
+			switch {
+			case renumber != nil:
+				// Numbers freed without a change of the cluster numbers
+				// (restored ones released) may be wanted by label sets;
+				// renumber retries the failed prefixes too.
+				if err := r.renumber(); err != nil {
+					return err
+				}
+				r.reportHealth(health)
+			case len(r.failed) > 0:
 				if _, err := r.process(slices.SortedFunc(maps.Keys(r.failed), comparePrefixes)); err != nil {
 					return err
 				}
