@@ -22,7 +22,9 @@ type Endpoint struct {
 	// Identity is the identity of the pod's IPs, 0 until resolved.
 	Identity uint32 `json:"identity" yaml:"identity"`
 	// IdentitySource says who handed the number out ("agent" for this
-	// agent's cluster allocator, "reserved"); empty while pending.
+	// agent's cluster allocator, "reserved"; in the operator identity
+	// management mode "cluster" for an Identity's number and "temporary"
+	// until one appears); empty while pending.
 	IdentitySource string `json:"identitySource" yaml:"identitySource"`
 	// Error says why the pod has no identity.
 	Error string `json:"error,omitempty" yaml:"error,omitempty"`
