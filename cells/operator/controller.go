@@ -104,9 +104,10 @@ func (c *controller) run(ctx context.Context, h cell.Health) error {
 			c.Log.Info("Synced", "pods", len(c.pods), "identities", len(c.ids), "labelSets", len(c.labels))
 		}
 		if synced {
-			c.lastErr = c.ensure(ctx)
+			var again bool
+			again, c.lastErr = c.ensure(ctx)
 			retry = nil
-			if c.lastErr != nil {
+			if again {
 				retry = time.After(retryInterval)
 			}
 		}
@@ -317,7 +318,7 @@ func (c *controller) forget(n uint32) {
 // ensure creates an Identity for every pending label set in use that has
 // none. It never creates a second one for a label set: the controller
 // records its own creates at once, before their watch events.
-func (c *controller) ensure(ctx context.Context) error {
+func (c *controller) ensure(ctx context.Context) (retry bool, err error) {
 	var errs []error
 	for _, key := range slices.Sorted(maps.Keys(c.pending)) {
 		if c.users[key] == 0 || len(c.byLabels[key]) > 0 {
@@ -325,7 +326,10 @@ func (c *controller) ensure(ctx context.Context) error {
 			continue
 		}
 		if err := c.create(ctx, key); err != nil {
-			errs = append(errs, err)
+			if !errors.Is(err, errTaken) {
+				errs = append(errs, err)
+			}
+			retry = true
 			if ctx.Err() != nil {
 				break
 			}
@@ -333,33 +337,38 @@ func (c *controller) ensure(ctx context.Context) error {
 		}
 		delete(c.pending, key)
 	}
-	return errors.Join(errs...)
+	return retry, errors.Join(errs...)
 }
 
-// create allocates a free number next-after-last and creates its Identity;
-// a number someone else took meanwhile is skipped.
+// errTaken says that the number tried was taken by an Identity the watch
+// has not delivered yet. That Identity may be of the same label set (made by
+// a previous leader), so the label set waits for the watch to catch up
+// instead of trying the next number at once, which could duplicate it.
+var errTaken = errors.New("number taken meanwhile")
+
+// create allocates a free number next-after-last and creates its Identity.
+// A number someone else took meanwhile is skipped from then on, and the
+// label set retried after retryInterval (errTaken).
 func (c *controller) create(ctx context.Context, key string) error {
 	labels := c.labels[key]
-	for attempt := 0; attempt < 16; attempt++ {
-		n, err := c.allocate()
-		if err != nil {
-			return fmt.Errorf("label set %s: %w", labels, err)
-		}
-		obj, err := c.client.Create(ctx, v1alpha1.NewIdentity(n, labels))
-		switch {
-		case k8serrors.IsAlreadyExists(err):
-			c.taken[n] = struct{}{}
-			continue
-		case err != nil:
-			c.metrics.apiErrors.WithLabelValues("create").Inc()
-			return fmt.Errorf("create Identity %d for %s: %w", n, labels, err)
-		}
-		c.metrics.created.Inc()
-		c.Log.Info("Created Identity", "identity", n, "labels", labels)
-		c.identityChanged(k8s.Event[*v1alpha1.Identity]{Kind: k8s.Upsert, Key: k8s.Key{Name: obj.Name}, Object: obj})
-		return nil
+	n, err := c.allocate()
+	if err != nil {
+		return fmt.Errorf("label set %s: %w", labels, err)
 	}
-	return fmt.Errorf("label set %s: every number tried was taken meanwhile", labels)
+	obj, err := c.client.Create(ctx, v1alpha1.NewIdentity(n, labels))
+	switch {
+	case k8serrors.IsAlreadyExists(err):
+		c.taken[n] = struct{}{}
+		c.Log.Info("Identity number taken meanwhile; waiting for the watch", "identity", n, "labels", labels)
+		return errTaken
+	case err != nil:
+		c.metrics.apiErrors.WithLabelValues("create").Inc()
+		return fmt.Errorf("create Identity %d for %s: %w", n, labels, err)
+	}
+	c.metrics.created.Inc()
+	c.Log.Info("Created Identity", "identity", n, "labels", labels)
+	c.identityChanged(k8s.Event[*v1alpha1.Identity]{Kind: k8s.Upsert, Key: k8s.Key{Name: obj.Name}, Object: obj})
+	return nil
 }
 
 // collect deletes the Identities of label sets no pod has used for the

@@ -15,8 +15,11 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
 	corev1 "k8s.io/api/core/v1"
+	k8serrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/apiary-net/apiary/apis/v1alpha1"
 	"github.com/apiary-net/apiary/cells/core"
@@ -296,5 +299,35 @@ func TestLeaderElection(t *testing.T) {
 	eventually(t, f, dbDefault+" -> 1", webDefault+" -> 1")
 	if h := holder(); h != "b" {
 		t.Fatalf("after a stopped, lease holder = %s, want b", h)
+	}
+}
+
+// A number taken by an Identity the watch has not delivered yet (a previous
+// leader's, of the same label set) makes the operator wait for the watch
+// rather than create a second Identity under the next number.
+func TestTakenNumberNoDuplicate(t *testing.T) {
+	f := fake.NewSimpleClientset()
+	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
+	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
+	raced := false
+	f.PrependReactor("create", v1alpha1.IdentityResource, func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if raced {
+			return false, nil, nil
+		}
+		raced = true
+		// Someone created the same label set's Identity under this number
+		// just before us.
+		obj := a.(k8stesting.CreateAction).GetObject().(*v1alpha1.Identity)
+		if err := f.Tracker().Create(v1alpha1.IdentityGVR, obj.DeepCopy(), ""); err != nil {
+			t.Error(err)
+		}
+		return true, nil, k8serrors.NewAlreadyExists(v1alpha1.IdentityGVR.GroupResource(), obj.Name)
+	})
+	startOperator(t, f)
+	eventually(t, f, webDefault+" -> 1")
+	time.Sleep(1500 * time.Millisecond) // past the retry
+	eventually(t, f, webDefault+" -> 1")
+	if !raced {
+		t.Fatal("the reactor never ran")
 	}
 }
