@@ -6,6 +6,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/identity"
+	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/infra"
 	"github.com/apiary-net/apiary/cells/ipam"
 	"github.com/apiary-net/apiary/cells/ipcache"
@@ -17,10 +18,12 @@ import (
 // ControlPlane lists the agent's features. Including a cell switches its
 // feature on.
 var ControlPlane = cell.Group(
-	ct.Cell,        // conntrack maps: sizing, resize keeping connections, GC
-	ipam.Cell,      // agent IPs (health, ingress) through the delegated CNI IPAM plugin
-	lb.Cell,        // load balancing: services, frontends, backends → lb4_* maps
-	socketlb.Cell,  // socket LB: cgroup connect/sendmsg/recvmsg hooks on the lb4_* maps (--enable-socket-lb)
+	ct.Cell,       // conntrack maps: sizing, resize keeping connections, GC
+	ipam.Cell,     // agent IPs (health, ingress) through the delegated CNI IPAM plugin
+	lb.Cell,       // load balancing: services, frontends, backends → lb4_* maps
+	socketlb.Cell, // socket LB: cgroup connect/sendmsg/recvmsg hooks on the lb4_* maps (--enable-socket-lb)
+	// --identity-management-mode: agent numbers, or the operator's Identities and temporary numbers
+	identitymode.Cell,
 	identity.Cell,  // security identities: allocator, checkpoint in --state-dir
 	ipcache.Cell,   // prefix labels → identities → ipcache map
 	selectors.Cell, // CiliumNetworkPolicies: policies, selectors, policy CIDR prefixes

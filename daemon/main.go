@@ -31,6 +31,7 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 	root.SetErr(stderr)
 	root.AddCommand(
 		newAgentCmd(),
+		newOperatorCmd(),
 		newDBCmd(),
 		newBPFCmd(),
 		newVersionCmd(),
