@@ -54,7 +54,7 @@ func TestParseAnswer(t *testing.T) {
 		{"other type", reply(func(m *dns.Msg) { m.Question[0].Qtype = dns.TypeAAAA }), 512, "", 0, "malformed"},
 		{"no question", reply(func(m *dns.Msg) { m.Question = nil }), 512, "", 0, "malformed"},
 		{"garbage", []byte{1, 2, 3}, 512, "", 0, "malformed"},
-		{"oversized", reply(nil, "www.example.com. 300 IN TXT \"" + string(make([]byte, 200)) + "\""), 100, "", 0, "oversized"},
+		{"oversized", reply(nil, "www.example.com. 300 IN TXT \""+string(make([]byte, 200))+"\""), 100, "", 0, "oversized"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

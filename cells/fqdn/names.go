@@ -100,11 +100,14 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 		fresh   []int // indexes in row.IPs of addresses new to the name
 	)
 	answered := map[netip.Addr]struct{}{}
+	index := make(map[netip.Addr]int, len(row.IPs))
+	for i, e := range row.IPs {
+		index[e.IP] = i
+	}
 	for _, ip := range ips {
 		ip = ip.Unmap()
 		answered[ip] = struct{}{}
-		i := slices.IndexFunc(row.IPs, func(e tables.FQDNIP) bool { return e.IP == ip })
-		if i >= 0 {
+		if i, ok := index[ip]; ok {
 			row.IPs[i].Seen = now
 			if expires.After(row.IPs[i].Expires) {
 				row.IPs[i].Expires = expires
@@ -112,6 +115,7 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 			continue
 		}
 		row.IPs = append(row.IPs, tables.FQDNIP{IP: ip, Expires: expires, Seen: now})
+		index[ip] = len(row.IPs) - 1
 		fresh = append(fresh, len(row.IPs)-1)
 	}
 	// Too many addresses: the least recently seen go first, never one of
@@ -138,11 +142,15 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 		}
 		var kept []tables.FQDNIP
 		var keptFresh []int
+		isFresh := make(map[int]bool, len(fresh))
+		for _, i := range fresh {
+			isFresh[i] = true
+		}
 		for i, e := range row.IPs {
 			if _, ok := gone[e.IP]; ok {
 				continue
 			}
-			if slices.Contains(fresh, i) {
+			if isFresh[i] {
 				keptFresh = append(keptFresh, len(kept))
 			}
 			kept = append(kept, e)

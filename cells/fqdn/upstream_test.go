@@ -18,6 +18,7 @@ import (
 //	garbage.*   bytes that are no DNS message
 //	wrongq.*    an answer to another question
 //	big.*       200 A records (oversized for a client without EDNS)
+//	seq.*       one A record, a new address on every query
 //
 // Anything else not set is NXDOMAIN.
 type upstream struct {
@@ -105,6 +106,13 @@ func (u *upstream) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 	case strings.HasPrefix(name, "wrongq."):
 		resp.Question[0].Name = "other.example."
 		a, _ := dns.NewRR("other.example. 60 IN A 203.0.113.66")
+		resp.Answer = append(resp.Answer, a)
+	case strings.HasPrefix(name, "seq."):
+		u.mu.Lock()
+		n := u.queries
+		u.mu.Unlock()
+		a := &dns.A{Hdr: dns.RR_Header{Name: q.Name, Rrtype: dns.TypeA, Class: dns.ClassINET, Ttl: 300},
+			A: net.IPv4(10, byte(n>>16), byte(n>>8), byte(n))}
 		resp.Answer = append(resp.Answer, a)
 	case strings.HasPrefix(name, "big."):
 		for i := range 200 {
