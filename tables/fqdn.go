@@ -84,22 +84,11 @@ var FQDNNameIndex = statedb.Index[*FQDNName, string]{
 	Unique:     true,
 }
 
-// FQDNIPIndex finds the names holding an address.
-var FQDNIPIndex = statedb.Index[*FQDNName, netip.Addr]{
-	Name: "ip",
-	FromObject: func(n *FQDNName) index.KeySet {
-		keys := make([]index.Key, len(n.IPs))
-		for i, ip := range n.IPs {
-			keys[i] = index.NetIPAddr(ip.IP)
-		}
-		return index.NewKeySet(keys...)
-	},
-	FromKey:    index.NetIPAddr,
-	FromString: index.NetIPAddrString,
-	Unique:     false,
-}
+// The table has no index by address on purpose: a name with thousands of
+// addresses would re-index all of them on every answer. The fqdn cell keeps
+// the reverse map (address → names) in memory.
 
 // NewFQDNNamesTable registers the fqdn-names table with db.
 func NewFQDNNamesTable(db *statedb.DB) (statedb.RWTable[*FQDNName], error) {
-	return statedb.NewTable(db, FQDNNamesTableName, FQDNNameIndex, FQDNIPIndex)
+	return statedb.NewTable(db, FQDNNamesTableName, FQDNNameIndex)
 }

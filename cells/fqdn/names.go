@@ -45,6 +45,30 @@ type nameManager struct {
 	mu sync.Mutex
 	// selectors are the FQDN selectors by label ("fqdn:<pattern>").
 	selectors map[string]*pattern.Pattern
+	// byIP are the names holding each address, the reverse of the
+	// table's rows.
+	byIP map[netip.Addr]map[string]struct{}
+}
+
+func (m *nameManager) link(ip netip.Addr, name string) {
+	if m.byIP == nil {
+		m.byIP = map[netip.Addr]map[string]struct{}{}
+	}
+	names := m.byIP[ip]
+	if names == nil {
+		names = map[string]struct{}{}
+		m.byIP[ip] = names
+	}
+	names[name] = struct{}{}
+}
+
+func (m *nameManager) unlink(ip netip.Addr, name string) {
+	if names := m.byIP[ip]; names != nil {
+		delete(names, name)
+		if len(names) == 0 {
+			delete(m.byIP, ip)
+		}
+	}
 }
 
 // currentSelectors returns a copy of the selectors.
@@ -138,6 +162,7 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 		gone := map[netip.Addr]struct{}{}
 		for _, e := range evicted {
 			gone[e.IP] = struct{}{}
+			m.unlink(e.IP, name)
 			changes = append(changes, ipcache.Delete(tables.HostPrefix(e.IP), Owner(name)))
 		}
 		var kept []tables.FQDNIP
@@ -162,6 +187,7 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 		breaker := m.newBreaker(wtxn)
 		for _, i := range fresh {
 			ip := row.IPs[i].IP
+			m.link(ip, name)
 			if !breaker.allow(ip, name, row.Selectors) {
 				row.IPs[i].Unlabelled = true
 				continue
@@ -210,6 +236,9 @@ func (m *nameManager) setSelectors(selectors map[string]*pattern.Pattern) (ipcac
 		if len(labels) == 0 {
 			if _, _, err := m.table.Delete(wtxn, old); err != nil {
 				return 0, err
+			}
+			for _, e := range old.IPs {
+				m.unlink(e.IP, old.Name)
 			}
 			gone = append(gone, old.Name)
 			continue
@@ -267,6 +296,7 @@ func (m *nameManager) gc(now time.Time) (int, error) {
 				return false
 			}
 			changes = append(changes, ipcache.Delete(tables.HostPrefix(e.IP), Owner(old.Name)))
+			m.unlink(e.IP, old.Name)
 			return true
 		})
 		if len(keep) == len(old.IPs) {
@@ -307,6 +337,7 @@ func (m *nameManager) restore(rows []*tables.FQDNName) error {
 			return err
 		}
 		for _, e := range row.IPs {
+			m.link(e.IP, row.Name)
 			if !e.Unlabelled && len(row.Selectors) > 0 {
 				changes = append(changes, ipcache.Upsert(tables.HostPrefix(e.IP), Owner(row.Name), row.Selectors...))
 			}
@@ -362,8 +393,12 @@ func (b *breaker) allow(ip netip.Addr, name string, labels tables.Labels) bool {
 		}
 	}
 	combo := labels
-	for other := range b.m.table.List(b.txn, tables.FQDNIPIndex.Query(ip)) {
-		if other.Name == name {
+	for otherName := range b.m.byIP[ip] {
+		if otherName == name {
+			continue
+		}
+		other, _, found := b.m.table.Get(b.txn, tables.FQDNNameIndex.Query(otherName))
+		if !found {
 			continue
 		}
 		i := slices.IndexFunc(other.IPs, func(e tables.FQDNIP) bool { return e.IP == ip })
