@@ -5,6 +5,7 @@ import (
 
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/endpoints"
+	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/infra"
@@ -27,6 +28,7 @@ var ControlPlane = cell.Group(
 	identity.Cell,  // security identities: allocator, checkpoint in --state-dir
 	ipcache.Cell,   // prefix labels → identities → ipcache map
 	selectors.Cell, // CiliumNetworkPolicies: policies, selectors, policy CIDR prefixes
+	fqdn.Cell,      // DNS proxy: addresses of names FQDN selectors match → prefixes (fqdn-names)
 	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node
 )
 

@@ -43,6 +43,7 @@ func rowDecoders() map[string]func([]byte) (statedb.TableWritable, error) {
 		tables.PoliciesTableName:   decodeRow[tables.Policy],
 		tables.SelectorsTableName:  decodeRow[tables.Selector],
 		tables.EndpointsTableName:  decodeRow[tables.Endpoint],
+		tables.FQDNNamesTableName:  decodeRow[tables.FQDNName],
 	}
 }
 
