@@ -413,16 +413,6 @@ var ServiceNameIndex = statedb.Index[*Service, ServiceName]{
 	Unique:     true,
 }
 
-// ServiceConflictedIndex finds the services waiting for a frontend address
-// another service uses.
-var ServiceConflictedIndex = statedb.Index[*Service, bool]{
-	Name:       "conflicted",
-	FromObject: func(s *Service) index.KeySet { return index.NewKeySet(index.Bool(len(s.Conflicts) > 0)) },
-	FromKey:    index.Bool,
-	FromString: index.BoolString,
-	Unique:     false,
-}
-
 // FrontendAddressIndex is the primary index of the frontends table.
 var FrontendAddressIndex = statedb.Index[*Frontend, L4Addr]{
 	Name:       "address",
@@ -473,7 +463,7 @@ var BackendServiceIndex = statedb.Index[*Backend, ServiceName]{
 
 // NewServicesTable registers the services table with db.
 func NewServicesTable(db *statedb.DB) (statedb.RWTable[*Service], error) {
-	return statedb.NewTable(db, ServicesTableName, ServiceNameIndex, ServiceConflictedIndex)
+	return statedb.NewTable(db, ServicesTableName, ServiceNameIndex)
 }
 
 // NewFrontendsTable registers the frontends table with db.

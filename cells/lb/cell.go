@@ -109,9 +109,10 @@ func newReflector(
 	slices k8s.Resource[*discoveryv1.EndpointSlice],
 ) *reflector {
 	r := &reflector{
-		log:          log,
-		db:           db,
-		w:            &writer{services: services, frontends: frontends, backends: backends},
+		log: log,
+		db:  db,
+		w: &writer{services: services, frontends: frontends, backends: backends,
+			conflicted: map[tables.ServiceName]struct{}{}},
 		services:     svcs,
 		slices:       slices,
 		sliceService: map[k8s.Key]tables.ServiceName{},

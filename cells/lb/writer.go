@@ -19,6 +19,11 @@ type writer struct {
 	services  statedb.RWTable[*tables.Service]
 	frontends statedb.RWTable[*tables.Frontend]
 	backends  statedb.RWTable[*tables.Backend]
+
+	// conflicted are the services waiting for a frontend address another
+	// service uses. Kept here rather than as an index: few services are
+	// ever in it, and an index would cost every service insert.
+	conflicted map[tables.ServiceName]struct{}
 }
 
 // change collects what a batch of writes touched.
@@ -147,11 +152,7 @@ func (w *writer) refresh(txn statedb.WriteTxn, c *change) {
 	if !freed {
 		return
 	}
-	var waiting []tables.ServiceName
-	for svc := range w.services.List(txn, tables.ServiceConflictedIndex.Query(true)) {
-		waiting = append(waiting, svc.Name)
-	}
-	for _, name := range waiting {
+	for _, name := range slices.SortedFunc(maps.Keys(w.conflicted), tables.ServiceName.Compare) {
 		w.refreshService(txn, name, c)
 	}
 }
@@ -200,6 +201,11 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 		svc = svc.Clone()
 		svc.Conflicts = conflicts
 		w.services.Insert(txn, svc)
+	}
+	if found && len(svc.Conflicts) > 0 {
+		w.conflicted[name] = struct{}{}
+	} else {
+		delete(w.conflicted, name)
 	}
 	if found {
 		c.problems[name] = append(slices.Clone(svc.Errors), svc.Conflicts...)
