@@ -422,15 +422,6 @@ var FrontendAddressIndex = statedb.Index[*Frontend, L4Addr]{
 	Unique:     true,
 }
 
-// FrontendServiceIndex finds the frontends of a service.
-var FrontendServiceIndex = statedb.Index[*Frontend, ServiceName]{
-	Name:       "service",
-	FromObject: func(f *Frontend) index.KeySet { return index.NewKeySet(index.String(f.Service.String())) },
-	FromKey:    func(n ServiceName) index.Key { return index.String(n.String()) },
-	FromString: serviceNameFromString,
-	Unique:     false,
-}
-
 // BackendAddressIndex is the primary index of the backends table.
 var BackendAddressIndex = statedb.Index[*Backend, L4Addr]{
 	Name:       "address",
@@ -468,7 +459,7 @@ func NewServicesTable(db *statedb.DB) (statedb.RWTable[*Service], error) {
 
 // NewFrontendsTable registers the frontends table with db.
 func NewFrontendsTable(db *statedb.DB) (statedb.RWTable[*Frontend], error) {
-	return statedb.NewTable(db, FrontendsTableName, FrontendAddressIndex, FrontendServiceIndex)
+	return statedb.NewTable(db, FrontendsTableName, FrontendAddressIndex)
 }
 
 // NewBackendsTable registers the backends table with db.

@@ -33,22 +33,39 @@ type change struct {
 	// problems are the services whose errors or conflicts changed, with
 	// their new problems (empty when solved).
 	problems map[tables.ServiceName][]string
+	// prev are the services as they were before the batch (nil if new):
+	// their frontends are the ones that may have to go.
+	prev map[tables.ServiceName]*tables.Service
 }
 
 func newChange() *change {
-	return &change{dirty: map[tables.ServiceName]struct{}{}, problems: map[tables.ServiceName][]string{}}
+	return &change{
+		dirty:    map[tables.ServiceName]struct{}{},
+		problems: map[tables.ServiceName][]string{},
+		prev:     map[tables.ServiceName]*tables.Service{},
+	}
+}
+
+// remember records the service as it was before the batch.
+func (c *change) remember(name tables.ServiceName, old *tables.Service) {
+	if _, ok := c.prev[name]; !ok {
+		c.prev[name] = old
+	}
 }
 
 func (w *writer) upsertService(txn statedb.WriteTxn, svc *tables.Service, c *change) {
-	if old, _, ok := w.services.Get(txn, tables.ServiceNameIndex.Query(svc.Name)); ok {
+	old, _, ok := w.services.Get(txn, tables.ServiceNameIndex.Query(svc.Name))
+	if ok {
 		svc.Conflicts = old.Conflicts
 	}
+	c.remember(svc.Name, old)
 	w.services.Insert(txn, svc)
 	c.dirty[svc.Name] = struct{}{}
 }
 
 func (w *writer) deleteService(txn statedb.WriteTxn, name tables.ServiceName, c *change) {
 	if old, _, ok := w.services.Get(txn, tables.ServiceNameIndex.Query(name)); ok {
+		c.remember(name, old)
 		w.services.Delete(txn, old)
 		c.dirty[name] = struct{}{}
 	}
@@ -186,16 +203,21 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 		fe.Status = reconciler.StatusPending()
 		w.frontends.Insert(txn, fe)
 	}
-	var stale []*tables.Frontend
-	for fe := range w.frontends.List(txn, tables.FrontendServiceIndex.Query(name)) {
-		if !wanted[fe.Address] {
-			stale = append(stale, fe)
+	// The frontends the service had come from what it was before the
+	// batch (it is unchanged in the table when only its slices changed).
+	before, changed := c.prev[name]
+	if !changed {
+		before = svc
+	}
+	for _, fe := range desiredFrontends(before) {
+		if wanted[fe.Address] {
+			continue
+		}
+		if old, _, ok := w.frontends.Get(txn, tables.FrontendAddressIndex.Query(fe.Address)); ok && old.Service == name {
+			w.frontends.Delete(txn, old)
+			deleted = true
 		}
 	}
-	for _, fe := range stale {
-		w.frontends.Delete(txn, fe)
-	}
-	deleted = len(stale) > 0
 
 	if found && !slices.Equal(svc.Conflicts, conflicts) {
 		svc = svc.Clone()
