@@ -18,6 +18,7 @@ import (
 	"github.com/cilium/statedb/reconciler"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
+	"golang.org/x/time/rate"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/cells/bpffs"
@@ -152,6 +153,10 @@ func registerReconciler(rp reconciler.Params, table statedb.RWTable[*tables.IPCa
 		// Update skips entries the map already holds, so a refresh would
 		// only compare; the map is not written by anyone else.
 		reconciler.WithRefreshing(0, nil),
+		// The DNS proxy holds answers until their addresses are in the
+		// map, so a round must start as soon as a change lands; rounds
+		// still grow on their own while the map is busy.
+		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),
 	)
 	p.rec = rec
 	return err
