@@ -31,6 +31,7 @@ import (
 	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/node"
+	"github.com/apiary-net/apiary/internal/atomicfile"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -388,7 +389,7 @@ func checkpointLoop(ctx context.Context, h cell.Health, p jobParams) error {
 		if string(data) == string(last) {
 			return nil
 		}
-		if err := writeFileAtomic(path, data); err != nil {
+		if err := atomicfile.Write(path, data, 0o600); err != nil {
 			return fmt.Errorf("write DNS cache checkpoint %s: %w", path, err)
 		}
 		last = data

@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"path/filepath"
 
 	"github.com/apiary-net/apiary/tables"
 )
@@ -56,26 +55,4 @@ func readCheckpoint(path string) ([]*tables.FQDNName, error) {
 		}
 	}
 	return rows, nil
-}
-
-// writeFileAtomic writes data to path through a temporary file renamed
-// over it, so that a crash leaves the old or the new file, never half.
-func writeFileAtomic(path string, data []byte) error {
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(data); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp.Name(), path)
 }

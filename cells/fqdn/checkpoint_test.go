@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/apiary-net/apiary/internal/atomicfile"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -23,7 +24,7 @@ func TestCheckpointRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := writeFileAtomic(path, data); err != nil {
+	if err := atomicfile.Write(path, data, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	got, err := readCheckpoint(path)

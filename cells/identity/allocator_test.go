@@ -10,6 +10,7 @@ import (
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/statedb"
 
+	"github.com/apiary-net/apiary/internal/atomicfile"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -155,7 +156,7 @@ func TestRestore(t *testing.T) {
 		t.Fatal(err)
 	}
 	path := filepath.Join(dir, CheckpointFile)
-	if err := writeFileAtomic(path, data); err != nil {
+	if err := atomicfile.Write(path, data, 0o600); err != nil {
 		t.Fatal(err)
 	}
 

@@ -26,6 +26,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/apiary-net/apiary/cells/node"
+	"github.com/apiary-net/apiary/internal/atomicfile"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -167,7 +168,7 @@ func (a *Allocator) checkpointLoop(ctx context.Context, h cell.Health, log *slog
 		if string(data) == string(last) {
 			return nil // refcounts changed, not numbers
 		}
-		if err := writeFileAtomic(a.checkpointPath, data); err != nil {
+		if err := atomicfile.Write(a.checkpointPath, data, 0o600); err != nil {
 			return fmt.Errorf("write identity checkpoint %s: %w", a.checkpointPath, err)
 		}
 		last = data

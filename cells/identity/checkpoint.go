@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"path/filepath"
 	"slices"
 
 	"github.com/apiary-net/apiary/tables"
@@ -64,29 +63,4 @@ func ReadCheckpoint(path string) ([]*tables.Identity, error) {
 		out = append(out, &tables.Identity{ID: e.ID, Labels: tables.NewLabels(e.Labels...)})
 	}
 	return out, nil
-}
-
-// writeFileAtomic replaces path with data so that a crash leaves either
-// the old or the new content, never a part.
-func writeFileAtomic(path string, data []byte) error {
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(data); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	if err := os.Chmod(tmp.Name(), 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp.Name(), path)
 }

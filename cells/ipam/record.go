@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/apiary-net/apiary/internal/atomicfile"
 )
 
 // record is what the agent remembers about an IP it holds, in
@@ -89,26 +91,10 @@ func (r *records) store(rec *record) error {
 	if err != nil {
 		return err
 	}
-	tmp, err := os.CreateTemp(r.dir, "."+rec.Kind+".json.tmp-*")
-	if err != nil {
-		return fmt.Errorf("write IPAM record: %w", err)
+	if err := atomicfile.Write(r.path(rec.Kind), append(data, '\n'), 0o600); err != nil {
+		return fmt.Errorf("IPAM record: %w", err)
 	}
-	defer os.Remove(tmp.Name()) // fails harmlessly once renamed
-	if _, err := tmp.Write(append(data, '\n')); err != nil {
-		tmp.Close()
-		return fmt.Errorf("write IPAM record: %w", err)
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return fmt.Errorf("sync IPAM record: %w", err)
-	}
-	if err := tmp.Close(); err != nil {
-		return fmt.Errorf("write IPAM record: %w", err)
-	}
-	if err := os.Rename(tmp.Name(), r.path(rec.Kind)); err != nil {
-		return fmt.Errorf("write IPAM record: %w", err)
-	}
-	return r.syncDir()
+	return nil
 }
 
 // remove deletes the kind's record durably.
@@ -120,13 +106,8 @@ func (r *records) remove(kind string) error {
 }
 
 func (r *records) syncDir() error {
-	d, err := os.Open(r.dir)
-	if err != nil {
-		return fmt.Errorf("sync IPAM records directory: %w", err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		return fmt.Errorf("sync IPAM records directory: %w", err)
+	if err := atomicfile.SyncDir(r.dir); err != nil {
+		return fmt.Errorf("IPAM records: %w", err)
 	}
 	return nil
 }
