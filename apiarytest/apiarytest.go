@@ -70,21 +70,35 @@ func Run(t *testing.T, pattern string, newCells func(fakeClient cell.Cell) []cel
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), ScriptTimeout)
 	t.Cleanup(cancel)
-	scripttest.Test(t, ctx, func(tb testing.TB, args []string) *script.Engine {
+	newEngine := func(tb testing.TB, args []string) *script.Engine {
 		a := newAgent(tb, newCells, args)
 		e := a.engine()
 		for name, newCmd := range o.cmds {
 			e.Cmds[name] = newCmd(a.apiURL)
 		}
 		return e
-	}, nil, pattern)
+	}
+	if o.sequential {
+		scripttest.Test(t, ctx, newEngine, nil, pattern, scripttest.NoParallel)
+		return
+	}
+	scripttest.Test(t, ctx, newEngine, nil, pattern)
 }
 
 // Option adjusts Run.
 type Option func(*options)
 
 type options struct {
-	cmds map[string]func(apiURL func() (string, error)) script.Cmd
+	cmds       map[string]func(apiURL func() (string, error)) script.Cmd
+	sequential bool
+}
+
+// Sequential runs the script files one after another instead of in
+// parallel, for scripts that share something outside their hives (such as
+// one fake upstream server whose records they set). ScriptTimeout then
+// bounds them all together.
+func Sequential() Option {
+	return func(o *options) { o.sequential = true }
 }
 
 // WithCommand adds a script command built with access to the base URL of the

@@ -41,5 +41,7 @@ func TestScript(t *testing.T) {
 				}
 				return nil, up.setErr(args[0], args[1:]...)
 			})
-	}))
+	}),
+		// The scripts share the upstream and set the same names in it.
+		apiarytest.Sequential())
 }
