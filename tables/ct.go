@@ -89,11 +89,7 @@ func (m *CTMap) TableRow() []string {
 	if !m.LastGC.IsZero() {
 		lastGC = m.LastGC.Format(time.RFC3339)
 	}
-	// The status without its age, so that rows can be compared in tests.
-	status := m.Status.Kind.String()
-	if m.Status.Kind == reconciler.StatusKindError {
-		status += ": " + m.Status.GetError()
-	}
+	status := StatusText(m.Status)
 	u := func(v uint64) string { return strconv.FormatUint(v, 10) }
 	return []string{
 		m.Name, u(uint64(m.MaxEntries)), m.SizedBy, u(uint64(m.ActualMaxEntries)), m.Pin,

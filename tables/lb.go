@@ -379,15 +379,6 @@ func (b *Backend) TableRow() []string {
 	return []string{b.Address.String(), b.State.String(), strings.Join(svcs, ", ")}
 }
 
-// StatusText is a reconciliation status for a table row: its kind and, on
-// error, the error, without the age, so that rows compare equal in tests.
-func StatusText(s reconciler.Status) string {
-	if s.Kind == reconciler.StatusKindError {
-		return s.Kind.String() + ": " + s.GetError()
-	}
-	return s.Kind.String()
-}
-
 func serviceNameFromString(s string) (index.Key, error) {
 	n, err := ParseServiceName(s)
 	if err != nil {

@@ -151,7 +151,7 @@ func (*IPCacheEntry) TableHeader() []string {
 func (e *IPCacheEntry) TableRow() []string {
 	return []string{
 		e.Prefix.String(), formatUint(e.Identity), strings.Join(e.Labels, ", "),
-		strings.Join(e.Owners, ", "), e.Error, statusString(e.Status),
+		strings.Join(e.Owners, ", "), e.Error, StatusText(e.Status),
 	}
 }
 
@@ -169,14 +169,4 @@ func NewIPCacheTable(db *statedb.DB) (statedb.RWTable[*IPCacheEntry], error) {
 	// No secondary index: every index costs on each of the table's writes,
 	// which include a status write per entry by the reconciler.
 	return statedb.NewTable(db, IPCacheTableName, IPCachePrefixIndex)
-}
-
-// statusString is a reconciliation status without its age, so that rows can
-// be compared in tests.
-func statusString(s reconciler.Status) string {
-	out := s.Kind.String()
-	if s.Kind == reconciler.StatusKindError {
-		out += ": " + s.GetError()
-	}
-	return out
 }
