@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"go.uber.org/dig"
@@ -17,17 +18,26 @@ import (
 )
 
 func newAgentCmd() *cobra.Command {
-	h := hive.NewWithOptions(core.HiveOptions(), agentCells(k8s.ClientCell)...)
+	return newHiveCmd("agent", "Run the node agent",
+		"Run the node agent: it reads Kubernetes objects (from the API server and/or --config-dir),\n"+
+			"keeps its tables in statedb, converges them into BPF maps pinned under --bpf-pin-dir,\n"+
+			"and serves its state on --api-addr. Every flag can also be set as APIARY_<FLAG>,\n"+
+			"e.g. APIARY_API_ADDR=0.0.0.0:9234.",
+		agentCells(k8s.ClientCell))
+}
+
+// newHiveCmd returns a command that runs a hive of cells until SIGINT or
+// SIGTERM, with the hive's flags plus --log-format and --log-level, each
+// also read from APIARY_<FLAG>.
+func newHiveCmd(use, short, long string, cells []cell.Cell) *cobra.Command {
+	h := hive.NewWithOptions(core.HiveOptions(), cells...)
 	logOpts := logOptions{Format: "text", Level: "info"}
 
 	cmd := &cobra.Command{
-		Use:   "agent",
-		Short: "Run the node agent",
-		Long: "Run the node agent: it reads Kubernetes objects (from the API server and/or --config-dir),\n" +
-			"keeps its tables in statedb, converges them into BPF maps pinned under --bpf-pin-dir,\n" +
-			"and serves its state on --api-addr. Every flag can also be set as APIARY_<FLAG>,\n" +
-			"e.g. APIARY_API_ADDR=0.0.0.0:9234.",
-		Args: cobra.NoArgs,
+		Use:   use,
+		Short: short,
+		Long:  long,
+		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			applyEnv(cmd.Flags(), "log-format", "log-level")
 			log, err := newLogger(cmd.ErrOrStderr(), logOpts)
