@@ -107,10 +107,10 @@ func (l *LB) restore(maps *lbMaps) error {
 		for i, k := range keys {
 			v := values[i]
 			addr := keyAddr(k)
-			fe := l.frontends[addr]
+			fe := l.frontends[keyOf(addr)]
 			if fe == nil {
 				fe = &feState{addr: addr}
-				l.frontends[addr] = fe
+				l.frontends[keyOf(addr)] = fe
 			}
 			if k.Slot == 0 {
 				fe.master, fe.count, fe.qcount, fe.flags = true, v.Count, v.QCount, v.Flags
@@ -132,11 +132,11 @@ func (l *LB) restore(maps *lbMaps) error {
 		for i, id := range ids {
 			v := values[i]
 			addr := tables.L4Addr{Addr: netip.AddrFrom4(v.Address), Port: v.Port.Uint16(), Proto: tables.Proto(v.Proto)}
-			if id == 0 || id > MaxBackendID || l.backendByAddr[addr] != nil {
+			if id == 0 || id > MaxBackendID || l.backendByAddr[keyOf(addr)] != nil {
 				continue // pruned as stray
 			}
 			be := &beState{id: id, addr: addr, written: true, value: v}
-			l.backendByAddr[addr] = be
+			l.backendByAddr[keyOf(addr)] = be
 			l.backendByID[id] = be
 			l.nextBackendID = max(l.nextBackendID, id+1)
 		}
@@ -195,7 +195,7 @@ func (l *LB) pruneStray() error {
 	var svcKeys []bpf.LB4ServiceKey
 	err := bpf.Walk(l.maps.services, lbWalkBatch, func(keys []bpf.LB4ServiceKey, _ []bpf.LB4ServiceValue) error {
 		for _, k := range keys {
-			fe := l.frontends[keyAddr(k)]
+			fe := l.frontends[keyOf(keyAddr(k))]
 			switch {
 			case fe == nil,
 				k.Slot == 0 && !fe.master,

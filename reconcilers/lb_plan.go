@@ -117,10 +117,10 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 		p.fe = &feState{addr: f.Address}
 		return p
 	}
-	fe := l.frontends[f.Address]
+	fe := l.frontends[keyOf(f.Address)]
 	if fe == nil {
 		fe = &feState{addr: f.Address}
-		l.frontends[f.Address] = fe
+		l.frontends[keyOf(f.Address)] = fe
 	}
 	p.fe = fe
 	if fe.id == 0 {
@@ -275,7 +275,7 @@ func (l *LB) planDelete(run *lbRun, fe *feState) *lbPlan {
 // finishDelete forgets a deleted frontend, releases its ID and its backends.
 func (l *LB) finishDelete(run *lbRun, p *lbPlan) {
 	fe := p.fe
-	delete(l.frontends, fe.addr)
+	delete(l.frontends, keyOf(fe.addr))
 	if l.frontendByID[fe.id] == fe {
 		delete(l.frontendByID, fe.id)
 	}

@@ -422,27 +422,6 @@ var BackendAddressIndex = statedb.Index[*Backend, L4Addr]{
 	Unique:     true,
 }
 
-// BackendServiceIndex finds the backends of a service.
-var BackendServiceIndex = statedb.Index[*Backend, ServiceName]{
-	Name: "service",
-	FromObject: func(b *Backend) index.KeySet {
-		if len(b.Services) == 1 {
-			return index.NewKeySet(index.String(b.Services[0].Service.String()))
-		}
-		keys := make([]index.Key, 0, len(b.Services))
-		for i, inst := range b.Services {
-			if i > 0 && inst.Service == b.Services[i-1].Service {
-				continue
-			}
-			keys = append(keys, index.String(inst.Service.String()))
-		}
-		return index.NewKeySet(keys...)
-	},
-	FromKey:    func(n ServiceName) index.Key { return index.String(n.String()) },
-	FromString: serviceNameFromString,
-	Unique:     false,
-}
-
 // NewServicesTable registers the services table with db.
 func NewServicesTable(db *statedb.DB) (statedb.RWTable[*Service], error) {
 	return statedb.NewTable(db, ServicesTableName, ServiceNameIndex)
@@ -455,7 +434,7 @@ func NewFrontendsTable(db *statedb.DB) (statedb.RWTable[*Frontend], error) {
 
 // NewBackendsTable registers the backends table with db.
 func NewBackendsTable(db *statedb.DB) (statedb.RWTable[*Backend], error) {
-	return statedb.NewTable(db, BackendsTableName, BackendAddressIndex, BackendServiceIndex)
+	return statedb.NewTable(db, BackendsTableName, BackendAddressIndex)
 }
 
 // Compare orders addresses by IP, port, then protocol.

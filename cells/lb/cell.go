@@ -112,7 +112,7 @@ func newReflector(
 		log: log,
 		db:  db,
 		w: &writer{services: services, frontends: frontends, backends: backends,
-			conflicted: map[tables.ServiceName]struct{}{}},
+			conflicted: map[tables.ServiceName]struct{}{}, sliceRecords: map[tables.ServiceName][]sliceRecord{}},
 		services:     svcs,
 		slices:       slices,
 		sliceService: map[k8s.Key]tables.ServiceName{},

@@ -3,6 +3,7 @@ package lb
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -89,16 +90,15 @@ func desiredFrontends(svc *tables.Service) []*tables.Frontend {
 	if svc == nil || svc.Headless {
 		return nil
 	}
-	var out []*tables.Frontend
-	seen := map[tables.L4Addr]bool{}
+	out := make([]*tables.Frontend, 0, (len(svc.ClusterIPs)+len(svc.ExternalIPs)+len(svc.LoadBalancerIPs))*len(svc.Ports))
 	add := func(t tables.FrontendType, ips []netip.Addr) {
 		for _, ip := range ips {
 			for _, p := range svc.Ports {
 				addr := tables.L4Addr{Addr: ip, Port: p.Port, Proto: p.Protocol}
-				if seen[addr] {
+				// A linear search: services have a handful of frontends.
+				if slices.ContainsFunc(out, func(f *tables.Frontend) bool { return f.Address == addr }) {
 					continue
 				}
-				seen[addr] = true
 				out = append(out, &tables.Frontend{Address: addr, Service: svc.Name, Type: t, PortName: p.Name})
 			}
 		}

@@ -172,12 +172,11 @@ func (r *reflector) applyService(txn statedb.WriteTxn, ev k8s.Event[*corev1.Serv
 }
 
 func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.EndpointSlice], c *change) {
-	key := "EndpointSlice " + ev.Key.String()
 	prev, hadPrev := r.sliceService[ev.Key]
 	switch ev.Kind {
 	case k8s.Upsert:
 		p, ok := sliceFromK8s(ev.Object)
-		r.setProblem(key, p.errs)
+		r.setSliceProblem(ev.Key, p.errs)
 		if hadPrev && (!ok || prev != p.service) {
 			r.w.deleteSlice(txn, prev, ev.Key.Name, c)
 			delete(r.sliceService, ev.Key)
@@ -187,12 +186,21 @@ func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.E
 			r.sliceService[ev.Key] = p.service
 		}
 	case k8s.Delete:
-		r.setProblem(key, nil)
+		r.setSliceProblem(ev.Key, nil)
 		if hadPrev {
 			r.w.deleteSlice(txn, prev, ev.Key.Name, c)
 			delete(r.sliceService, ev.Key)
 		}
 	}
+}
+
+// setSliceProblem is setProblem for an EndpointSlice. Most slices have no
+// problem, now or before, and skip making the key.
+func (r *reflector) setSliceProblem(key k8s.Key, problems []string) {
+	if len(problems) == 0 && len(r.problems) == 0 {
+		return
+	}
+	r.setProblem("EndpointSlice "+key.String(), problems)
 }
 
 // setProblem records what is invalid about an object; nothing clears it.

@@ -24,6 +24,19 @@ type writer struct {
 	// service uses. Kept here rather than as an index: few services are
 	// ever in it, and an index would cost every service insert.
 	conflicted map[tables.ServiceName]struct{}
+
+	// sliceRecords are the EndpointSlices of each service, with what each
+	// one said. Kept here rather than found through an index of the
+	// backends table by service, which cost more than the rest of an
+	// insert together.
+	sliceRecords map[tables.ServiceName][]sliceRecord
+}
+
+// sliceRecord is what one EndpointSlice said about its service's backends.
+type sliceRecord struct {
+	name string
+	// backends are sorted by address, one per address.
+	backends []sliceBackend
 }
 
 // change collects what a batch of writes touched.
@@ -73,38 +86,63 @@ func (w *writer) deleteService(txn statedb.WriteTxn, name tables.ServiceName, c 
 
 // upsertSlice replaces what the slice said about its service's backends.
 func (w *writer) upsertSlice(txn statedb.WriteTxn, s parsedSlice, c *change) {
-	next := make(map[tables.L4Addr]sliceBackend, len(s.backends))
-	for _, b := range s.backends {
-		// An address listed twice keeps its best state.
-		if prev, ok := next[b.addr]; !ok || b.state < prev.state {
-			next[b.addr] = b
-		}
+	next := sortBackends(s.backends)
+	recs := w.sliceRecords[s.service]
+	i := slices.IndexFunc(recs, func(r sliceRecord) bool { return r.name == s.name })
+	var prev []sliceBackend
+	if i >= 0 {
+		prev = recs[i].backends
 	}
-	// Collected first: the table must not change under an iteration.
-	var gone []*tables.Backend
-	for be := range w.backends.List(txn, tables.BackendServiceIndex.Query(s.service)) {
-		if _, ok := next[be.Address]; !ok && instanceIndex(be, s.service, s.name) >= 0 {
-			gone = append(gone, be)
-		}
-	}
-	changed := len(gone) > 0
-	for _, be := range gone {
-		w.setInstance(txn, be.Address, be, s.service, s.name, nil)
-	}
-	for addr, b := range next {
-		be, _, _ := w.backends.Get(txn, tables.BackendAddressIndex.Query(addr))
-		inst := tables.BackendInstance{Service: s.service, Slice: s.name, PortName: b.portName, State: b.state}
-		if be != nil {
-			if i := instanceIndex(be, s.service, s.name); i >= 0 && be.Services[i] == inst {
+	// Both lists are sorted by address: one walk finds what went, what
+	// came and what changed.
+	changed := false
+	for p, n := 0, 0; p < len(prev) || n < len(next); {
+		switch {
+		case n == len(next) || p < len(prev) && prev[p].addr.Compare(next[n].addr) < 0:
+			w.setInstance(txn, prev[p].addr, s.service, s.name, nil)
+			p++
+			changed = true
+			continue
+		case p < len(prev) && prev[p].addr == next[n].addr:
+			same := prev[p] == next[n]
+			p++
+			if same {
+				n++
 				continue
 			}
 		}
-		w.setInstance(txn, addr, be, s.service, s.name, &inst)
+		b := next[n]
+		w.setInstance(txn, b.addr, s.service, s.name,
+			&tables.BackendInstance{Service: s.service, Slice: s.name, PortName: b.portName, State: b.state})
+		n++
 		changed = true
+	}
+	switch {
+	case len(next) == 0 && i >= 0:
+		recs = slices.Delete(recs, i, i+1)
+	case len(next) == 0:
+	case i >= 0:
+		recs[i].backends = next
+	default:
+		recs = append(recs, sliceRecord{name: s.name, backends: next})
+	}
+	if len(recs) == 0 {
+		delete(w.sliceRecords, s.service)
+	} else {
+		w.sliceRecords[s.service] = recs
 	}
 	if changed {
 		c.dirty[s.service] = struct{}{}
 	}
+}
+
+// sortBackends sorts the backends of a slice by address, keeping only the
+// best state of an address listed twice. It reuses bs.
+func sortBackends(bs []sliceBackend) []sliceBackend {
+	slices.SortFunc(bs, func(a, b sliceBackend) int {
+		return cmp.Or(a.addr.Compare(b.addr), cmp.Compare(a.state, b.state))
+	})
+	return slices.CompactFunc(bs, func(a, b sliceBackend) bool { return a.addr == b.addr })
 }
 
 // deleteSlice removes what the slice said.
@@ -115,11 +153,13 @@ func (w *writer) deleteSlice(txn statedb.WriteTxn, svc tables.ServiceName, slice
 // setInstance sets (or, with inst nil, removes) the instance of (svc,
 // slice) on the backend at addr, deleting the backend when no instance is
 // left.
-func (w *writer) setInstance(txn statedb.WriteTxn, addr tables.L4Addr, be *tables.Backend,
+func (w *writer) setInstance(txn statedb.WriteTxn, addr tables.L4Addr,
 	svc tables.ServiceName, slice string, inst *tables.BackendInstance) {
+	be, _, _ := w.backends.Get(txn, tables.BackendAddressIndex.Query(addr))
 	var insts []tables.BackendInstance
 	if be != nil {
-		insts = slices.Clone(be.Services)
+		insts = make([]tables.BackendInstance, len(be.Services), len(be.Services)+1)
+		copy(insts, be.Services)
 	}
 	if i := indexOfInstance(insts, svc, slice); i >= 0 {
 		insts = slices.Delete(insts, i, i+1)
@@ -154,10 +194,6 @@ func indexOfInstance(insts []tables.BackendInstance, svc tables.ServiceName, sli
 	return -1
 }
 
-func instanceIndex(be *tables.Backend, svc tables.ServiceName, slice string) int {
-	return indexOfInstance(be.Services, svc, slice)
-}
-
 // refresh recomputes the frontends of the services c marks dirty, then, if
 // that freed frontend addresses, of the services waiting for one.
 func (w *writer) refresh(txn statedb.WriteTxn, c *change) {
@@ -178,21 +214,27 @@ func (w *writer) refresh(txn statedb.WriteTxn, c *change) {
 // backends. It reports whether it deleted frontends.
 func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c *change) (deleted bool) {
 	svc, _, found := w.services.Get(txn, tables.ServiceNameIndex.Query(name))
-	want := desiredFrontends(svc)
+	// What the service was before the batch; it is unchanged in the table
+	// when only its slices changed.
+	before, changed := c.prev[name]
+	if !changed {
+		before = svc
+	}
+	hadProblems := before != nil && len(before.Errors)+len(before.Conflicts) > 0 ||
+		found && len(svc.Conflicts) > 0
 
-	var backends []svcBackend
+	want := desiredFrontends(svc)
+	var backends []sliceBackend
 	if len(want) > 0 {
-		backends = w.serviceBackends(txn, name)
+		backends = w.serviceBackends(name)
 	}
 	var conflicts []string
-	wanted := make(map[tables.L4Addr]bool, len(want))
 	for _, fe := range want {
 		old, _, exists := w.frontends.Get(txn, tables.FrontendAddressIndex.Query(fe.Address))
 		if exists && old.Service != name {
 			conflicts = append(conflicts, fmt.Sprintf("frontend %s is already used by service %s", fe.Address, old.Service))
 			continue
 		}
-		wanted[fe.Address] = true
 		fe.Backends = backendsFor(fe, backends)
 		if exists && old.Type == fe.Type && old.PortName == fe.PortName && slices.Equal(old.Backends, fe.Backends) {
 			continue
@@ -203,19 +245,17 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 		fe.Status = reconciler.StatusPending()
 		w.frontends.Insert(txn, fe)
 	}
-	// The frontends the service had come from what it was before the
-	// batch (it is unchanged in the table when only its slices changed).
-	before, changed := c.prev[name]
-	if !changed {
-		before = svc
-	}
-	for _, fe := range desiredFrontends(before) {
-		if wanted[fe.Address] {
-			continue
-		}
-		if old, _, ok := w.frontends.Get(txn, tables.FrontendAddressIndex.Query(fe.Address)); ok && old.Service == name {
-			w.frontends.Delete(txn, old)
-			deleted = true
+	// Frontends the service no longer asks for go, unless another
+	// service holds the address. Unchanged, it asks for the same ones.
+	if before != nil && before != svc {
+		for _, fe := range desiredFrontends(before) {
+			if slices.ContainsFunc(want, func(w *tables.Frontend) bool { return w.Address == fe.Address }) {
+				continue
+			}
+			if old, _, ok := w.frontends.Get(txn, tables.FrontendAddressIndex.Query(fe.Address)); ok && old.Service == name {
+				w.frontends.Delete(txn, old)
+				deleted = true
+			}
 		}
 	}
 
@@ -229,46 +269,53 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 	} else {
 		delete(w.conflicted, name)
 	}
-	if found {
+	// Only services with problems, now or before, are reported: the rest
+	// have nothing to say and would cost a health key each.
+	switch {
+	case found && len(svc.Errors)+len(svc.Conflicts) > 0:
 		c.problems[name] = append(slices.Clone(svc.Errors), svc.Conflicts...)
-	} else {
+	case hadProblems:
 		c.problems[name] = nil
 	}
 	return deleted
 }
 
-// svcBackend is a backend as one service sees it, merged over its slices.
-type svcBackend struct {
-	addr     tables.L4Addr
-	portName string
-	state    tables.BackendState
-}
-
-// serviceBackends returns the backends of the service, sorted by address.
-func (w *writer) serviceBackends(txn statedb.ReadTxn, name tables.ServiceName) []svcBackend {
-	var out []svcBackend
-	for be := range w.backends.List(txn, tables.BackendServiceIndex.Query(name)) {
-		merged := svcBackend{addr: be.Address, state: tables.BackendNotServing + 1}
-		for _, in := range be.Services {
-			if in.Service == name && in.State < merged.state {
-				merged.state, merged.portName = in.State, in.PortName
-			}
-		}
-		if merged.state <= tables.BackendNotServing {
-			out = append(out, merged)
-		}
+// serviceBackends returns the backends of the service merged over its
+// slices, sorted by address: an address in several slices has the best of
+// their states, and that slice's port name.
+func (w *writer) serviceBackends(name tables.ServiceName) []sliceBackend {
+	recs := w.sliceRecords[name]
+	if len(recs) == 1 {
+		return recs[0].backends
 	}
-	slices.SortFunc(out, func(a, b svcBackend) int { return a.addr.Compare(b.addr) })
-	return out
+	var out []sliceBackend
+	for _, r := range recs {
+		out = append(out, r.backends...)
+	}
+	return sortBackends(out)
 }
 
 // backendsFor selects the backends of a frontend: same protocol and address
 // family, and the slice port named like the service port, which is how
 // Kubernetes resolves (named) target ports.
-func backendsFor(fe *tables.Frontend, backends []svcBackend) []tables.FrontendBackend {
-	var out []tables.FrontendBackend
+func backendsFor(fe *tables.Frontend, backends []sliceBackend) []tables.FrontendBackend {
+	selects := func(b sliceBackend) bool {
+		return b.portName == fe.PortName && b.addr.Proto == fe.Address.Proto && b.addr.Addr.Is4() == fe.Address.Addr.Is4()
+	}
+	// Counted first: frontends live long, and an exact slice holds no
+	// spare capacity.
+	n := 0
 	for _, b := range backends {
-		if b.portName == fe.PortName && b.addr.Proto == fe.Address.Proto && b.addr.Addr.Is4() == fe.Address.Addr.Is4() {
+		if selects(b) {
+			n++
+		}
+	}
+	if n == 0 {
+		return nil
+	}
+	out := make([]tables.FrontendBackend, 0, n)
+	for _, b := range backends {
+		if selects(b) {
 			out = append(out, tables.FrontendBackend{Address: b.addr, State: b.state})
 		}
 	}
