@@ -15,6 +15,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"slices"
+	"strings"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -130,12 +131,23 @@ type controller struct {
 
 	pods     map[k8s.Key]*podState
 	nsLabels map[string]map[string]string
+	// local counts the pods on this node.
+	local int
 	// changes to the prefixes, applied by flush.
 	changes []ipcache.Change
+	// dirty are the local pods (or pods that were local) whose endpoint
+	// writeEndpoints must recompute; ipcacheRev is the revision of the
+	// ipcache table it has looked at. A round costs what changed since the
+	// last, not all pods: a burst of pods comes in many small rounds.
+	dirty      map[k8s.Key]struct{}
+	ipcacheRev statedb.Revision
 }
 
 func registerController(p controllerParams) {
-	c := &controller{controllerParams: p, pods: map[k8s.Key]*podState{}, nsLabels: map[string]map[string]string{}}
+	c := &controller{
+		controllerParams: p, pods: map[k8s.Key]*podState{}, nsLabels: map[string]map[string]string{},
+		dirty: map[k8s.Key]struct{}{},
+	}
 	synced := p.Prefixes.RegisterInitializer("pods")
 	p.Jobs.Add(job.OneShot("pods", func(ctx context.Context, h cell.Health) error {
 		return c.run(ctx, h, synced)
@@ -144,7 +156,19 @@ func registerController(p controllerParams) {
 
 // owner returns the prefixes owner of a pod.
 func owner(key k8s.Key) string {
-	return "pod/" + key.Namespace + "/" + key.Name
+	return ownerPrefix + key.Namespace + "/" + key.Name
+}
+
+const ownerPrefix = "pod/"
+
+// ownerKey is the inverse of owner.
+func ownerKey(o string) (k8s.Key, bool) {
+	rest, ok := strings.CutPrefix(o, ownerPrefix)
+	if !ok {
+		return k8s.Key{}, false
+	}
+	ns, name, ok := strings.Cut(rest, "/") // namespaces have no '/'
+	return k8s.Key{Namespace: ns, Name: name}, ok
 }
 
 const maxBatch = 1000
@@ -164,7 +188,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		if err := c.writeEndpoints(); err != nil {
 			return err
 		}
-		h.OK(fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local()))
+		h.OK(fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local))
 
 		for n := 0; n < maxBatch; n++ {
 			var (
@@ -214,18 +238,17 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 	}
 }
 
-func (c *controller) local() int {
-	n := 0
-	for _, s := range c.pods {
-		if s.pod.Spec.NodeName == c.Node.NodeName {
-			n++
-		}
-	}
-	return n
+// isLocal says whether s (nil: no pod) is a pod on this node.
+func (c *controller) isLocal(s *podState) bool {
+	return s != nil && s.pod.Spec.NodeName == c.Node.NodeName
 }
 
 func (c *controller) podChanged(ev k8s.Event[*corev1.Pod]) {
 	old := c.pods[ev.Key]
+	if c.isLocal(old) {
+		c.local--
+		c.dirty[ev.Key] = struct{}{}
+	}
 	if ev.Kind == k8s.Delete {
 		delete(c.pods, ev.Key)
 		c.relabel(ev.Key, old, nil)
@@ -233,6 +256,10 @@ func (c *controller) podChanged(ev k8s.Event[*corev1.Pod]) {
 	}
 	s := &podState{pod: ev.Object, ips: podIPs(ev.Object), labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace])}
 	c.pods[ev.Key] = s
+	if c.isLocal(s) {
+		c.local++
+		c.dirty[ev.Key] = struct{}{}
+	}
 	c.relabel(ev.Key, old, s)
 }
 
@@ -249,6 +276,9 @@ func (c *controller) namespaceChanged(ev k8s.Event[*corev1.Namespace]) {
 		}
 		s := &podState{pod: old.pod, ips: old.ips, labels: SecurityLabels(old.pod, c.nsLabels[ns])}
 		c.pods[key] = s
+		if c.isLocal(s) {
+			c.dirty[key] = struct{}{}
+		}
 		c.relabel(key, old, s)
 	}
 }
@@ -284,43 +314,37 @@ func (c *controller) flush() error {
 	return nil
 }
 
-// writeEndpoints brings the endpoints table in line with the local pods
-// and the identities their IPs resolved to.
+// writeEndpoints brings the endpoints of the dirty pods, and of the local
+// pods whose ipcache entries changed, in line with the pods and the
+// identities their IPs resolved to.
 func (c *controller) writeEndpoints() error {
 	wtxn := c.DB.WriteTxn(c.Endpoints)
 	defer wtxn.Abort()
-	want := map[string]*tables.Endpoint{}
-	for key, s := range c.pods {
-		if s.pod.Spec.NodeName != c.Node.NodeName || s.pod.Spec.HostNetwork {
-			continue // host-network pods are the host
+	// Entries written since the last round, by revision: an endpoint takes
+	// its identity from the entry of its first IP, whose owners name it.
+	// (An entry deleted while its pod still owns the IP cannot be: the
+	// prefix goes only with its last owner, and that is a pod change.)
+	for entry := range c.IPCache.LowerBound(wtxn, statedb.ByRevision[*tables.IPCacheEntry](c.ipcacheRev+1)) {
+		for _, o := range entry.Owners {
+			if key, ok := ownerKey(o); ok && c.isLocal(c.pods[key]) {
+				c.dirty[key] = struct{}{}
+			}
 		}
-		e := &tables.Endpoint{Name: key.String(), IPs: append([]netip.Addr{}, s.ips...), Labels: s.labels}
-		if len(s.ips) > 0 {
-			entry, _, found := c.IPCache.Get(wtxn, tables.IPCachePrefixIndex.Query(tables.HostPrefix(s.ips[0])))
-			// Until the ipcache has resolved the pod's own labels the
-			// endpoint waits; the ipcache table's watch brings it back.
-			switch {
-			case !found || !slices.Contains(entry.Owners, owner(key)):
-			case entry.Error != "":
-				e.Error = entry.Error
-			default:
-				e.Identity = entry.Identity
-				if id, _, ok := c.Identities.Get(wtxn, tables.IdentityIDIndex.Query(entry.Identity)); ok {
-					e.IdentitySource = id.Source
+	}
+	c.ipcacheRev = c.IPCache.Revision(wtxn)
+	for key := range c.dirty {
+		s := c.pods[key]
+		old, _, found := c.Endpoints.Get(wtxn, tables.EndpointNameIndex.Query(key.String()))
+		if !c.isLocal(s) || s.pod.Spec.HostNetwork { // host-network pods are the host
+			if found {
+				if _, _, err := c.Endpoints.Delete(wtxn, old); err != nil {
+					return err
 				}
 			}
+			continue
 		}
-		want[e.Name] = e
-	}
-	for e := range c.Endpoints.All(wtxn) {
-		if _, ok := want[e.Name]; !ok {
-			if _, _, err := c.Endpoints.Delete(wtxn, e); err != nil {
-				return err
-			}
-		}
-	}
-	for _, e := range want {
-		if old, _, found := c.Endpoints.Get(wtxn, tables.EndpointNameIndex.Query(e.Name)); found && sameEndpoint(old, e) {
+		e := c.endpoint(wtxn, key, s)
+		if found && sameEndpoint(old, e) {
 			continue
 		}
 		if _, _, err := c.Endpoints.Insert(wtxn, e); err != nil {
@@ -328,7 +352,31 @@ func (c *controller) writeEndpoints() error {
 		}
 	}
 	wtxn.Commit()
+	clear(c.dirty)
 	return nil
+}
+
+// endpoint returns the endpoint of the local pod s with the identity its
+// first IP resolved to.
+func (c *controller) endpoint(txn statedb.ReadTxn, key k8s.Key, s *podState) *tables.Endpoint {
+	e := &tables.Endpoint{Name: key.String(), IPs: append([]netip.Addr{}, s.ips...), Labels: s.labels}
+	if len(s.ips) == 0 {
+		return e
+	}
+	entry, _, found := c.IPCache.Get(txn, tables.IPCachePrefixIndex.Query(tables.HostPrefix(s.ips[0])))
+	// Until the ipcache has resolved the pod's own labels the endpoint
+	// waits; the entry's change brings it back.
+	switch {
+	case !found || !slices.Contains(entry.Owners, owner(key)):
+	case entry.Error != "":
+		e.Error = entry.Error
+	default:
+		e.Identity = entry.Identity
+		if id, _, ok := c.Identities.Get(txn, tables.IdentityIDIndex.Query(entry.Identity)); ok {
+			e.IdentitySource = id.Source
+		}
+	}
+	return e
 }
 
 func sameEndpoint(a, b *tables.Endpoint) bool {
