@@ -117,6 +117,7 @@ func newReflector(
 		slices:       slices,
 		sliceService: map[k8s.Key]tables.ServiceName{},
 		problems:     map[string]string{},
+		change:       newChange(),
 	}
 	// Registered before anything starts, so that the reconciler does not
 	// prune the maps of a restarted agent before the sources are read.

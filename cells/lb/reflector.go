@@ -44,6 +44,8 @@ type reflector struct {
 	problems map[string]string
 	// problemsChanged says that health must be updated.
 	problemsChanged bool
+	// change is what the batch being applied touched.
+	change *change
 }
 
 // event is a Service or EndpointSlice event.
@@ -140,7 +142,8 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 func (r *reflector) apply(batch []event, finishInit bool) {
 	txn := r.db.WriteTxn(r.w.services, r.w.frontends, r.w.backends)
 	defer txn.Abort()
-	c := newChange()
+	c := r.change
+	c.reset()
 	for _, ev := range batch {
 		switch {
 		case ev.svc != nil:

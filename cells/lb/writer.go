@@ -59,6 +59,14 @@ func newChange() *change {
 	}
 }
 
+// reset empties c for the next batch, keeping the maps' room: growing them
+// afresh for every batch cost more than what went into them.
+func (c *change) reset() {
+	clear(c.dirty)
+	clear(c.problems)
+	clear(c.prev)
+}
+
 // remember records the service as it was before the batch.
 func (c *change) remember(name tables.ServiceName, old *tables.Service) {
 	if _, ok := c.prev[name]; !ok {
