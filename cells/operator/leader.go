@@ -6,9 +6,11 @@ import (
 	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/go-logr/logr"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/leaderelection"
 	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	"k8s.io/klog/v2"
 
 	"github.com/apiary-net/apiary/apis/v1alpha1"
 )
@@ -68,7 +70,9 @@ func (e *elector) run(ctx context.Context, h cell.Health) error {
 		if err != nil {
 			return fmt.Errorf("leader election: %w", err)
 		}
-		le.Run(ctx)
+		// client-go logs through klog's contextual logger: route it into
+		// the module's slog logger, as the informers do.
+		le.Run(klog.NewContext(ctx, logr.FromSlogHandler(e.Log.Handler())))
 		// Lost the Lease (or ctx ended): campaign again after a pause.
 		select {
 		case <-ctx.Done():
