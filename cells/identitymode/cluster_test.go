@@ -36,7 +36,7 @@ import (
 
 // runHive starts a hive with flags and stops it when the test ends (or
 // when the returned function is called).
-func runHive(t *testing.T, cells []cell.Cell, flags ...string) func() {
+func runHive(t testing.TB, cells []cell.Cell, flags ...string) func() {
 	t.Helper()
 	h := hive.NewWithOptions(core.HiveOptions(), cells...)
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
@@ -68,16 +68,18 @@ type agent struct {
 	stop      func()
 }
 
-func startAgent(t *testing.T, f *fake.Clientset, node, pinDir, stateDir string) *agent {
+// startAgent starts node's agent; flags come after, and override, the
+// defaults (operator mode).
+func startAgent(t testing.TB, f *fake.Clientset, node, pinDir, stateDir string, flags ...string) *agent {
 	a := &agent{}
 	cells := []cell.Cell{
 		infra.Cell, k8s.NewFakeClientCell(f),
 		identitymode.Cell, identity.Cell, ipcache.Cell, selectors.Cell, endpoints.Cell,
 		cell.Invoke(func(db *statedb.DB, e statedb.Table[*tables.Endpoint]) { a.db, a.endpoints = db, e }),
 	}
-	a.stop = runHive(t, cells,
-		"--identity-management-mode=operator", "--node-name="+node, "--node-ips=192.168.0.1",
-		"--bpf-pin-dir="+pinDir, "--state-dir="+stateDir, "--api-addr=127.0.0.1:0")
+	a.stop = runHive(t, cells, append([]string{
+		"--identity-management-mode=operator", "--node-name=" + node, "--node-ips=192.168.0.1",
+		"--bpf-pin-dir=" + pinDir, "--state-dir=" + stateDir, "--api-addr=127.0.0.1:0"}, flags...)...)
 	return a
 }
 
@@ -101,7 +103,7 @@ func waitFor(t *testing.T, what string, cond func() bool, show func() any) {
 	}
 }
 
-func listIdentities(t *testing.T, f *fake.Clientset) []v1alpha1.Identity {
+func listIdentities(t testing.TB, f *fake.Clientset) []v1alpha1.Identity {
 	c, err := v1alpha1.NewClient(&k8s.Clientset{Interface: f})
 	if err != nil {
 		t.Fatal(err)
