@@ -254,25 +254,27 @@ func TestOperatorAndAgentsOnRealAPIServer(t *testing.T) {
 	ctx := context.Background()
 	ps := newProcs(t)
 
-	// Build apiary while the API server starts.
-	type built struct {
-		bin string
-		err error
-	}
-	binc := make(chan built, 1)
-	binDir := t.TempDir()
+	// Build apiary while the API server starts. If the test fails
+	// meanwhile, its end waits for the build, which would otherwise write
+	// into a removed directory.
+	var (
+		bin      string
+		buildErr error
+		built    = make(chan struct{})
+		binDir   = t.TempDir()
+	)
 	go func() {
-		bin, err := buildApiary(binDir)
-		binc <- built{bin, err}
+		defer close(built)
+		bin, buildErr = buildApiary(binDir)
 	}()
+	t.Cleanup(func() { <-built })
 	c := startCluster(t, ps, apiserverBin, etcdBin)
 	c.install(t)
 	admin := c.adminClient(t)
-	b := <-binc
-	if b.err != nil {
-		t.Fatal(b.err)
+	<-built
+	if buildErr != nil {
+		t.Fatal(buildErr)
 	}
-	bin := b.bin
 
 	agentKubeconfig, agentCfg := c.kubeconfig(t, "apiary-agent")
 	operatorKubeconfig, operatorCfg := c.kubeconfig(t, "apiary-operator")
