@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -246,16 +247,19 @@ func waitHealth(tb testing.TB, db *statedb.DB, scope, msg string) {
 // operator: each agent numbers label sets itself (final = agent), so the
 // difference is what the operator mode costs.
 //
-// Metrics: ms-create-pods, how long the fake clientset took to accept the
-// creates; ms-identities-created, the operator's last Identity create;
-// ms-p50/p99-any-id, from a pod's create until its endpoint had an identity
-// (temporary or final: nodes never wait for the operator), and
-// ms-p50/p99-final-id until it had its final one; identities (Identity
-// objects at the end); identity-writes and api-writes (every write by
-// the operator and the agents, Lease renewals included, the benchmark's own
-// pod creates not); peak-temporary, the most temporary numbers one node had
-// in use at once, and temporary-endpoints, endpoints seen with one (both
-// sampled at the commits of the endpoints table, so lower bounds).
+// Metrics: ms-cpu, the CPU time the process (operator, agents, fake
+// clientset and the benchmark's own loops) used meanwhile, which varies
+// less than the wall time on a shared machine; ms-create-pods, how long
+// the fake clientset took to accept the creates; ms-identities-created,
+// the operator's last Identity create; ms-p50/p99-any-id, from a pod's
+// create until its endpoint had an identity (temporary or final: nodes
+// never wait for the operator), and ms-p50/p99-final-id until it had its
+// final one; identities (Identity objects at the end); identity-writes and
+// api-writes (every write by the operator and the agents, Lease renewals
+// included, the benchmark's own pod creates not); peak-temporary, the most
+// temporary numbers one node had in use at once, and temporary-endpoints,
+// endpoints seen with one (both sampled at the commits of the endpoints
+// table, so lower bounds).
 func BenchmarkClusterIdentities(b *testing.B) {
 	raiseWatchBuffer(b)
 	for _, mode := range []string{identitymode.ModeOperator, identitymode.ModeAgent} {
@@ -276,6 +280,7 @@ func BenchmarkClusterIdentities(b *testing.B) {
 // pod create.
 type scenarioResult struct {
 	create, idsCreated time.Duration
+	cpu                time.Duration // the process's CPU time while timed
 	firstID, finalID   []time.Duration
 	identities         int
 	writes             map[string]int
@@ -298,6 +303,7 @@ func report(b *testing.B, rs []scenarioResult) {
 		return ms(s[(len(s)-1)*p/100])
 	}
 	b.ReportMetric(ms(b.Elapsed())/n, "ms-to-all")
+	b.ReportMetric(mean(func(r scenarioResult) float64 { return ms(r.cpu) }), "ms-cpu")
 	b.ReportMetric(mean(func(r scenarioResult) float64 { return ms(r.create) }), "ms-create-pods")
 	b.ReportMetric(mean(func(r scenarioResult) float64 { return ms(r.idsCreated) }), "ms-identities-created")
 	b.ReportMetric(mean(func(r scenarioResult) float64 { return pct(r.firstID, 50) }), "ms-p50-any-id")
@@ -379,6 +385,7 @@ func runClusterScenario(b *testing.B, mode, pinRoot string) scenarioResult {
 	errs := make([]error, len(agents))
 	var wg sync.WaitGroup
 	counter.start()
+	cpu0 := cpuTime(b)
 	b.StartTimer()
 	start := time.Now()
 	for n, a := range agents {
@@ -395,6 +402,7 @@ func runClusterScenario(b *testing.B, mode, pinRoot string) scenarioResult {
 	r := scenarioResult{create: time.Since(start)}
 	wg.Wait()
 	b.StopTimer()
+	r.cpu = cpuTime(b) - cpu0
 	for n, err := range errs {
 		if err != nil {
 			b.Fatalf("node-%d: %v", n, err)
@@ -445,6 +453,15 @@ func runClusterScenario(b *testing.B, mode, pinRoot string) scenarioResult {
 		b.Fatalf("%d Identity writes, want %d: %v", n, benchLabelSets, r.writes)
 	}
 	return r
+}
+
+// cpuTime returns the CPU time (user and system) the process has used.
+func cpuTime(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // BenchmarkFakeCreatePods times what BenchmarkClusterIdentities' create
