@@ -36,6 +36,10 @@ type LBConfig struct {
 	// MaxEntriesFlag names the flag that sets MaxEntries, for the error
 	// that says a map is full.
 	MaxEntriesFlag string
+	// Preallocate creates the maps with all their entries allocated up
+	// front: memory for MaxEntries entries from the start, in exchange for
+	// updates that allocate nothing (about 2.5 times cheaper).
+	Preallocate bool
 }
 
 // LB converges the frontends table into lb4_services, lb4_backends and

@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/tables"
@@ -63,6 +64,9 @@ func (l *LB) ensureOpen() error {
 		if err != nil {
 			return nil, err
 		}
+		if l.cfg.Preallocate {
+			spec.Flags &^= unix.BPF_F_NO_PREALLOC
+		}
 		if err := check(spec); err != nil {
 			return nil, err
 		}
@@ -71,7 +75,7 @@ func (l *LB) ensureOpen() error {
 			return nil, err
 		}
 		if pm.Outcome == bpf.PinReplaced {
-			l.log.Info("Resized load-balancing map, entries copied", "map", name, "change", pm.Mismatch)
+			l.log.Info("Re-created load-balancing map, entries copied", "map", name, "change", pm.Mismatch)
 		}
 		opened = append(opened, pm.Map)
 		return pm.Map, nil

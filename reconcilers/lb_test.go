@@ -11,6 +11,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
+	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/tables"
@@ -129,16 +130,10 @@ func opCounts(lb *LB) uint64 {
 	return n
 }
 
-// TestResizeKeepsEntries reopens the maps with another size: the entries
-// are copied into the new maps, and the frontend needs no write.
-func TestResizeKeepsEntries(t *testing.T) {
+// TestReopenKeepsEntries reopens the maps with another size or allocation:
+// the entries are copied into the new maps, and the frontend needs no write.
+func TestReopenKeepsEntries(t *testing.T) {
 	testenv.RequireRoot(t)
-	pinDir := testenv.BPFPinDir(t)
-	db := statedb.New()
-	backends, err := tables.NewBackendsTable(db)
-	if err != nil {
-		t.Fatal(err)
-	}
 	fe := &tables.Frontend{
 		Address: tables.L4Addr{Addr: netip.MustParseAddr("10.96.0.1"), Port: 53, Proto: tables.UDP},
 		Type:    tables.FrontendClusterIP,
@@ -147,30 +142,54 @@ func TestResizeKeepsEntries(t *testing.T) {
 			{Address: tables.L4Addr{Addr: netip.MustParseAddr("10.1.0.2"), Port: 5353, Proto: tables.UDP}},
 		},
 	}
-	open := func(size uint32) (*LB, string) {
-		lb := NewLB(slog.New(slog.DiscardHandler), LBConfig{PinDir: pinDir, MaxEntries: size, MaxEntriesFlag: "bpf-lb-map-max"}, backends)
-		if err := lb.Update(context.Background(), db.ReadTxn(), 0, fe); err != nil {
-			t.Fatal(err)
-		}
-		var dump strings.Builder
-		if err := lb.Maps(func(services, backends, revNat *ebpf.Map) error {
-			if services.MaxEntries() != size {
-				t.Errorf("lb4_services has %d entries, want %d", services.MaxEntries(), size)
+	for _, tc := range []struct {
+		name          string
+		before, after LBConfig
+	}{
+		{"grow", LBConfig{MaxEntries: 64}, LBConfig{MaxEntries: 128}},
+		{"shrink", LBConfig{MaxEntries: 128}, LBConfig{MaxEntries: 64}},
+		{"preallocate", LBConfig{MaxEntries: 64}, LBConfig{MaxEntries: 64, Preallocate: true}},
+		{"stop preallocating", LBConfig{MaxEntries: 64, Preallocate: true}, LBConfig{MaxEntries: 64}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pinDir := testenv.BPFPinDir(t)
+			db := statedb.New()
+			backends, err := tables.NewBackendsTable(db)
+			if err != nil {
+				t.Fatal(err)
 			}
-			return WriteLBMaps(&dump, services, backends, revNat)
-		}); err != nil {
-			t.Fatal(err)
-		}
-		return lb, dump.String()
-	}
-	small, before := open(64)
-	small.Close()
-	big, after := open(128)
-	defer big.Close()
-	if before != after {
-		t.Fatalf("entries changed across the resize:\n%s\nvs\n%s", before, after)
-	}
-	if n := opCounts(big); n != 0 {
-		t.Fatalf("%d map operations after the resize, want 0", n)
+			open := func(cfg LBConfig) (*LB, string) {
+				cfg.PinDir, cfg.MaxEntriesFlag = pinDir, "bpf-lb-map-max"
+				lb := NewLB(slog.New(slog.DiscardHandler), cfg, backends)
+				if err := lb.Update(context.Background(), db.ReadTxn(), 0, fe); err != nil {
+					t.Fatal(err)
+				}
+				var dump strings.Builder
+				if err := lb.Maps(func(services, backends, revNat *ebpf.Map) error {
+					for _, m := range []*ebpf.Map{services, backends, revNat} {
+						if m.MaxEntries() != cfg.MaxEntries {
+							t.Errorf("map has %d entries, want %d", m.MaxEntries(), cfg.MaxEntries)
+						}
+						if prealloc := m.Flags()&unix.BPF_F_NO_PREALLOC == 0; prealloc != cfg.Preallocate {
+							t.Errorf("map preallocated: %v, want %v", prealloc, cfg.Preallocate)
+						}
+					}
+					return WriteLBMaps(&dump, services, backends, revNat)
+				}); err != nil {
+					t.Fatal(err)
+				}
+				return lb, dump.String()
+			}
+			first, before := open(tc.before)
+			first.Close()
+			second, after := open(tc.after)
+			defer second.Close()
+			if before != after {
+				t.Fatalf("entries changed:\n%s\nvs\n%s", before, after)
+			}
+			if n := opCounts(second); n != 0 {
+				t.Fatalf("%d map operations after reopening, want 0", n)
+			}
+		})
 	}
 }

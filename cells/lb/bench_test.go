@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"runtime"
 	"runtime/debug"
+	"strings"
 	"testing"
 	"time"
 
@@ -47,19 +48,27 @@ import (
 // balancer fills is faulted in, which on a virtual machine costs more than
 // the work that fills it. A warm run repeats the insert and delete on the
 // same hive, with the memory of a first round still mapped, as an agent
-// sees it under churn.
+// sees it under churn. Prealloc runs use --bpf-lb-preallocate.
 func BenchmarkServices(b *testing.B) {
 	for _, c := range []struct {
-		backends int
-		warm     bool
-	}{{1, false}, {1, true}, {10, false}} {
-		heap := "cold"
+		backends       int
+		warm, prealloc bool
+	}{
+		{1, false, false}, {1, true, false}, {1, false, true}, {1, true, true},
+		{10, false, false},
+	} {
+		name := fmt.Sprintf("services=%d/backends=%d/cold", benchN, c.backends)
 		if c.warm {
-			heap = "warm"
+			name = strings.Replace(name, "cold", "warm", 1)
 		}
-		b.Run(fmt.Sprintf("services=%d/backends=%d/%s", benchN, c.backends, heap), func(b *testing.B) {
+		var flags []string
+		if c.prealloc {
+			name += "/prealloc"
+			flags = append(flags, "--bpf-lb-preallocate")
+		}
+		b.Run(name, func(b *testing.B) {
 			for range b.N {
-				benchServices(b, benchN, c.backends, c.warm)
+				benchServices(b, benchN, c.backends, c.warm, flags...)
 			}
 		})
 	}
@@ -68,13 +77,14 @@ func BenchmarkServices(b *testing.B) {
 // benchN is the number of services per run.
 var benchN = 50000
 
-func benchServices(b *testing.B, n, backendsPerService int, warm bool) {
+func benchServices(b *testing.B, n, backendsPerService int, warm bool, flags ...string) {
 	testenv.RequireRoot(b)
 	b.StopTimer()
 	svcs := newChanResource[*corev1.Service]()
 	slices := newChanResource[*discoveryv1.EndpointSlice]()
 	maxEntries := n * (backendsPerService + 2)
-	db, frontends, ops := startChanHive(b, testenv.BPFPinDir(b), svcs, slices, fmt.Sprintf("--%s=%d", MapMaxFlag, maxEntries))
+	db, frontends, ops := startChanHive(b, testenv.BPFPinDir(b), svcs, slices,
+		append(flags, fmt.Sprintf("--%s=%d", MapMaxFlag, maxEntries))...)
 
 	// The objects exist before the clock starts, as in an informer's cache.
 	svcEvents := make([]k8s.Event[*corev1.Service], n)
