@@ -50,7 +50,8 @@ const (
 
 var lbMapNames = [numLBMaps]string{bpf.LB4ServicesMap, bpf.LB4BackendsMap, bpf.LB4RevNatMap}
 
-// lbOp is one map operation, and how to update the mirror once it is done.
+// lbOp is one map operation. Once it is done, apply records it in the
+// mirror.
 type lbOp struct {
 	m   lbMapKind
 	del bool
@@ -65,8 +66,38 @@ type lbOp struct {
 	beVal  bpf.LB4BackendValue
 	revKey bpf.Be16
 	revVal bpf.LB4RevNatValue
+}
 
-	apply func()
+// apply records a done operation in the mirror: what it changed follows
+// from the map, the kind and, for lb4_services, the slot.
+func (l *LB) apply(op *lbOp) {
+	switch op.m {
+	case lbBackends:
+		if op.del {
+			op.be.written = false
+			l.forgetBackend(op.be)
+		} else {
+			op.be.written, op.be.value = true, op.beVal
+		}
+	case lbRevNat:
+		op.owner.fe.revNat = !op.del
+	case lbServices:
+		fe, slot := op.owner.fe, int(op.svcKey.Slot)
+		switch {
+		case slot == 0 && op.del:
+			fe.master = false
+		case slot == 0:
+			fe.master, fe.count, fe.qcount, fe.flags = true, op.svcVal.Count, op.svcVal.QCount, op.svcVal.Flags
+		case op.del:
+			// Slots are trimmed from the last one.
+			fe.slots = fe.slots[:slot-1]
+		case slot <= len(fe.slots):
+			fe.slots[slot-1] = op.svcVal.BackendID
+		default:
+			// New slots are written in increasing order.
+			fe.slots = append(fe.slots, op.svcVal.BackendID)
+		}
+	}
 }
 
 // lbPlan is what one frontend's update or delete does.
@@ -84,6 +115,18 @@ type lbRun struct {
 	backendWrites map[*beState]*lbOp
 	backendOwners map[*beState][]*lbPlan
 	releases      []*beState
+	// slab is where new operations are carved from: one allocation for
+	// many, as a run plans several per frontend.
+	slab []lbOp
+}
+
+// newOp returns a zero operation that lives as long as the run.
+func (r *lbRun) newOp() *lbOp {
+	if len(r.slab) == cap(r.slab) {
+		r.slab = make([]lbOp, 0, 256)
+	}
+	r.slab = r.slab[:len(r.slab)+1]
+	return &r.slab[len(r.slab)-1]
 }
 
 func newLBRun(n int) *lbRun {
@@ -103,8 +146,8 @@ func (r *lbRun) writeBackend(be *beState, val bpf.LB4BackendValue, p *lbPlan) {
 		op.beVal = val
 		return
 	}
-	op := &lbOp{m: lbBackends, be: be, beID: be.id, beVal: val}
-	op.apply = func() { be.written, be.value = true, op.beVal }
+	op := r.newOp()
+	*op = lbOp{m: lbBackends, be: be, beID: be.id, beVal: val}
 	r.backendWrites[be] = op
 	r.add(stepBackends, op)
 }
@@ -186,16 +229,10 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 		if !rewrite && i < len(fe.slots) && fe.slots[i] == id {
 			continue
 		}
-		op := &lbOp{m: lbServices, owner: p,
+		op := run.newOp()
+		*op = lbOp{m: lbServices, owner: p,
 			svcKey: serviceKey(fe.addr, uint16(i+1)),
 			svcVal: bpf.LB4ServiceValue{BackendID: id, RevNat: bpf.NewBe16(fe.id), Flags: p.flags},
-		}
-		op.apply = func() {
-			if i < len(fe.slots) {
-				fe.slots[i] = id
-			} else {
-				fe.slots = append(fe.slots, id)
-			}
 		}
 		run.add(stepSlots, op)
 	}
@@ -203,11 +240,11 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 		l.addMaster(run, stepGrow, p, n, q, p.flags)
 	}
 	if !fe.revNat {
-		op := &lbOp{m: lbRevNat, owner: p,
+		op := run.newOp()
+		*op = lbOp{m: lbRevNat, owner: p,
 			revKey: bpf.NewBe16(fe.id),
 			revVal: bpf.LB4RevNatValue{Address: fe.addr.Addr.As4(), Port: bpf.NewBe16(fe.addr.Port)},
 		}
-		op.apply = func() { fe.revNat = true }
 		run.add(stepGrow, op)
 	}
 	l.addTrim(run, p, int(n+q))
@@ -217,12 +254,10 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 // addMaster schedules a write of fe's slot 0.
 func (l *LB) addMaster(run *lbRun, step int, p *lbPlan, count, qcount uint16, flags bpf.ServiceFlags) {
 	fe := p.fe
-	op := &lbOp{m: lbServices, owner: p,
+	op := run.newOp()
+	*op = lbOp{m: lbServices, owner: p,
 		svcKey: serviceKey(fe.addr, 0),
 		svcVal: bpf.LB4ServiceValue{Count: count, QCount: qcount, RevNat: bpf.NewBe16(fe.id), Flags: flags},
-	}
-	op.apply = func() {
-		fe.master, fe.count, fe.qcount, fe.flags = true, count, qcount, flags
 	}
 	run.add(step, op)
 }
@@ -231,8 +266,8 @@ func (l *LB) addMaster(run *lbRun, step int, p *lbPlan, count, qcount uint16, fl
 func (l *LB) addTrim(run *lbRun, p *lbPlan, end int) {
 	fe := p.fe
 	for pos := len(fe.slots); pos > end; pos-- {
-		op := &lbOp{m: lbServices, del: true, owner: p, svcKey: serviceKey(fe.addr, uint16(pos))}
-		op.apply = func() { fe.slots = fe.slots[:pos-1] }
+		op := run.newOp()
+		*op = lbOp{m: lbServices, del: true, owner: p, svcKey: serviceKey(fe.addr, uint16(pos))}
 		run.add(stepTrim, op)
 	}
 }
@@ -259,14 +294,14 @@ func (l *LB) finishUpdate(run *lbRun, p *lbPlan) {
 func (l *LB) planDelete(run *lbRun, fe *feState) *lbPlan {
 	p := &lbPlan{fe: fe}
 	if fe.master {
-		op := &lbOp{m: lbServices, del: true, owner: p, svcKey: serviceKey(fe.addr, 0)}
-		op.apply = func() { fe.master = false }
+		op := run.newOp()
+		*op = lbOp{m: lbServices, del: true, owner: p, svcKey: serviceKey(fe.addr, 0)}
 		run.add(stepShrink, op)
 	}
 	l.addTrim(run, p, 0)
 	if fe.revNat {
-		op := &lbOp{m: lbRevNat, del: true, owner: p, revKey: bpf.NewBe16(fe.id)}
-		op.apply = func() { fe.revNat = false }
+		op := run.newOp()
+		*op = lbOp{m: lbRevNat, del: true, owner: p, revKey: bpf.NewBe16(fe.id)}
 		run.add(stepTrim, op)
 	}
 	return p
@@ -333,8 +368,8 @@ func (l *LB) executeReleases(run *lbRun) {
 			l.forgetBackend(be)
 			continue
 		}
-		op := &lbOp{m: lbBackends, del: true, be: be, beID: be.id}
-		op.apply = func() { be.written = false; l.forgetBackend(be) }
+		op := run.newOp()
+		*op = lbOp{m: lbBackends, del: true, be: be, beID: be.id}
 		group = append(group, op)
 	}
 	failed := l.execGroup(run, group)
@@ -361,7 +396,7 @@ func (l *LB) execGroup(run *lbRun, ops []*lbOp) (failed []*lbOp) {
 		done, err := l.maps.run(live)
 		l.Ops.add(live[0].m, live[0].del, min(done+1, len(live)))
 		for _, op := range live[:done] {
-			op.apply()
+			l.apply(op)
 		}
 		if err == nil {
 			return failed
@@ -369,7 +404,7 @@ func (l *LB) execGroup(run *lbRun, ops []*lbOp) (failed []*lbOp) {
 		op := live[done]
 		ops = live[done+1:]
 		if op.del && errors.Is(err, ebpf.ErrKeyNotExist) {
-			op.apply()
+			l.apply(op)
 			continue
 		}
 		err = l.opError(op, err)
