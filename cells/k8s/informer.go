@@ -14,15 +14,18 @@ import (
 
 // startInformer feeds r from a client-go informer that runs from hive start
 // to hive stop. The informer source counts as synced once the handler has
-// received the initial listing.
-func startInformer[T Object](r *resource[T], lc cell.Lifecycle, cs *Clientset) {
+// received the initial listing. Its lists and watches go through listWatch,
+// which reports them in health (nil: not reported) and handles optional
+// kinds whose resource is not served.
+func startInformer[T Object](r *resource[T], lc cell.Lifecycle, cs *Clientset, health cell.Health, opts ResourceOptions) {
 	var (
 		cancel context.CancelFunc
 		wg     sync.WaitGroup
 	)
 	lc.Append(cell.Hook{
 		OnStart: func(cell.HookContext) error {
-			inf := cache.NewSharedIndexInformer(r.kind.ListWatch(cs), newObject[T](), 0, cache.Indexers{})
+			lw := newListWatch(r, r.kind.ListWatch(cs), health, opts)
+			inf := cache.NewSharedIndexInformer(lw, newObject[T](), 0, cache.Indexers{})
 			if err := inf.SetTransform(r.transform); err != nil {
 				return fmt.Errorf("informer for %s: %w", r.kind.GVK, err)
 			}

@@ -60,6 +60,16 @@ type Kind[T Object] struct {
 	// Namespaced is true for namespaced kinds; objects of such kinds without a
 	// namespace get "default".
 	Namespaced bool
+	// Optional marks a kind whose resource the API server may legitimately
+	// not serve: a CRD of another project (Cilium's policies) that the
+	// cluster may not have installed. While the API server answers its list
+	// with 404, the informer source counts as synced with no objects (so
+	// subscribers get Sync), one warning is logged, health says so without
+	// degrading, and the resource is checked again with backoff (up to once
+	// a minute) so that its objects arrive once the CRD is installed; if the
+	// CRD is deleted, its objects are delivered as Deletes. A 404 for a kind
+	// that is not optional is an error, retried and reported in health.
+	Optional bool
 	// ListWatch builds the informer's ListerWatcher. It is built from the typed
 	// clientset so that it works with the fake one too. Nil means the kind
 	// only comes from --config-dir.

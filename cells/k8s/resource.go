@@ -110,7 +110,9 @@ type resource[T Object] struct {
 // NewResource returns the event stream of kind. It registers the kind with
 // the YAML decoder (so --config-dir and the fake clientset's script commands
 // accept it) and, when Kubernetes is enabled and the kind has a ListWatch,
-// runs an informer between hive start and stop. Use it in a provider:
+// runs an informer between hive start and stop, which reports in the health
+// sub-scope "informer-<resource>" of the calling module (see Kind.Optional
+// for kinds whose resource may not be served). Use it in a provider:
 //
 //	cell.Provide(func(p k8s.ResourceParams) k8s.Resource[*X] { return k8s.NewResource(p, XKind) })
 //
@@ -131,7 +133,11 @@ func NewResource[T Object](p ResourceParams, kind Kind[T]) Resource[T] {
 	r := newResource(kind, log.With("k8sKind", kind.GVK.Kind))
 	if p.Clientset.IsEnabled() && kind.ListWatch != nil {
 		r.active[sourceInformer] = true
-		startInformer(r, p.Lifecycle, p.Clientset)
+		var health cell.Health
+		if p.Health != nil {
+			health = p.Health.NewScope("informer-" + kind.Resource)
+		}
+		startInformer(r, p.Lifecycle, p.Clientset, health, p.Options)
 	}
 	if p.Dir.Enabled() {
 		r.active[sourceDir] = true
@@ -368,4 +374,9 @@ type ResourceParams struct {
 	Clientset *Clientset
 	Kinds     *Kinds
 	Dir       *DirSource
+	// Health is the calling module's scope; each informer reports in a
+	// sub-scope "informer-<resource>" (e.g. selectors.informer-ciliumnetworkpolicies).
+	Health cell.Health `optional:"true"`
+	// Options tunes the informers; the zero value means the defaults.
+	Options ResourceOptions `optional:"true"`
 }

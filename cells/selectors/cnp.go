@@ -152,6 +152,8 @@ var CNPKind = k8s.Kind[*CiliumNetworkPolicy]{
 	GVK:        GroupVersion.WithKind("CiliumNetworkPolicy"),
 	Resource:   "ciliumnetworkpolicies",
 	Namespaced: true,
+	// Cilium's CRD, which apiary does not ship: without it, no policies.
+	Optional: true,
 	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
 		return crdListWatch(c, "ciliumnetworkpolicies", func(items []runtime.Object) *CiliumNetworkPolicyList {
 			l := &CiliumNetworkPolicyList{}
@@ -170,6 +172,8 @@ var CCNPKind = k8s.Kind[*CiliumClusterwideNetworkPolicy]{
 	GVK:        GroupVersion.WithKind("CiliumClusterwideNetworkPolicy"),
 	Resource:   "ciliumclusterwidenetworkpolicies",
 	Namespaced: false,
+	// Cilium's CRD, which apiary does not ship: without it, no policies.
+	Optional: true,
 	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
 		return crdListWatch(c, "ciliumclusterwidenetworkpolicies", func(items []runtime.Object) *CiliumClusterwideNetworkPolicyList {
 			l := &CiliumClusterwideNetworkPolicyList{}
