@@ -3,5 +3,7 @@
 // agents, as processes of the real apiary binary, against a real
 // kube-apiserver and etcd built by scripts/kube-testbin/build.sh, with
 // deploy/'s CRDs and RBAC installed: RBAC, CRD schemas, resource versions
-// and watches are the API server's own. See docs/testing.md.
+// and watches are the API server's own. policies_test.go checks that an
+// agent copes with Cilium's policy CRDs being absent, installed later and
+// deleted. See docs/testing.md.
 package integration

@@ -370,6 +370,9 @@ func TestOperatorAndAgentsOnRealAPIServer(t *testing.T) {
 	}
 	for _, a := range agents {
 		waitHealthy(t, a)
+		// No Cilium policy CRDs in deploy/: the policy kinds count as
+		// empty, so these tables initialize (and get pruned).
+		waitInitialized(t, a, tables.PrefixesTableName, tables.IPCacheTableName)
 	}
 
 	// The operator: one Identity per label set, though two nodes run web.

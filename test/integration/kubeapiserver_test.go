@@ -466,25 +466,37 @@ func (c *cluster) install(t *testing.T) {
 	}
 	crds := readManifests(t, filepath.Join(repoRoot, "deploy/crds"))
 	create(crds)
-	crdGVR := schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 	for _, crd := range crds {
-		name := crd.obj.GetName()
-		eventually(t, 10*time.Second, "CRD "+name+" Established", func() (bool, string) {
-			u, err := dyn.Resource(crdGVR).Get(ctx, name, metav1.GetOptions{})
-			if err != nil {
-				return false, err.Error()
-			}
-			conds, _, _ := unstructured.NestedSlice(u.Object, "status", "conditions")
-			for _, cond := range conds {
-				m, _ := cond.(map[string]any)
-				if m["type"] == "Established" && m["status"] == "True" {
-					return true, ""
-				}
-			}
-			return false, fmt.Sprint(conds)
-		})
+		c.waitEstablished(t, crd.obj.GetName())
 	}
 	create(readManifests(t, filepath.Join(repoRoot, "deploy")))
+}
+
+// crdGVR is the resource of CustomResourceDefinitions.
+var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+
+// waitEstablished waits until the CRD called name is Established: its
+// resource is served.
+func (c *cluster) waitEstablished(t *testing.T, name string) {
+	t.Helper()
+	dyn, err := dynamic.NewForConfig(c.admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "CRD "+name+" Established", func() (bool, string) {
+		u, err := dyn.Resource(crdGVR).Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		conds, _, _ := unstructured.NestedSlice(u.Object, "status", "conditions")
+		for _, cond := range conds {
+			m, _ := cond.(map[string]any)
+			if m["type"] == "Established" && m["status"] == "True" {
+				return true, ""
+			}
+		}
+		return false, fmt.Sprint(conds)
+	})
 }
 
 // kubeconfig writes a kubeconfig that authenticates as the ServiceAccount
