@@ -176,6 +176,8 @@ const maxBatch = 1000
 func (c *controller) run(ctx context.Context, h cell.Health, synced func()) error {
 	pods, namespaces := c.Pods.Events(ctx), c.Namespaces.Events(ctx)
 	podsSynced, nsSynced, initDone := false, false, false
+	onPod := k8s.TrackSync(&podsSynced, c.podChanged)
+	onNamespace := k8s.TrackSync(&nsSynced, c.namespaceChanged)
 	for {
 		if err := c.flush(); err != nil {
 			return err
@@ -190,50 +192,9 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		}
 		h.OK(fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local))
 
-		for n := 0; n < maxBatch; n++ {
-			var (
-				pev  k8s.Event[*corev1.Pod]
-				nev  k8s.Event[*corev1.Namespace]
-				ok   bool
-				kind int
-			)
-			if n == 0 {
-				select {
-				case <-ctx.Done():
-					return nil
-				case <-ipcacheWatch:
-					kind = -1
-				case pev, ok = <-pods:
-					kind = 1
-				case nev, ok = <-namespaces:
-					kind = 2
-				}
-			} else {
-				select {
-				case pev, ok = <-pods:
-					kind = 1
-				case nev, ok = <-namespaces:
-					kind = 2
-				default:
-					kind = -1
-				}
-			}
-			if kind == -1 {
-				break
-			}
-			if !ok {
-				return nil
-			}
-			switch {
-			case kind == 1 && pev.Kind == k8s.Sync:
-				podsSynced = true
-			case kind == 1:
-				c.podChanged(pev)
-			case nev.Kind == k8s.Sync:
-				nsSynced = true
-			default:
-				c.namespaceChanged(nev)
-			}
+		// Take a batch of events, or wait for the ipcache to change.
+		if _, ok := k8s.ReceiveBatch2(ctx, ipcacheWatch, maxBatch, pods, onPod, namespaces, onNamespace); !ok {
+			return nil
 		}
 	}
 }

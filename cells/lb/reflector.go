@@ -60,53 +60,24 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 	svcSynced, sliceSynced, initialized := false, false, false
 	var initial []event
 	health.OK("Waiting for Services and EndpointSlices")
+	var batch []event
+	onSvc := func(e k8s.Event[*corev1.Service]) { batch = append(batch, event{svc: &e}) }
+	onSlice := func(e k8s.Event[*discoveryv1.EndpointSlice]) { batch = append(batch, event{slice: &e}) }
+	var noWake <-chan struct{} // nil: only events (or the end) end the wait
 	for {
-		batch := make([]event, 0, 16)
-		addSvc := func(e k8s.Event[*corev1.Service], ok bool) bool {
-			if ok {
-				batch = append(batch, event{svc: &e})
-			}
-			return ok
-		}
-		addSlice := func(e k8s.Event[*discoveryv1.EndpointSlice], ok bool) bool {
-			if ok {
-				batch = append(batch, event{slice: &e})
-			}
-			return ok
-		}
-		// receive appends one event to the batch; without block it gives up
-		// at once when none is ready.
-		receive := func(block bool) bool {
-			if !block {
-				select {
-				case e, ok := <-svcCh:
-					return addSvc(e, ok)
-				case e, ok := <-sliceCh:
-					return addSlice(e, ok)
-				default:
-					return false
-				}
-			}
-			select {
-			case <-ctx.Done():
-				return false
-			case e, ok := <-svcCh:
-				return addSvc(e, ok)
-			case e, ok := <-sliceCh:
-				return addSlice(e, ok)
-			}
-		}
-		if !receive(true) {
+		batch = make([]event, 0, 16)
+		// Without a wake, no event means that ctx is done or a stream
+		// closed; a stream that closes after some events ends the loop on
+		// the next wait, once this batch is applied.
+		n, _ := k8s.ReceiveBatch2(ctx, noWake, maxBatch, svcCh, onSvc, sliceCh, onSlice)
+		if n == 0 {
 			return nil
 		}
-		for len(batch) < maxBatch && receive(false) {
-		}
-		if len(batch) < maxBatch {
+		if n < maxBatch {
 			// Give a busy source a moment to add to the batch: one bigger
 			// transaction costs less than several small ones.
 			runtime.Gosched()
-			for len(batch) < maxBatch && receive(false) {
-			}
+			k8s.DrainBatch2(maxBatch-n, svcCh, onSvc, sliceCh, onSlice)
 		}
 
 		for _, ev := range batch {

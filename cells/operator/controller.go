@@ -78,9 +78,14 @@ func wantsIdentity(pod *corev1.Pod) bool {
 func (c *controller) run(ctx context.Context, h cell.Health) error {
 	pods, nss, ids := c.Pods.Events(ctx), c.Namespaces.Events(ctx), c.Identities.Events(ctx)
 	podsSynced, nsSynced, idsSynced := false, false, false
-	gc := time.NewTicker(c.Config.IdentityGCInterval)
-	defer gc.Stop()
-	var retry <-chan time.Time
+	onPod := k8s.TrackSync(&podsSynced, c.podChanged)
+	onNamespace := k8s.TrackSync(&nsSynced, c.namespaceChanged)
+	onIdentity := k8s.TrackSync(&idsSynced, c.identityChanged)
+	// One timer ends the wait for the next GC or, when a create failed,
+	// for the retry, whichever comes first.
+	wake := time.NewTimer(c.Config.IdentityGCInterval)
+	defer wake.Stop()
+	nextGC := time.Now().Add(c.Config.IdentityGCInterval)
 	synced := false
 	for {
 		if !synced && podsSynced && nsSynced && idsSynced {
@@ -103,82 +108,27 @@ func (c *controller) run(ctx context.Context, h cell.Health) error {
 			}
 			c.Log.Info("Synced", "pods", len(c.pods), "identities", len(c.ids), "labelSets", len(c.labels))
 		}
+		again := false
 		if synced {
-			var again bool
 			again, c.lastErr = c.ensure(ctx)
-			retry = nil
-			if again {
-				retry = time.After(retryInterval)
-			}
 		}
 		c.report(h, synced)
 
-		for n := 0; n < maxBatch; n++ {
-			var (
-				pev k8s.Event[*corev1.Pod]
-				nev k8s.Event[*corev1.Namespace]
-				iev k8s.Event[*v1alpha1.Identity]
-				ok  bool
-				src int
-			)
-			if n == 0 {
-				select {
-				case <-ctx.Done():
-					return nil
-				case <-gc.C:
-					if synced {
-						c.collect(ctx)
-						// A full reconcile on the same interval.
-						for key := range c.users {
-							c.pending[key] = struct{}{}
-						}
-					}
-					src = -1
-				case <-retry:
-					src = -1
-				case pev, ok = <-pods:
-					src = 1
-				case nev, ok = <-nss:
-					src = 2
-				case iev, ok = <-ids:
-					src = 3
-				}
-			} else {
-				select {
-				case pev, ok = <-pods:
-					src = 1
-				case nev, ok = <-nss:
-					src = 2
-				case iev, ok = <-ids:
-					src = 3
-				default:
-					src = -1
-				}
-			}
-			if src == -1 {
-				break
-			}
-			if !ok {
-				return nil
-			}
-			switch src {
-			case 1:
-				if pev.Kind == k8s.Sync {
-					podsSynced = true
-				} else {
-					c.podChanged(pev)
-				}
-			case 2:
-				if nev.Kind == k8s.Sync {
-					nsSynced = true
-				} else {
-					c.namespaceChanged(nev)
-				}
-			case 3:
-				if iev.Kind == k8s.Sync {
-					idsSynced = true
-				} else {
-					c.identityChanged(iev)
+		wait := time.Until(nextGC)
+		if again {
+			wait = min(wait, retryInterval)
+		}
+		wake.Reset(wait)
+		if _, ok := k8s.ReceiveBatch3(ctx, wake.C, maxBatch, pods, onPod, nss, onNamespace, ids, onIdentity); !ok {
+			return nil
+		}
+		if now := time.Now(); !now.Before(nextGC) {
+			nextGC = now.Add(c.Config.IdentityGCInterval)
+			if synced {
+				c.collect(ctx)
+				// A full reconcile on the same interval.
+				for key := range c.users {
+					c.pending[key] = struct{}{}
 				}
 			}
 		}

@@ -106,6 +106,24 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 
 	cnps, ccnps := c.CNPs.Events(ctx), c.CCNPs.Events(ctx)
 	cnpSynced, ccnpSynced, initDone := false, false, false
+	onCNP := k8s.TrackSync(&cnpSynced, func(ev k8s.Event[*CiliumNetworkPolicy]) {
+		name := "cnp/" + ev.Key.String()
+		if ev.Kind == k8s.Delete {
+			c.setPolicy(name, nil)
+		} else {
+			c.logUnknown(name, ev.Object.UnknownFields())
+			c.setPolicy(name, parsePolicy(name, ev.Key.Namespace, ev.Object.Spec, ev.Object.Specs))
+		}
+	})
+	onCCNP := k8s.TrackSync(&ccnpSynced, func(ev k8s.Event[*CiliumClusterwideNetworkPolicy]) {
+		name := "ccnp/" + ev.Key.String()
+		if ev.Kind == k8s.Delete {
+			c.setPolicy(name, nil)
+		} else {
+			c.logUnknown(name, ev.Object.UnknownFields())
+			c.setPolicy(name, parsePolicy(name, "", ev.Object.Spec, ev.Object.Specs))
+		}
+	})
 	for {
 		seq, idWatch := idChanges.Next(c.DB.ReadTxn())
 		for change := range seq {
@@ -125,67 +143,8 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		}
 
 		// Apply a batch of policy events, or wait for identities.
-		for n := 0; n < maxBatch; n++ {
-			block := n == 0
-			var (
-				ev   k8s.Event[*CiliumNetworkPolicy]
-				cev  k8s.Event[*CiliumClusterwideNetworkPolicy]
-				ok   bool
-				kind int
-			)
-			if block {
-				select {
-				case <-ctx.Done():
-					return nil
-				case <-idWatch:
-					kind = -1
-				case ev, ok = <-cnps:
-					kind = 1
-				case cev, ok = <-ccnps:
-					kind = 2
-				}
-			} else {
-				select {
-				case ev, ok = <-cnps:
-					kind = 1
-				case cev, ok = <-ccnps:
-					kind = 2
-				default:
-					kind = -1
-				}
-			}
-			if kind == -1 {
-				break
-			}
-			if !ok {
-				return nil // the context ended
-			}
-			switch kind {
-			case 1:
-				if ev.Kind == k8s.Sync {
-					cnpSynced = true
-					continue
-				}
-				name := "cnp/" + ev.Key.String()
-				if ev.Kind == k8s.Delete {
-					c.setPolicy(name, nil)
-				} else {
-					c.logUnknown(name, ev.Object.UnknownFields())
-					c.setPolicy(name, parsePolicy(name, ev.Key.Namespace, ev.Object.Spec, ev.Object.Specs))
-				}
-			case 2:
-				if cev.Kind == k8s.Sync {
-					ccnpSynced = true
-					continue
-				}
-				name := "ccnp/" + cev.Key.String()
-				if cev.Kind == k8s.Delete {
-					c.setPolicy(name, nil)
-				} else {
-					c.logUnknown(name, cev.Object.UnknownFields())
-					c.setPolicy(name, parsePolicy(name, "", cev.Object.Spec, cev.Object.Specs))
-				}
-			}
+		if _, ok := k8s.ReceiveBatch2(ctx, idWatch, maxBatch, cnps, onCNP, ccnps, onCCNP); !ok {
+			return nil // the context ended
 		}
 	}
 }
