@@ -27,6 +27,7 @@ import (
 	"github.com/apiary-net/apiary/apis/v1alpha1"
 	"github.com/apiary-net/apiary/cells/api"
 	"github.com/apiary-net/apiary/cells/core"
+	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/health"
 	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/infra"
@@ -352,7 +353,7 @@ func TestAgentDaemonSet(t *testing.T) {
 		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 1", len(m.daemonSets), m.crds)
 	}
 	spec := m.daemonSets[0].Spec.Template.Spec
-	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell)
+	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell)
 	env := checkContainer(t, m, "agent", spec, flags)
 	c := spec.Containers[0]
 	if !spec.HostNetwork {
@@ -400,5 +401,33 @@ func TestOperatorDeployment(t *testing.T) {
 	}
 	if c := d.Spec.Template.Spec.Containers[0]; !slices.Equal(c.Command, []string{"apiary", "operator"}) {
 		t.Errorf("operator: command %v", c.Command)
+	}
+}
+
+// TestIgnoredLabelsShared checks that the agents and the operator read the
+// ignored label keys from one config map key, set to the defaults: were
+// they to disagree, agents would never find the operator's Identities.
+func TestIgnoredLabelsShared(t *testing.T) {
+	m := load(t)
+	readers := map[string]bool{}
+	for who, spec := range map[string]corev1.PodSpec{
+		"agent":    m.daemonSets[0].Spec.Template.Spec,
+		"operator": m.deployments[0].Spec.Template.Spec,
+	} {
+		for _, e := range spec.Containers[0].Env {
+			if ref := e.ValueFrom; ref != nil && ref.ConfigMapKeyRef != nil && ref.ConfigMapKeyRef.Key == endpoints.IgnoredLabelsFlag {
+				readers[who] = true
+			}
+		}
+	}
+	if !readers["agent"] || !readers["operator"] {
+		t.Errorf("%s is read by %v; want the agent and the operator", endpoints.IgnoredLabelsFlag, readers)
+	}
+	cm := m.configMaps[ns+"/apiary-config"]
+	if cm == nil {
+		t.Fatal("config map apiary-config missing")
+	}
+	if got, want := cm.Data[endpoints.IgnoredLabelsFlag], strings.Join(endpoints.IgnoredPodLabels(), ","); got != want {
+		t.Errorf("config map %s = %q, want the defaults %q", endpoints.IgnoredLabelsFlag, got, want)
 	}
 }

@@ -4,7 +4,7 @@
 // they resolve to workload identities in the ipcache.
 //
 // A Pod's security labels are its labels as k8s:<key>=<value> (less the
-// per-pod ones, see ignoredPodLabels), its namespace as
+// per-pod ones, --identity-ignored-labels), its namespace as
 // k8s:io.kubernetes.pod.namespace=<ns>, and its namespace's labels as
 // k8s:io.cilium.k8s.namespace.labels.<key>=<value>.
 package endpoints
@@ -20,6 +20,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	"github.com/spf13/pflag"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/apiary-net/apiary/cells/ipcache"
@@ -33,6 +34,7 @@ var Cell = cell.Module(
 	"endpoints",
 	"Pods on this node and their identities",
 
+	cell.Config(defaultConfig),
 	cell.ProvidePrivate(tables.NewEndpointsTable),
 	cell.Provide(statedb.RWTable[*tables.Endpoint].ToTable),
 	cell.Invoke(registerController),
@@ -43,6 +45,38 @@ const (
 	NamespaceLabel       = "io.kubernetes.pod.namespace"
 	NamespaceLabelPrefix = "io.cilium.k8s.namespace.labels."
 )
+
+// IgnoredLabelsFlag names the flag, of the agent and of the operator alike,
+// that lists the pod label keys left out of label sets. Both must use the
+// same list: the agents look up the Identities the operator creates by
+// label set.
+const IgnoredLabelsFlag = "identity-ignored-labels"
+
+// Config is the endpoints cell's configuration.
+type Config struct {
+	// IdentityIgnoredLabels are the pod label keys left out of label sets.
+	IdentityIgnoredLabels []string
+}
+
+var defaultConfig = Config{IdentityIgnoredLabels: IgnoredPodLabels()}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(fs *pflag.FlagSet) {
+	fs.StringSlice(IgnoredLabelsFlag, def.IdentityIgnoredLabels, IgnoredLabelsHelp)
+}
+
+// IgnoredLabelsHelp is the help text of IgnoredLabelsFlag.
+const IgnoredLabelsHelp = "Pod label keys that differ between the pods of one workload and are left out of label sets (so out of identities); the agents and the operator must use the same list"
+
+// ValidateIgnoredLabels checks a list of ignored label keys.
+func ValidateIgnoredLabels(keys []string) error {
+	for _, k := range keys {
+		if k == "" || strings.ContainsAny(k, "= \t") {
+			return fmt.Errorf("--%s: %q is not a label key", IgnoredLabelsFlag, k)
+		}
+	}
+	return nil
+}
 
 // ignoredPodLabels differ between the pods of one workload (hashes,
 // indexes, names); as security labels they would give every pod an identity
@@ -65,14 +99,8 @@ func IgnoredPodLabels() []string {
 }
 
 // SecurityLabels returns the security labels of pod in a namespace with
-// the labels nsLabels.
-func SecurityLabels(pod *corev1.Pod, nsLabels map[string]string) tables.Labels {
-	return SecurityLabelsExcept(pod, nsLabels, ignoredPodLabels)
-}
-
-// SecurityLabelsExcept is SecurityLabels leaving out the pod label keys
-// ignored instead of the default ones.
-func SecurityLabelsExcept(pod *corev1.Pod, nsLabels map[string]string, ignored []string) tables.Labels {
+// the labels nsLabels, leaving out the pod label keys ignored.
+func SecurityLabels(pod *corev1.Pod, nsLabels map[string]string, ignored []string) tables.Labels {
 	out := make([]string, 0, len(pod.Labels)+len(nsLabels)+1)
 	for k, v := range pod.Labels {
 		if !slices.Contains(ignored, k) {
@@ -109,6 +137,7 @@ type controllerParams struct {
 	cell.In
 
 	Log        *slog.Logger
+	Config     Config
 	DB         *statedb.DB
 	Jobs       job.Group
 	Node       node.Config
@@ -143,7 +172,10 @@ type controller struct {
 	ipcacheRev statedb.Revision
 }
 
-func registerController(p controllerParams) {
+func registerController(p controllerParams) error {
+	if err := ValidateIgnoredLabels(p.Config.IdentityIgnoredLabels); err != nil {
+		return err
+	}
 	c := &controller{
 		controllerParams: p, pods: map[k8s.Key]*podState{}, nsLabels: map[string]map[string]string{},
 		dirty: map[k8s.Key]struct{}{},
@@ -152,6 +184,7 @@ func registerController(p controllerParams) {
 	p.Jobs.Add(job.OneShot("pods", func(ctx context.Context, h cell.Health) error {
 		return c.run(ctx, h, synced)
 	}))
+	return nil
 }
 
 // owner returns the prefixes owner of a pod.
@@ -215,7 +248,7 @@ func (c *controller) podChanged(ev k8s.Event[*corev1.Pod]) {
 		c.relabel(ev.Key, old, nil)
 		return
 	}
-	s := &podState{pod: ev.Object, ips: podIPs(ev.Object), labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace])}
+	s := &podState{pod: ev.Object, ips: podIPs(ev.Object), labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace], c.Config.IdentityIgnoredLabels)}
 	c.pods[ev.Key] = s
 	if c.isLocal(s) {
 		c.local++
@@ -235,7 +268,7 @@ func (c *controller) namespaceChanged(ev k8s.Event[*corev1.Namespace]) {
 		if key.Namespace != ns {
 			continue
 		}
-		s := &podState{pod: old.pod, ips: old.ips, labels: SecurityLabels(old.pod, c.nsLabels[ns])}
+		s := &podState{pod: old.pod, ips: old.ips, labels: SecurityLabels(old.pod, c.nsLabels[ns], c.Config.IdentityIgnoredLabels)}
 		c.pods[key] = s
 		if c.isLocal(s) {
 			c.dirty[key] = struct{}{}

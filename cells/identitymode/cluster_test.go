@@ -234,3 +234,42 @@ func TestOperatorAndAgents(t *testing.T) {
 		t.Fatalf("%d Identities created after the restart, want 2", n)
 	}
 }
+
+// TestIgnoredLabelsShared sets --identity-ignored-labels on the operator and
+// an agent alike: pods that differ only in an ignored label share one
+// Identity, and the agent finds it (no endpoint stays temporary).
+func TestIgnoredLabelsShared(t *testing.T) {
+	pinRoot := testenv.BPFPinDir(t)
+	f := fake.NewSimpleClientset()
+	ctx := context.Background()
+	const ignored = "--identity-ignored-labels=pod-template-hash,rollout"
+	for i, rollout := range []string{"r1", "r2"} {
+		p := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "api-" + rollout,
+				Labels: map[string]string{"app": "api", "rollout": rollout, "pod-template-hash": rollout}},
+			Spec:   corev1.PodSpec{NodeName: "node-a"},
+			Status: corev1.PodStatus{PodIP: fmt.Sprintf("10.0.3.%d", i+1)},
+		}
+		if _, err := f.CoreV1().Pods("shop").Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a := startAgent(t, f, "node-a", pinRoot+"/node-a", t.TempDir(), ignored)
+	runHive(t, []cell.Cell{statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell, k8s.NewFakeClientCell(f), operator.Cell},
+		ignored, "--leader-election-retry-period=100ms", "--leader-election-renew-deadline=1s", "--leader-election-lease-duration=2s")
+
+	var id string
+	waitFor(t, "one Identity", func() bool {
+		ids := listIdentities(t, f)
+		if len(ids) == 1 {
+			id = ids[0].Name
+		}
+		return len(ids) == 1
+	}, func() any { return listIdentities(t, f) })
+	want := []string{
+		fmt.Sprintf("shop/api-r1 %s cluster ", id),
+		fmt.Sprintf("shop/api-r2 %s cluster ", id),
+	}
+	waitFor(t, "both endpoints on the cluster identity", func() bool { return slices.Equal(a.rows(), want) },
+		func() any { return a.rows() })
+}

@@ -80,8 +80,7 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"How often Identities no pod uses are collected and every label set is reconciled")
 	fs.Duration("identity-gc-grace-period", def.IdentityGCGracePeriod,
 		"How long an Identity must have been unused before it is collected")
-	fs.StringSlice("identity-ignored-labels", def.IdentityIgnoredLabels,
-		"Pod label keys that do not identify a workload and are left out of label sets; agents use the default list, so change it only together with them")
+	fs.StringSlice(endpoints.IgnoredLabelsFlag, def.IdentityIgnoredLabels, endpoints.IgnoredLabelsHelp)
 	fs.String("leader-election-namespace", def.LeaderElectionNamespace, "Namespace of the leader election Lease")
 	fs.String("leader-election-lease", def.LeaderElectionLease, "Name of the leader election Lease")
 	fs.String("leader-election-identity", def.LeaderElectionIdentity, "Name of this replica in the Lease; empty: hostname, process id and a random suffix")
@@ -91,6 +90,9 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 }
 
 func (c Config) validate() error {
+	if err := endpoints.ValidateIgnoredLabels(c.IdentityIgnoredLabels); err != nil {
+		return err
+	}
 	switch {
 	case c.IdentityGCInterval <= 0:
 		return fmt.Errorf("--identity-gc-interval=%s must be positive", c.IdentityGCInterval)

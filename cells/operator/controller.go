@@ -176,7 +176,7 @@ func (c *controller) use(old, new string) {
 func (c *controller) setPod(key k8s.Key, pod *corev1.Pod) {
 	newKey := ""
 	if pod != nil && wantsIdentity(pod) {
-		l := endpoints.SecurityLabelsExcept(pod, c.nsLabels[key.Namespace], c.Config.IdentityIgnoredLabels)
+		l := endpoints.SecurityLabels(pod, c.nsLabels[key.Namespace], c.Config.IdentityIgnoredLabels)
 		newKey = l.Key()
 		c.labels[newKey] = l
 	}
