@@ -101,6 +101,10 @@ type beState struct {
 	refs    int32
 	written bool
 	value   bpf.LB4BackendValue
+	// pending is the write of this backend's entry that the run being
+	// planned holds, so that it goes out once however many frontends
+	// need it; execute clears it.
+	pending *lbOp
 }
 
 // NewLB returns the load-balancing reconciler operations. backends is read
@@ -169,7 +173,7 @@ func (l *LB) UpdateBatch(_ context.Context, txn statedb.ReadTxn, batch []reconci
 		}
 		return
 	}
-	run := newLBRun(len(batch))
+	run := newLBRun()
 	plans := make([]*lbPlan, len(batch))
 	for i := range batch {
 		plans[i] = l.planUpdate(run, txn, batch[i].Object)
@@ -197,7 +201,7 @@ func (l *LB) DeleteBatch(_ context.Context, _ statedb.ReadTxn, batch []reconcile
 		}
 		return
 	}
-	run := newLBRun(len(batch))
+	run := newLBRun()
 	plans := make([]*lbPlan, 0, len(batch))
 	for i := range batch {
 		if fe := l.frontends[keyOf(batch[i].Object.Address)]; fe != nil {
@@ -239,7 +243,7 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 		}
 	}
 
-	run := newLBRun(0)
+	run := newLBRun()
 	var plans []*lbPlan
 	for _, fe := range l.frontends {
 		if _, ok := want[fe.addr]; !ok {

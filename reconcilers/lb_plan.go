@@ -56,9 +56,10 @@ type lbOp struct {
 	m   lbMapKind
 	del bool
 	// owner is the plan that fails if the operation fails; nil for backend
-	// writes, which may serve several plans (see lbRun.backendOwners).
-	owner *lbPlan
-	be    *beState
+	// writes, which may serve several plans: those are owners.
+	owner  *lbPlan
+	owners []*lbPlan
+	be     *beState
 
 	svcKey bpf.LB4ServiceKey
 	svcVal bpf.LB4ServiceValue
@@ -111,10 +112,8 @@ type lbPlan struct {
 
 // lbRun collects the operations of one batch of plans.
 type lbRun struct {
-	steps         [numSteps][]*lbOp
-	backendWrites map[*beState]*lbOp
-	backendOwners map[*beState][]*lbPlan
-	releases      []*beState
+	steps    [numSteps][]*lbOp
+	releases []*beState
 	// slab is where new operations are carved from: one allocation for
 	// many, as a run plans several per frontend.
 	slab []lbOp
@@ -129,26 +128,21 @@ func (r *lbRun) newOp() *lbOp {
 	return &r.slab[len(r.slab)-1]
 }
 
-func newLBRun(n int) *lbRun {
-	return &lbRun{
-		backendWrites: make(map[*beState]*lbOp, n),
-		backendOwners: make(map[*beState][]*lbPlan, n),
-	}
-}
+func newLBRun() *lbRun { return &lbRun{} }
 
 func (r *lbRun) add(step int, op *lbOp) { r.steps[step] = append(r.steps[step], op) }
 
 // writeBackend schedules the write of be's entry, once per run however many
 // plans need it.
 func (r *lbRun) writeBackend(be *beState, val bpf.LB4BackendValue, p *lbPlan) {
-	r.backendOwners[be] = append(r.backendOwners[be], p)
-	if op := r.backendWrites[be]; op != nil {
+	if op := be.pending; op != nil {
 		op.beVal = val
+		op.owners = append(op.owners, p)
 		return
 	}
 	op := r.newOp()
-	*op = lbOp{m: lbBackends, be: be, beID: be.id, beVal: val}
-	r.backendWrites[be] = op
+	*op = lbOp{m: lbBackends, be: be, beID: be.id, beVal: val, owners: []*lbPlan{p}}
+	be.pending = op
 	r.add(stepBackends, op)
 }
 
@@ -334,6 +328,10 @@ func (l *LB) unref(run *lbRun, id uint32) {
 
 // execute runs the steps of run in order.
 func (l *LB) execute(run *lbRun) {
+	// Planning is over: the next run plans its own backend writes.
+	for _, op := range run.steps[stepBackends] {
+		op.be.pending = nil
+	}
 	for step := range run.steps {
 		ops := run.steps[step]
 		// Within a step, the operations on one map and of one kind go out
@@ -412,7 +410,7 @@ func (l *LB) execGroup(run *lbRun, ops []*lbOp) (failed []*lbOp) {
 		if op.owner != nil {
 			op.owner.err = err
 		} else if op.be != nil {
-			for _, p := range run.backendOwners[op.be] {
+			for _, p := range op.owners {
 				p.err = err
 			}
 		}
