@@ -253,28 +253,8 @@ func TestOperatorAndAgentsOnRealAPIServer(t *testing.T) {
 	pinRoot := testenv.BPFPinDir(t) // the agents pin BPF maps: root and bpffs
 	ctx := context.Background()
 	ps := newProcs(t)
-
-	// Build apiary while the API server starts. If the test fails
-	// meanwhile, its end waits for the build, which would otherwise write
-	// into a removed directory.
-	var (
-		bin      string
-		buildErr error
-		built    = make(chan struct{})
-		binDir   = t.TempDir()
-	)
-	go func() {
-		defer close(built)
-		bin, buildErr = buildApiary(binDir)
-	}()
-	t.Cleanup(func() { <-built })
-	c := startCluster(t, ps, apiserverBin, etcdBin)
-	c.install(t)
+	c, bin := startInstalledCluster(t, ps, apiserverBin, etcdBin)
 	admin := c.adminClient(t)
-	<-built
-	if buildErr != nil {
-		t.Fatal(buildErr)
-	}
 
 	agentKubeconfig, agentCfg := c.kubeconfig(t, "apiary-agent")
 	operatorKubeconfig, operatorCfg := c.kubeconfig(t, "apiary-operator")

@@ -526,6 +526,32 @@ func (c *cluster) kubeconfig(t *testing.T, name string) (string, *rest.Config) {
 	return path, rc
 }
 
+// startInstalledCluster starts a cluster with deploy/ installed and builds
+// the apiary binary meanwhile, returning both.
+func startInstalledCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string) (*cluster, string) {
+	t.Helper()
+	// If the test fails while the build runs, its end waits for the
+	// build, which would otherwise write into a removed directory.
+	var (
+		bin      string
+		buildErr error
+		built    = make(chan struct{})
+		binDir   = t.TempDir()
+	)
+	go func() {
+		defer close(built)
+		bin, buildErr = buildApiary(binDir)
+	}()
+	t.Cleanup(func() { <-built })
+	c := startCluster(t, ps, apiserverBin, etcdBin)
+	c.install(t)
+	<-built
+	if buildErr != nil {
+		t.Fatal(buildErr)
+	}
+	return c, bin
+}
+
 // buildApiary builds the apiary binary, as a user would.
 func buildApiary(dir string) (string, error) {
 	bin := filepath.Join(dir, "apiary")

@@ -149,24 +149,7 @@ func TestCiliumPolicyCRDsOptionalOnRealAPIServer(t *testing.T) {
 	pinRoot := testenv.BPFPinDir(t)
 	ctx := context.Background()
 	ps := newProcs(t)
-
-	var (
-		bin      string
-		buildErr error
-		built    = make(chan struct{})
-		binDir   = t.TempDir()
-	)
-	go func() {
-		defer close(built)
-		bin, buildErr = buildApiary(binDir)
-	}()
-	t.Cleanup(func() { <-built })
-	c := startCluster(t, ps, apiserverBin, etcdBin)
-	c.install(t)
-	<-built
-	if buildErr != nil {
-		t.Fatal(buildErr)
-	}
+	c, bin := startInstalledCluster(t, ps, apiserverBin, etcdBin)
 	kubeconfig, _ := c.kubeconfig(t, "apiary-agent")
 	agent := startApiary(t, ps, "agent", bin, "agent", "--kubeconfig="+kubeconfig, "--node-name=node-a",
 		"--bpf-pin-dir="+filepath.Join(pinRoot, "node-a"), "--state-dir="+t.TempDir())
