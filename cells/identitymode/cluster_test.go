@@ -115,6 +115,21 @@ func listIdentities(t testing.TB, f *fake.Clientset) []v1alpha1.Identity {
 	return l.Items
 }
 
+// waitOneIdentity waits until exactly one Identity exists and returns its
+// name.
+func waitOneIdentity(t *testing.T, f *fake.Clientset) string {
+	t.Helper()
+	var name string
+	waitFor(t, "one Identity", func() bool {
+		ids := listIdentities(t, f)
+		if len(ids) == 1 {
+			name = ids[0].Name
+		}
+		return len(ids) == 1
+	}, func() any { return listIdentities(t, f) })
+	return name
+}
+
 func identityCreates(f *fake.Clientset) int {
 	n := 0
 	for _, a := range f.Actions() {
@@ -181,14 +196,7 @@ func TestOperatorAndAgents(t *testing.T) {
 	runHive(t, []cell.Cell{statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell, k8s.NewFakeClientCell(f), operator.Cell},
 		"--identity-gc-interval=100ms", "--identity-gc-grace-period=300ms", "--leader-election-retry-period=100ms",
 		"--leader-election-renew-deadline=1s", "--leader-election-lease-duration=2s")
-	var first string
-	waitFor(t, "one Identity", func() bool {
-		ids := listIdentities(t, f)
-		if len(ids) == 1 {
-			first = ids[0].Name
-		}
-		return len(ids) == 1
-	}, func() any { return listIdentities(t, f) })
+	first := waitOneIdentity(t, f)
 	for node, a := range agents {
 		want := fmt.Sprintf("shop/web-%s %s cluster ", node, first)
 		waitFor(t, node+" cluster identity", func() bool { return slices.Equal(a.rows(), []string{want}) },
@@ -258,14 +266,7 @@ func TestIgnoredLabelsShared(t *testing.T) {
 	runHive(t, []cell.Cell{statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell, k8s.NewFakeClientCell(f), operator.Cell},
 		ignored, "--leader-election-retry-period=100ms", "--leader-election-renew-deadline=1s", "--leader-election-lease-duration=2s")
 
-	var id string
-	waitFor(t, "one Identity", func() bool {
-		ids := listIdentities(t, f)
-		if len(ids) == 1 {
-			id = ids[0].Name
-		}
-		return len(ids) == 1
-	}, func() any { return listIdentities(t, f) })
+	id := waitOneIdentity(t, f)
 	want := []string{
 		fmt.Sprintf("shop/api-r1 %s cluster ", id),
 		fmt.Sprintf("shop/api-r2 %s cluster ", id),
