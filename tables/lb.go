@@ -337,7 +337,8 @@ func (f *Frontend) TableRow() []string {
 }
 
 // BackendInstance is what one EndpointSlice of one service says about a
-// backend.
+// backend under one port name. A backend serving two ports of a service
+// (two service ports with one target port) has an instance for each.
 type BackendInstance struct {
 	Service ServiceName `json:"service" yaml:"service"`
 	// Slice is the name of the EndpointSlice.
@@ -355,7 +356,7 @@ type Backend struct {
 	Address L4Addr `json:"address" yaml:"address"`
 	// State is the best state among the instances.
 	State BackendState `json:"state" yaml:"state"`
-	// Services are the instances, sorted by service, then slice.
+	// Services are the instances, sorted by service, slice and port name.
 	Services []BackendInstance `json:"services" yaml:"services"`
 }
 

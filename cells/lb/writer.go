@@ -35,7 +35,8 @@ type writer struct {
 // sliceRecord is what one EndpointSlice said about its service's backends.
 type sliceRecord struct {
 	name string
-	// backends are sorted by address, one per address.
+	// backends are sorted by address and port name, one per pair (see
+	// sortBackends).
 	backends []sliceBackend
 }
 
@@ -101,17 +102,17 @@ func (w *writer) upsertSlice(txn statedb.WriteTxn, s parsedSlice, c *change) {
 	if i >= 0 {
 		prev = recs[i].backends
 	}
-	// Both lists are sorted by address: one walk finds what went, what
+	// Both lists are sorted the same way: one walk finds what went, what
 	// came and what changed.
 	changed := false
 	for p, n := 0, 0; p < len(prev) || n < len(next); {
 		switch {
-		case n == len(next) || p < len(prev) && prev[p].addr.Compare(next[n].addr) < 0:
-			w.setInstance(txn, prev[p].addr, s.service, s.name, nil)
+		case n == len(next) || p < len(prev) && compareUse(prev[p], next[n]) < 0:
+			w.setInstance(txn, prev[p].addr, tables.BackendInstance{Service: s.service, Slice: s.name, PortName: prev[p].portName}, false)
 			p++
 			changed = true
 			continue
-		case p < len(prev) && prev[p].addr == next[n].addr:
+		case p < len(prev) && compareUse(prev[p], next[n]) == 0:
 			same := prev[p] == next[n]
 			p++
 			if same {
@@ -120,8 +121,7 @@ func (w *writer) upsertSlice(txn statedb.WriteTxn, s parsedSlice, c *change) {
 			}
 		}
 		b := next[n]
-		w.setInstance(txn, b.addr, s.service, s.name,
-			&tables.BackendInstance{Service: s.service, Slice: s.name, PortName: b.portName, State: b.state})
+		w.setInstance(txn, b.addr, tables.BackendInstance{Service: s.service, Slice: s.name, PortName: b.portName, State: b.state}, true)
 		n++
 		changed = true
 	}
@@ -144,13 +144,20 @@ func (w *writer) upsertSlice(txn statedb.WriteTxn, s parsedSlice, c *change) {
 	}
 }
 
-// sortBackends sorts the backends of a slice by address, keeping only the
-// best state of an address listed twice. It reuses bs.
+// sortBackends sorts the backends of a slice by address and port name,
+// keeping only the best state of a pair listed twice. An address appears
+// once per port name: two service ports may target one container port, and
+// the backend then serves both. It reuses bs.
 func sortBackends(bs []sliceBackend) []sliceBackend {
 	slices.SortFunc(bs, func(a, b sliceBackend) int {
-		return cmp.Or(a.addr.Compare(b.addr), cmp.Compare(a.state, b.state))
+		return cmp.Or(compareUse(a, b), cmp.Compare(a.state, b.state))
 	})
-	return slices.CompactFunc(bs, func(a, b sliceBackend) bool { return a.addr == b.addr })
+	return slices.CompactFunc(bs, func(a, b sliceBackend) bool { return compareUse(a, b) == 0 })
+}
+
+// compareUse orders backends by address, then by the port name they serve.
+func compareUse(a, b sliceBackend) int {
+	return cmp.Or(a.addr.Compare(b.addr), cmp.Compare(a.portName, b.portName))
 }
 
 // deleteSlice removes what the slice said.
@@ -158,23 +165,24 @@ func (w *writer) deleteSlice(txn statedb.WriteTxn, svc tables.ServiceName, slice
 	w.upsertSlice(txn, parsedSlice{service: svc, name: slice}, c)
 }
 
-// setInstance sets (or, with inst nil, removes) the instance of (svc,
-// slice) on the backend at addr, deleting the backend when no instance is
-// left.
-func (w *writer) setInstance(txn statedb.WriteTxn, addr tables.L4Addr,
-	svc tables.ServiceName, slice string, inst *tables.BackendInstance) {
+// setInstance sets (with set) or removes the instance of inst's service,
+// slice and port name on the backend at addr, deleting the backend when no
+// instance is left.
+func (w *writer) setInstance(txn statedb.WriteTxn, addr tables.L4Addr, inst tables.BackendInstance, set bool) {
 	be, _, _ := w.backends.Get(txn, tables.BackendAddressIndex.Query(addr))
 	var insts []tables.BackendInstance
 	if be != nil {
 		insts = make([]tables.BackendInstance, len(be.Services), len(be.Services)+1)
 		copy(insts, be.Services)
 	}
-	if i := indexOfInstance(insts, svc, slice); i >= 0 {
+	i, found := slices.BinarySearchFunc(insts, inst, compareInstances)
+	switch {
+	case found && set:
+		insts[i] = inst
+	case found:
 		insts = slices.Delete(insts, i, i+1)
-	}
-	if inst != nil {
-		i, _ := slices.BinarySearchFunc(insts, *inst, compareInstances)
-		insts = slices.Insert(insts, i, *inst)
+	case set:
+		insts = slices.Insert(insts, i, inst)
 	}
 	if len(insts) == 0 {
 		if be != nil {
@@ -189,17 +197,10 @@ func (w *writer) setInstance(txn statedb.WriteTxn, addr tables.L4Addr,
 	w.backends.Insert(txn, &tables.Backend{Address: addr, State: state, Services: insts})
 }
 
+// compareInstances orders a backend's instances by service, slice and
+// port name, which together identify one.
 func compareInstances(a, b tables.BackendInstance) int {
-	return cmp.Or(a.Service.Compare(b.Service), cmp.Compare(a.Slice, b.Slice))
-}
-
-func indexOfInstance(insts []tables.BackendInstance, svc tables.ServiceName, slice string) int {
-	for i, in := range insts {
-		if in.Service == svc && in.Slice == slice {
-			return i
-		}
-	}
-	return -1
+	return cmp.Or(a.Service.Compare(b.Service), cmp.Compare(a.Slice, b.Slice), cmp.Compare(a.PortName, b.PortName))
 }
 
 // refresh recomputes the frontends of the services c marks dirty, then, if
