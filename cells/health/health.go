@@ -90,6 +90,11 @@ func (r *Registry) report(name string, level cell.Level, msg string, err error) 
 	if err != nil {
 		errStr = err.Error()
 	}
+	// Most reports repeat the last one: a read costs no lock.
+	if old, _, found := r.table.Get(r.db.ReadTxn(), tables.HealthScopeIndex.Query(name)); found &&
+		old.Level == level && old.Message == msg && old.Error == errStr {
+		return
+	}
 	wtxn := r.db.WriteTxn(r.table)
 	defer wtxn.Abort()
 	old, _, found := r.table.Get(wtxn, tables.HealthScopeIndex.Query(name))
