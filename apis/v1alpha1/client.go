@@ -8,7 +8,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/rest"
@@ -66,29 +65,11 @@ func NewClient(c *k8s.Clientset) (*Client, error) {
 	if f, ok := c.Interface.(*fake.Clientset); ok && c.RESTConfig == nil {
 		return &Client{fake: f}, nil
 	}
-	rc, err := restClient(c.RESTConfig)
+	rc, err := c.RESTClientFor(GroupVersion, scheme)
 	if err != nil {
 		return nil, err
 	}
 	return &Client{rest: rc}, nil
-}
-
-func restClient(cfg *rest.Config) (*rest.RESTClient, error) {
-	if cfg == nil {
-		return nil, fmt.Errorf("no REST config for %s", GroupVersion)
-	}
-	cfg = rest.CopyConfig(cfg)
-	cfg.GroupVersion = &GroupVersion
-	cfg.APIPath = "/apis"
-	cfg.NegotiatedSerializer = serializer.NewCodecFactory(scheme).WithoutConversion()
-	if cfg.UserAgent == "" {
-		cfg.UserAgent = rest.DefaultKubernetesUserAgent()
-	}
-	rc, err := rest.RESTClientFor(cfg)
-	if err != nil {
-		return nil, fmt.Errorf("REST client for %s: %w", GroupVersion, err)
-	}
-	return rc, nil
 }
 
 // Create creates id; an existing name is an AlreadyExists error

@@ -6,6 +6,9 @@ import (
 	"log/slog"
 
 	"github.com/spf13/pflag"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -21,6 +24,26 @@ type Clientset struct {
 	// building clients of other API groups (e.g. CRDs). Nil when disabled
 	// and for the fake clientset.
 	RESTConfig *rest.Config
+}
+
+// RESTClientFor returns a REST client for the API group version gv (a CRD's,
+// typically), decoding JSON into the types of scheme.
+func (c *Clientset) RESTClientFor(gv schema.GroupVersion, scheme *runtime.Scheme) (*rest.RESTClient, error) {
+	if c == nil || c.RESTConfig == nil {
+		return nil, fmt.Errorf("no REST config for %s", gv)
+	}
+	cfg := rest.CopyConfig(c.RESTConfig)
+	cfg.GroupVersion = &gv
+	cfg.APIPath = "/apis"
+	cfg.NegotiatedSerializer = serializer.NewCodecFactory(scheme).WithoutConversion()
+	if cfg.UserAgent == "" {
+		cfg.UserAgent = rest.DefaultKubernetesUserAgent()
+	}
+	rc, err := rest.RESTClientFor(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("REST client for %s: %w", gv, err)
+	}
+	return rc, nil
 }
 
 // IsEnabled reports whether a Kubernetes API server is configured.

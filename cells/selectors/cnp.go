@@ -10,9 +10,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/rest"
 	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 
@@ -229,7 +227,7 @@ func crdListWatch[L runtime.Object](c *k8s.Clientset, resource string, toList fu
 				return t.Watch(gvr, "")
 			})
 	}
-	rc, err := restClient(c.RESTConfig)
+	rc, err := c.RESTClientFor(GroupVersion, scheme)
 	if err != nil {
 		return &failingListWatch{err: err}
 	}
@@ -243,20 +241,6 @@ func crdListWatch[L runtime.Object](c *k8s.Clientset, resource string, toList fu
 			opts.Watch = true
 			return rc.Get().Resource(resource).VersionedParams(&opts, metav1.ParameterCodec).Watch(ctx)
 		})
-}
-
-func restClient(cfg *rest.Config) (*rest.RESTClient, error) {
-	if cfg == nil {
-		return nil, fmt.Errorf("no REST config for %s", GroupVersion)
-	}
-	cfg = rest.CopyConfig(cfg)
-	cfg.GroupVersion = &GroupVersion
-	cfg.APIPath = "/apis"
-	cfg.NegotiatedSerializer = serializer.NewCodecFactory(scheme).WithoutConversion()
-	if cfg.UserAgent == "" {
-		cfg.UserAgent = rest.DefaultKubernetesUserAgent()
-	}
-	return rest.RESTClientFor(cfg)
 }
 
 // failingListWatch reports a client that could not be built on every call,
