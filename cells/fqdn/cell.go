@@ -31,7 +31,7 @@ import (
 	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/node"
-	"github.com/apiary-net/apiary/internal/atomicfile"
+	"github.com/apiary-net/apiary/internal/tablefile"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -375,43 +375,20 @@ func preallocate(p jobParams, held map[string][]uint32, next map[string]*pattern
 const checkpointInterval = time.Second
 
 func checkpointLoop(ctx context.Context, h cell.Health, p jobParams) error {
-	path := filepath.Join(p.Node.StateDir, CheckpointFile)
-	var last []byte
-	write := func() error {
-		var rows []*tables.FQDNName
-		for row := range p.Table.All(p.DB.ReadTxn()) {
-			rows = append(rows, row)
-		}
-		data, err := encodeCheckpoint(rows)
-		if err != nil {
-			return err
-		}
-		if string(data) == string(last) {
-			return nil
-		}
-		if err := atomicfile.Write(path, data, 0o600); err != nil {
-			return fmt.Errorf("write DNS cache checkpoint %s: %w", path, err)
-		}
-		last = data
-		return nil
-	}
-	for {
-		_, watch := p.Table.AllWatch(p.DB.ReadTxn())
-		if err := write(); err != nil {
-			h.Degraded("DNS cache checkpoint not written", err)
-			p.Log.Warn("DNS cache checkpoint not written", "error", err)
-		} else {
-			h.OK("Checkpoint up to date")
-		}
-		select {
-		case <-ctx.Done():
-			return write()
-		case <-watch:
-		}
-		select {
-		case <-ctx.Done():
-			return write()
-		case <-time.After(checkpointInterval):
-		}
-	}
+	return tablefile.Writer{
+		What:     "DNS cache",
+		Path:     filepath.Join(p.Node.StateDir, CheckpointFile),
+		Interval: checkpointInterval,
+		Watch: func() <-chan struct{} {
+			_, watch := p.Table.AllWatch(p.DB.ReadTxn())
+			return watch
+		},
+		Encode: func() ([]byte, error) {
+			var rows []*tables.FQDNName
+			for row := range p.Table.All(p.DB.ReadTxn()) {
+				rows = append(rows, row)
+			}
+			return encodeCheckpoint(rows)
+		},
+	}.Run(ctx, h, p.Log)
 }

@@ -16,7 +16,6 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"time"
 
@@ -26,7 +25,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/apiary-net/apiary/cells/node"
-	"github.com/apiary-net/apiary/internal/atomicfile"
+	"github.com/apiary-net/apiary/internal/tablefile"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -151,46 +150,22 @@ func registerJobs(jobs job.Group, a *Allocator, log *slog.Logger) {
 // identities changed, at most once per checkpointInterval, and once more
 // when the agent stops.
 func (a *Allocator) checkpointLoop(ctx context.Context, h cell.Health, log *slog.Logger) error {
-	var last []byte
-	if data, err := os.ReadFile(a.checkpointPath); err == nil {
-		last = data
-	}
-	write := func() error {
-		rtxn := a.db.ReadTxn()
-		var ids []*tables.Identity
-		for obj := range a.table.All(rtxn) {
-			ids = append(ids, obj)
-		}
-		data, err := encodeCheckpoint(ids)
-		if err != nil {
-			return err
-		}
-		if string(data) == string(last) {
-			return nil // refcounts changed, not numbers
-		}
-		if err := atomicfile.Write(a.checkpointPath, data, 0o600); err != nil {
-			return fmt.Errorf("write identity checkpoint %s: %w", a.checkpointPath, err)
-		}
-		last = data
-		return nil
-	}
-	for {
-		_, watch := a.table.AllWatch(a.db.ReadTxn())
-		if err := write(); err != nil {
-			h.Degraded("Checkpoint not written", err)
-			log.Warn("Identity checkpoint not written", "error", err)
-		} else {
-			h.OK("Checkpoint up to date")
-		}
-		select {
-		case <-ctx.Done():
-			return write()
-		case <-watch:
-		}
-		select {
-		case <-ctx.Done():
-			return write()
-		case <-time.After(checkpointInterval):
-		}
-	}
+	return tablefile.Writer{
+		What:     "identity",
+		Path:     a.checkpointPath,
+		Interval: checkpointInterval,
+		Watch: func() <-chan struct{} {
+			_, watch := a.table.AllWatch(a.db.ReadTxn())
+			return watch
+		},
+		// Only numbers and labels are written: refcount changes rewrite
+		// nothing.
+		Encode: func() ([]byte, error) {
+			var ids []*tables.Identity
+			for obj := range a.table.All(a.db.ReadTxn()) {
+				ids = append(ids, obj)
+			}
+			return encodeCheckpoint(ids)
+		},
+	}.Run(ctx, h, log)
 }
