@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/script"
+	"github.com/cilium/statedb"
 
 	"github.com/apiary-net/apiary/apiarytest"
 	"github.com/apiary-net/apiary/cells/identity"
@@ -38,10 +39,11 @@ func TestScriptExhausted(t *testing.T) {
 //	prefixes/upsert PREFIX OWNER LABEL...
 //	prefixes/delete PREFIX OWNER
 //	prefixes/wait            waits until the last change is in the map
-//	prefixes/synced          the test owner's initial prefixes are in
+//	prefixes/synced          the test owner's initial prefixes are in; waits
+//	                         for the other owners (the node's addresses) too
 //	checkpoint/corrupt       overwrites the identity checkpoint with garbage
 //	checkpoint/remove        removes it
-var scriptTestCell = cell.Provide(func(p ipcache.Prefixes, nc node.Config) hive.ScriptCmdsOut {
+var scriptTestCell = cell.Provide(func(p ipcache.Prefixes, nc node.Config, db *statedb.DB, table statedb.Table[*tables.PrefixLabels]) hive.ScriptCmdsOut {
 	var last ipcache.Revision
 	// The test is an owner like any other: the map is not pruned before
 	// it says its prefixes are in.
@@ -52,6 +54,18 @@ var scriptTestCell = cell.Provide(func(p ipcache.Prefixes, nc node.Config) hive.
 			script.CmdUsage{Summary: "Say that the test owner's initial prefixes are in"},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {
 				synced()
+				// The node's addresses are added by a job of their own; once
+				// every owner has synced, the next prefixes/wait covers them.
+				txn := db.ReadTxn()
+				init, initialized := table.Initialized(txn)
+				if !init {
+					select {
+					case <-initialized:
+					case <-time.After(10 * time.Second):
+						return nil, fmt.Errorf("prefixes not initialized: %v", table.PendingInitializers(db.ReadTxn()))
+					}
+				}
+				last = max(last, table.Revision(db.ReadTxn()))
 				return nil, nil
 			}),
 		"checkpoint/corrupt": script.Command(
