@@ -2,6 +2,7 @@ package health
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -88,5 +89,59 @@ func TestScopesAndLevels(t *testing.T) {
 	}
 	if len(names) != 2 || names[0] != "agent" || names[1] != "lb" {
 		t.Fatalf("All() = %v, want [agent lb] in order", names)
+	}
+}
+
+func TestMessageOnlyChangesAreCoalesced(t *testing.T) {
+	r, err := NewRegistry(hivetest.Logger(t), statedb.New())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.coalesce = 200 * time.Millisecond
+	job := r.Root().NewScope("resolver")
+	message := func() string { return get(t, r, "resolver").Message }
+	eventually := func(want string) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for message() != want {
+			if time.Now().After(deadline) {
+				t.Fatalf("message %q, want %q within 5s", message(), want)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+
+	job.OK("1 prefixes resolved")
+	if got := message(); got != "1 prefixes resolved" {
+		t.Fatalf("a level change is written at once: got %q", got)
+	}
+	rev := r.table.Revision(r.db.ReadTxn())
+	for i := 2; i <= 100; i++ {
+		job.OK(fmt.Sprintf("%d prefixes resolved", i))
+	}
+	if got := message(); got != "1 prefixes resolved" {
+		t.Fatalf("message-only changes within the interval are held back: got %q", got)
+	}
+	eventually("100 prefixes resolved")
+	if writes := r.table.Revision(r.db.ReadTxn()) - rev; writes != 1 {
+		t.Fatalf("100 reports in one interval wrote the table %d times, want 1", writes)
+	}
+
+	// A held-back message gives way to a change of level, which is at once.
+	job.OK("101 prefixes resolved")
+	job.Degraded("1 prefixes without identity", errors.New("exhausted"))
+	if s := get(t, r, "resolver"); s.Level != cell.StatusDegraded || s.Message != "1 prefixes without identity" {
+		t.Fatalf("a level change is written at once: got %+v", s)
+	}
+	time.Sleep(3 * r.coalesce)
+	if got := message(); got != "1 prefixes without identity" {
+		t.Fatalf("a dropped pending message was written after all: %q", got)
+	}
+
+	// Flush writes what is held back, as the agent does when it stops.
+	job.Degraded("2 prefixes without identity", errors.New("exhausted"))
+	r.Flush()
+	if got := message(); got != "2 prefixes without identity" {
+		t.Fatalf("after Flush: got %q", got)
 	}
 }
