@@ -26,9 +26,14 @@ func TestScript(t *testing.T) {
 	// upstream's port. Scripts run in parallel, hence no t.Setenv.
 	os.Setenv("APIARY_DNS_UPSTREAM", up.addr)
 	os.Setenv("APIARY_DNS_PROXY_ADDR", "127.0.0.1:0")
+	// Scripts check that an answer waits for the map; how long the map
+	// takes depends on the machine's load, so they may wait long (delay.txtar
+	// sets its own bound on its #! line).
+	os.Setenv("APIARY_TOFQDNS_PROXY_RESPONSE_MAX_DELAY", "10s")
 	t.Cleanup(func() {
 		os.Unsetenv("APIARY_DNS_UPSTREAM")
 		os.Unsetenv("APIARY_DNS_PROXY_ADDR")
+		os.Unsetenv("APIARY_TOFQDNS_PROXY_RESPONSE_MAX_DELAY")
 	})
 	apiarytest.Run(t, "testdata/*.txtar", func(fakeClient cell.Cell) []cell.Cell {
 		return []cell.Cell{infra.Cell, fakeClient, identity.Cell, ipcache.Cell, selectors.Cell, fqdn.Cell}
