@@ -7,7 +7,6 @@
 package ipcache
 
 import (
-	"context"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -162,35 +161,23 @@ func registerReconciler(rp reconciler.Params, table statedb.RWTable[*tables.IPCa
 	return err
 }
 
-// registerNodeIPs labels the node's addresses reserved:host.
-func registerNodeIPs(p *prefixes, nc node.Config, jobs job.Group) {
+// registerNodeIPs labels the node's addresses reserved:host in a start hook
+// rather than a job, so they are in the prefixes table once the hive has
+// started: whoever changes prefixes later and waits for the change finds the
+// node's entries in the map too.
+func registerNodeIPs(lc cell.Lifecycle, p *prefixes, nc node.Config) {
 	done := p.RegisterInitializer(OwnerNode)
-	jobs.Add(job.OneShot("node-ips", func(ctx context.Context, _ cell.Health) error {
+	lc.Append(cell.Hook{OnStart: func(cell.HookContext) error {
 		changes := make([]Change, 0, len(nc.NodeIPs))
 		for _, ip := range nc.NodeIPs {
 			changes = append(changes, Upsert(tables.HostPrefix(ip), OwnerNode, tables.LabelHost))
-		}
-		// Addresses of an earlier run that are no longer the node's go.
-		for row := range p.table.List(p.db.ReadTxn(), tables.PrefixOwnerIndex.Query(OwnerNode)) {
-			if !slicesContainsAddr(nc.NodeIPs, row.Prefix) {
-				changes = append(changes, Delete(row.Prefix, OwnerNode))
-			}
 		}
 		if _, err := p.Update(changes...); err != nil {
 			return fmt.Errorf("label the node's addresses: %w", err)
 		}
 		done()
 		return nil
-	}))
-}
-
-func slicesContainsAddr(ips []netip.Addr, p netip.Prefix) bool {
-	for _, ip := range ips {
-		if tables.HostPrefix(ip) == p {
-			return true
-		}
-	}
-	return false
+	}})
 }
 
 func registerMetrics(reg prometheus.Registerer, ops *reconcilers.IPCache, db *statedb.DB, table statedb.Table[*tables.IPCacheEntry]) error {
