@@ -16,8 +16,10 @@ import (
 	"log/slog"
 	"maps"
 	"net"
+	"net/netip"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -52,6 +54,9 @@ var Cell = cell.Module(
 		newProxy,
 		scriptCommands,
 	),
+	// The proxy is requested here, not only by the script commands that use
+	// it: a constructor nothing in the agent asks for is never run.
+	cell.Invoke(func(*Proxy) {}),
 	cell.Invoke(registerJobs),
 )
 
@@ -197,6 +202,7 @@ type proxyParams struct {
 
 	Log       *slog.Logger
 	Lifecycle cell.Lifecycle
+	Health    cell.Health
 	Names     *nameManager
 	Prefixes  ipcache.Prefixes
 	Metrics   *fqdnMetrics
@@ -206,8 +212,13 @@ type proxyParams struct {
 func newProxy(p proxyParams) (*Proxy, error) {
 	cfg := p.Config
 	px := &Proxy{log: p.Log, names: p.Names, prefixes: p.Prefixes, metrics: p.Metrics, cfg: cfg, now: time.Now}
+	health := p.Health.NewScope("proxy")
 	if cfg.DNSProxyAddr == "" {
+		health.OK("Disabled: no --dns-proxy-addr")
 		return px, nil
+	}
+	if err := checkHostPort(cfg.DNSProxyAddr, true); err != nil {
+		return nil, fmt.Errorf("--dns-proxy-addr=%q: %w", cfg.DNSProxyAddr, err)
 	}
 	if cfg.DNSUpstream == "" {
 		up, err := defaultUpstream("/etc/resolv.conf")
@@ -216,14 +227,40 @@ func newProxy(p proxyParams) (*Proxy, error) {
 		}
 		px.cfg.DNSUpstream = up
 	}
-	if _, _, err := net.SplitHostPort(px.cfg.DNSUpstream); err != nil {
-		return nil, fmt.Errorf("--dns-upstream=%q: want host:port: %w", px.cfg.DNSUpstream, err)
+	if err := checkHostPort(px.cfg.DNSUpstream, false); err != nil {
+		return nil, fmt.Errorf("--dns-upstream=%q: %w", px.cfg.DNSUpstream, err)
 	}
 	p.Lifecycle.Append(cell.Hook{
-		OnStart: func(cell.HookContext) error { return px.start() },
-		OnStop:  func(ctx cell.HookContext) error { return px.stop(ctx) },
+		OnStart: func(cell.HookContext) error {
+			if err := px.start(); err != nil {
+				health.Degraded("DNS proxy not listening", err)
+				return err
+			}
+			health.OK(fmt.Sprintf("Listening on %s (UDP and TCP), upstream %s", px.Addr(), px.cfg.DNSUpstream))
+			return nil
+		},
+		OnStop: func(ctx cell.HookContext) error { return px.stop(ctx) },
 	})
 	return px, nil
+}
+
+// checkHostPort checks that addr is an IP address and a port, as the
+// listener (listen: the IP may be empty, the port 0) and the upstream dialer
+// need. A host name is refused: the proxy must not need DNS to start.
+func checkHostPort(addr string, listen bool) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("want IP:port: %w", err)
+	}
+	if host != "" || !listen {
+		if _, err := netip.ParseAddr(host); err != nil {
+			return fmt.Errorf("want IP:port, %q is not an IP address", host)
+		}
+	}
+	if n, err := strconv.ParseUint(port, 10, 16); err != nil || (n == 0 && !listen) {
+		return fmt.Errorf("want IP:port, %q is not a port", port)
+	}
+	return nil
 }
 
 type jobParams struct {
@@ -283,7 +320,16 @@ func watchSelectors(ctx context.Context, h cell.Health, p jobParams) error {
 	}
 	for {
 		rtxn := p.DB.ReadTxn()
-		synced, syncWatch := p.PrefixesTable.Initialized(rtxn)
+		// Initialized hands back a closed channel once the table is
+		// initialized: waiting on it then would spin. Wait only until then.
+		var syncWatch <-chan struct{}
+		synced := everSynced
+		if !everSynced {
+			synced, syncWatch = p.PrefixesTable.Initialized(rtxn)
+			if synced {
+				syncWatch = nil
+			}
+		}
 		rows, watch := p.Selectors.AllWatch(rtxn)
 		next := map[string]*pattern.Pattern{}
 		for row := range rows {
