@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -18,8 +19,10 @@ import (
 
 	"github.com/cilium/statedb"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 	"sigs.k8s.io/yaml"
 
+	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -58,6 +61,27 @@ func decodeRow[T any, PT interface {
 	return obj, nil
 }
 
+// serverFromEnv returns the agent's URL from APIARY_API_ADDR when the
+// --server flag was neither given nor set by APIARY_SERVER, so that the CLI
+// finds an agent started with APIARY_API_ADDR without being told twice.
+func serverFromEnv(flag *pflag.Flag, server string) string {
+	if _, set := os.LookupEnv(core.EnvPrefix + "SERVER"); flag.Changed || set {
+		return server
+	}
+	addr, ok := os.LookupEnv(core.EnvPrefix + "API_ADDR")
+	if !ok || addr == "" {
+		return server
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "http://" + addr // get reports it as a bad URL, naming it
+	}
+	if host == "" || host == "0.0.0.0" || host == "::" {
+		host = "127.0.0.1" // the agent listens on every address, loopback among them
+	}
+	return "http://" + net.JoinHostPort(host, port)
+}
+
 type dbClient struct {
 	server string
 	http   *http.Client
@@ -68,12 +92,14 @@ func newDBCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "db",
 		Short: "Read the agent's tables over its HTTP API",
-		Long: "Read the agent's statedb tables over its HTTP API (--server, or APIARY_SERVER).\n" +
+		Long: "Read the agent's statedb tables over its HTTP API: --server, else APIARY_SERVER, else\n" +
+			"http://$APIARY_API_ADDR (the agent's own variable), else " + defaultServer + ".\n" +
 			"Examples:\n  apiary db tables\n  apiary db show health\n  apiary db show frontends -o yaml\n  apiary db watch backends",
 	}
 	cmd.PersistentFlags().StringVar(&c.server, "server", defaultServer, "URL of the agent's HTTP API (its --api-addr)")
 	cmd.PersistentPreRun = func(cmd *cobra.Command, _ []string) {
 		applyEnv(cmd.Flags(), "server")
+		c.server = serverFromEnv(cmd.Flags().Lookup("server"), c.server)
 	}
 
 	var output string
