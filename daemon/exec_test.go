@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -140,6 +141,89 @@ func TestBinary(t *testing.T) {
 			t.Fatalf("agent did not stop cleanly on SIGTERM: %s", err)
 		}
 	})
+
+	t.Run("one agent per state and pin directory", func(t *testing.T) {
+		stateDir, pinDir := t.TempDir(), testenv.BPFPinDir(t)
+		first := startAgent(t, bin, "--state-dir="+stateDir, "--bpf-pin-dir="+pinDir)
+		pid := strconv.Itoa(first.Process.Pid)
+
+		for _, tc := range []struct {
+			name, stateDir, pinDir, want string
+		}{
+			{"same state dir", stateDir, testenv.BPFPinDir(t),
+				"apiary: invalid configuration: another apiary agent (pid " + pid + ") holds " +
+					filepath.Join(stateDir, "apiary.lock") + ": stop it or give this agent another --state-dir"},
+			{"same pin dir", t.TempDir(), pinDir,
+				"apiary: invalid configuration: another apiary agent (pid " + pid + ") holds " +
+					pinDir + ": stop it or give this agent another --bpf-pin-dir"},
+			{"both", stateDir, pinDir, "holds " + filepath.Join(stateDir, "apiary.lock")},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+				defer cancel()
+				start := time.Now()
+				out, err := exec.CommandContext(ctx, bin, "agent", "--api-addr=127.0.0.1:0",
+					"--state-dir="+tc.stateDir, "--bpf-pin-dir="+tc.pinDir).CombinedOutput()
+				took := time.Since(start)
+				var exitErr *exec.ExitError
+				if !errors.As(err, &exitErr) || exitErr.ExitCode() == 0 || ctx.Err() != nil {
+					t.Fatalf("second agent: want a non-zero exit, got %v after %s:\n%s", err, took, out)
+				}
+				lines := strings.Split(strings.TrimRight(string(out), "\n"), "\n")
+				if len(lines) != 1 || !strings.Contains(lines[0], tc.want) {
+					t.Fatalf("second agent: want one line with %q, got:\n%s", tc.want, out)
+				}
+				t.Logf("second agent refused after %s: %s", took, lines[0])
+			})
+		}
+
+		// The lock dies with its holder, however it dies.
+		if err := first.Process.Kill(); err != nil {
+			t.Fatal(err)
+		}
+		first.Wait()
+		next := startAgent(t, bin, "--state-dir="+stateDir, "--bpf-pin-dir="+pinDir)
+		if err := next.Process.Signal(syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		if err := next.Wait(); err != nil {
+			t.Fatalf("agent after kill -9 of the first did not stop cleanly: %s", err)
+		}
+	})
+}
+
+// startAgent starts the agent with a free API port and the given flags,
+// waits until it serves /healthz with 200 and kills it when the test ends.
+func startAgent(t *testing.T, bin string, flags ...string) *exec.Cmd {
+	t.Helper()
+	args := append([]string{"agent", "--api-addr=127.0.0.1:0", "--log-format=json"}, flags...)
+	cmd := exec.Command(bin, args...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	addr := waitForLog(t, stderr, "API listening")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := http.Get("http://" + addr + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return cmd
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("agent %v never became healthy: %v", flags, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // waitForLog reads JSON log records until one has the given message and

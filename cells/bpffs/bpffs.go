@@ -3,6 +3,7 @@
 package bpffs
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -13,10 +14,13 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/internal/dirlock"
 )
 
 // Cell provides PinDir. It mounts bpffs at /sys/fs/bpf when the pin directory
-// lies below it and nothing is mounted there yet.
+// lies below it and nothing is mounted there yet, and locks the directory
+// for as long as the hive runs, so that a second agent on the same pin
+// directory refuses to start.
 var Cell = cell.Module(
 	"bpffs",
 	"BPF filesystem and pin directory",
@@ -42,16 +46,41 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 	fs.String("bpf-pin-dir", def.PinDir, "Directory on bpffs where the agent pins its BPF maps (kept across restarts)")
 }
 
-// PinDir is an existing directory on bpffs, ready for pins.
+// PinDir is an existing directory on bpffs, ready for pins, that this agent
+// alone uses.
 type PinDir string
 
-func newPinDir(cfg Config, log *slog.Logger) (PinDir, error) {
+func newPinDir(cfg Config, log *slog.Logger, lc cell.Lifecycle) (PinDir, error) {
 	dir, err := Prepare(cfg.PinDir)
 	if err != nil {
 		return "", err
 	}
+	// Taken while the hive is built, before any cell opens a map, and held
+	// until it stops (or the process dies).
+	lock, err := Lock(dir)
+	if err != nil {
+		return "", err
+	}
+	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { return lock.Release() }})
 	log.Debug("BPF pin directory ready", "dir", dir)
 	return PinDir(dir), nil
+}
+
+// Lock takes an exclusive flock on the pin directory dir itself, or says
+// which agent holds it. bpffs holds nothing but pins and directories, so
+// there is no lock file: flock works on any inode, directories on bpffs
+// included, and the holder's PID is read from /proc/locks. Readers such as
+// `apiary bpf lb list` do not lock.
+func Lock(dir string) (*dirlock.Lock, error) {
+	lock, err := dirlock.Dir(dir)
+	var held *dirlock.HeldError
+	if errors.As(err, &held) {
+		return nil, fmt.Errorf("%w: stop it or give this agent another --bpf-pin-dir", held)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("--bpf-pin-dir %s: %w", dir, err)
+	}
+	return lock, nil
 }
 
 // Prepare makes dir absolute, mounts bpffs at /sys/fs/bpf if dir lies below

@@ -1,9 +1,14 @@
 package bpffs
 
 import (
+	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
 
 	"github.com/apiary-net/apiary/internal/testenv"
 )
@@ -36,4 +41,36 @@ func TestPrepare(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestPinDirLock checks that a second agent on a pin directory is refused
+// with one line naming the directory and the holder's PID, and that the
+// directory is free again once the first one stops.
+func TestPinDirLock(t *testing.T) {
+	dir := testenv.BPFPinDir(t)
+	log := hivetest.Logger(t)
+	lc := &cell.DefaultLifecycle{}
+	if _, err := newPinDir(Config{PinDir: dir}, log, lc); err != nil {
+		t.Fatal(err)
+	}
+
+	_, err := newPinDir(Config{PinDir: dir}, log, &cell.DefaultLifecycle{})
+	want := "another apiary agent (pid " + strconv.Itoa(os.Getpid()) + ") holds " + dir +
+		": stop it or give this agent another --bpf-pin-dir"
+	if err == nil || err.Error() != want {
+		t.Fatalf("second agent: got %v, want %q", err, want)
+	}
+
+	if err := lc.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if err := lc.Stop(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	lc2 := &cell.DefaultLifecycle{}
+	if _, err := newPinDir(Config{PinDir: dir}, log, lc2); err != nil {
+		t.Fatalf("after the first agent stopped: %v", err)
+	}
+	lc2.Start(log, t.Context())
+	lc2.Stop(log, t.Context())
 }

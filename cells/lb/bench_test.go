@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -83,7 +84,7 @@ func benchServices(b *testing.B, n, backendsPerService int, warm bool, flags ...
 	svcs := newChanResource[*corev1.Service]()
 	slices := newChanResource[*discoveryv1.EndpointSlice]()
 	maxEntries := n * (backendsPerService + 2)
-	db, frontends, ops := startChanHive(b, testenv.BPFPinDir(b), svcs, slices,
+	db, frontends, ops, _ := startChanHive(b, testenv.BPFPinDir(b), svcs, slices,
 		append(flags, fmt.Sprintf("--%s=%d", MapMaxFlag, maxEntries))...)
 
 	// The objects exist before the clock starts, as in an informer's cache.
@@ -232,10 +233,10 @@ func writeTableRows(b *testing.B, svcs []*corev1.Service) *statedb.DB {
 }
 
 // startChanHive starts a hive with the lb cell fed by svcs and slices,
-// pinning in pinDir; it is stopped at the end of the test.
+// pinning in pinDir; it is stopped by stop or at the end of the test.
 func startChanHive(tb testing.TB, pinDir string, svcs *chanResource[*corev1.Service],
 	slices *chanResource[*discoveryv1.EndpointSlice], flags ...string,
-) (*statedb.DB, statedb.Table[*tables.Frontend], *reconcilers.LB) {
+) (_ *statedb.DB, _ statedb.Table[*tables.Frontend], _ *reconcilers.LB, stop func()) {
 	var (
 		db        *statedb.DB
 		frontends statedb.Table[*tables.Frontend]
@@ -263,8 +264,9 @@ func startChanHive(tb testing.TB, pinDir string, svcs *chanResource[*corev1.Serv
 	if err := h.Start(log, context.Background()); err != nil {
 		tb.Fatal(err)
 	}
-	tb.Cleanup(func() { h.Stop(log, context.Background()) })
-	return db, frontends, ops
+	stop = sync.OnceFunc(func() { h.Stop(log, context.Background()) })
+	tb.Cleanup(stop)
+	return db, frontends, ops, stop
 }
 
 // waitFrontends waits until the frontends table holds want rows, all Done

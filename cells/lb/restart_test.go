@@ -33,16 +33,18 @@ func TestRestartWithSlicesLate(t *testing.T) {
 	}
 
 	svcs, slices := newChanResource[*corev1.Service](), newChanResource[*discoveryv1.EndpointSlice]()
-	db, frontends, ops := startChanHive(t, pinDir, svcs, slices)
+	db, frontends, ops, stop := startChanHive(t, pinDir, svcs, slices)
 	feed(svcs, slices, 0)
 	waitFrontends(t, db, frontends, n, true)
 	if got := totalOps(ops); got != n*(1+3+1)+n*3 {
 		t.Fatalf("first start: %d map operations, want %d", got, n*(1+3+1)+n*3)
 	}
 
-	// The second agent on the same pins.
+	// The next agent on the same pins, once the first has stopped (it holds
+	// the pin directory until then).
+	stop()
 	svcs, slices = newChanResource[*corev1.Service](), newChanResource[*discoveryv1.EndpointSlice]()
-	db, frontends, ops = startChanHive(t, pinDir, svcs, slices)
+	db, frontends, ops, _ = startChanHive(t, pinDir, svcs, slices)
 	feed(svcs, slices, 300*time.Millisecond)
 	waitFrontends(t, db, frontends, n, true)
 	if got := totalOps(ops); got != 0 {

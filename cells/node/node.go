@@ -14,10 +14,13 @@ import (
 
 	"github.com/cilium/hive/cell"
 	"github.com/spf13/pflag"
+
+	"github.com/apiary-net/apiary/internal/dirlock"
 )
 
 // Cell provides the node's own configuration (Config) and checks it
-// before anything starts: the state directory must be writable.
+// before anything starts: the state directory must be writable, and no other
+// agent may be using it (see LockFile).
 var Cell = cell.Module(
 	"node",
 	"The node the agent runs on",
@@ -25,7 +28,8 @@ var Cell = cell.Module(
 	cell.Config(defaultFlags()),
 	cell.Provide(newConfig),
 	// Checked even when no feature uses the state directory yet, so that a
-	// bad flag is an error at start rather than at the first checkpoint.
+	// bad flag (or a directory another agent holds) is an error at start
+	// rather than at the first checkpoint.
 	cell.Invoke(func(Config) {}),
 )
 
@@ -45,6 +49,13 @@ type Flags struct {
 
 // DefaultStateDir is where state lives unless --state-dir says otherwise.
 const DefaultStateDir = "/var/run/apiary"
+
+// LockFile is the file in the state directory that an agent holds an
+// exclusive flock on for as long as it runs, with its PID in it: a second
+// agent on the same directory refuses to start rather than overwrite the
+// first one's checkpoints. The kernel drops the lock when the agent dies,
+// however it dies; the file stays.
+const LockFile = "apiary.lock"
 
 func defaultFlags() Flags {
 	name, _ := os.Hostname()
@@ -73,19 +84,40 @@ type Config struct {
 	EnableIPv6 bool
 }
 
-func newConfig(f Flags) (Config, error) {
+func newConfig(f Flags, lc cell.Lifecycle) (Config, error) {
 	if f.NodeName == "" {
 		return Config{}, errors.New("--node-name is empty and the hostname is unknown: set --node-name")
-	}
-	dir, err := PrepareStateDir(f.StateDir)
-	if err != nil {
-		return Config{}, err
 	}
 	ips, err := nodeIPs(f.NodeIPs, f.EnableIPv6)
 	if err != nil {
 		return Config{}, err
 	}
+	dir, err := PrepareStateDir(f.StateDir)
+	if err != nil {
+		return Config{}, err
+	}
+	// Taken while the hive is built, before any cell reads or writes
+	// state, and held until it stops (or the process dies).
+	lock, err := LockStateDir(dir)
+	if err != nil {
+		return Config{}, err
+	}
+	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { return lock.Release() }})
 	return Config{NodeName: f.NodeName, StateDir: dir, NodeIPs: ips, EnableIPv6: f.EnableIPv6}, nil
+}
+
+// LockStateDir takes the exclusive lock on dir's LockFile, or says which
+// agent holds it.
+func LockStateDir(dir string) (*dirlock.Lock, error) {
+	lock, err := dirlock.File(filepath.Join(dir, LockFile))
+	var held *dirlock.HeldError
+	if errors.As(err, &held) {
+		return nil, fmt.Errorf("%w: stop it or give this agent another --state-dir", held)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("--state-dir %s: %w", dir, err)
+	}
+	return lock, nil
 }
 
 // nodeIPs parses --node-ips, or finds the addresses of the node's

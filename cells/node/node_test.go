@@ -3,8 +3,12 @@ package node
 import (
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/hivetest"
 )
 
 func TestNewConfig(t *testing.T) {
@@ -29,7 +33,7 @@ func TestNewConfig(t *testing.T) {
 			if tc.name == "relative made absolute" {
 				t.Chdir(tmp)
 			}
-			cfg, err := newConfig(tc.flags)
+			cfg, err := newConfig(tc.flags, hivetest.Lifecycle(t))
 			if tc.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 					t.Fatalf("got %v, want an error mentioning %q", err, tc.wantErr)
@@ -52,5 +56,39 @@ func TestNewConfig(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestStateDirLock checks that a second agent on a state directory is
+// refused with one line naming the lock file and the holder's PID, and that
+// the directory is free again once the first one stops.
+func TestStateDirLock(t *testing.T) {
+	dir := t.TempDir()
+	lc := &cell.DefaultLifecycle{}
+	if _, err := newConfig(Flags{NodeName: "n1", StateDir: dir}, lc); err != nil {
+		t.Fatal(err)
+	}
+	lockPath := filepath.Join(dir, LockFile)
+	if data, err := os.ReadFile(lockPath); err != nil || strings.TrimSpace(string(data)) != strconv.Itoa(os.Getpid()) {
+		t.Errorf("%s holds %q (%v), want the agent's pid", lockPath, data, err)
+	}
+
+	_, err := newConfig(Flags{NodeName: "n2", StateDir: dir}, hivetest.Lifecycle(t))
+	want := "another apiary agent (pid " + strconv.Itoa(os.Getpid()) + ") holds " + lockPath +
+		": stop it or give this agent another --state-dir"
+	if err == nil || err.Error() != want {
+		t.Fatalf("second agent: got %v, want %q", err, want)
+	}
+
+	// The first agent stops: its stop hook releases the lock.
+	log := hivetest.Logger(t)
+	if err := lc.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if err := lc.Stop(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := newConfig(Flags{NodeName: "n2", StateDir: dir}, hivetest.Lifecycle(t)); err != nil {
+		t.Fatalf("after the first agent stopped: %v", err)
 	}
 }
