@@ -6,7 +6,9 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -150,4 +152,151 @@ func TestRunReportsFailures(t *testing.T) {
 	tbl.mu.Unlock()
 	tbl.set("y")
 	waitFile(t, path, "y")
+}
+
+// failingWrites is a writeFile that fails (as a full disk does) until
+// fixed, counting attempts.
+type failingWrites struct {
+	mu       sync.Mutex
+	broken   bool
+	attempts int
+}
+
+func (f *failingWrites) write(path string, data []byte, perm os.FileMode) error {
+	f.mu.Lock()
+	f.attempts++
+	broken := f.broken
+	f.mu.Unlock()
+	if broken {
+		return syscall.ENOSPC
+	}
+	return os.WriteFile(path, data, perm)
+}
+
+func (f *failingWrites) set(broken bool) (attempts int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.broken = broken
+	return f.attempts
+}
+
+// retryDelays records the retryIn of every "not written" log record.
+type retryDelays struct {
+	mu     sync.Mutex
+	delays []time.Duration
+	warns  int
+}
+
+func (r *retryDelays) Enabled(context.Context, slog.Level) bool { return true }
+func (r *retryDelays) WithAttrs([]slog.Attr) slog.Handler       { return r }
+func (r *retryDelays) WithGroup(string) slog.Handler            { return r }
+func (r *retryDelays) Handle(_ context.Context, rec slog.Record) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if rec.Level == slog.LevelWarn {
+		r.warns++
+	}
+	rec.Attrs(func(a slog.Attr) bool {
+		if a.Key == "retryIn" {
+			r.delays = append(r.delays, a.Value.Duration())
+		}
+		return true
+	})
+	return nil
+}
+
+func (r *retryDelays) get() ([]time.Duration, int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.delays), r.warns
+}
+
+// TestRunRecoversWithoutChange is the full-disk case: the write fails, the
+// table does not change again, and the checkpoint is written and health OK
+// once space is back, by the retries alone, which back off.
+func TestRunRecoversWithoutChange(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "state.json")
+	tbl := newTable("a")
+	h := &health{}
+	disk := &failingWrites{broken: true}
+	logs := &retryDelays{}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	w := Writer{What: "test", Path: path, Interval: time.Hour, Watch: tbl.watch, Encode: tbl.encode,
+		writeFile: disk.write, retryMin: time.Millisecond, retryMax: 4 * time.Millisecond}
+	done := make(chan error)
+	go func() { done <- w.Run(ctx, h, slog.New(logs)) }()
+
+	// Degraded, and retrying: wait for a few attempts with the disk full.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		delays, _ := logs.get()
+		if _, err := h.last(); err != nil && len(delays) >= 5 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no retries of a failed write: delays %v", delays)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if _, err := h.last(); !errors.Is(err, syscall.ENOSPC) {
+		t.Errorf("health error %v, want ENOSPC", err)
+	}
+
+	// Space is back; the table stays as it was.
+	disk.set(false)
+	waitFile(t, path, "a")
+	deadline = time.Now().Add(10 * time.Second)
+	for {
+		if ok, err := h.last(); ok == "Checkpoint up to date" && err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			ok, err := h.last()
+			t.Fatalf("health did not recover: %q, %v", ok, err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+
+	delays, warns := logs.get()
+	want := []time.Duration{1, 2, 4, 4, 4}
+	for i := range want {
+		if delays[i] != want[i]*time.Millisecond {
+			t.Errorf("retry delays %v, want them to start %v ms", delays, want)
+			break
+		}
+	}
+	if warns != 1 {
+		t.Errorf("%d warnings for one unchanged failure, want 1", warns)
+	}
+
+	// Once written, nothing is retried.
+	attempts := disk.set(false)
+	time.Sleep(50 * time.Millisecond)
+	if again := disk.set(false); again != attempts {
+		t.Errorf("%d writes after the checkpoint was written, want none", again-attempts)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRunDefaultRetry checks the delays of the agent: a first retry after a
+// second.
+func TestRunDefaultRetry(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "state.json")
+	tbl := newTable("a")
+	h := &health{}
+	disk := &failingWrites{broken: true}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	w := Writer{What: "test", Path: path, Interval: time.Hour, Watch: tbl.watch, Encode: tbl.encode, writeFile: disk.write}
+	go w.Run(ctx, h, slog.New(slog.DiscardHandler))
+	for disk.set(true) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	disk.set(false)
+	// Written by the retry 1 s later, with no change of the table.
+	waitFile(t, path, "a")
 }
