@@ -42,7 +42,7 @@ import (
 	"github.com/apiary-net/apiary/cells/api"
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/infra"
-	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
 	"github.com/apiary-net/apiary/internal/testenv"
 )
 
@@ -145,7 +145,7 @@ func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string
 		tb:         tb,
 		log:        hivetest.Logger(tb, hivetest.LogLevel(slog.LevelInfo)),
 		newCells:   newCells,
-		fakeClient: k8s.NewFakeClientCell(newFakeClientset()),
+		fakeClient: k8sfake.NewCell(newFakeClientset()),
 		args:       append(defaults, args...),
 		configDir:  configDir,
 	}

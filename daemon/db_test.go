@@ -2,6 +2,8 @@ package main
 
 import (
 	"os"
+	"os/exec"
+	"strings"
 	"testing"
 
 	"github.com/spf13/pflag"
@@ -46,5 +48,20 @@ func setenv(t *testing.T, name, v string) {
 	t.Setenv(name, v) // restores the old value after the test
 	if v == "" {
 		os.Unsetenv(name)
+	}
+}
+
+// TestNoTestFakes keeps the fakes of tests out of the shipped binary: they
+// belong in packages only tests import.
+func TestNoTestFakes(t *testing.T) {
+	out, err := exec.Command("go", "list", "-deps", ".").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go list -deps: %s\n%s", err, out)
+	}
+	for pkg := range strings.Lines(string(out)) {
+		pkg = strings.TrimSpace(pkg)
+		if strings.HasSuffix(pkg, "/fake") || strings.Contains(pkg, "/fake/") || strings.HasSuffix(pkg, "k8sfake") {
+			t.Errorf("the agent binary links %s, a test fake", pkg)
+		}
 	}
 }

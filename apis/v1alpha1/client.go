@@ -9,7 +9,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/rest"
 	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
@@ -54,7 +53,14 @@ var IdentityKind = k8s.Kind[*Identity]{
 // its reactors (so that tests see the calls in Actions()).
 type Client struct {
 	rest *rest.RESTClient
-	fake *fake.Clientset
+	fake reactor
+}
+
+// reactor is what client-go's fake clientset offers to record and answer
+// calls. An interface, so that the binary does not link the fake clientset.
+type reactor interface {
+	Invokes(action k8stesting.Action, defaultReturnObj runtime.Object) (runtime.Object, error)
+	InvokesWatch(action k8stesting.Action) (watch.Interface, error)
 }
 
 // NewClient returns a Client over the clientset, which must be enabled.
@@ -62,7 +68,7 @@ func NewClient(c *k8s.Clientset) (*Client, error) {
 	if !c.IsEnabled() {
 		return nil, fmt.Errorf("no Kubernetes client for %s", GroupVersion)
 	}
-	if f, ok := c.Interface.(*fake.Clientset); ok && c.RESTConfig == nil {
+	if f, ok := c.Interface.(reactor); ok && c.RESTConfig == nil {
 		return &Client{fake: f}, nil
 	}
 	rc, err := c.RESTClientFor(GroupVersion, scheme)

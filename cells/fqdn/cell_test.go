@@ -25,7 +25,7 @@ import (
 	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/cells/infra"
 	"github.com/apiary-net/apiary/cells/ipcache"
-	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
 	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/tables"
@@ -61,7 +61,7 @@ func startAgent(t testing.TB, upstream string, args ...string) *agent {
 	}
 	a := &agent{pinDir: pinDir}
 	h := hive.NewWithOptions(core.HiveOptions(),
-		infra.Cell, k8s.NewFakeClientCell(fake.NewSimpleClientset()), //nolint:staticcheck // CRDs need the untyped tracker
+		infra.Cell, k8sfake.NewCell(fake.NewSimpleClientset()), //nolint:staticcheck // CRDs need the untyped tracker
 		identity.Cell, ipcache.Cell, selectors.Cell, fqdn.Cell,
 		cell.Invoke(func(p *fqdn.Proxy, db *statedb.DB, ids statedb.Table[*tables.Identity], names statedb.Table[*tables.FQDNName], reg *prometheus.Registry) {
 			a.proxy, a.db, a.identities, a.names, a.reg = p, db, ids, names, reg

@@ -25,6 +25,7 @@ import (
 	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/operator"
 	"github.com/apiary-net/apiary/internal/testenv"
@@ -351,7 +352,7 @@ func runClusterScenario(b *testing.B, mode, pinRoot string) scenarioResult {
 		var opDB *statedb.DB
 		// Default flags: Lease renewals every 2 s, GC every 10 min.
 		stops = append(stops, runHive(b, []cell.Cell{
-			statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell, k8s.NewFakeClientCell(f), operator.Cell,
+			statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell, k8sfake.NewCell(f), operator.Cell,
 			cell.Invoke(func(db *statedb.DB) { opDB = db }),
 		}))
 		// Leading, synced and idle before the clock starts.

@@ -27,6 +27,7 @@ import (
 	"github.com/apiary-net/apiary/cells/infra"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/operator"
 	"github.com/apiary-net/apiary/cells/selectors"
@@ -73,7 +74,7 @@ type agent struct {
 func startAgent(t testing.TB, f *fake.Clientset, node, pinDir, stateDir string, flags ...string) *agent {
 	a := &agent{}
 	cells := []cell.Cell{
-		infra.Cell, k8s.NewFakeClientCell(f),
+		infra.Cell, k8sfake.NewCell(f),
 		identitymode.Cell, identity.Cell, ipcache.Cell, selectors.Cell, endpoints.Cell,
 		cell.Invoke(func(db *statedb.DB, e statedb.Table[*tables.Endpoint]) { a.db, a.endpoints = db, e }),
 	}
@@ -193,7 +194,7 @@ func TestOperatorAndAgents(t *testing.T) {
 	}
 
 	// The operator creates one Identity; both nodes switch to it.
-	runHive(t, []cell.Cell{statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell, k8s.NewFakeClientCell(f), operator.Cell},
+	runHive(t, []cell.Cell{statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell, k8sfake.NewCell(f), operator.Cell},
 		"--identity-gc-interval=100ms", "--identity-gc-grace-period=300ms", "--leader-election-retry-period=100ms",
 		"--leader-election-renew-deadline=1s", "--leader-election-lease-duration=2s")
 	first := waitOneIdentity(t, f)
@@ -263,7 +264,7 @@ func TestIgnoredLabelsShared(t *testing.T) {
 		}
 	}
 	a := startAgent(t, f, "node-a", pinRoot+"/node-a", t.TempDir(), ignored)
-	runHive(t, []cell.Cell{statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell, k8s.NewFakeClientCell(f), operator.Cell},
+	runHive(t, []cell.Cell{statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell, k8sfake.NewCell(f), operator.Cell},
 		ignored, "--leader-election-retry-period=100ms", "--leader-election-renew-deadline=1s", "--leader-election-lease-duration=2s")
 
 	id := waitOneIdentity(t, f)

@@ -9,7 +9,7 @@ import (
 )
 
 // ClientCell provides the *Clientset, configured by --kubeconfig. A
-// composition includes exactly one of ClientCell and FakeClientCell.
+// composition includes exactly one of ClientCell and k8sfake.Cell (tests).
 var ClientCell = cell.Module(
 	"k8s-client",
 	"Kubernetes client",

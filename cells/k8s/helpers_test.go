@@ -50,7 +50,7 @@ type testHive struct {
 }
 
 type hiveOpts struct {
-	k8s       bool   // FakeClientCell, else Kubernetes disabled
+	k8s       bool   // a fake clientset, else Kubernetes disabled
 	configDir string // --config-dir
 	extra     []cell.Cell
 	noStart   bool
@@ -64,7 +64,11 @@ func newTestHive(t testing.TB, o hiveOpts) *testHive {
 	th := &testHive{t: t, records: &recorder{}}
 	th.log = slog.New(&recordingHandler{Handler: hivetest.Logger(t).Handler(), r: th.records})
 
-	client := cell.Group(FakeClientCell)
+	// The k8sfake package cannot be imported here (it imports this one).
+	client := cell.Provide(func() (*Clientset, *fake.Clientset) {
+		f := fake.NewSimpleClientset() //nolint:staticcheck // stores objects of any kind
+		return &Clientset{Interface: f}, f
+	})
 	if !o.k8s {
 		client = cell.Module("k8s-client", "Kubernetes disabled", cell.Provide(func() *Clientset { return &Clientset{} }))
 	}

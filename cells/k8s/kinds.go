@@ -244,3 +244,13 @@ func (k *Kinds) gen() uint64 {
 	defer k.mu.RUnlock()
 	return k.generation
 }
+
+// Resource returns the API resource of a registered kind, for clients that
+// address objects by resource (the fake clientset's tracker).
+func (k *Kinds) Resource(gvk schema.GroupVersionKind) (schema.GroupVersionResource, bool) {
+	d, ok := k.lookup(gvk)
+	if !ok {
+		return schema.GroupVersionResource{}, false
+	}
+	return d.gvr(), true
+}

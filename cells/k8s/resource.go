@@ -365,7 +365,7 @@ func compareKeys(a, b Key) int {
 }
 
 // ResourceParams holds what NewResource needs. Everything is provided by
-// SourcesCell and one of ClientCell or FakeClientCell.
+// SourcesCell and one of ClientCell or k8sfake.Cell (tests).
 type ResourceParams struct {
 	cell.In
 

@@ -25,6 +25,7 @@ import (
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/health"
 	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/operator"
 )
@@ -44,7 +45,7 @@ func startOperator(t *testing.T, f *fake.Clientset, flags ...string) (stop func(
 	t.Helper()
 	h := hive.NewWithOptions(core.HiveOptions(),
 		statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell,
-		k8s.NewFakeClientCell(f), operator.Cell)
+		k8sfake.NewCell(f), operator.Cell)
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(fs)
 	if err := fs.Parse(append(slices.Clone(fastFlags), flags...)); err != nil {

@@ -1,4 +1,8 @@
-package k8s
+// Package k8sfake is the Kubernetes client of tests: client-go's fake
+// clientset behind the agent's *k8s.Clientset, so that the real informers
+// run against it, with script commands that apply YAML files to it. Only
+// tests import it, so the agent binary does not link the fake clientset.
+package k8sfake
 
 import (
 	"fmt"
@@ -9,28 +13,42 @@ import (
 	"github.com/cilium/hive/script"
 	k8serrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/apiary-net/apiary/cells/k8s"
 )
 
-// FakeClientCell replaces ClientCell in tests: it provides a *Clientset backed
+// Cell replaces k8s.ClientCell in tests: it provides a *k8s.Clientset backed
 // by client-go's fake clientset (so that real informers run against it), the
 // *fake.Clientset itself, and the script commands k8s/add, k8s/update and
-// k8s/delete, which apply YAML files to it.
-var FakeClientCell = cell.Module(
-	"k8s-client",
-	"Fake Kubernetes client for tests",
-
-	cell.Provide(
-		newFakeClientset,
-		fakeScriptCommands,
-	),
-)
-
-func newFakeClientset() (*Clientset, *fake.Clientset) {
+// k8s/delete, which apply YAML files to it. Each hive gets a new, empty
+// clientset.
+var Cell = module(func() *fake.Clientset {
 	// The simple tracker, unlike NewClientset's field-managed one, stores
 	// objects of any type, so the commands work for kinds that other cells
 	// register too.
-	f := fake.NewSimpleClientset()
-	return &Clientset{Interface: f}, f
+	return fake.NewSimpleClientset() //nolint:staticcheck // see above
+})
+
+// NewCell is Cell over the given fake clientset. A test that restarts its
+// hive hands the same clientset to every new hive, so the objects added
+// before the restart are still there, as they would be in a real API server.
+func NewCell(f *fake.Clientset) cell.Cell {
+	return module(func() *fake.Clientset { return f })
+}
+
+func module(newFake func() *fake.Clientset) cell.Cell {
+	return cell.Module(
+		"k8s-client",
+		"Fake Kubernetes client for tests",
+
+		cell.Provide(
+			func() (*k8s.Clientset, *fake.Clientset) {
+				f := newFake()
+				return &k8s.Clientset{Interface: f}, f
+			},
+			fakeScriptCommands,
+		),
+	)
 }
 
 type fakeCmdParams struct {
@@ -38,13 +56,13 @@ type fakeCmdParams struct {
 
 	Fake *fake.Clientset
 	// Kinds comes from SourcesCell; without it only the core kinds decode.
-	Kinds *Kinds `optional:"true"`
+	Kinds *k8s.Kinds `optional:"true"`
 }
 
 func fakeScriptCommands(p fakeCmdParams) hive.ScriptCmdsOut {
 	kinds := p.Kinds
 	if kinds == nil {
-		kinds = NewKinds()
+		kinds = k8s.NewKinds()
 	}
 	return hive.NewScriptCmds(map[string]script.Cmd{
 		"k8s/add":    fakeApplyCmd(p.Fake, kinds, fakeAdd),
@@ -70,7 +88,7 @@ var fakeOpSummaries = map[fakeOp]string{
 // fakeApplyCmd decodes the files with the same decoder as --config-dir and
 // applies them through the fake clientset's object tracker, which informers
 // watch.
-func fakeApplyCmd(f *fake.Clientset, kinds *Kinds, op fakeOp) script.Cmd {
+func fakeApplyCmd(f *fake.Clientset, kinds *k8s.Kinds, op fakeOp) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
 			Summary: fakeOpSummaries[op],
@@ -89,7 +107,7 @@ func fakeApplyCmd(f *fake.Clientset, kinds *Kinds, op fakeOp) script.Cmd {
 				if err != nil {
 					return nil, fmt.Errorf("read %s: %w", file, err)
 				}
-				objs, err := DecodeFile(file, data, kinds)
+				objs, err := k8s.DecodeFile(file, data, kinds)
 				if err != nil {
 					return nil, err
 				}
@@ -104,12 +122,12 @@ func fakeApplyCmd(f *fake.Clientset, kinds *Kinds, op fakeOp) script.Cmd {
 	)
 }
 
-func applyFake(f *fake.Clientset, kinds *Kinds, op fakeOp, file string, o Decoded) error {
-	desc, ok := kinds.lookup(o.GVK)
+func applyFake(f *fake.Clientset, kinds *k8s.Kinds, op fakeOp, file string, o k8s.Decoded) error {
+	gvr, ok := kinds.Resource(o.GVK)
 	if o.Object == nil || !ok {
 		return fmt.Errorf("%s:%d: kind %s is not registered", file, o.Line, o.GVK)
 	}
-	gvr, ns := desc.gvr(), o.Key.Namespace
+	ns := o.Key.Namespace
 	tracker := f.Tracker()
 	var err error
 	switch op {
