@@ -126,6 +126,7 @@ func (c *controller) run(ctx context.Context, h cell.Health) error {
 			nextGC = now.Add(c.Config.IdentityGCInterval)
 			if synced {
 				c.collect(ctx)
+				c.metrics.gcRuns.Inc()
 				// A full reconcile on the same interval.
 				for key := range c.users {
 					c.pending[key] = struct{}{}

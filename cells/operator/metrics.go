@@ -12,6 +12,7 @@ type metrics struct {
 	created       prometheus.Counter
 	deleted       prometheus.Counter
 	apiErrors     *prometheus.CounterVec
+	gcRuns        prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -28,8 +29,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "apiary_operator_identities_deleted_total", Help: "Unused Identities this replica deleted"}),
 		apiErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "apiary_operator_identity_api_errors_total", Help: "Failed Identity writes, by verb"}, []string{"verb"}),
+		gcRuns: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "apiary_operator_identity_gc_runs_total", Help: "Collections of unused Identities this replica ran while leading, each followed by a full reconcile"}),
 	}
-	for _, c := range []prometheus.Collector{m.leader, m.identities, m.labelSetsUsed, m.created, m.deleted, m.apiErrors} {
+	for _, c := range []prometheus.Collector{m.leader, m.identities, m.labelSetsUsed, m.created, m.deleted, m.apiErrors, m.gcRuns} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

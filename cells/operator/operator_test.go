@@ -4,15 +4,19 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"regexp"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/cilium/hive"
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
 	corev1 "k8s.io/api/core/v1"
 	k8serrors "k8s.io/apimachinery/pkg/api/errors"
@@ -28,6 +32,7 @@ import (
 	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/operator"
+	"github.com/apiary-net/apiary/tables"
 )
 
 // fastFlags make GC and leader election quick enough for tests.
@@ -39,13 +44,26 @@ var fastFlags = []string{
 	"--leader-election-retry-period=100ms",
 }
 
+// operatorHive is one running operator replica and what the tests observe
+// of it: its metrics (GC runs, what it knows) and its health.
+type operatorHive struct {
+	stop   func()
+	reg    *prometheus.Registry
+	db     *statedb.DB
+	health statedb.Table[*tables.HealthStatus]
+}
+
 // startOperator runs an operator hive over f until the test ends or stop
 // is called.
-func startOperator(t *testing.T, f *fake.Clientset, flags ...string) (stop func()) {
+func startOperator(t *testing.T, f *fake.Clientset, flags ...string) *operatorHive {
 	t.Helper()
+	o := &operatorHive{}
 	h := hive.NewWithOptions(core.HiveOptions(),
 		statedb.Cell, health.Cell, job.Cell, metrics.Cell, k8s.SourcesCell,
-		k8sfake.NewCell(f), operator.Cell)
+		k8sfake.NewCell(f), operator.Cell,
+		cell.Invoke(func(reg *prometheus.Registry, db *statedb.DB, h statedb.Table[*tables.HealthStatus]) {
+			o.reg, o.db, o.health = reg, db, h
+		}))
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(fs)
 	if err := fs.Parse(append(slices.Clone(fastFlags), flags...)); err != nil {
@@ -56,7 +74,7 @@ func startOperator(t *testing.T, f *fake.Clientset, flags ...string) (stop func(
 		t.Fatal(err)
 	}
 	stopped := false
-	stop = func() {
+	o.stop = func() {
 		if !stopped {
 			stopped = true
 			if err := h.Stop(log, context.Background()); err != nil {
@@ -64,8 +82,87 @@ func startOperator(t *testing.T, f *fake.Clientset, flags ...string) (stop func(
 			}
 		}
 	}
-	t.Cleanup(stop)
-	return stop
+	t.Cleanup(o.stop)
+	return o
+}
+
+// metric returns the value of the replica's counter or gauge name (0 when
+// it has none).
+func (o *operatorHive) metric(t *testing.T, name string) float64 {
+	t.Helper()
+	mfs, err := o.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name || len(mf.GetMetric()) == 0 {
+			continue
+		}
+		m := mf.GetMetric()[0]
+		if c := m.GetCounter(); c != nil {
+			return c.GetValue()
+		}
+		return m.GetGauge().GetValue()
+	}
+	return 0
+}
+
+// waitMetric waits until the replica's metric name satisfies ok.
+func (o *operatorHive) waitMetric(t *testing.T, name, want string, ok func(float64) bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for v := o.metric(t, name); !ok(v); v = o.metric(t, name) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s = %v, want %s", name, v, want)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// waitKnown waits until the leader's own view has caught up: as many
+// Identities and label sets in use as given. Both gauges are set after the
+// controller has reconciled what it received (created what was missing).
+func (o *operatorHive) waitKnown(t *testing.T, identities, labelSets int) {
+	t.Helper()
+	o.waitMetric(t, "apiary_operator_identities", fmt.Sprint(identities), func(v float64) bool { return v == float64(identities) })
+	o.waitMetric(t, "apiary_operator_label_sets_in_use", fmt.Sprint(labelSets), func(v float64) bool { return v == float64(labelSets) })
+}
+
+// gcRuns waits until the leader has run n more identity GCs than it had
+// when called. The controller reconciles every label set after each, so
+// once two have run, whatever the leader would write about the state it
+// had when gcRuns was called has been written: what did not happen by then
+// is not going to.
+func (o *operatorHive) gcRuns(t *testing.T, n int) {
+	t.Helper()
+	const name = "apiary_operator_identity_gc_runs_total"
+	want := o.metric(t, name) + float64(n)
+	o.waitMetric(t, name, fmt.Sprintf(">= %v", want), func(v float64) bool { return v >= want })
+}
+
+// waitHealth waits until a scope of the operator module reports a message
+// matching re.
+func (o *operatorHive) waitHealth(t *testing.T, re string) {
+	t.Helper()
+	pattern := regexp.MustCompile(re)
+	deadline := time.After(20 * time.Second)
+	for {
+		rows, watch := o.health.AllWatch(o.db.ReadTxn())
+		var seen []string
+		for s := range rows {
+			if strings.HasPrefix(s.Scope, "operator") {
+				if pattern.MatchString(s.Message) {
+					return
+				}
+				seen = append(seen, s.Scope+": "+s.Message)
+			}
+		}
+		select {
+		case <-watch:
+		case <-deadline:
+			t.Fatalf("no operator health message matches %q; have %q", re, seen)
+		}
+	}
 }
 
 func pod(ns, name, node string, labels map[string]string) *corev1.Pod {
@@ -158,8 +255,11 @@ func TestOneIdentityPerLabelSet(t *testing.T) {
 	hostPod.Spec.HostNetwork = true
 	mustCreate(t, pods.Create, hostPod)
 
-	startOperator(t, f)
+	o := startOperator(t, f)
 	eventually(t, f, dbDefault+" -> 1", webDefault+" -> 1")
+	// Settled: no second Identity of either set comes later.
+	o.waitKnown(t, 2, 2)
+	o.gcRuns(t, 2)
 	if n := creates(f); n != 2 {
 		t.Fatalf("%d creates, want 2", n)
 	}
@@ -168,6 +268,8 @@ func TestOneIdentityPerLabelSet(t *testing.T) {
 	mustCreate(t, pods.Create, pod("default", "web-new", "node-9", map[string]string{"app": "web"}))
 	mustCreate(t, pods.Create, pod("default", "cache-0", "node-9", map[string]string{"app": "cache"}))
 	eventually(t, f, "k8s:app=cache,k8s:io.kubernetes.pod.namespace=default -> 1", dbDefault+" -> 1", webDefault+" -> 1")
+	o.waitKnown(t, 3, 3)
+	o.gcRuns(t, 2)
 	if n := creates(f); n != 3 {
 		t.Fatalf("%d creates, want 3", n)
 	}
@@ -180,7 +282,7 @@ func TestNamespaceRelabelAndGC(t *testing.T) {
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("prod", map[string]string{"team": "a"}))
 	mustCreate(t, f.CoreV1().Pods("prod").Create, pod("prod", "web-1", "n1", map[string]string{"app": "web"}))
 	mustCreate(t, f.CoreV1().Pods("prod").Create, pod("prod", "web-2", "n2", map[string]string{"app": "web"}))
-	startOperator(t, f)
+	o := startOperator(t, f)
 	oldSet := "k8s:app=web,k8s:io.cilium.k8s.namespace.labels.team=a,k8s:io.kubernetes.pod.namespace=prod"
 	newSet := "k8s:app=web,k8s:io.cilium.k8s.namespace.labels.team=b,k8s:io.kubernetes.pod.namespace=prod"
 	eventually(t, f, oldSet+" -> 1")
@@ -191,6 +293,8 @@ func TestNamespaceRelabelAndGC(t *testing.T) {
 	// The new one comes at once, the old one is collected later (the
 	// test's grace period is 300ms), never both for the new set.
 	eventually(t, f, newSet+" -> 1")
+	o.waitKnown(t, 1, 1)
+	o.gcRuns(t, 2)
 	if n := creates(f); n != 2 {
 		t.Fatalf("%d creates, want 2", n)
 	}
@@ -210,15 +314,25 @@ func TestGCGracePeriod(t *testing.T) {
 	f := fake.NewSimpleClientset()
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
-	startOperator(t, f, "--identity-gc-grace-period=1h")
+	o := startOperator(t, f, "--identity-gc-grace-period=1h")
 	eventually(t, f, webDefault+" -> 1")
 	if err := f.CoreV1().Pods("default").Delete(context.Background(), "web-1", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(500 * time.Millisecond) // several GC intervals
-	eventually(t, f, webDefault+" -> 1")
+	// The leader has seen the pod go (no label set in use), then collected
+	// twice: the Identity is unused, but within its grace period.
+	o.waitKnown(t, 1, 0)
+	o.gcRuns(t, 2)
+	if got, want := identities(t, f), []string{webDefault + " -> 1"}; !slices.Equal(got, want) {
+		t.Fatalf("identities after two collections within the grace period: %q, want %q", got, want)
+	}
+	if n := o.metric(t, "apiary_operator_identities_deleted_total"); n != 0 {
+		t.Fatalf("%v deletes within the grace period, want none", n)
+	}
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-2", "n1", map[string]string{"app": "web"}))
-	time.Sleep(200 * time.Millisecond)
+	// The label set is in use again and reconciled, with the one Identity.
+	o.waitKnown(t, 1, 1)
+	o.gcRuns(t, 2)
 	if n := creates(f); n != 1 {
 		t.Fatalf("%d creates, want 1", n)
 	}
@@ -241,9 +355,14 @@ func TestReuseAndDuplicates(t *testing.T) {
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
 	before := creates(f)
-	startOperator(t, f)
-	time.Sleep(500 * time.Millisecond) // several GC intervals
-	eventually(t, f, webDefault+" -> 2")
+	o := startOperator(t, f)
+	// Synced, then two collections, each followed by a reconcile of every
+	// label set: neither added a third Identity nor deleted a duplicate.
+	o.waitKnown(t, 2, 1)
+	o.gcRuns(t, 2)
+	if got, want := identities(t, f), []string{webDefault + " -> 2"}; !slices.Equal(got, want) {
+		t.Fatalf("identities: %q, want %q", got, want)
+	}
 	if n := creates(f) - before; n != 0 {
 		t.Fatalf("%d creates, want none", n)
 	}
@@ -256,13 +375,17 @@ func TestRestartNoChurn(t *testing.T) {
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "db-1", "n1", map[string]string{"app": "db"}))
-	stop := startOperator(t, f)
+	first := startOperator(t, f)
 	eventually(t, f, dbDefault+" -> 1", webDefault+" -> 1")
-	stop()
+	first.stop()
 	before := len(f.Actions())
-	startOperator(t, f)
-	time.Sleep(700 * time.Millisecond)
-	eventually(t, f, dbDefault+" -> 1", webDefault+" -> 1")
+	o := startOperator(t, f)
+	// Synced, then two collections and reconciles of every label set.
+	o.waitKnown(t, 2, 2)
+	o.gcRuns(t, 2)
+	if got, want := identities(t, f), []string{dbDefault + " -> 1", webDefault + " -> 1"}; !slices.Equal(got, want) {
+		t.Fatalf("identities after the restart: %q, want %q", got, want)
+	}
 	for _, a := range f.Actions()[before:] {
 		if a.GetResource() == v1alpha1.IdentityGVR && (a.GetVerb() == "create" || a.GetVerb() == "delete") {
 			t.Errorf("restarted operator wrote: %s %v", a.GetVerb(), a)
@@ -278,10 +401,15 @@ func TestLeaderElection(t *testing.T) {
 		mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", fmt.Sprintf("web-%d", i), "n", map[string]string{"app": "web"}))
 	}
 	// a starts alone and leads; b then waits on the Lease.
-	stopA := startOperator(t, f, "--leader-election-identity=a")
+	a := startOperator(t, f, "--leader-election-identity=a")
 	eventually(t, f, webDefault+" -> 1")
-	startOperator(t, f, "--leader-election-identity=b")
-	time.Sleep(300 * time.Millisecond)
+	a.waitKnown(t, 1, 1)
+	b := startOperator(t, f, "--leader-election-identity=b")
+	// b has read the Lease and found a leading: it stands by.
+	b.waitHealth(t, "^Standby: a leads$")
+	if v := b.metric(t, "apiary_operator_leader"); v != 0 {
+		t.Fatalf("b: apiary_operator_leader = %v while a leads", v)
+	}
 	if n := creates(f); n != 1 {
 		t.Fatalf("%d creates by two replicas, want 1", n)
 	}
@@ -295,7 +423,7 @@ func TestLeaderElection(t *testing.T) {
 	if h := holder(); h != "a" {
 		t.Fatalf("lease holder = %s, want a", h)
 	}
-	stopA() // releases the Lease: b takes over within a retry period
+	a.stop() // releases the Lease: b takes over within a retry period
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "db-0", "n", map[string]string{"app": "db"}))
 	eventually(t, f, dbDefault+" -> 1", webDefault+" -> 1")
 	if h := holder(); h != "b" {
@@ -310,12 +438,11 @@ func TestTakenNumberNoDuplicate(t *testing.T) {
 	f := fake.NewSimpleClientset()
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
-	raced := false
+	var raced atomic.Bool
 	f.PrependReactor("create", v1alpha1.IdentityResource, func(a k8stesting.Action) (bool, runtime.Object, error) {
-		if raced {
+		if raced.Swap(true) {
 			return false, nil, nil
 		}
-		raced = true
 		// Someone created the same label set's Identity under this number
 		// just before us.
 		obj := a.(k8stesting.CreateAction).GetObject().(*v1alpha1.Identity)
@@ -324,11 +451,18 @@ func TestTakenNumberNoDuplicate(t *testing.T) {
 		}
 		return true, nil, k8serrors.NewAlreadyExists(v1alpha1.IdentityGVR.GroupResource(), obj.Name)
 	})
-	startOperator(t, f)
+	o := startOperator(t, f)
 	eventually(t, f, webDefault+" -> 1")
-	time.Sleep(1500 * time.Millisecond) // past the retry
-	eventually(t, f, webDefault+" -> 1")
-	if !raced {
+	// The leader has the taken number's Identity from the watch, for the
+	// label set, and has reconciled every label set twice since: a second
+	// Identity would have been created by then. (The retry after a taken
+	// number is the same reconcile, which runs after every collection.)
+	o.waitKnown(t, 1, 1)
+	o.gcRuns(t, 2)
+	if got, want := identities(t, f), []string{webDefault + " -> 1"}; !slices.Equal(got, want) {
+		t.Fatalf("identities: %q, want %q", got, want)
+	}
+	if !raced.Load() {
 		t.Fatal("the reactor never ran")
 	}
 }
