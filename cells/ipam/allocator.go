@@ -258,7 +258,7 @@ func (a *allocator) release(ctx context.Context, kind string) error {
 	}
 	a.log.Info("Agent IP released (its kind is disabled)", "kind", kind, "ip", rec.IP, "network", rec.Delegate.Network)
 	wtxn := a.db.WriteTxn(a.table)
-	a.table.Delete(wtxn, row)
+	a.table.Delete(wtxn, row) // cannot fail: wtxn is open and locks a.table
 	wtxn.Commit()
 	return nil
 }
@@ -300,7 +300,7 @@ func newRow(kind string) *tables.AgentIP {
 func (a *allocator) put(row *tables.AgentIP) {
 	row.Updated = time.Now()
 	wtxn := a.db.WriteTxn(a.table)
-	a.table.Insert(wtxn, row)
+	a.table.Insert(wtxn, row) // cannot fail: wtxn is open and locks a.table
 	wtxn.Commit()
 }
 

@@ -15,6 +15,12 @@ import (
 // writer keeps the services, frontends and backends tables consistent: every
 // change goes through it, inside the caller's write transaction, so that a
 // reader never sees a frontend whose backends are half updated.
+//
+// Its table writes drop their errors: statedb's Insert and Delete fail only
+// for a transaction that is closed or does not lock the table, and the one
+// caller, reflector.apply, passes an open transaction of all three tables.
+// (Handling them here would also leave conflicted and sliceRecords ahead of
+// an aborted transaction.)
 type writer struct {
 	services  statedb.RWTable[*tables.Service]
 	frontends statedb.RWTable[*tables.Frontend]
@@ -81,6 +87,7 @@ func (w *writer) upsertService(txn statedb.WriteTxn, svc *tables.Service, c *cha
 		svc.Conflicts = old.Conflicts
 	}
 	c.remember(svc.Name, old)
+	// Cannot fail: apply's open txn locks all three tables (see writer).
 	w.services.Insert(txn, svc)
 	c.dirty[svc.Name] = struct{}{}
 }
@@ -88,6 +95,7 @@ func (w *writer) upsertService(txn statedb.WriteTxn, svc *tables.Service, c *cha
 func (w *writer) deleteService(txn statedb.WriteTxn, name tables.ServiceName, c *change) {
 	if old, _, ok := w.services.Get(txn, tables.ServiceNameIndex.Query(name)); ok {
 		c.remember(name, old)
+		// Cannot fail: apply's open txn locks all three tables (see writer).
 		w.services.Delete(txn, old)
 		c.dirty[name] = struct{}{}
 	}
@@ -186,6 +194,7 @@ func (w *writer) setInstance(txn statedb.WriteTxn, addr tables.L4Addr, inst tabl
 	}
 	if len(insts) == 0 {
 		if be != nil {
+			// Cannot fail: apply's open txn locks all three tables (see writer).
 			w.backends.Delete(txn, be)
 		}
 		return
@@ -194,6 +203,7 @@ func (w *writer) setInstance(txn statedb.WriteTxn, addr tables.L4Addr, inst tabl
 	for _, in := range insts {
 		state = min(state, in.State)
 	}
+	// Cannot fail: apply's open txn locks all three tables (see writer).
 	w.backends.Insert(txn, &tables.Backend{Address: addr, State: state, Services: insts})
 }
 
@@ -252,6 +262,7 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 			fe.ID = old.ID
 		}
 		fe.Status = reconciler.StatusPending()
+		// Cannot fail: apply's open txn locks all three tables (see writer).
 		w.frontends.Insert(txn, fe)
 	}
 	// Frontends the service no longer asks for go, unless another
@@ -262,6 +273,7 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 				continue
 			}
 			if old, _, ok := w.frontends.Get(txn, tables.FrontendAddressIndex.Query(fe.Address)); ok && old.Service == name {
+				// Cannot fail: apply's open txn locks all three tables (see writer).
 				w.frontends.Delete(txn, old)
 				deleted = true
 			}
@@ -271,6 +283,7 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 	if found && !slices.Equal(svc.Conflicts, conflicts) {
 		svc = svc.Clone()
 		svc.Conflicts = conflicts
+		// Cannot fail: apply's open txn locks all three tables (see writer).
 		w.services.Insert(txn, svc)
 	}
 	if found && len(svc.Conflicts) > 0 {
