@@ -2,7 +2,6 @@ package socketlb_test
 
 import (
 	"bufio"
-	"errors"
 	"flag"
 	"fmt"
 	"maps"
@@ -118,50 +117,6 @@ func exchange(proto, addr string, timeout time.Duration) (reply, peer string, er
 	return "", "", fmt.Errorf("unknown protocol %q", proto)
 }
 
-// testCgroup creates a cgroup v2 directory for the test and removes it at
-// the end.
-func testCgroup(t *testing.T) string {
-	t.Helper()
-	testenv.RequireRoot(t)
-	root, err := cgroup2Mount()
-	if err != nil {
-		testenv.Skip(t, "no cgroup v2 mount: "+err.Error())
-	}
-	dir, err := os.MkdirTemp(root, "apiary-socketlb-test-")
-	if err != nil {
-		testenv.Skip(t, "cannot create a cgroup: "+err.Error())
-	}
-	t.Cleanup(func() {
-		// The clients have exited; their cgroup is empty.
-		for range 50 {
-			if err := os.Remove(dir); err == nil || errors.Is(err, os.ErrNotExist) {
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		t.Errorf("cgroup %s could not be removed", dir)
-	})
-	return dir
-}
-
-func cgroup2Mount() (string, error) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return "", err
-	}
-	for line := range strings.SplitSeq(string(data), "\n") {
-		// ... mount-point ... - fstype source options
-		pre, post, ok := strings.Cut(line, " - ")
-		if !ok || !strings.HasPrefix(post, "cgroup2 ") {
-			continue
-		}
-		if f := strings.Fields(pre); len(f) >= 5 {
-			return f[4], nil
-		}
-	}
-	return "", errors.New("cgroup2 is not mounted")
-}
-
 // runScripts runs the script files matching pattern against hives with the
 // load balancer and the socket load balancer attached to a cgroup of the
 // test's own, with these extra commands:
@@ -180,7 +135,7 @@ func cgroup2Mount() (string, error) {
 // APIARY_CGROUP_ROOT), so that agent-env and restart can change them.
 func runScripts(t *testing.T, pattern string) {
 	testenv.RequireRoot(t)
-	cg := testCgroup(t)
+	cg := testenv.Cgroup(t)
 	t.Setenv("APIARY_CGROUP_ROOT", cg)
 	t.Setenv("APIARY_ENABLE_SOCKET_LB", "true")
 

@@ -7,10 +7,13 @@
 package testenv
 
 import (
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/apiary-net/apiary/bpf"
 )
@@ -72,4 +75,54 @@ func BPFPinDir(tb testing.TB) string {
 	}
 	tb.Cleanup(func() { os.RemoveAll(dir) })
 	return dir
+}
+
+// Cgroup returns a fresh cgroup v2 directory for the test and removes it
+// when the test ends, once the processes the test put in it have exited.
+func Cgroup(tb testing.TB) string {
+	tb.Helper()
+	RequireRoot(tb)
+	root, err := Cgroup2Mount()
+	if err != nil {
+		Skip(tb, "no cgroup v2 mount: "+err.Error())
+	}
+	dir, err := os.MkdirTemp(root, "apiary-test-")
+	if err != nil {
+		Skip(tb, "cannot create a cgroup: "+err.Error())
+	}
+	tb.Cleanup(func() {
+		// A process that has just exited may still be counted in it.
+		deadline := time.Now().Add(2 * time.Second)
+		for {
+			err := os.Remove(dir)
+			if err == nil || errors.Is(err, os.ErrNotExist) {
+				return
+			}
+			if time.Now().After(deadline) {
+				tb.Errorf("remove cgroup %s: %s", dir, err)
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+	return dir
+}
+
+// Cgroup2Mount returns where cgroup v2 is mounted.
+func Cgroup2Mount() (string, error) {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return "", err
+	}
+	for line := range strings.SplitSeq(string(data), "\n") {
+		// ... mount-point ... - fstype source options
+		pre, post, ok := strings.Cut(line, " - ")
+		if !ok || !strings.HasPrefix(post, "cgroup2 ") {
+			continue
+		}
+		if f := strings.Fields(pre); len(f) >= 5 {
+			return f[4], nil
+		}
+	}
+	return "", errors.New("cgroup2 is not mounted")
 }
