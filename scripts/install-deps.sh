@@ -6,7 +6,9 @@ set -euo pipefail
 # Debian packages the tests use:
 #   containernetworking-plugins  the host-local IPAM plugin (delegated IPAM tests)
 #   iproute2                     network namespaces and veth pairs
-packages=(containernetworking-plugins iproute2)
+#   dnsmasq-base, dnsutils       a DNS upstream (dnsmasq) and dig (test/e2e's DNS proxy test)
+#   curl                         HTTP through a Service VIP (test/e2e's socket LB test, make demo)
+packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl)
 
 missing=()
 for p in "${packages[@]}"; do
