@@ -55,13 +55,23 @@ func newPinDir(cfg Config, log *slog.Logger, lc cell.Lifecycle) (PinDir, error) 
 	if err != nil {
 		return "", err
 	}
-	// Taken while the hive is built, before any cell opens a map, and held
-	// until it stops (or the process dies).
-	lock, err := Lock(dir)
+	// Tried while the hive is built, so that a second agent fails populate
+	// with one line, then taken for good in a start hook that precedes
+	// those of every cell that pins maps, and held until the hive stops (or
+	// the process dies). A hive that is never started holds nothing.
+	check, err := Lock(dir)
 	if err != nil {
 		return "", err
 	}
-	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { return lock.Release() }})
+	check.Release()
+	var lock *dirlock.Lock
+	lc.Append(cell.Hook{
+		OnStart: func(cell.HookContext) (err error) {
+			lock, err = Lock(dir)
+			return err
+		},
+		OnStop: func(cell.HookContext) error { return lock.Release() },
+	})
 	log.Debug("BPF pin directory ready", "dir", dir)
 	return PinDir(dir), nil
 }

@@ -44,16 +44,23 @@ func TestPrepare(t *testing.T) {
 }
 
 // TestPinDirLock checks that a second agent on a pin directory is refused
-// with one line naming the directory and the holder's PID, and that the
-// directory is free again once the first one stops.
+// with one line naming the directory and the holder's PID, that the
+// directory is free again once the first one stops, and that a hive that
+// never starts (its populate failed) holds nothing.
 func TestPinDirLock(t *testing.T) {
 	dir := testenv.BPFPinDir(t)
 	log := hivetest.Logger(t)
+	if _, err := newPinDir(Config{PinDir: dir}, log, &cell.DefaultLifecycle{}); err != nil {
+		t.Fatal(err)
+	}
+
 	lc := &cell.DefaultLifecycle{}
 	if _, err := newPinDir(Config{PinDir: dir}, log, lc); err != nil {
 		t.Fatal(err)
 	}
-
+	if err := lc.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
 	_, err := newPinDir(Config{PinDir: dir}, log, &cell.DefaultLifecycle{})
 	want := "another apiary agent (pid " + strconv.Itoa(os.Getpid()) + ") holds " + dir +
 		": stop it or give this agent another --bpf-pin-dir"
@@ -61,16 +68,17 @@ func TestPinDirLock(t *testing.T) {
 		t.Fatalf("second agent: got %v, want %q", err, want)
 	}
 
+	if err := lc.Stop(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	lc = &cell.DefaultLifecycle{}
+	if _, err := newPinDir(Config{PinDir: dir}, log, lc); err != nil {
+		t.Fatalf("after the first agent stopped: %v", err)
+	}
 	if err := lc.Start(log, t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	if err := lc.Stop(log, t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	lc2 := &cell.DefaultLifecycle{}
-	if _, err := newPinDir(Config{PinDir: dir}, log, lc2); err != nil {
-		t.Fatalf("after the first agent stopped: %v", err)
-	}
-	lc2.Start(log, t.Context())
-	lc2.Stop(log, t.Context())
 }

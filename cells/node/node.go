@@ -96,14 +96,35 @@ func newConfig(f Flags, lc cell.Lifecycle) (Config, error) {
 	if err != nil {
 		return Config{}, err
 	}
-	// Taken while the hive is built, before any cell reads or writes
-	// state, and held until it stops (or the process dies).
-	lock, err := LockStateDir(dir)
-	if err != nil {
+	if err := holdStateDir(dir, lc); err != nil {
 		return Config{}, err
 	}
-	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { return lock.Release() }})
 	return Config{NodeName: f.NodeName, StateDir: dir, NodeIPs: ips, EnableIPv6: f.EnableIPv6}, nil
+}
+
+// holdStateDir makes sure that no other agent uses dir. The lock is tried
+// while the hive is built, before any other cell reads state, so that a
+// second agent fails populate with one line; it is let go at once and taken
+// for good in a start hook, the first of those of every cell that uses the
+// state directory, and kept until the hive stops (or the process dies). A
+// hive whose populate fails, or that is never started (`apiary agent
+// hive`), holds nothing. Should another agent slip in between, this one
+// fails to start instead.
+func holdStateDir(dir string, lc cell.Lifecycle) error {
+	check, err := LockStateDir(dir)
+	if err != nil {
+		return err
+	}
+	check.Release()
+	var lock *dirlock.Lock
+	lc.Append(cell.Hook{
+		OnStart: func(cell.HookContext) (err error) {
+			lock, err = LockStateDir(dir)
+			return err
+		},
+		OnStop: func(cell.HookContext) error { return lock.Release() },
+	})
+	return nil
 }
 
 // LockStateDir takes the exclusive lock on dir's LockFile, or says which

@@ -60,35 +60,52 @@ func TestNewConfig(t *testing.T) {
 }
 
 // TestStateDirLock checks that a second agent on a state directory is
-// refused with one line naming the lock file and the holder's PID, and that
-// the directory is free again once the first one stops.
+// refused with one line naming the lock file and the holder's PID, that the
+// directory is free again once the first one stops, and that a hive that
+// never starts (its populate failed) holds nothing.
 func TestStateDirLock(t *testing.T) {
 	dir := t.TempDir()
+	log := hivetest.Logger(t)
+	lockPath := filepath.Join(dir, LockFile)
+
+	// Built, never started: no lock kept.
+	if _, err := newConfig(Flags{NodeName: "n0", StateDir: dir}, &cell.DefaultLifecycle{}); err != nil {
+		t.Fatal(err)
+	}
+
 	lc := &cell.DefaultLifecycle{}
 	if _, err := newConfig(Flags{NodeName: "n1", StateDir: dir}, lc); err != nil {
 		t.Fatal(err)
 	}
-	lockPath := filepath.Join(dir, LockFile)
+	if err := lc.Start(log, t.Context()); err != nil {
+		t.Fatal(err)
+	}
 	if data, err := os.ReadFile(lockPath); err != nil || strings.TrimSpace(string(data)) != strconv.Itoa(os.Getpid()) {
 		t.Errorf("%s holds %q (%v), want the agent's pid", lockPath, data, err)
 	}
 
-	_, err := newConfig(Flags{NodeName: "n2", StateDir: dir}, hivetest.Lifecycle(t))
 	want := "another apiary agent (pid " + strconv.Itoa(os.Getpid()) + ") holds " + lockPath +
 		": stop it or give this agent another --state-dir"
+	_, err := newConfig(Flags{NodeName: "n2", StateDir: dir}, &cell.DefaultLifecycle{})
 	if err == nil || err.Error() != want {
 		t.Fatalf("second agent: got %v, want %q", err, want)
 	}
 
 	// The first agent stops: its stop hook releases the lock.
-	log := hivetest.Logger(t)
-	if err := lc.Start(log, t.Context()); err != nil {
-		t.Fatal(err)
-	}
 	if err := lc.Stop(log, t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := newConfig(Flags{NodeName: "n2", StateDir: dir}, hivetest.Lifecycle(t)); err != nil {
+	lc = &cell.DefaultLifecycle{}
+	if _, err := newConfig(Flags{NodeName: "n2", StateDir: dir}, lc); err != nil {
 		t.Fatalf("after the first agent stopped: %v", err)
 	}
+	// Another agent slipped in between populate and start: start fails.
+	other, err := LockStateDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lc.Start(log, t.Context()); err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("start with the directory taken since populate: %v, want %q", err, want)
+	}
+	other.Release()
 }
