@@ -109,3 +109,52 @@ func describeMismatch(spec *ebpf.MapSpec, m *ebpf.Map) (string, error) {
 	}
 	return strings.Join(diffs, ", "), nil
 }
+
+// layoutDiffs returns how the layout of got (type, key size, value size)
+// differs from want, as "key size 8, want 12", or nil when it is the same.
+// A map of another layout holds entries that mean something else: they can
+// only be converted by code written for both layouts.
+func layoutDiffs(got, want mapAttrs) []string {
+	var diffs []string
+	if got.typ != want.typ {
+		diffs = append(diffs, fmt.Sprintf("type %s, want %s", got.typ, want.typ))
+	}
+	if got.keySize != want.keySize {
+		diffs = append(diffs, fmt.Sprintf("key size %d, want %d", got.keySize, want.keySize))
+	}
+	if got.valueSize != want.valueSize {
+		diffs = append(diffs, fmt.Sprintf("value size %d, want %d", got.valueSize, want.valueSize))
+	}
+	return diffs
+}
+
+// LayoutError says that a pinned map has another layout (type, key size or
+// value size) than the spec asks for, so that its entries cannot be read,
+// let alone copied, with the spec's key and value types. It comes from an
+// older or newer agent, or from another program using the pin directory.
+type LayoutError struct {
+	// Name is the map's name, Path its pin.
+	Name, Path string
+	// Diffs are the differences, such as "key size 8, want 12".
+	Diffs []string
+}
+
+func (e *LayoutError) Error() string {
+	return fmt.Sprintf("pinned map %s has %s: its entries cannot be converted; remove it (rm %s) to have an empty one created, "+
+		"or use another pin directory", e.Name, strings.Join(e.Diffs, "; "), e.Path)
+}
+
+// CheckLayoutOf returns a *LayoutError if m, pinned at path, does not have
+// the type, key size and value size of spec, and nil if it does. Readers of
+// pinned maps call it before they decode entries with the spec's types.
+func CheckLayoutOf(m *ebpf.Map, spec *ebpf.MapSpec, path string) error {
+	got := pinnedAttrs(m)
+	want, err := wantAttrs(spec, got)
+	if err != nil {
+		return err
+	}
+	if diffs := layoutDiffs(got, want); len(diffs) > 0 {
+		return &LayoutError{Name: spec.Name, Path: path, Diffs: diffs}
+	}
+	return nil
+}

@@ -70,6 +70,20 @@ type PinnedMap struct {
 	Mismatch string
 }
 
+// PinOption changes how OpenPinnedMap treats an existing pin.
+type PinOption func(*pinOptions)
+
+type pinOptions struct {
+	otherLayout bool
+}
+
+// ReplaceOtherLayout lets OpenPinnedMap replace a pin of another layout
+// (type, key size or value size) although a MigrateFunc is given: for maps
+// whose migration deals with such a pin itself, converting its entries or
+// deliberately dropping them (conntrack entries, which the datapath
+// recreates).
+func ReplaceOtherLayout(o *pinOptions) { o.otherLayout = true }
+
 // OpenPinnedMap returns the map pinned as pinDir/spec.Name, creating it from
 // spec when no pin exists, so that map contents survive agent restarts.
 //
@@ -80,11 +94,17 @@ type PinnedMap struct {
 // leaves either the old or the new map pinned under the name. If migrate fails,
 // the old pin is left in place and the error is returned.
 //
+// A migration is written for the spec's key and value types, so a pin of
+// another layout (type, key size or value size) is refused with a
+// *LayoutError that says what differs and how to get rid of the pin, and is
+// left untouched, unless migrate is nil (nothing is kept, so any pin can be
+// replaced) or the ReplaceOtherLayout option is given.
+//
 // pinDir must lie on bpffs (see EnsureFS); it is created if missing. spec.Name
 // is the pin's file name, so it must not contain a dot (bpffs refuses those) or
 // a slash, nor end in "_new", which is reserved for the swap. spec.Pinning is
 // ignored. A nil log discards log messages.
-func OpenPinnedMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate MigrateFunc) (*PinnedMap, error) {
+func OpenPinnedMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate MigrateFunc, opts ...PinOption) (*PinnedMap, error) {
 	if spec == nil {
 		return nil, errors.New("open pinned map: nil spec")
 	}
@@ -131,6 +151,17 @@ func OpenPinnedMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate 
 	if mismatch == "" {
 		log.Debug("Reusing pinned map", "path", path)
 		return &PinnedMap{Map: old, Path: path, Outcome: PinReused}, nil
+	}
+
+	var o pinOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if migrate != nil && !o.otherLayout {
+		if err := CheckLayoutOf(old, spec, path); err != nil {
+			old.Close()
+			return nil, err
+		}
 	}
 
 	return replacePinned(log, spec, path, old, mismatch, migrate)

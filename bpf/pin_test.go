@@ -545,3 +545,101 @@ func assertNoTempPin(t *testing.T, path string) {
 		t.Errorf("temporary pin %s_new left behind (stat: %v)", path, err)
 	}
 }
+
+// TestOpenPinnedMapOtherLayout pins a map of another key size, value size or
+// type, as an older agent or another program may have left: a migration
+// written for the spec's types cannot read it, so it is refused with an
+// error saying what differs and what to do, and the pin is left alone,
+// unless the caller asks for it to be replaced.
+func TestOpenPinnedMapOtherLayout(t *testing.T) {
+	want := func() *ebpf.MapSpec {
+		return &ebpf.MapSpec{Name: "test_map", Type: ebpf.Hash, KeySize: 12, ValueSize: 8, MaxEntries: 1024}
+	}
+	cases := []struct {
+		name   string
+		pinned func(*ebpf.MapSpec)
+		diffs  string
+	}{
+		{"key_size", func(s *ebpf.MapSpec) { s.KeySize = 8 }, "key size 8, want 12"},
+		{"value_size", func(s *ebpf.MapSpec) { s.ValueSize = 16; s.MaxEntries = 64 }, "value size 16, want 8"},
+		{"type", func(s *ebpf.MapSpec) { s.Type = ebpf.LRUHash }, "type LRUHash, want Hash"},
+		{"several", func(s *ebpf.MapSpec) { s.KeySize, s.ValueSize = 8, 4 }, "key size 8, want 12; value size 4, want 8"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			dir := testenv.BPFPinDir(t)
+			path := filepath.Join(dir, "test_map")
+			spec := want()
+			c.pinned(spec)
+			old, err := bpf.OpenPinnedMap(nil, spec, dir, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			oldID := mapIDOf(t, old.Map)
+			old.Close()
+
+			migrated := false
+			migrate := func(_, _ *ebpf.Map) error { migrated = true; return errors.New("buffer too small") }
+			_, err = bpf.OpenPinnedMap(nil, want(), dir, migrate)
+			var layoutErr *bpf.LayoutError
+			if !errors.As(err, &layoutErr) {
+				t.Fatalf("got %v, want a LayoutError", err)
+			}
+			wantMsg := "pinned map test_map has " + c.diffs + ": its entries cannot be converted; remove it (rm " +
+				path + ") to have an empty one created, or use another pin directory"
+			if err.Error() != wantMsg {
+				t.Errorf("got  %q\nwant %q", err, wantMsg)
+			}
+			if migrated {
+				t.Error("migrate was called for a pin of another layout")
+			}
+			assertNoTempPin(t, path)
+			m, err := ebpf.LoadPinnedMap(path, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if mapIDOf(t, m) != oldID {
+				t.Error("the refused pin was replaced")
+			}
+			if err := bpf.CheckLayoutOf(m, want(), path); err == nil || err.Error() != wantMsg {
+				t.Errorf("CheckLayoutOf: %v, want %q", err, wantMsg)
+			}
+			if err := bpf.CheckLayoutOf(m, spec, path); err != nil {
+				t.Errorf("CheckLayoutOf with the pin's own spec: %v", err)
+			}
+			m.Close()
+
+			// Asked to, OpenPinnedMap replaces it, through migrate.
+			pm, err := bpf.OpenPinnedMap(nil, want(), dir, func(_, _ *ebpf.Map) error { migrated = true; return nil },
+				bpf.ReplaceOtherLayout)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pm.Close()
+			if !migrated || pm.Outcome != bpf.PinReplaced || pm.KeySize() != 12 || pm.ValueSize() != 8 || pm.Type() != ebpf.Hash {
+				t.Errorf("with ReplaceOtherLayout: migrated %v, outcome %v, %s %d/%d", migrated, pm.Outcome,
+					pm.Type(), pm.KeySize(), pm.ValueSize())
+			}
+		})
+	}
+
+	// Another size alone is no layout change: the migration copies.
+	t.Run("max_entries", func(t *testing.T) {
+		dir := testenv.BPFPinDir(t)
+		spec := want()
+		spec.MaxEntries = 16
+		old, err := bpf.OpenPinnedMap(nil, spec, dir, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		old.Close()
+		pm, err := bpf.OpenPinnedMap(nil, want(), dir, func(_, _ *ebpf.Map) error { return nil })
+		if err != nil {
+			t.Fatal(err)
+		}
+		pm.Close()
+		if pm.Outcome != bpf.PinReplaced {
+			t.Errorf("outcome %v, want replaced", pm.Outcome)
+		}
+	})
+}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -15,6 +16,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/testenv"
 )
 
@@ -182,18 +187,59 @@ func TestBinary(t *testing.T) {
 			t.Fatal(err)
 		}
 		first.Wait()
-		next := startAgent(t, bin, "--state-dir="+stateDir, "--bpf-pin-dir="+pinDir)
-		if err := next.Process.Signal(syscall.SIGTERM); err != nil {
-			t.Fatal(err)
-		}
-		if err := next.Wait(); err != nil {
-			t.Fatalf("agent after kill -9 of the first did not stop cleanly: %s", err)
+		startAgent(t, bin, "--state-dir="+stateDir, "--bpf-pin-dir="+pinDir)
+	})
+
+	t.Run("a pinned map of another layout stops the agent with the reason", func(t *testing.T) {
+		for _, tc := range []struct {
+			name string
+			spec *ebpf.MapSpec
+			want string
+		}{
+			{bpf.LB4ServicesMap, &ebpf.MapSpec{Type: ebpf.Hash, KeySize: 8, ValueSize: 12, MaxEntries: 64},
+				"pinned map lb4_services has key size 8, want 12: its entries cannot be converted; remove it (rm "},
+			{bpf.IPCacheMap, &ebpf.MapSpec{Type: ebpf.LPMTrie, KeySize: 8, ValueSize: 24, MaxEntries: 64, Flags: unix.BPF_F_NO_PREALLOC},
+				"pinned map ipcache has key size 8, want 24: its entries cannot be converted; remove it (rm "},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				stateDir, pinDir := t.TempDir(), testenv.BPFPinDir(t)
+				path := filepath.Join(pinDir, tc.name)
+				stale, err := ebpf.NewMap(tc.spec)
+				if err != nil {
+					t.Fatal(err)
+				}
+				err = stale.Pin(path)
+				stale.Close()
+				if err != nil {
+					t.Fatal(err)
+				}
+				ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+				defer cancel()
+				out, err := exec.CommandContext(ctx, bin, "agent", "--api-addr=127.0.0.1:0",
+					"--state-dir="+stateDir, "--bpf-pin-dir="+pinDir).CombinedOutput()
+				var exitErr *exec.ExitError
+				if !errors.As(err, &exitErr) || exitErr.ExitCode() == 0 || ctx.Err() != nil {
+					t.Fatalf("want a non-zero exit at start, got %v:\n%s", err, out)
+				}
+				lines := strings.Split(strings.TrimRight(string(out), "\n"), "\n")
+				last := lines[len(lines)-1]
+				if !strings.HasPrefix(last, "apiary: failed to start: ") || !strings.Contains(last, tc.want+path+")") {
+					t.Fatalf("want a last line with %q, got:\n%s", tc.want, out)
+				}
+
+				// Doing what it says is enough.
+				if err := os.Remove(path); err != nil {
+					t.Fatal(err)
+				}
+				startAgent(t, bin, "--state-dir="+stateDir, "--bpf-pin-dir="+pinDir)
+			})
 		}
 	})
 }
 
 // startAgent starts the agent with a free API port and the given flags,
-// waits until it serves /healthz with 200 and kills it when the test ends.
+// waits until it has started and serves /healthz with 200, and kills it
+// when the test ends.
 func startAgent(t *testing.T, bin string, flags ...string) *exec.Cmd {
 	t.Helper()
 	args := append([]string{"agent", "--api-addr=127.0.0.1:0", "--log-format=json"}, flags...)
@@ -209,7 +255,21 @@ func startAgent(t *testing.T, bin string, flags ...string) *exec.Cmd {
 		cmd.Process.Kill()
 		cmd.Wait()
 	})
-	addr := waitForLog(t, stderr, "API listening")
+	var addr string
+	scanner := bufio.NewScanner(stderr)
+	for addr == "" || !strings.Contains(scanner.Text(), `"msg":"Started hive"`) {
+		if !scanner.Scan() {
+			t.Fatalf("agent %v exited before it started", flags)
+		}
+		var rec map[string]any
+		if json.Unmarshal(scanner.Bytes(), &rec) == nil && rec["msg"] == "API listening" {
+			addr, _ = rec["address"].(string)
+		}
+	}
+	go func() { // keep draining so the agent never blocks on stderr
+		for scanner.Scan() {
+		}
+	}()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		resp, err := http.Get("http://" + addr + "/healthz")

@@ -108,7 +108,8 @@ func (c *CTMaps) Update(ctx context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 		return err
 	}
 
-	pm, err := bpf.OpenPinnedMap(c.log, spec, c.pinDir, migrate)
+	// A pin of another layout is replaced too: migrate drops its entries.
+	pm, err := bpf.OpenPinnedMap(c.log, spec, c.pinDir, migrate, bpf.ReplaceOtherLayout)
 	if err != nil {
 		err = fmt.Errorf("conntrack map %s: %w", row.Name, err)
 		if c.keepPinned(row, spec) {

@@ -2,12 +2,18 @@ package reconcilers_test
 
 import (
 	"context"
+	"errors"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
+	"github.com/cilium/ebpf"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
+	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/testenv"
@@ -102,5 +108,31 @@ func TestIPCacheOps(t *testing.T) {
 	}
 	if u, d := c.Writes(); u != 0 || d != 0 {
 		t.Errorf("%d writes, %d deletes for an entry the map held", u, d)
+	}
+}
+
+// TestIPCacheOtherLayoutRefused pins an ipcache of another key size: Open
+// fails with the layout and leaves the pin, rather than failing on reading
+// it ("buffer too small").
+func TestIPCacheOtherLayoutRefused(t *testing.T) {
+	dir := testenv.BPFPinDir(t)
+	path := filepath.Join(dir, bpf.IPCacheMap)
+	stale, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.LPMTrie, KeySize: 8, ValueSize: 8, MaxEntries: 64,
+		Flags: unix.BPF_F_NO_PREALLOC})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stale.Close()
+	if err := stale.Pin(path); err != nil {
+		t.Fatal(err)
+	}
+	c := reconcilers.NewIPCache(nil)
+	_, err = c.Open(dir, 1024)
+	var layoutErr *bpf.LayoutError
+	if !errors.As(err, &layoutErr) || !strings.HasPrefix(err.Error(), "pinned map ipcache has key size 8, want 24; value size 8, want 24: ") {
+		t.Fatalf("got %v, want the layout of the pinned ipcache", err)
+	}
+	if _, err := os.Stat(path); err != nil {
+		t.Errorf("the refused pin is gone: %v", err)
 	}
 }

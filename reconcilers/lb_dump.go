@@ -97,7 +97,19 @@ func WriteLBMaps(w io.Writer, services, backends, revNat *ebpf.Map) error {
 func WritePinnedLB(w io.Writer, pinDir string) error {
 	var maps [numLBMaps]*ebpf.Map
 	for i, name := range lbMapNames {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, name), &ebpf.LoadPinOptions{ReadOnly: true})
+		path := filepath.Join(pinDir, name)
+		m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+		if err == nil {
+			// Entries of another layout would fail to decode with a
+			// puzzling "buffer too small".
+			var spec *ebpf.MapSpec
+			if spec, err = bpf.LBMapSpec(name, m.MaxEntries()); err == nil {
+				err = bpf.CheckLayoutOf(m, spec, path)
+			}
+			if err != nil {
+				m.Close()
+			}
+		}
 		if err != nil {
 			for _, o := range maps[:i] {
 				o.Close()

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strings"
 	"sync/atomic"
 
 	"github.com/cilium/ebpf"
@@ -89,7 +90,7 @@ func (l *LB) ensureOpen() error {
 	revNat, err3 := open(bpf.LB4RevNatMap,
 		bpf.CopyEntries[bpf.Be16, bpf.LB4RevNatValue],
 		bpf.CheckLayout[bpf.Be16, bpf.LB4RevNatValue])
-	if err := errors.Join(err1, err2, err3); err != nil {
+	if err := joinOneLine(err1, err2, err3); err != nil {
 		for _, m := range opened {
 			m.Close()
 		}
@@ -102,6 +103,28 @@ func (l *LB) ensureOpen() error {
 	}
 	l.maps = maps
 	return nil
+}
+
+// joinOneLine joins errs like errors.Join, but separated by "; " rather than
+// newlines, so that the agent's one-line error stays one line.
+func joinOneLine(errs ...error) error {
+	err := errors.Join(errs...)
+	if err == nil {
+		return nil
+	}
+	return oneLine{err.(interface{ Unwrap() []error })}
+}
+
+type oneLine struct{ joined interface{ Unwrap() []error } }
+
+func (e oneLine) Unwrap() []error { return e.joined.Unwrap() }
+
+func (e oneLine) Error() string {
+	msgs := make([]string, 0, len(e.Unwrap()))
+	for _, err := range e.Unwrap() {
+		msgs = append(msgs, err.Error())
+	}
+	return strings.Join(msgs, "; ")
 }
 
 // restore fills the mirror from the maps, so that frontends and backends

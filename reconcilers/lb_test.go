@@ -2,8 +2,12 @@ package reconcilers
 
 import (
 	"context"
+	"errors"
+	"io"
 	"log/slog"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -13,6 +17,7 @@ import (
 	"github.com/cilium/statedb/reconciler"
 	"golang.org/x/sys/unix"
 
+	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -191,5 +196,57 @@ func TestReopenKeepsEntries(t *testing.T) {
 				t.Fatalf("%d map operations after reopening, want 0", n)
 			}
 		})
+	}
+}
+
+// TestOtherLayoutRefused pins an lb4_services of another key size, as an
+// agent of another version may leave: opening the maps fails with the
+// layout, on one line, rather than with the "buffer too small" of a copy
+// that can never succeed, and the pin is left for the operator to remove.
+func TestOtherLayoutRefused(t *testing.T) {
+	testenv.RequireRoot(t)
+	pinDir := testenv.BPFPinDir(t)
+	path := filepath.Join(pinDir, bpf.LB4ServicesMap)
+	stale, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Hash, KeySize: 8, ValueSize: 8, MaxEntries: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stale.Close()
+	if err := stale.Pin(path); err != nil {
+		t.Fatal(err)
+	}
+	db := statedb.New()
+	backends, err := tables.NewBackendsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb := NewLB(slog.New(slog.DiscardHandler), LBConfig{PinDir: pinDir, MaxEntries: 64, MaxEntriesFlag: "bpf-lb-map-max"}, backends)
+	defer lb.Close()
+	err = lb.Maps(func(_, _, _ *ebpf.Map) error { return nil })
+	want := "open load-balancing maps: pinned map lb4_services has key size 8, want 12; value size 8, want 12: " +
+		"its entries cannot be converted; remove it (rm " + path + ") to have an empty one created, or use another pin directory"
+	if err == nil || err.Error() != want {
+		t.Fatalf("got  %v\nwant %s", err, want)
+	}
+	var layoutErr *bpf.LayoutError
+	if !errors.As(err, &layoutErr) {
+		t.Errorf("%v is no LayoutError", err)
+	}
+	if err := lb.Maps(func(_, _, _ *ebpf.Map) error { return nil }); err == nil || err.Error() != want {
+		t.Errorf("second try: %v", err)
+	}
+
+	// `apiary bpf lb list` says the same.
+	err = WritePinnedLB(io.Discard, pinDir)
+	if !errors.As(err, &layoutErr) || layoutErr.Name != bpf.LB4ServicesMap {
+		t.Errorf("WritePinnedLB: %v, want the layout of lb4_services", err)
+	}
+
+	// Once the operator removed the pin, the maps open.
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	if err := lb.Maps(func(_, _, _ *ebpf.Map) error { return nil }); err != nil {
+		t.Fatalf("after removing the stale pin: %v", err)
 	}
 }

@@ -99,6 +99,12 @@ func newLBOps(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, backends stated
 		Preallocate:    cfg.BPFLBPreallocate,
 	}, backends)
 	lc.Append(cell.Hook{
+		// Opened at start rather than at the first reconciliation, so that
+		// pins the agent cannot use (another layout, see bpf.LayoutError)
+		// stop it with a clear error instead of degrading it for good.
+		OnStart: func(cell.HookContext) error {
+			return ops.Maps(func(_, _, _ *ebpf.Map) error { return nil })
+		},
 		// The reconciler, a job, stops before this.
 		OnStop: func(cell.HookContext) error { return ops.Close() },
 	})
