@@ -58,11 +58,10 @@ func startDNSMasq(t *testing.T, options ...string) string {
 	return addr
 }
 
-// dig asks the DNS server at addr for name's A records over UDP, or TCP,
+// dig runs bin (dig) to ask the DNS server at addr for name's A records over UDP, or TCP,
 // and returns the addresses it answered.
-func dig(t *testing.T, addr, name string, tcp bool) []string {
+func dig(t *testing.T, bin, addr, name string, tcp bool) []string {
 	t.Helper()
-	bin := testenv.RequireProgram(t, "dig")
 	host, port, _ := net.SplitHostPort(addr)
 	// The proxy may hold the answer until the map has the addresses:
 	// wait longer than it may hold.
@@ -116,6 +115,7 @@ func checkProxyStarted(t *testing.T, a *agent, addr, upstream string) {
 func TestDNSProxy(t *testing.T) {
 	t.Parallel()
 	testenv.RequireRoot(t)
+	digBin := testenv.RequireProgram(t, "dig")
 	upstream := startDNSMasq(t,
 		"--host-record=api.example.com,198.51.100.10,300",
 		"--address=/example.org/198.51.100.20", "--local-ttl=300",
@@ -132,7 +132,7 @@ func TestDNSProxy(t *testing.T) {
 	checkProxyStarted(t, a, proxy, upstream)
 
 	// A name no selector matches is forwarded and answered like any other.
-	if got := dig(t, proxy, "other.example.net", false); !slices.Equal(got, []string{"198.51.100.30"}) {
+	if got := dig(t, digBin, proxy, "other.example.net", false); !slices.Equal(got, []string{"198.51.100.30"}) {
 		t.Fatalf("dig other.example.net through the proxy: %q, want the upstream's 198.51.100.30", got)
 	}
 
@@ -145,7 +145,7 @@ func TestDNSProxy(t *testing.T) {
 		{"www.example.org", "198.51.100.20", true},  // matchPattern, over TCP
 		{"api.example.com", "198.51.100.10", true},
 	} {
-		got := dig(t, proxy, tc.name, tc.tcp)
+		got := dig(t, digBin, proxy, tc.name, tc.tcp)
 		if !slices.Equal(got, []string{tc.ip}) {
 			t.Fatalf("dig %s (tcp=%t) through the proxy: %q, want the upstream's %s", tc.name, tc.tcp, got, tc.ip)
 		}
@@ -215,7 +215,7 @@ func TestDNSProxy(t *testing.T) {
 	}
 	checkNames(t)
 	// And asking again changes nothing.
-	if got := dig(t, proxy, "api.example.com", false); !slices.Equal(got, []string{"198.51.100.10"}) {
+	if got := dig(t, digBin, proxy, "api.example.com", false); !slices.Equal(got, []string{"198.51.100.10"}) {
 		t.Fatalf("dig api.example.com after the restart: %q", got)
 	}
 	m, err := a.ipcacheMap()

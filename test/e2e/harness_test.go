@@ -33,9 +33,22 @@ const repoRoot = "../.."
 // apiaryBin is the apiary binary TestMain built.
 var apiaryBin string
 
+// binEnv names a prebuilt apiary binary to test instead of building one
+// (a release artifact, say).
+const binEnv = "APIARY_E2E_BIN"
+
 // TestMain builds apiary once, as a user would (`go build ./daemon`), for
-// every test of the package.
+// every test of the package; or takes the binary $APIARY_E2E_BIN names.
 func TestMain(m *testing.M) {
+	if bin := os.Getenv(binEnv); bin != "" {
+		abs, err := filepath.Abs(bin)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "e2e:", err)
+			os.Exit(1)
+		}
+		apiaryBin = abs
+		os.Exit(m.Run())
+	}
 	dir, err := os.MkdirTemp("", "apiary-e2e-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
@@ -171,7 +184,7 @@ func startProcess(t *testing.T, name string, env []string, path string, args ...
 	// Cleanups run last first: stop, then show the log.
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("==== %s (%s): last output ====\n%s", p.name, strings.Join(p.cmd.Args, " "), p.log.tail(60))
+			t.Logf("==== %s (%s): last output ====\n%s", p.name, strings.Join(append(env, p.cmd.Args...), " "), p.log.tail(60))
 		}
 	})
 	t.Cleanup(func() {
