@@ -3,7 +3,8 @@
 // /metrics. Other cells add routes through the "api-handlers" value group.
 //
 // Nothing here is authenticated, which is why the default address is on the
-// loopback interface.
+// loopback interface, and why listening anywhere else logs a warning naming
+// the address.
 package api
 
 import (

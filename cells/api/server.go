@@ -113,10 +113,25 @@ func (s *Server) start(ctx cell.HookContext) error {
 	s.mu.Unlock()
 
 	s.log.Info("API listening", "address", ln.Addr().String())
+	if !isLoopback(ln.Addr()) {
+		// Tables name pods, addresses and policies, and nothing checks who
+		// asks: say so where the operator looks.
+		s.log.Warn("HTTP API listens on a non-loopback address without authentication: whoever reaches "+
+			ln.Addr().String()+" reads the agent's state",
+			"address", ln.Addr().String(), AddrFlag, s.cfg.APIAddr)
+	}
 	s.health.OK("Listening on " + ln.Addr().String())
 
 	go s.serve(ln, served)
 	return nil
+}
+
+// isLoopback reports whether a listener's address only accepts connections
+// from this host: a loopback address. The unspecified address (0.0.0.0,
+// ::) and every other one are reachable from elsewhere.
+func isLoopback(addr net.Addr) bool {
+	tcp, ok := addr.(*net.TCPAddr)
+	return ok && tcp.IP.IsLoopback()
 }
 
 // serve runs until stop and closes served when it returns.

@@ -1,10 +1,13 @@
 package api
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"regexp"
+	"sync"
 	"syscall"
 	"testing"
 
@@ -159,4 +162,65 @@ func TestAddrBeforeStart(t *testing.T) {
 	require.True(t, ok)
 	assert.True(t, addr.IP.IsLoopback())
 	assert.NotZero(t, addr.Port)
+}
+
+// records keeps the log records of a hive.
+type records struct {
+	mu   sync.Mutex
+	recs []slog.Record
+}
+
+func (r *records) Enabled(context.Context, slog.Level) bool { return true }
+func (r *records) WithAttrs([]slog.Attr) slog.Handler       { return r }
+func (r *records) WithGroup(string) slog.Handler            { return r }
+func (r *records) Handle(_ context.Context, rec slog.Record) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.recs = append(r.recs, rec.Clone())
+	return nil
+}
+
+// warnings returns the messages of the Warn records.
+func (r *records) warnings() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for _, rec := range r.recs {
+		if rec.Level == slog.LevelWarn {
+			out = append(out, rec.Message)
+		}
+	}
+	return out
+}
+
+// TestNonLoopbackWarns checks that listening where other hosts can connect
+// warns, naming the address, that the API is not authenticated, and that
+// loopback does not.
+func TestNonLoopbackWarns(t *testing.T) {
+	for _, tc := range []struct {
+		addr string
+		warn bool
+	}{
+		{"127.0.0.1:0", false},
+		{"127.0.0.2:0", false},
+		{"localhost:0", false},
+		{"0.0.0.0:0", true},
+		{":0", true},
+	} {
+		t.Run(tc.addr, func(t *testing.T) {
+			f := newFixture(t, []string{"--api-addr=" + tc.addr})
+			logs := &records{}
+			f.log = slog.New(logs)
+			require.NoError(t, f.hive.Start(f.log, t.Context()))
+			addr := f.server.Addr().String()
+			warnings := logs.warnings()
+			if !tc.warn {
+				assert.Empty(t, warnings)
+				return
+			}
+			require.Len(t, warnings, 1)
+			assert.Equal(t, "HTTP API listens on a non-loopback address without authentication: whoever reaches "+
+				addr+" reads the agent's state", warnings[0])
+		})
+	}
 }
