@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
@@ -47,6 +48,12 @@ func ModuleDecorator(h cell.Health, id cell.ModuleID) cell.Health {
 // writing each of them at once would write the health table every round, which
 // under a burst of events costs a tenth of the agent's CPU.
 const DefaultCoalesce = time.Second
+
+// MaxTextLen bounds the message and the error text stored per scope. Longer
+// ones are cut (at a character boundary) and end in "… (N more bytes)", so
+// that /healthz and the log stay small whatever a module reports; modules
+// are expected to summarise well below this.
+const MaxTextLen = 4096
 
 // Registry records the status of every open scope in the health table.
 // A change of level or error is written at once; a change of message alone
@@ -113,8 +120,9 @@ func (r *Registry) scope(name string) *scope {
 func (r *Registry) report(name string, level cell.Level, msg string, err error) {
 	errStr := ""
 	if err != nil {
-		errStr = err.Error()
+		errStr = truncate(err.Error(), MaxTextLen)
 	}
+	msg = truncate(msg, MaxTextLen)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	// Most reports repeat the last one: a read costs no table lock.
@@ -136,19 +144,32 @@ func (r *Registry) report(name string, level cell.Level, msg string, err error) 
 	}
 	delete(r.pending, name)
 	wtxn := r.db.WriteTxn(r.table)
-	r.write(wtxn, old, level, msg, errStr, err)
+	r.write(wtxn, old, level, msg, errStr)
 	wtxn.Commit()
 }
 
-// write replaces old with the new status. The caller holds r.mu.
-func (r *Registry) write(wtxn statedb.WriteTxn, old *tables.HealthStatus, level cell.Level, msg, errStr string, err error) {
+// truncate cuts s to at most max bytes, plus a note of how much was cut.
+func truncate(s string, max int) string {
+	if len(s) <= max {
+		return s
+	}
+	cut := max
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return fmt.Sprintf("%s… (%d more bytes)", s[:cut], len(s)-cut)
+}
+
+// write replaces old with the new status; msg and errStr are already
+// truncated. The caller holds r.mu.
+func (r *Registry) write(wtxn statedb.WriteTxn, old *tables.HealthStatus, level cell.Level, msg, errStr string) {
 	s := *old
 	s.Message, s.Error = msg, errStr
 	if s.Level != level {
 		s.Level, s.Since = level, r.now()
 		switch level {
 		case cell.StatusDegraded:
-			r.log.Warn("Health degraded", "scope", s.Scope, "message", msg, "error", err)
+			r.log.Warn("Health degraded", "scope", s.Scope, "message", msg, "error", errStr)
 		case cell.StatusOK:
 			if old.Level == cell.StatusDegraded {
 				r.log.Info("Health recovered", "scope", s.Scope, "message", msg)
@@ -201,7 +222,7 @@ func (r *Registry) flushPending() {
 		// Level and error are unchanged: a report changing them drops the
 		// pending message.
 		if old, _, found := r.table.Get(wtxn, tables.HealthScopeIndex.Query(name)); found {
-			r.write(wtxn, old, old.Level, msg, old.Error, nil)
+			r.write(wtxn, old, old.Level, msg, old.Error)
 		}
 		delete(r.pending, name)
 	}
