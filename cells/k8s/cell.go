@@ -27,7 +27,7 @@ var SourcesCell = cell.Module(
 	"k8s-sources",
 	"Kubernetes objects from the API server and the config dir",
 
-	cell.Config(SourcesConfig{}),
+	cell.Config(defaultSourcesConfig),
 	cell.Provide(
 		NewKinds,
 		newDirSource,
@@ -44,12 +44,22 @@ type SourcesConfig struct {
 	// ConfigDir is a directory of Kubernetes YAML files to read objects
 	// from, next to or instead of the API server. Empty: none.
 	ConfigDir string
+	// ConfigFileMaxSize is the largest file in ConfigDir that is read, as
+	// a Kubernetes quantity ("4Mi", "500k", "1048576"); larger files are
+	// reported and not read.
+	ConfigFileMaxSize string
+}
+
+var defaultSourcesConfig = SourcesConfig{
+	ConfigFileMaxSize: "4Mi",
 }
 
 // Flags implements cell.Flagger.
 func (def SourcesConfig) Flags(fs *pflag.FlagSet) {
 	fs.String("config-dir", def.ConfigDir,
 		"Directory of Kubernetes YAML files (Services, EndpointSlices, Pods, Namespaces, policies) to read and watch; empty: none")
+	fs.String("config-file-max-size", def.ConfigFileMaxSize,
+		"Largest file in --config-dir that is read (bytes, or a quantity such as 4Mi or 500k); a larger one is reported and not read")
 }
 
 // startDirSource runs the directory source as a job when --config-dir is

@@ -2,6 +2,7 @@ package k8s
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -43,6 +44,12 @@ type Decoded struct {
 // an error. All errors of the file are returned joined, and no objects: a
 // file is applied as a whole or not at all. It never panics, whatever data is.
 func DecodeFile(name string, data []byte, kinds *Kinds) ([]Decoded, error) {
+	return decodeFile(context.Background(), name, data, kinds)
+}
+
+// decodeFile is DecodeFile that gives up with ctx's error when ctx ends: a
+// file of a few MB of small documents takes seconds to decode.
+func decodeFile(ctx context.Context, name string, data []byte, kinds *Kinds) ([]Decoded, error) {
 	var (
 		out  []Decoded
 		errs []error
@@ -53,6 +60,9 @@ func DecodeFile(name string, data []byte, kinds *Kinds) ([]Decoded, error) {
 	for _, c := range splitDocuments(data) {
 		dec := yaml.NewDecoder(bytes.NewReader(c.data))
 		for {
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
 			var doc yaml.Node
 			if err := dec.Decode(&doc); err != nil {
 				if !errors.Is(err, io.EOF) {
@@ -72,7 +82,7 @@ func DecodeFile(name string, data []byte, kinds *Kinds) ([]Decoded, error) {
 			if root.Kind == yaml.ScalarNode && root.ShortTag() == "!!null" {
 				continue // an empty document, e.g. only comments
 			}
-			ds, err := decodeDocument(name, root, kinds)
+			ds, err := decodeDocument(ctx, name, root, kinds)
 			out = append(out, ds...)
 			errs = append(errs, err)
 		}
@@ -99,7 +109,7 @@ func DecodeFile(name string, data []byte, kinds *Kinds) ([]Decoded, error) {
 }
 
 // decodeDocument decodes one document: an object or a List of objects.
-func decodeDocument(name string, n *yaml.Node, kinds *Kinds) ([]Decoded, error) {
+func decodeDocument(ctx context.Context, name string, n *yaml.Node, kinds *Kinds) ([]Decoded, error) {
 	if n.Kind != yaml.MappingNode {
 		return nil, fmt.Errorf("%s:%d: document is not a mapping", name, n.Line)
 	}
@@ -130,6 +140,9 @@ func decodeDocument(name string, n *yaml.Node, kinds *Kinds) ([]Decoded, error) 
 		errs []error
 	)
 	for i, item := range items {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
 		// Item nodes give line numbers; they line up with the decoded items
 		// unless aliases or merges were involved, then the List's line does.
 		itemNode := n

@@ -19,6 +19,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/fsnotify/fsnotify"
 	"k8s.io/apimachinery/pkg/api/equality"
+	apiresource "k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 )
 
@@ -42,10 +43,21 @@ type DirOptions struct {
 // *.yaml, *.yml and *.json files directly in the directory and watches it for
 // changes, feeding every Resource of the kinds it finds.
 //
-// A file is applied as a whole: a file with a bad document is reported (log
-// and health, with file:line) and skipped, and the objects it contributed
-// before stay. When two files define the same object, the file whose name
-// sorts first wins and the other is reported. A directory that doesn't exist
+// Only regular files are read, through symlinks too (ConfigMap volumes are
+// made of them), and only up to --config-file-max-size: a name that is a
+// FIFO, socket or device, a dangling symlink, a file that is too big (or, as
+// /proc files that say size 0, yields more than that) is reported by name
+// (log at Warn and health) and not read. Reading never blocks (files are
+// opened O_NONBLOCK) and stops when the source stops. Subdirectories are not
+// read: each is logged once at Info and named in the health message, which
+// stays OK.
+//
+// A file is applied as a whole: a file with a bad document, or one that is
+// not read, is reported (log and health, with file:line) and skipped, and the
+// objects it contributed before stay. When two files define the same object,
+// the file whose name sorts first keeps it and each other one is reported for
+// it, naming the file and line that keep it. Log records and health list the
+// first few problems and count the rest. A directory that doesn't exist
 // counts as an empty one: the source is synced with no objects (so that
 // pruning isn't blocked forever by a typo), reports degraded, and watches the
 // parent for the directory to appear; removing the directory deletes its
@@ -59,6 +71,8 @@ type DirOptions struct {
 type DirSource struct {
 	dir      string // absolute; empty when disabled
 	debounce time.Duration
+	maxSize  int64  // --config-file-max-size in bytes
+	maxFlag  string // and as given
 	log      *slog.Logger
 	health   cell.Health
 	kinds    *Kinds
@@ -73,6 +87,9 @@ type DirSource struct {
 	// logged is the problem last logged per file ("" for the directory), so
 	// that each distinct problem is logged once, not on every rescan.
 	logged map[string]string
+	// subdirs are the subdirectories seen by the last scan, each logged
+	// once when it appears.
+	subdirs map[string]bool
 }
 
 // dirSink is what a Resource implements to receive the directory's objects of
@@ -100,13 +117,15 @@ type dirFile struct {
 	// objs are the objects of registered kinds from the last content that
 	// decoded without error.
 	objs []Decoded
-	// err is the problem with the current content; nil when it is good.
-	err error
+	// err is the problem with the current content (bounded: the first few
+	// and a count); nil when it is good.
+	err *problemList
 }
 
 type dirObject struct {
 	obj  Object
 	file string
+	line int
 }
 
 type dirSourceParams struct {
@@ -130,6 +149,15 @@ func newDirSource(p dirSourceParams) (*DirSource, error) {
 		files:    map[string]*dirFile{},
 		objects:  map[objectID]dirObject{},
 		logged:   map[string]string{},
+		subdirs:  map[string]bool{},
+	}
+	q, err := apiresource.ParseQuantity(p.Config.ConfigFileMaxSize)
+	if err != nil {
+		return nil, fmt.Errorf("--config-file-max-size=%s: want bytes or a quantity such as 4Mi: %w", p.Config.ConfigFileMaxSize, err)
+	}
+	d.maxSize, d.maxFlag = q.Value(), p.Config.ConfigFileMaxSize
+	if d.maxSize <= 0 {
+		return nil, fmt.Errorf("--config-file-max-size=%s must be positive", p.Config.ConfigFileMaxSize)
 	}
 	if p.Config.ConfigDir != "" {
 		abs, err := filepath.Abs(p.Config.ConfigDir)
@@ -237,7 +265,7 @@ func (d *DirSource) run(ctx context.Context, _ cell.Health) error {
 
 	// Watch first, then scan, so that no change falls in between.
 	ensure()
-	d.scan()
+	d.scan(ctx)
 
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
@@ -292,23 +320,24 @@ func (d *DirSource) run(ctx context.Context, _ cell.Health) error {
 
 		case <-timer.C:
 			deadline = time.Time{}
-			d.scan()
+			d.scan(ctx)
 
 		case <-d.rescan:
-			d.scan()
+			d.scan(ctx)
 
 		case <-ticker.C:
 			if w != nil && dirWatched && (parWatched || parent == d.dir) {
 				continue
 			}
 			ensure()
-			d.scan()
+			d.scan(ctx)
 		}
 	}
 }
 
-// scan reads the directory, applies what changed and reports problems.
-func (d *DirSource) scan() {
+// scan reads the directory, applies what changed and reports problems. It
+// gives up, applying nothing, as soon as ctx ends.
+func (d *DirSource) scan(ctx context.Context) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 
@@ -330,21 +359,35 @@ func (d *DirSource) scan() {
 	default:
 		// E.g. no permission. That may be passing, so keep what we have
 		// rather than delete every object.
-		d.report(fmt.Errorf("read config dir %s: %w", d.dir, err))
+		d.report(fmt.Errorf("read config dir %s: %w", d.dir, err), nil)
 		d.markSynced()
 		return
 	}
 
 	present := map[string]bool{}
+	subdirs := map[string]bool{}
 	for _, e := range entries {
 		name := e.Name()
 		if !wantFile(name) {
+			// Hidden ones are ConfigMap volumes' ..data and what it points
+			// to, not worth a word.
+			if e.IsDir() && !strings.HasPrefix(name, ".") {
+				subdirs[name] = true
+			}
 			continue
 		}
-		path := filepath.Join(d.dir, name)
-		info, err := os.Stat(path) // follows symlinks, as ConfigMap volumes use them
-		if errors.Is(err, fs.ErrNotExist) {
-			continue // removed since ReadDir, or a dangling symlink
+		// Symlinks are followed, as ConfigMap volumes use them, but only
+		// to regular files, and only so many bytes are read.
+		data, err := readConfigFile(ctx, filepath.Join(d.dir, name), d.maxSize, d.maxFlag)
+		if ctx.Err() != nil {
+			return // stopping
+		}
+		switch {
+		case errors.Is(err, errFileGone):
+			continue // removed since ReadDir
+		case errors.Is(err, errIsDir):
+			subdirs[name] = true
+			continue
 		}
 		f := d.files[name]
 		if f == nil {
@@ -353,30 +396,22 @@ func (d *DirSource) scan() {
 		}
 		present[name] = true
 		if err != nil {
-			f.err, f.hash = fmt.Errorf("%s: %w", name, err), [sha256.Size]byte{}
-			continue
-		}
-		if !info.Mode().IsRegular() {
-			delete(present, name)
-			continue
-		}
-		data, err := os.ReadFile(path)
-		if err != nil {
-			if errors.Is(err, fs.ErrNotExist) {
-				delete(present, name)
-				continue
-			}
-			f.err, f.hash = fmt.Errorf("read %s: %w", name, err), [sha256.Size]byte{}
+			// Not read (not a regular file, too big, a dangling symlink,
+			// unreadable): reported, and like bad content it loses nothing.
+			f.err, f.hash = newProblemList(name, fmt.Errorf("%s: %w", name, err)), [sha256.Size]byte{}
 			continue
 		}
 		hash := sha256.Sum256(data)
 		if hash == f.hash {
 			continue // unchanged, and so is its error if it had one
 		}
+		decoded, err := decodeFile(ctx, name, data, d.kinds)
+		if ctx.Err() != nil {
+			return // stopping
+		}
 		f.hash = hash
-		decoded, err := DecodeFile(name, data, d.kinds)
 		if err != nil {
-			f.err = err // keep f.objs: bad input loses nothing
+			f.err = newProblemList(name, err) // keep f.objs: bad input loses nothing
 			continue
 		}
 		f.err = nil
@@ -394,20 +429,33 @@ func (d *DirSource) scan() {
 			delete(d.files, name)
 		}
 	}
+	for _, name := range slices.Sorted(maps.Keys(subdirs)) {
+		if !d.subdirs[name] {
+			d.log.Info("Not reading a subdirectory of the config dir: only files directly in it are read",
+				"dir", d.dir, "subdir", name)
+		}
+	}
+	d.subdirs = subdirs
 
 	// Merge the files in name order: the first file to define an object
-	// wins.
+	// keeps it, and every later file that defines it too is reported for
+	// it, naming the file that keeps it.
 	next := map[objectID]dirObject{}
-	conflicts := map[string][]error{}
+	conflicts := map[string]*problemList{}
 	for _, name := range slices.Sorted(maps.Keys(d.files)) {
 		for _, o := range d.files[name].objs {
 			id := objectID{o.GVK, o.Key}
-			if prev, ok := next[id]; ok {
-				conflicts[name] = append(conflicts[name], fmt.Errorf("%s:%d: %s %s is already defined in %s",
-					name, o.Line, o.GVK.Kind, o.Key, prev.file))
+			if kept, ok := next[id]; ok {
+				l := conflicts[name]
+				if l == nil {
+					l = &problemList{file: name}
+					conflicts[name] = l
+				}
+				l.addf("%s:%d: %s %s ignored: %s:%d defines it too and is used, as it comes first by name",
+					name, o.Line, o.GVK.Kind, o.Key, kept.file, kept.line)
 				continue
 			}
-			next[id] = dirObject{obj: o.Object, file: name}
+			next[id] = dirObject{obj: o.Object, file: name, line: o.Line}
 		}
 	}
 
@@ -417,7 +465,7 @@ func (d *DirSource) scan() {
 	changes := map[schema.GroupVersionKind][]dirChange{}
 	for id, o := range next {
 		if old, ok := d.objects[id]; ok && equality.Semantic.DeepEqual(old.obj, o.obj) {
-			next[id] = dirObject{obj: old.obj, file: o.file}
+			next[id] = dirObject{obj: old.obj, file: o.file, line: o.line}
 			continue
 		}
 		changes[id.gvk] = append(changes[id.gvk], dirChange{key: id.key, obj: o.obj})
@@ -436,26 +484,29 @@ func (d *DirSource) scan() {
 	}
 	d.markSynced()
 
-	var problems []error
-	if dirProblem != nil {
-		problems = append(problems, dirProblem)
-	}
+	var bad []fileProblem
 	for _, name := range slices.Sorted(maps.Keys(d.files)) {
-		if err := errors.Join(append([]error{d.files[name].err}, conflicts[name]...)...); err != nil {
-			problems = append(problems, fileProblem{name, err})
+		own, dup := d.files[name].err, conflicts[name]
+		if own.empty() && dup.empty() {
+			continue
 		}
+		l := &problemList{file: name}
+		l.merge(own)
+		l.merge(dup)
+		bad = append(bad, fileProblem{file: name, problems: l, skipped: !own.empty()})
 	}
-	d.report(problems...)
+	d.report(dirProblem, bad)
 }
 
 // fileProblem is what is wrong with one file.
 type fileProblem struct {
-	file string
-	err  error
+	file     string
+	problems *problemList
+	// skipped: the file's content was not applied (it is bad or could not
+	// be read), as opposed to only some of its objects being ignored as
+	// duplicates.
+	skipped bool
 }
-
-func (p fileProblem) Error() string { return p.err.Error() }
-func (p fileProblem) Unwrap() error { return p.err }
 
 // markSynced tells the resources that the first scan is done. Called with
 // d.mu held.
@@ -471,26 +522,29 @@ func (d *DirSource) markSynced() {
 	}
 }
 
-// report logs problems that are new and sets health. Called with d.mu held.
-func (d *DirSource) report(problems ...error) {
+// report logs the problems that are new and sets health. Log records and
+// health list the first few problems and count the rest, so that they stay
+// small whatever the files hold. Called with d.mu held.
+func (d *DirSource) report(dirProblem error, bad []fileProblem) {
 	logged := map[string]string{}
-	var badFiles []string
-	for _, p := range problems {
-		file := ""
-		if fp, ok := p.(fileProblem); ok {
-			file = fp.file
-			badFiles = append(badFiles, file)
+	if dirProblem != nil {
+		msg := truncateText(dirProblem.Error(), maxProblemLen)
+		logged[""] = msg
+		if d.logged[""] != msg {
+			d.log.Warn("Config dir problem", "dir", d.dir, "error", msg)
 		}
-		msg := p.Error()
-		logged[file] = msg
-		if d.logged[file] == msg {
+	}
+	for _, p := range bad {
+		msg := p.problems.Error()
+		logged[p.file] = msg
+		if d.logged[p.file] == msg {
 			continue
 		}
-		if file == "" {
-			d.log.Warn("Config dir problem", "dir", d.dir, "error", p)
-		} else {
-			d.log.Warn("Skipping bad config file", "dir", d.dir, "file", file, "error", p)
+		what := "Skipping bad config file"
+		if !p.skipped {
+			what = "Ignoring objects that an earlier config file defines"
 		}
+		d.log.Warn(what, "dir", d.dir, "file", p.file, "problems", p.problems.total, "error", msg)
 	}
 	for file := range d.logged {
 		if _, ok := logged[file]; !ok && file != "" {
@@ -499,14 +553,57 @@ func (d *DirSource) report(problems ...error) {
 	}
 	d.logged = logged
 
-	switch {
-	case len(problems) == 0:
-		d.health.OK(fmt.Sprintf("%d objects from %d files", len(d.objects), len(d.files)))
-	case len(badFiles) == 0:
-		d.health.Degraded(problems[0].Error(), errors.Join(problems...))
-	case len(badFiles) < len(problems):
-		d.health.Degraded(fmt.Sprintf("%s; bad files: %s", problems[0].Error(), strings.Join(badFiles, ", ")), errors.Join(problems...))
-	default:
-		d.health.Degraded("bad files: "+strings.Join(badFiles, ", "), errors.Join(problems...))
+	// Subdirectories are not a problem, but say so, as someone may expect
+	// their files to be read.
+	subdirs := ""
+	if len(d.subdirs) > 0 {
+		subdirs = "; subdirectories not read: " + nameList(slices.Sorted(maps.Keys(d.subdirs)), maxListedFiles)
 	}
+	if dirProblem == nil && len(bad) == 0 {
+		d.health.OK(fmt.Sprintf("%d objects from %d files%s", len(d.objects), len(d.files), subdirs))
+		return
+	}
+	all := summarize(dirProblem, bad)
+	names := make([]string, len(bad))
+	for i, p := range bad {
+		names[i] = p.file
+	}
+	var msg string
+	switch {
+	case len(bad) == 0:
+		msg = all.first[0]
+	case dirProblem != nil:
+		msg = fmt.Sprintf("%s; bad files: %s", all.first[0], nameList(names, maxListedFiles))
+	default:
+		msg = "bad files: " + nameList(names, maxListedFiles)
+	}
+	d.health.Degraded(msg+subdirs, all)
+}
+
+// summarize puts the problems of the directory and of every bad file in one
+// bounded list. The listed problems are shared out round robin, so that each
+// bad file shows at least its first one (as long as there is room), and
+// grouped by file.
+func summarize(dirProblem error, bad []fileProblem) *problemList {
+	all := &problemList{}
+	all.add(dirProblem)
+	quota := make([]int, len(bad))
+	for room := maxListedProblems - len(all.first); room > 0; {
+		progress := false
+		for i, p := range bad {
+			if room > 0 && quota[i] < len(p.problems.first) {
+				quota[i]++
+				room--
+				progress = true
+			}
+		}
+		if !progress {
+			break
+		}
+	}
+	for i, p := range bad {
+		all.first = append(all.first, p.problems.first[:quota[i]]...)
+		all.total += p.problems.total
+	}
+	return all
 }

@@ -174,7 +174,21 @@ func TestDirConflict(t *testing.T) {
 	ev := subscribe(t, th.services)
 	// a.yaml sorts first and wins; b.yaml's other object still applies.
 	expect(t, ev, "Upsert default/x v=a", "Upsert default/y v=b", "Sync")
-	th.waitHealth(`level=Degraded message=bad files: b.yaml error=b.yaml:1: Service default/x is already defined in a.yaml`)
+	// The file that lost is blamed, naming the file and line that keep it;
+	// a.yaml is not reported.
+	th.waitHealth(`level=Degraded message=bad files: b.yaml error=b.yaml:1: Service default/x ignored: a.yaml:1 defines it too and is used, as it comes first by name$`)
+	require.Equal(t, 1, th.records.count("Ignoring objects that an earlier config file defines dir="+dir+" file=b.yaml problems=1"))
+	require.Zero(t, th.records.count("file=a.yaml"))
+
+	// A file that sorts before both takes the object over, whenever it
+	// comes: now a.yaml and b.yaml lost it, and each is blamed.
+	writeFile(t, dir, "0.yaml", "# first\n"+svcYAML("default", "x", "0"))
+	expect(t, ev, "Upsert default/x v=0")
+	th.waitHealth(`level=Degraded message=bad files: a.yaml, b.yaml error=a.yaml:1: Service default/x ignored: 0.yaml:2 defines it too and is used, as it comes first by name\n` +
+		`b.yaml:1: Service default/x ignored: 0.yaml:2 defines it too and is used, as it comes first by name$`)
+	require.NoError(t, os.Remove(filepath.Join(dir, "0.yaml")))
+	expect(t, ev, "Upsert default/x v=a")
+	th.waitHealth(`level=Degraded message=bad files: b.yaml error=b.yaml:1: Service default/x ignored: a.yaml:1 `)
 
 	// Without a.yaml, b.yaml's copy takes over and all is well.
 	require.NoError(t, os.Remove(filepath.Join(dir, "a.yaml")))
