@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"os/signal"
 	"strings"
+	"syscall"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
@@ -59,6 +61,24 @@ func newHiveCmd(use, short, long string, cells []cell.Cell) *cobra.Command {
 // runHive builds the hive first, so that a bad flag is one clear line and
 // nothing has started, then runs it until SIGINT/SIGTERM.
 func runHive(h *hive.Hive, log *slog.Logger) error {
+	// Hive listens for signals only once every start hook has run; until
+	// then SIGTERM would kill the process without its stop hooks (and
+	// constructors open maps and files). Catch the signals from here on and
+	// turn one into a shutdown, which Run honours as soon as the start is
+	// over.
+	signals := make(chan os.Signal, 1)
+	signal.Notify(signals, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(signals)
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		select {
+		case sig := <-signals:
+			log.Info("Signal received, stopping once started", "signal", sig)
+			h.Shutdown()
+		case <-done:
+		}
+	}()
 	if err := h.Populate(log); err != nil {
 		return populateError(err)
 	}

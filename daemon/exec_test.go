@@ -147,6 +147,40 @@ func TestBinary(t *testing.T) {
 		}
 	})
 
+	t.Run("SIGTERM while starting stops cleanly", func(t *testing.T) {
+		// Hive handles signals only once started; a signal during the
+		// build of the cells must still run the stop hooks.
+		cmd := exec.Command(bin, "agent", "--api-addr=127.0.0.1:0", "--state-dir="+t.TempDir(),
+			"--bpf-pin-dir="+testenv.BPFPinDir(t), "--log-format=json")
+		stderr, err := cmd.StderrPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill() })
+		scanner := bufio.NewScanner(stderr)
+		var signalled, stopped bool
+		for scanner.Scan() {
+			var rec map[string]any
+			if json.Unmarshal(scanner.Bytes(), &rec) != nil {
+				continue
+			}
+			// The first record of a cell: the hive is being built.
+			if _, ok := rec["module"]; ok && !signalled {
+				if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+					t.Fatal(err)
+				}
+				signalled = true
+			}
+			stopped = stopped || rec["msg"] == "Stopped hive"
+		}
+		if err := cmd.Wait(); err != nil || !signalled || !stopped {
+			t.Fatalf("agent signalled while starting: exit %v, signalled %t, stop hooks ran %t", err, signalled, stopped)
+		}
+	})
+
 	t.Run("one agent per state and pin directory", func(t *testing.T) {
 		stateDir, pinDir := t.TempDir(), testenv.BPFPinDir(t)
 		first := startAgent(t, bin, "--state-dir="+stateDir, "--bpf-pin-dir="+pinDir)
