@@ -31,9 +31,9 @@ func (a *agent) cpuShare(t *testing.T, d time.Duration) float64 {
 // waitStartupDone waits until the work an agent does once after it starts
 // is over: the ipcache initialized, the load-balancing state restored, and
 // the first conntrack GC run. /healthz turns 200 before that: with
-// conntrack maps sized from the node's memory (300,000 entries here) the
-// first half second after it costs 0.1-0.2 s of CPU, which is start-up,
-// not idling (it is gone with small --bpf-ct-global-*-max).
+// conntrack maps sized from the node's memory (300,000 entries on a 24 GB
+// machine) the first half second after it costs 0.1-0.2 s of CPU, and next
+// to none with small --bpf-ct-global-*-max. That is start-up, not idling.
 func (a *agent) waitStartupDone(t *testing.T) {
 	t.Helper()
 	a.waitLog(t, "ipcache initialized")
