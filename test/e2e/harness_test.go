@@ -564,55 +564,6 @@ func readProcStats(pid int) (procStats, error) {
 	return s, nil
 }
 
-// cgroup2Mount returns where the cgroup v2 hierarchy is mounted
-// (/sys/fs/cgroup on a unified system, /sys/fs/cgroup/unified on a hybrid
-// one).
-func cgroup2Mount() (string, error) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return "", err
-	}
-	for line := range strings.Lines(string(data)) {
-		// ID parent major:minor root mountpoint options [optional...] - fstype source super
-		pre, post, ok := strings.Cut(line, " - ")
-		f, g := strings.Fields(pre), strings.Fields(post)
-		if ok && len(f) >= 5 && len(g) >= 1 && g[0] == "cgroup2" {
-			return f[4], nil
-		}
-	}
-	return "", errors.New("no cgroup2 filesystem in /proc/self/mountinfo")
-}
-
-// testCgroup creates a cgroup v2 directory for the test, removed at its end
-// (after the processes in it have exited).
-func testCgroup(t *testing.T) string {
-	t.Helper()
-	testenv.RequireRoot(t)
-	root, err := cgroup2Mount()
-	if err != nil {
-		testenv.Skip(t, "needs cgroup v2: "+err.Error())
-	}
-	dir, err := os.MkdirTemp(root, "apiary-e2e-")
-	if err != nil {
-		testenv.Skip(t, "cannot create a cgroup: "+err.Error())
-	}
-	t.Cleanup(func() {
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			err := os.Remove(dir)
-			if err == nil || errors.Is(err, os.ErrNotExist) {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Errorf("remove cgroup %s: %v", dir, err)
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	})
-	return dir
-}
-
 // runInCgroup runs a program started directly inside the cgroup dir
 // (clone3 with CLONE_INTO_CGROUP) and returns its output.
 func runInCgroup(dir, path string, args ...string) (string, error) {

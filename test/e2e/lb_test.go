@@ -241,7 +241,7 @@ func TestLoadBalancing(t *testing.T) {
 func TestSocketLB(t *testing.T) {
 	t.Parallel()
 	curl := testenv.RequireProgram(t, "curl")
-	cgroup := testCgroup(t)
+	cgroup := testenv.Cgroup(t)
 
 	// Two HTTP backends on loopback addresses, on one port, each answering
 	// with its own address.
@@ -275,23 +275,25 @@ func TestSocketLB(t *testing.T) {
 		out, err := runInCgroup(cgroup, curl, "-sS", "--max-time", "2", "http://10.96.0.10/")
 		return strings.TrimSpace(out), err
 	}
-	// Until the programs are attached and the maps hold the Service, the
-	// connection goes where it was addressed (on some machines something
-	// answers there).
-	seen := map[string]int{}
-	eventually(t, waitTimeout, "curl http://10.96.0.10/ in the cgroup to reach a backend", func() (bool, string) {
-		a.alive(t)
-		out, err := get()
+	// No connection is made before the programs are attached and the maps
+	// hold the Service: until then it would leave the machine for the VIP.
+	eventually(t, waitTimeout, "the socket LB attached and the frontend written", func() (bool, string) {
+		var health []struct{ Scope, Message string }
+		if err := a.dump("health", &health); err != nil {
+			return false, err.Error()
+		}
+		attached := slices.ContainsFunc(health, func(h struct{ Scope, Message string }) bool {
+			return h.Scope == "socketlb.job-attach" && strings.HasPrefix(h.Message, "Attached to cgroup")
+		})
+		fes, err := a.frontends()
 		if err != nil {
 			return false, err.Error()
 		}
-		if slices.Contains(backends, out) {
-			seen[out]++
-			return true, ""
-		}
-		return false, "answered by something else: " + out
+		done := len(fes) > 0 && strings.HasSuffix(fes[0], " Done")
+		return attached && done, fmt.Sprintf("attached %t, frontends %v", attached, fes)
 	})
-	// From then on every connection reaches a backend, and both are used.
+	seen := map[string]int{}
+	// Every connection reaches a backend, and both are used.
 	for i := 0; len(seen) < 2; i++ {
 		if i == 100 {
 			t.Fatalf("100 connections through the VIP all reached the same backend: %v", seen)
