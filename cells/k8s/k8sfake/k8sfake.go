@@ -44,6 +44,7 @@ func module(newFake func() *fake.Clientset) cell.Cell {
 		cell.Provide(
 			func() (*k8s.Clientset, *fake.Clientset) {
 				f := newFake()
+				copyWatches(f)
 				return &k8s.Clientset{Interface: f}, f
 			},
 			fakeScriptCommands,
