@@ -2,82 +2,390 @@ package selectors
 
 import (
 	"maps"
+	"net/netip"
 	"slices"
+	"strings"
+
+	"github.com/cilium/statedb/lpm"
 
 	"github.com/apiary-net/apiary/tables"
 )
 
 // selectorCache keeps, for every selector in use, the identities it
-// selects, updated incrementally: a new identity is matched against every
-// selector once, a new selector against every identity once.
+// selects, updated incrementally. Both sides are indexed so that a change
+// looks only at its candidates, never at every selector or every identity:
+//
+//   - a new or changed identity is matched against the CIDR selectors
+//     whose prefix contains one of its cidr: labels (a map lookup per
+//     prefix length in use), the FQDN selectors of its fqdn: labels, the
+//     whole-family CIDR selectors if it has a world label, and the label
+//     selectors if it is an identity of the cluster;
+//   - a new selector is matched against the identities with a cidr: label
+//     inside its prefix (a subtree of a trie), with its fqdn: label, with a
+//     world label (whole-family CIDR selectors) or of the cluster (label
+//     selectors);
+//   - a deleted identity or selector drops out of the selections that hold
+//     it, found through the identity's own record of its selectors.
+//
+// Candidates are confirmed with Selector.Matches, which alone decides; the
+// indexes only ever skip pairs that cannot match.
 type selectorCache struct {
-	identities map[uint32]tables.Labels
+	identities map[uint32]*identityState
 	selectors  map[string]*selectorState
 	// dirty are the selectors whose users or identities changed since the
 	// last takeDirty.
 	dirty map[string]struct{}
+
+	// Selectors by what they can match.
+	cidrSels     map[netip.Prefix]map[*selectorState]struct{} // by CIDRSelector.Prefix
+	cidrSelsLens [2][129]int                                  // distinct keys of cidrSels by family and length
+	fqdnSels     map[string]map[*selectorState]struct{}       // by FQDNPeer.Label
+	worldSels    map[*selectorState]struct{}                  // 0.0.0.0/0 and ::/0 without except: they select the world too
+	labelSels    map[*selectorState]struct{}                  // label selectors: identities of the cluster only
+	otherSels    map[*selectorState]struct{}                  // any other kind: every identity
+
+	// Identities by what can match them.
+	cidrIDs    [2]*lpm.Txn[map[uint32]struct{}] // by each cidr: label's prefix, by family
+	fqdnIDs    map[string]map[uint32]struct{}   // by each fqdn: label
+	worldIDs   map[uint32]struct{}              // with a world label
+	clusterIDs map[uint32]struct{}              // of the cluster (see outsideCluster)
 }
 
 type selectorState struct {
+	key   string
 	sel   Selector
 	users map[string]struct{}
 	ids   map[uint32]struct{}
 }
 
+// identityState is an identity with its labels sorted out for the indexes.
+type identityState struct {
+	labels    tables.Labels
+	cidrs     []netip.Prefix // of its cidr: labels
+	fqdns     []string       // its fqdn: labels
+	world     bool           // has reserved:world, world-ipv4 or world-ipv6
+	inCluster bool           // !outsideCluster(labels)
+	// sels are the selectors that select it.
+	sels map[*selectorState]struct{}
+}
+
 func newSelectorCache() *selectorCache {
+	trie := func() *lpm.Txn[map[uint32]struct{}] {
+		t := lpm.New[map[uint32]struct{}]()
+		return t.Txn()
+	}
 	return &selectorCache{
-		identities: map[uint32]tables.Labels{},
+		identities: map[uint32]*identityState{},
 		selectors:  map[string]*selectorState{},
 		dirty:      map[string]struct{}{},
+		cidrSels:   map[netip.Prefix]map[*selectorState]struct{}{},
+		fqdnSels:   map[string]map[*selectorState]struct{}{},
+		worldSels:  map[*selectorState]struct{}{},
+		labelSels:  map[*selectorState]struct{}{},
+		otherSels:  map[*selectorState]struct{}{},
+		cidrIDs:    [2]*lpm.Txn[map[uint32]struct{}]{trie(), trie()},
+		fqdnIDs:    map[string]map[uint32]struct{}{},
+		worldIDs:   map[uint32]struct{}{},
+		clusterIDs: map[uint32]struct{}{},
+	}
+}
+
+func familyOf(a netip.Addr) int {
+	if a.Is4() {
+		return 0
+	}
+	return 1
+}
+
+// trieKey is the key of prefix p in the cidrIDs trie of its family.
+func trieKey(p netip.Prefix) []byte {
+	if p.Addr().Is4() {
+		a := p.Addr().As4()
+		return lpm.EncodeLPMKey(a[:], lpm.PrefixLen(p.Bits()))
+	}
+	a := p.Addr().As16()
+	return lpm.EncodeLPMKey(a[:], lpm.PrefixLen(p.Bits()))
+}
+
+// isWorld reports whether label is one of the world labels.
+func isWorld(label string) bool {
+	return label == tables.LabelWorld || label == tables.LabelWorldIPv4 || label == tables.LabelWorldIPv6
+}
+
+func newIdentityState(labels tables.Labels) *identityState {
+	e := &identityState{labels: labels, inCluster: !outsideCluster(labels), sels: map[*selectorState]struct{}{}}
+	for _, l := range labels {
+		switch {
+		case isWorld(l):
+			e.world = true
+		case strings.HasPrefix(l, tables.SourceFQDN+":"):
+			e.fqdns = append(e.fqdns, l)
+		default:
+			if p, ok := tables.ParseCIDRLabel(l); ok {
+				e.cidrs = append(e.cidrs, p)
+			}
+		}
+	}
+	return e
+}
+
+func addTo[K comparable, V comparable](m map[K]map[V]struct{}, k K, v V) {
+	set, ok := m[k]
+	if !ok {
+		set = map[V]struct{}{}
+		m[k] = set
+	}
+	set[v] = struct{}{}
+}
+
+func removeFrom[K comparable, V comparable](m map[K]map[V]struct{}, k K, v V) {
+	if set, ok := m[k]; ok {
+		delete(set, v)
+		if len(set) == 0 {
+			delete(m, k)
+		}
+	}
+}
+
+func (c *selectorCache) indexIdentity(id uint32, e *identityState) {
+	for _, p := range e.cidrs {
+		t := c.cidrIDs[familyOf(p.Addr())]
+		key := trieKey(p)
+		set, ok := t.LookupExact(key)
+		if !ok {
+			set = map[uint32]struct{}{}
+			t.Insert(key, set)
+		}
+		set[id] = struct{}{}
+	}
+	for _, l := range e.fqdns {
+		addTo(c.fqdnIDs, l, id)
+	}
+	if e.world {
+		c.worldIDs[id] = struct{}{}
+	}
+	if e.inCluster {
+		c.clusterIDs[id] = struct{}{}
+	}
+}
+
+func (c *selectorCache) unindexIdentity(id uint32, e *identityState) {
+	for _, p := range e.cidrs {
+		t := c.cidrIDs[familyOf(p.Addr())]
+		key := trieKey(p)
+		if set, ok := t.LookupExact(key); ok {
+			delete(set, id)
+			if len(set) == 0 {
+				t.Delete(key)
+			}
+		}
+	}
+	for _, l := range e.fqdns {
+		removeFrom(c.fqdnIDs, l, id)
+	}
+	delete(c.worldIDs, id)
+	delete(c.clusterIDs, id)
+}
+
+// candidateSelectors calls yield with every selector that may select an
+// identity like e (some more than once).
+func (c *selectorCache) candidateSelectors(e *identityState, yield func(*selectorState)) {
+	for _, q := range e.cidrs {
+		// The CIDR selectors whose prefix contains q: one lookup per
+		// length in use up to q's.
+		fam := familyOf(q.Addr())
+		for bits := 0; bits <= q.Bits(); bits++ {
+			if c.cidrSelsLens[fam][bits] == 0 {
+				continue
+			}
+			for s := range c.cidrSels[netip.PrefixFrom(q.Addr(), bits).Masked()] {
+				yield(s)
+			}
+		}
+	}
+	for _, l := range e.fqdns {
+		for s := range c.fqdnSels[l] {
+			yield(s)
+		}
+	}
+	if e.world {
+		for s := range c.worldSels {
+			yield(s)
+		}
+	}
+	if e.inCluster {
+		for s := range c.labelSels {
+			yield(s)
+		}
+	}
+	for s := range c.otherSels {
+		yield(s)
+	}
+}
+
+// candidateIdentities calls yield with every identity that s may select
+// (some more than once).
+func (c *selectorCache) candidateIdentities(s *selectorState, yield func(uint32)) {
+	switch sel := s.sel.(type) {
+	case *CIDRSelector:
+		p := sel.Prefix
+		fam := familyOf(p.Addr())
+		// The identities with a cidr: label inside p. lpm's Prefix may
+		// hand back a subtree that diverges from p when p itself is not in
+		// the trie (statedb v0.8.3): then every entry is outside, and the
+		// first one says so.
+		for key, ids := range c.cidrIDs[fam].Prefix(trieKey(p)).All {
+			data, bits := lpm.DecodeLPMKey(key)
+			if !trieKeyInside(p, data, bits) {
+				break
+			}
+			for id := range ids {
+				yield(id)
+			}
+		}
+		if p.Bits() == 0 && len(sel.Except) == 0 {
+			for id := range c.worldIDs {
+				yield(id)
+			}
+		}
+	case *FQDNPeer:
+		for id := range c.fqdnIDs[sel.Label] {
+			yield(id)
+		}
+	case *LabelSelector:
+		for id := range c.clusterIDs {
+			yield(id)
+		}
+	default:
+		for id := range c.identities {
+			yield(id)
+		}
+	}
+}
+
+// trieKeyInside reports whether the trie key (data, bits) of p's family
+// lies inside p.
+func trieKeyInside(p netip.Prefix, data []byte, bits uint16) bool {
+	if int(bits) < p.Bits() {
+		return false
+	}
+	var addr netip.Addr
+	if p.Addr().Is4() {
+		var a [4]byte
+		copy(a[:], data)
+		addr = netip.AddrFrom4(a)
+	} else {
+		var a [16]byte
+		copy(a[:], data)
+		addr = netip.AddrFrom16(a)
+	}
+	return p.Contains(addr)
+}
+
+func (c *selectorCache) indexSelector(s *selectorState) {
+	switch sel := s.sel.(type) {
+	case *CIDRSelector:
+		if _, ok := c.cidrSels[sel.Prefix]; !ok {
+			c.cidrSelsLens[familyOf(sel.Prefix.Addr())][sel.Prefix.Bits()]++
+		}
+		addTo(c.cidrSels, sel.Prefix, s)
+		if sel.Prefix.Bits() == 0 && len(sel.Except) == 0 {
+			c.worldSels[s] = struct{}{}
+		}
+	case *FQDNPeer:
+		addTo(c.fqdnSels, sel.Label, s)
+	case *LabelSelector:
+		c.labelSels[s] = struct{}{}
+	default:
+		c.otherSels[s] = struct{}{}
+	}
+}
+
+func (c *selectorCache) unindexSelector(s *selectorState) {
+	switch sel := s.sel.(type) {
+	case *CIDRSelector:
+		removeFrom(c.cidrSels, sel.Prefix, s)
+		if _, ok := c.cidrSels[sel.Prefix]; !ok {
+			c.cidrSelsLens[familyOf(sel.Prefix.Addr())][sel.Prefix.Bits()]--
+		}
+		delete(c.worldSels, s)
+	case *FQDNPeer:
+		removeFrom(c.fqdnSels, sel.Label, s)
+	case *LabelSelector:
+		delete(c.labelSels, s)
+	default:
+		delete(c.otherSels, s)
 	}
 }
 
 // upsertIdentity adds an identity or changes its labels.
 func (c *selectorCache) upsertIdentity(id uint32, labels tables.Labels) {
-	if old, ok := c.identities[id]; ok && old.Equal(labels) {
+	old, ok := c.identities[id]
+	if ok && old.labels.Equal(labels) {
 		return
 	}
-	c.identities[id] = labels
-	for key, s := range c.selectors {
-		_, had := s.ids[id]
-		if has := s.sel.Matches(labels); has != had {
-			if has {
-				s.ids[id] = struct{}{}
-			} else {
-				delete(s.ids, id)
+	e := newIdentityState(labels)
+	if ok {
+		c.unindexIdentity(id, old)
+		// The selectors that selected it with its old labels.
+		for s := range old.sels {
+			if s.sel.Matches(labels) {
+				e.sels[s] = struct{}{}
+				continue
 			}
-			c.dirty[key] = struct{}{}
+			delete(s.ids, id)
+			c.dirty[s.key] = struct{}{}
 		}
 	}
+	c.identities[id] = e
+	c.indexIdentity(id, e)
+	c.candidateSelectors(e, func(s *selectorState) {
+		if _, had := e.sels[s]; had {
+			return
+		}
+		if ok && old.sels != nil {
+			if _, was := old.sels[s]; was {
+				return // already found not to match
+			}
+		}
+		if s.sel.Matches(labels) {
+			e.sels[s] = struct{}{}
+			s.ids[id] = struct{}{}
+			c.dirty[s.key] = struct{}{}
+		}
+	})
 }
 
 // deleteIdentity removes an identity from every selection.
 func (c *selectorCache) deleteIdentity(id uint32) {
-	if _, ok := c.identities[id]; !ok {
+	e, ok := c.identities[id]
+	if !ok {
 		return
 	}
-	delete(c.identities, id)
-	for key, s := range c.selectors {
-		if _, had := s.ids[id]; had {
-			delete(s.ids, id)
-			c.dirty[key] = struct{}{}
-		}
+	for s := range e.sels {
+		delete(s.ids, id)
+		c.dirty[s.key] = struct{}{}
 	}
+	c.unindexIdentity(id, e)
+	delete(c.identities, id)
 }
 
 // addUser records that policy uses sel, matching a new selector against
-// every identity.
+// its candidate identities.
 func (c *selectorCache) addUser(sel Selector, policy string) {
 	key := sel.String()
 	s, ok := c.selectors[key]
 	if !ok {
-		s = &selectorState{sel: sel, users: map[string]struct{}{}, ids: map[uint32]struct{}{}}
-		for id, labels := range c.identities {
-			if sel.Matches(labels) {
+		s = &selectorState{key: key, sel: sel, users: map[string]struct{}{}, ids: map[uint32]struct{}{}}
+		c.candidateIdentities(s, func(id uint32) {
+			e := c.identities[id]
+			if _, had := s.ids[id]; !had && sel.Matches(e.labels) {
 				s.ids[id] = struct{}{}
+				e.sels[s] = struct{}{}
 			}
-		}
+		})
 		c.selectors[key] = s
+		c.indexSelector(s)
 	}
 	s.users[policy] = struct{}{}
 	c.dirty[key] = struct{}{}
@@ -92,6 +400,10 @@ func (c *selectorCache) removeUser(key, policy string) {
 	}
 	delete(s.users, policy)
 	if len(s.users) == 0 {
+		for id := range s.ids {
+			delete(c.identities[id].sels, s)
+		}
+		c.unindexSelector(s)
 		delete(c.selectors, key)
 	}
 	c.dirty[key] = struct{}{}

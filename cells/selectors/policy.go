@@ -112,10 +112,19 @@ func parsePolicy(name, namespace string, spec *Rule, specs []Rule) *parsedPolicy
 	}
 	p.subjects = sortedSelectors(subjects)
 	p.peers = sortedSelectors(peers)
-	for pfx := range cidrs {
-		p.cidrs = append(p.cidrs, pfx)
+	// Sorted as text, each prefix formatted once.
+	type named struct {
+		text string
+		pfx  netip.Prefix
 	}
-	slices.SortFunc(p.cidrs, func(a, b netip.Prefix) int { return strings.Compare(a.String(), b.String()) })
+	byText := make([]named, 0, len(cidrs))
+	for pfx := range cidrs {
+		byText = append(byText, named{pfx.String(), pfx})
+	}
+	slices.SortFunc(byText, func(a, b named) int { return strings.Compare(a.text, b.text) })
+	for _, n := range byText {
+		p.cidrs = append(p.cidrs, n.pfx)
+	}
 	return p
 }
 
