@@ -7,9 +7,11 @@
 package selectors
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -200,73 +202,212 @@ func (c *controller) cidrLabels(p netip.Prefix) []string {
 	return []string{tables.CIDRLabel(p), world}
 }
 
+// writeChunk bounds the rows one write transaction of the controller
+// writes: prefix changes per Prefixes.Update, policy and selector rows per
+// transaction on the policies and selectors tables. A policy of 20,000
+// CIDRs is written in ten transactions of each kind, and other writers of
+// those tables (the DNS proxy and the endpoints labelling prefixes, say)
+// get in between them instead of waiting for the whole policy.
+const writeChunk = 2000
+
+// testHookCommitted, when set (by tests), is called after each chunk is
+// committed, with the table written ("prefixes" or "selectors"), the
+// chunk's number from 1 and the number of chunks.
+var testHookCommitted func(table string, chunk, chunks int)
+
 // flush writes what changed: prefixes first (so that their identities
 // come), then policies and selectors.
 func (c *controller) flush() error {
-	if len(c.dirtyCIDRs) > 0 {
-		changes := make([]ipcache.Change, 0, len(c.dirtyCIDRs))
-		for pfx := range c.dirtyCIDRs {
-			if c.cidrRefs[pfx] > 0 {
-				changes = append(changes, ipcache.Upsert(pfx, OwnerPolicy, c.cidrLabels(pfx)...))
-			} else {
-				delete(c.cidrRefs, pfx)
-				changes = append(changes, ipcache.Delete(pfx, OwnerPolicy))
-			}
+	if err := c.flushPrefixes(); err != nil {
+		return err
+	}
+	return c.flushRows()
+}
+
+// flushPrefixes writes the changes of the policy prefixes, in chunks of
+// writeChunk. Added prefixes go longest first and removed ones shortest
+// first, added before removed: a prefix of another owner inside a policy's
+// CIDRs then gets its final cidr: label with the first chunk that changes
+// it, so it changes identity at most once however the change is split, as
+// it would in one transaction.
+func (c *controller) flushPrefixes() error {
+	if len(c.dirtyCIDRs) == 0 {
+		return nil
+	}
+	var upserts, deletes []netip.Prefix
+	for pfx := range c.dirtyCIDRs {
+		if c.cidrRefs[pfx] > 0 {
+			upserts = append(upserts, pfx)
+		} else {
+			delete(c.cidrRefs, pfx)
+			deletes = append(deletes, pfx)
 		}
-		if _, err := c.Prefixes.Update(changes...); err != nil {
+	}
+	sortPrefixChanges(upserts, deletes)
+	changes := make([]ipcache.Change, 0, len(upserts)+len(deletes))
+	for _, pfx := range upserts {
+		changes = append(changes, ipcache.Upsert(pfx, OwnerPolicy, c.cidrLabels(pfx)...))
+	}
+	for _, pfx := range deletes {
+		changes = append(changes, ipcache.Delete(pfx, OwnerPolicy))
+	}
+	chunks := (len(changes) + writeChunk - 1) / writeChunk
+	i := 0
+	for chunk := range slices.Chunk(changes, writeChunk) {
+		i++
+		if _, err := c.Prefixes.Update(chunk...); err != nil {
 			return fmt.Errorf("label policy prefixes: %w", err)
 		}
-		clear(c.dirtyCIDRs)
+		if testHookCommitted != nil {
+			testHookCommitted("prefixes", i, chunks)
+		}
 	}
+	clear(c.dirtyCIDRs)
+	return nil
+}
+
+// sortPrefixChanges puts the prefixes to add longest first and those to
+// remove shortest first (see flushPrefixes).
+func sortPrefixChanges(upserts, deletes []netip.Prefix) {
+	slices.SortFunc(upserts, func(a, b netip.Prefix) int { return cmp.Or(b.Bits()-a.Bits(), a.Addr().Compare(b.Addr())) })
+	slices.SortFunc(deletes, func(a, b netip.Prefix) int { return cmp.Or(a.Bits()-b.Bits(), a.Addr().Compare(b.Addr())) })
+}
+
+// rowWrite is one write of flushRows: a row to insert, or the key of one
+// to delete.
+type rowWrite struct {
+	policy         *tables.Policy
+	selector       *tables.Selector
+	deletePolicy   string
+	deleteSelector string
+}
+
+// flushRows writes the changed policy and selector rows, in transactions
+// of at most writeChunk rows. So that every commit in between is
+// consistent (each selector a policies row names is in the selectors
+// table, listing that policy), the writes go in this order:
+//
+//  1. rows of deleted policies go;
+//  2. selector rows get their new identities and policies, but keep the
+//     policies whose old row still names them (changed policies that no
+//     longer use them);
+//  3. rows of new and changed policies are written;
+//  4. the selectors kept in step 2 for changed policies lose them (or go).
+//
+// Adding a big policy thus writes its selectors first and its row last;
+// removing one deletes its row first and its selectors after. Selector
+// rows follow identities as before: asynchronously, so a reader may see a
+// selector before the identities it selects.
+func (c *controller) flushRows() error {
 	dirtySelectors := c.cache.takeDirty()
 	if len(c.dirtyPolicies) == 0 && len(dirtySelectors) == 0 {
 		return nil
 	}
-	wtxn := c.DB.WriteTxn(c.Policies, c.Selectors)
-	defer wtxn.Abort()
-	for name := range c.dirtyPolicies {
-		p, ok := c.policies[name]
-		if !ok {
-			if _, _, err := c.Policies.Delete(wtxn, &tables.Policy{Name: name}); err != nil {
-				return err
-			}
-			continue
-		}
-		row := &tables.Policy{Name: name, Status: tables.PolicyOK, Subjects: []string{}, Peers: []string{}}
-		if p.err != nil {
-			row.Status, row.Error = tables.PolicyError, p.errorText()
-		}
-		for _, s := range p.subjects {
-			row.Subjects = append(row.Subjects, s.String())
-		}
-		for _, s := range p.peers {
-			row.Peers = append(row.Peers, s.String())
-		}
-		for _, pfx := range p.cidrs {
-			row.CIDRs = append(row.CIDRs, pfx.String())
-		}
-		if _, _, err := c.Policies.Insert(wtxn, row); err != nil {
-			return err
+	rtxn := c.DB.ReadTxn() // the table as it is: only this controller writes it
+	names := slices.Sorted(maps.Keys(c.dirtyPolicies))
+	var writes, last []rowWrite
+	// Changed policies: their old row stays until step 3.
+	changed := map[string]struct{}{}
+	for _, name := range names {
+		if _, ok := c.policies[name]; !ok {
+			writes = append(writes, rowWrite{deletePolicy: name})
+		} else if _, _, found := c.Policies.Get(rtxn, tables.PolicyNameIndex.Query(name)); found {
+			changed[name] = struct{}{}
 		}
 	}
-	for key, row := range dirtySelectors {
-		if row == nil {
-			if _, _, err := c.Selectors.Delete(wtxn, &tables.Selector{Selector: key}); err != nil {
-				return err
+	for _, key := range slices.Sorted(maps.Keys(dirtySelectors)) {
+		row := dirtySelectors[key]
+		old, _, found := c.Selectors.Get(rtxn, tables.SelectorIndex.Query(key))
+		var keep []string
+		if found {
+			for _, p := range old.Policies {
+				if _, ok := changed[p]; ok && (row == nil || !slices.Contains(row.Policies, p)) {
+					keep = append(keep, p)
+				}
 			}
-			continue
 		}
-		if old, _, found := c.Selectors.Get(wtxn, tables.SelectorIndex.Query(key)); found &&
-			slices.Equal(old.Identities, row.Identities) && slices.Equal(old.Policies, row.Policies) {
-			continue
+		switch {
+		case len(keep) > 0:
+			interim := &tables.Selector{Selector: key, Identities: old.Identities, Policies: keep}
+			if row != nil {
+				interim.Identities = row.Identities
+				interim.Policies = slices.Sorted(slices.Values(append(slices.Clone(row.Policies), keep...)))
+				last = append(last, rowWrite{selector: row})
+			} else {
+				last = append(last, rowWrite{deleteSelector: key})
+			}
+			writes = append(writes, rowWrite{selector: interim})
+		case row == nil:
+			if found {
+				writes = append(writes, rowWrite{deleteSelector: key})
+			}
+		case found && slices.Equal(old.Identities, row.Identities) && slices.Equal(old.Policies, row.Policies):
+		default:
+			writes = append(writes, rowWrite{selector: row})
 		}
-		if _, _, err := c.Selectors.Insert(wtxn, row); err != nil {
+	}
+	for _, name := range names {
+		if p, ok := c.policies[name]; ok {
+			writes = append(writes, rowWrite{policy: policyRow(name, p)})
+		}
+	}
+	writes = append(writes, last...)
+
+	chunks := (len(writes) + writeChunk - 1) / writeChunk
+	i := 0
+	for chunk := range slices.Chunk(writes, writeChunk) {
+		i++
+		if err := c.writeRows(chunk); err != nil {
+			return err
+		}
+		if testHookCommitted != nil {
+			testHookCommitted("selectors", i, chunks)
+		}
+	}
+	clear(c.dirtyPolicies)
+	return nil
+}
+
+// writeRows applies writes in one write transaction.
+func (c *controller) writeRows(writes []rowWrite) error {
+	wtxn := c.DB.WriteTxn(c.Policies, c.Selectors)
+	defer wtxn.Abort()
+	for _, w := range writes {
+		var err error
+		switch {
+		case w.policy != nil:
+			_, _, err = c.Policies.Insert(wtxn, w.policy)
+		case w.selector != nil:
+			_, _, err = c.Selectors.Insert(wtxn, w.selector)
+		case w.deletePolicy != "":
+			_, _, err = c.Policies.Delete(wtxn, &tables.Policy{Name: w.deletePolicy})
+		default:
+			_, _, err = c.Selectors.Delete(wtxn, &tables.Selector{Selector: w.deleteSelector})
+		}
+		if err != nil {
 			return err
 		}
 	}
 	wtxn.Commit()
-	clear(c.dirtyPolicies)
 	return nil
+}
+
+// policyRow is the policies row of p.
+func policyRow(name string, p *parsedPolicy) *tables.Policy {
+	row := &tables.Policy{Name: name, Status: tables.PolicyOK, Subjects: []string{}, Peers: []string{}}
+	if p.err != nil {
+		row.Status, row.Error = tables.PolicyError, p.errorText()
+	}
+	for _, s := range p.subjects {
+		row.Subjects = append(row.Subjects, s.String())
+	}
+	for _, s := range p.peers {
+		row.Peers = append(row.Peers, s.String())
+	}
+	for _, pfx := range p.cidrs {
+		row.CIDRs = append(row.CIDRs, pfx.String())
+	}
+	return row
 }
 
 func (c *controller) reportHealth(h cell.Health) {
