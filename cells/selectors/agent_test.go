@@ -102,6 +102,13 @@ func (a *agent) addPolicy(tb testing.TB, p *selectors.CiliumNetworkPolicy) {
 	}
 }
 
+func (a *agent) updatePolicy(tb testing.TB, p *selectors.CiliumNetworkPolicy) {
+	tb.Helper()
+	if err := a.fake.Tracker().Update(cnpResource, p, p.Namespace, metav1.UpdateOptions{}); err != nil {
+		tb.Fatal(err)
+	}
+}
+
 func (a *agent) deletePolicy(tb testing.TB, p *selectors.CiliumNetworkPolicy) {
 	tb.Helper()
 	if err := a.fake.Tracker().Delete(cnpResource, p.Namespace, p.Name); err != nil {
@@ -155,11 +162,22 @@ func (a *agent) policyApplied(n int) func(statedb.ReadTxn) bool {
 			return false
 		}
 		for s := range a.selectors.All(txn) {
-			if len(s.Identities) == 0 && s.Selector[:5] == "cidr:" {
+			if len(s.Identities) == 0 && strings.HasPrefix(s.Selector, "cidr:") {
 				return false
 			}
 		}
 		return true
+	}
+}
+
+// policyShrunk reports whether the big policy is down to its first n
+// CIDRs: their selectors select identities, and no other policy prefix,
+// ipcache entry or local identity is left.
+func (a *agent) policyShrunk(n int) func(statedb.ReadTxn) bool {
+	applied := a.policyApplied(n)
+	return func(txn statedb.ReadTxn) bool {
+		return applied(txn) && a.ipcache.NumObjects(txn) == n+1 &&
+			a.identities.NumObjects(txn) == len(identity.Reserved())+n
 	}
 }
 
