@@ -15,8 +15,11 @@ RUN_FLAGS ?=
 PKGS      ?= ./...
 TESTFLAGS ?=
 BENCHTIME ?= 1s
+# The packages with concurrent state (jobs, reconcilers, informers, timers,
+# BPF map users) that `make test-race` runs under the race detector.
+RACE_PKGS ?= ./cells/... ./reconcilers/... ./bpf/... ./internal/...
 
-.PHONY: all build test bench run lint deps clean bpf demo
+.PHONY: all build test test-race bench run lint deps clean bpf demo
 
 all: build
 
@@ -30,6 +33,10 @@ deps:
 ## test: the whole suite (as root, so BPF tests run; APIARY_STRICT=1 turns skips into failures).
 test: deps
 	$(GO) test -count=1 -timeout 15m $(TESTFLAGS) $(PKGS)
+
+## test-race: RACE_PKGS under the race detector (as root, like test; CI runs it after test).
+test-race: deps
+	$(GO) test -race -count=1 -timeout 15m $(TESTFLAGS) $(RACE_PKGS)
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)

@@ -8,7 +8,8 @@ set -euo pipefail
 #   iproute2                     network namespaces and veth pairs
 #   dnsmasq-base, dnsutils       a DNS upstream (dnsmasq) and dig (test/e2e's DNS proxy test)
 #   curl                         HTTP through a Service VIP (test/e2e's socket LB test, make demo)
-packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl)
+#   gcc, libc6-dev               cgo, which the race detector needs (make test-race)
+packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl gcc libc6-dev)
 
 missing=()
 for p in "${packages[@]}"; do
