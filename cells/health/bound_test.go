@@ -58,18 +58,6 @@ func TestReportTextIsBounded(t *testing.T) {
 	}
 }
 
-// A cut never splits a character.
-func TestTruncateAtRuneBoundary(t *testing.T) {
-	s := strings.Repeat("é", 10) // 20 bytes
-	got := truncate(s, 5)
-	if got != "éé… (16 more bytes)" {
-		t.Errorf("got %q", got)
-	}
-	if truncate("short", 5) != "short" {
-		t.Error("cut a short text")
-	}
-}
-
 func scopeStatus(r *Registry, scope string) *tables.HealthStatus {
 	s, _, _ := r.table.Get(r.db.ReadTxn(), tables.HealthScopeIndex.Query(scope))
 	return s

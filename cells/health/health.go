@@ -10,12 +10,12 @@ import (
 	"log/slog"
 	"sync"
 	"time"
-	"unicode/utf8"
 
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 
+	"github.com/apiary-net/apiary/internal/textcut"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -120,9 +120,9 @@ func (r *Registry) scope(name string) *scope {
 func (r *Registry) report(name string, level cell.Level, msg string, err error) {
 	errStr := ""
 	if err != nil {
-		errStr = truncate(err.Error(), MaxTextLen)
+		errStr = textcut.Cut(err.Error(), MaxTextLen)
 	}
-	msg = truncate(msg, MaxTextLen)
+	msg = textcut.Cut(msg, MaxTextLen)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	// Most reports repeat the last one: a read costs no table lock.
@@ -146,18 +146,6 @@ func (r *Registry) report(name string, level cell.Level, msg string, err error) 
 	wtxn := r.db.WriteTxn(r.table)
 	r.write(wtxn, old, level, msg, errStr)
 	wtxn.Commit()
-}
-
-// truncate cuts s to at most max bytes, plus a note of how much was cut.
-func truncate(s string, max int) string {
-	if len(s) <= max {
-		return s
-	}
-	cut := max
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
-		cut--
-	}
-	return fmt.Sprintf("%s… (%d more bytes)", s[:cut], len(s)-cut)
 }
 
 // write replaces old with the new status; msg and errStr are already

@@ -21,6 +21,8 @@ import (
 	"k8s.io/apimachinery/pkg/api/equality"
 	apiresource "k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+
+	"github.com/apiary-net/apiary/internal/textcut"
 )
 
 const (
@@ -528,7 +530,7 @@ func (d *DirSource) markSynced() {
 func (d *DirSource) report(dirProblem error, bad []fileProblem) {
 	logged := map[string]string{}
 	if dirProblem != nil {
-		msg := truncateText(dirProblem.Error(), maxProblemLen)
+		msg := textcut.Cut(dirProblem.Error(), maxProblemLen)
 		logged[""] = msg
 		if d.logged[""] != msg {
 			d.log.Warn("Config dir problem", "dir", d.dir, "error", msg)

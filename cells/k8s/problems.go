@@ -3,7 +3,8 @@ package k8s
 import (
 	"fmt"
 	"strings"
-	"unicode/utf8"
+
+	"github.com/apiary-net/apiary/internal/textcut"
 )
 
 const (
@@ -61,7 +62,7 @@ func (l *problemList) add(err error) {
 func (l *problemList) addLine(line string) {
 	l.total++
 	if len(l.first) < maxListedProblems {
-		l.first = append(l.first, truncateText(line, maxProblemLen))
+		l.first = append(l.first, textcut.Cut(line, maxProblemLen))
 	}
 }
 
@@ -103,19 +104,6 @@ func (l *problemList) Error() string {
 		s += fmt.Sprintf("\n%s… and %d more problems (%d in all)", prefix, more, l.total)
 	}
 	return s
-}
-
-// truncateText cuts s to at most max bytes (at a rune boundary), saying how
-// much was cut.
-func truncateText(s string, max int) string {
-	if len(s) <= max {
-		return s
-	}
-	cut := max
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
-		cut--
-	}
-	return fmt.Sprintf("%s… (%d more bytes)", s[:cut], len(s)-cut)
 }
 
 // nameList is "a, b, c", or "a, b, c and 7 more" past max names.

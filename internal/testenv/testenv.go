@@ -7,11 +7,14 @@
 package testenv
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -125,4 +128,35 @@ func Cgroup2Mount() (string, error) {
 		}
 	}
 	return "", errors.New("cgroup2 is not mounted")
+}
+
+// LogBuffer keeps the output of a process a test started, safe for the
+// process's writes and the test's reads at once: for waiting on log lines,
+// and for showing the end of it when the test fails.
+type LogBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+// Write implements io.Writer.
+func (b *LogBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+// String returns everything written so far.
+func (b *LogBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// Tail returns the last n lines, saying how many came before.
+func (b *LogBuffer) Tail(n int) string {
+	lines := strings.Split(strings.TrimRight(b.String(), "\n"), "\n")
+	if len(lines) > n {
+		lines = append([]string{fmt.Sprintf("... (%d lines before)", len(lines)-n)}, lines[len(lines)-n:]...)
+	}
+	return strings.Join(lines, "\n")
 }

@@ -18,7 +18,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -125,41 +124,13 @@ func writeFile(t testing.TB, path, data string) {
 	}
 }
 
-// logBuffer keeps a process's output, for waiting on log lines and for
-// showing it when the test fails.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-// tail returns the last n lines.
-func (b *logBuffer) tail(n int) string {
-	lines := strings.Split(strings.TrimRight(b.String(), "\n"), "\n")
-	if len(lines) > n {
-		lines = append([]string{fmt.Sprintf("... (%d lines before)", len(lines)-n)}, lines[len(lines)-n:]...)
-	}
-	return strings.Join(lines, "\n")
-}
-
 // process is an outside program the test started. It is stopped (SIGTERM,
 // then SIGKILL) when the test ends, and killed if the test binary dies
 // first; when the test fails, the end of its output is logged.
 type process struct {
 	name string
 	cmd  *exec.Cmd
-	log  *logBuffer
+	log  *testenv.LogBuffer
 	done chan struct{} // closed when the process has exited
 	err  error         // its exit status, once done is closed
 	// stopped: stop was called (by the test, or by a cleanup).
@@ -170,7 +141,7 @@ type process struct {
 // environment without its APIARY_ variables).
 func startProcess(t *testing.T, name string, env []string, path string, args ...string) *process {
 	t.Helper()
-	p := &process{name: name, cmd: exec.Command(path, args...), log: &logBuffer{}, done: make(chan struct{})}
+	p := &process{name: name, cmd: exec.Command(path, args...), log: &testenv.LogBuffer{}, done: make(chan struct{})}
 	p.cmd.Env = append(cleanEnv(), env...)
 	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -184,7 +155,7 @@ func startProcess(t *testing.T, name string, env []string, path string, args ...
 	// Cleanups run last first: stop, then show the log.
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("==== %s (%s): last output ====\n%s", p.name, strings.Join(append(env, p.cmd.Args...), " "), p.log.tail(60))
+			t.Logf("==== %s (%s): last output ====\n%s", p.name, strings.Join(append(env, p.cmd.Args...), " "), p.log.Tail(60))
 		}
 	})
 	t.Cleanup(func() {

@@ -6,7 +6,6 @@ package integration
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -98,39 +97,11 @@ func requireTestbin(t *testing.T) (apiserver, etcd string) {
 	return apiserver, etcd
 }
 
-// logBuffer keeps a process's output for waiting on log lines and for
-// showing it when the test fails.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-// tail returns the last n lines.
-func (b *logBuffer) tail(n int) string {
-	lines := strings.Split(strings.TrimRight(b.String(), "\n"), "\n")
-	if len(lines) > n {
-		lines = append([]string{fmt.Sprintf("... (%d lines before)", len(lines)-n)}, lines[len(lines)-n:]...)
-	}
-	return strings.Join(lines, "\n")
-}
-
 // proc is an outside process the test started.
 type proc struct {
 	name string
 	cmd  *exec.Cmd
-	log  *logBuffer
+	log  *testenv.LogBuffer
 	done chan struct{} // closed once the process has exited
 	err  error         // its exit status, after done
 	once sync.Once
@@ -160,7 +131,7 @@ func newProcs(t *testing.T) *procs {
 			if p.name == "etcd" || p.name == "kube-apiserver" {
 				lines = 40
 			}
-			t.Logf("==== %s: last log lines ====\n%s", p.name, p.log.tail(lines))
+			t.Logf("==== %s: last log lines ====\n%s", p.name, p.log.Tail(lines))
 		}
 	})
 	return ps
@@ -171,7 +142,7 @@ func newProcs(t *testing.T) *procs {
 // run leaves no API server behind.
 func (ps *procs) start(t *testing.T, name, path string, args ...string) *proc {
 	t.Helper()
-	p := &proc{name: name, cmd: exec.Command(path, args...), log: &logBuffer{}, done: make(chan struct{})}
+	p := &proc{name: name, cmd: exec.Command(path, args...), log: &testenv.LogBuffer{}, done: make(chan struct{})}
 	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := p.cmd.Start(); err != nil {
