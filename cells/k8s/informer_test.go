@@ -2,12 +2,16 @@ package k8s
 
 import (
 	"context"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+	k8stesting "k8s.io/client-go/testing"
 )
 
 func meta(ns, name, v string) metav1.ObjectMeta {
@@ -64,11 +68,23 @@ func testInformerKind[T Object](t *testing.T, kind Kind[T], res func(*testHive) 
 
 func TestInformerSubscribers(t *testing.T) {
 	ctx := context.Background()
+	// The fake tracker does not replay what changed between the informer's
+	// list and its watch: the test changes objects only once the watch is
+	// in place.
+	watching := make(chan struct{})
+	var once sync.Once
 	th := newTestHive(t, hiveOpts{k8s: true, before: func(th *testHive) {
 		for _, name := range []string{"b", "a"} {
 			_, err := th.fake.CoreV1().Services("ns").Create(ctx, svc("ns", name, "1"), metav1.CreateOptions{})
 			require.NoError(t, err)
 		}
+		th.fake.PrependWatchReactor("services", func(action k8stesting.Action) (bool, watch.Interface, error) {
+			w, err := th.fake.Tracker().Watch(action.GetResource(), action.GetNamespace())
+			if err == nil {
+				once.Do(func() { close(watching) })
+			}
+			return true, w, err
+		})
 	}})
 	services := th.fake.CoreV1().Services("ns")
 
@@ -80,6 +96,11 @@ func TestInformerSubscribers(t *testing.T) {
 	}
 	obj := <-subscribe(t, th.services)
 	require.Equal(t, ServiceKind.GVK, obj.Object.GroupVersionKind(), "type meta is set")
+	select {
+	case <-watching:
+	case <-time.After(timeout):
+		t.Fatal("the informer never started its watch")
+	}
 
 	_, err := services.Update(ctx, svc("ns", "a", "2"), metav1.UpdateOptions{})
 	require.NoError(t, err)
