@@ -73,23 +73,40 @@ func TestBinary(t *testing.T) {
 	t.Run("bad flags exit non-zero with one line", func(t *testing.T) {
 		for _, tc := range []struct {
 			flag, want string
+			// afterInfo: checked when a feature's cell is built, after the
+			// info lines of the cells built before it; the error is the
+			// last line.
+			afterInfo bool
 		}{
-			{"--api-addr=nonsense", "--api-addr"},
-			{"--api-addr=127.0.0.1:99999", "--api-addr"},
-			{"--state-dir=/etc/hostname/sub", "--state-dir"},
-			{"--log-level=loud", "--log-level"},
-			{"--log-format=xml", "--log-format"},
-			{"--bpf-pin-dir=" + t.TempDir(), "not on a bpffs mount"},
-			{"--no-such-flag", "unknown flag"},
+			{"--api-addr=nonsense", "--api-addr", false},
+			{"--api-addr=127.0.0.1:99999", "--api-addr", false},
+			{"--state-dir=/etc/hostname/sub", "--state-dir", false},
+			{"--log-level=loud", "--log-level", false},
+			{"--log-format=xml", "--log-format", false},
+			{"--bpf-pin-dir=" + t.TempDir(), "not on a bpffs mount", false},
+			{"--no-such-flag", "unknown flag", false},
+			{"--dns-proxy-addr=localhost:5353", "--dns-proxy-addr", true},
+			{"--dns-proxy-addr=127.0.0.1", "--dns-proxy-addr", true},
+			{"--dns-proxy-addr=127.0.0.1:0 --dns-upstream=dns.example:53", "--dns-upstream", true},
+			{"--dns-proxy-addr=127.0.0.1:0 --dns-upstream=127.0.0.1:0", "--dns-upstream", true},
 		} {
 			t.Run(tc.flag, func(t *testing.T) {
-				cmd := exec.Command(bin, "agent", "--state-dir="+t.TempDir(), "--api-addr=127.0.0.1:0", tc.flag)
+				args := append([]string{"agent", "--state-dir=" + t.TempDir(), "--api-addr=127.0.0.1:0"}, strings.Fields(tc.flag)...)
+				cmd := exec.Command(bin, args...)
 				out, err := cmd.CombinedOutput()
 				var exitErr *exec.ExitError
 				if err == nil || !errors.As(err, &exitErr) || exitErr.ExitCode() == 0 {
 					t.Fatalf("want a non-zero exit, got %v:\n%s", err, out)
 				}
 				lines := strings.Split(strings.TrimRight(string(out), "\n"), "\n")
+				if tc.afterInfo {
+					for _, l := range lines[:len(lines)-1] {
+						if !strings.Contains(l, " INF ") {
+							t.Fatalf("want info lines, then the error, got:\n%s", out)
+						}
+					}
+					lines = lines[len(lines)-1:]
+				}
 				if len(lines) != 1 || !strings.Contains(lines[0], tc.want) {
 					t.Fatalf("want one line mentioning %q, got:\n%s", tc.want, out)
 				}
