@@ -198,6 +198,7 @@ var scheme = func() *runtime.Scheme {
 // tracker is what the fake clientset of tests offers.
 type tracker interface {
 	Tracker() k8stesting.ObjectTracker
+	InvokesWatch(action k8stesting.Action) (watch.Interface, error)
 }
 
 // crdListWatch lists and watches a cilium.io/v2 resource: with a REST
@@ -221,10 +222,21 @@ func crdListWatch[L runtime.Object](c *k8s.Clientset, resource string, toList fu
 					var zero L
 					return zero, err
 				}
-				return toList(items), nil
+				// The list's resource version lets the watch replay what
+				// changed between the two (the tracker does, given it).
+				out := toList(items)
+				if from, err := meta.ListAccessor(obj); err == nil {
+					if to, err := meta.ListAccessor(out); err == nil {
+						to.SetResourceVersion(from.GetResourceVersion())
+					}
+				}
+				return out, nil
 			},
-			func(_ context.Context, _ metav1.ListOptions) (watch.Interface, error) {
-				return t.Watch(gvr, "")
+			func(_ context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+				// Through the clientset's reactors, so that the watch is
+				// the fake's (whose events carry copies), not the bare
+				// tracker's.
+				return f.InvokesWatch(k8stesting.NewWatchActionWithOptions(gvr, "", opts))
 			})
 	}
 	rc, err := c.RESTClientFor(GroupVersion, scheme)
