@@ -132,7 +132,7 @@ spec:
 		}
 	})
 	t.Run("socket LB programs are attached", func(t *testing.T) {
-		waitFor(t, func() string { return "a program on every socket LB hook of " + cgroup }, func() bool {
+		testenv.Eventually(t, 30*time.Second, "a program on every socket LB hook of "+cgroup, func() (bool, string) {
 			f, err := os.Open(cgroup)
 			if err != nil {
 				t.Fatal(err)
@@ -140,11 +140,14 @@ spec:
 			defer f.Close()
 			for _, hook := range socklb.Hooks {
 				res, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: hook.Attach})
-				if err != nil || len(res.Programs) == 0 {
-					return false
+				if err != nil {
+					return false, fmt.Sprintf("query %s: %s", hook.Name, err)
+				}
+				if len(res.Programs) == 0 {
+					return false, hook.Name + " has no program"
 				}
 			}
-			return true
+			return true, ""
 		})
 	})
 	t.Run("IPAM asked the plugin", func(t *testing.T) {
@@ -183,19 +186,17 @@ func startUpstream(t *testing.T, addr string) string {
 // contains every one of parts, and returns that object's JSON.
 func waitRow(t *testing.T, base, table string, parts ...string) string {
 	t.Helper()
-	var found, last string
-	waitFor(t, func() string { return fmt.Sprintf("a row of %s with %q; last dump: %s", table, parts, last) }, func() bool {
+	var found string
+	testenv.Eventually(t, 30*time.Second, fmt.Sprintf("a row of %s with %q", table, parts), func() (bool, string) {
 		resp, err := http.Get(base + "/statedb/dump/" + table)
 		if err != nil {
-			last = err.Error()
-			return false
+			return false, err.Error()
 		}
 		defer resp.Body.Close()
 		body, _ := io.ReadAll(resp.Body)
-		last = string(body)
 		var rows map[string][]json.RawMessage
 		if err := json.Unmarshal(body, &rows); err != nil {
-			return false
+			return false, string(body)
 		}
 	next:
 		for _, row := range rows[table] {
@@ -205,24 +206,11 @@ func waitRow(t *testing.T, base, table string, parts ...string) string {
 				}
 			}
 			found = string(row)
-			return true
+			return true, ""
 		}
-		return false
+		return false, string(body)
 	})
 	return found
-}
-
-// waitFor polls cond until it holds, failing the test with what() after a
-// generous deadline.
-func waitFor(t *testing.T, what func() string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 func copyFile(t *testing.T, from, to string) {

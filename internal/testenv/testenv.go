@@ -160,3 +160,20 @@ func (b *LogBuffer) Tail(n int) string {
 	}
 	return strings.Join(lines, "\n")
 }
+
+// Eventually polls cond every 50 ms until it holds; after timeout the test
+// fails with what it waited for and what cond last said.
+func Eventually(tb testing.TB, timeout time.Duration, what string, cond func() (ok bool, state string)) {
+	tb.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		ok, state := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("timed out after %s waiting for %s; last:\n%s", timeout, what, state)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

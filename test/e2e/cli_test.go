@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/apiary-net/apiary/internal/testenv"
 )
 
 // examplesDir is docs/examples, the config dir `make run` uses.
@@ -35,7 +37,7 @@ func TestCLI(t *testing.T) {
 	a := startAgent(t, agentOptions{configDir: examplesDir(t), viaEnv: true})
 
 	// `apiary db tables`: every table of the agent, with object counts.
-	eventually(t, waitTimeout, "apiary db tables", func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, "apiary db tables", func() (bool, string) {
 		out, err := a.db("tables")
 		if err != nil {
 			return false, err.Error()

@@ -11,6 +11,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
+
+	"github.com/apiary-net/apiary/internal/testenv"
 )
 
 type ctMapRow struct {
@@ -29,7 +31,7 @@ type ctMapRow struct {
 // with the wanted "maxEntries actualMaxEntries pin copied status".
 func (a *agent) waitCTMaps(t *testing.T, want map[string]string) {
 	t.Helper()
-	eventually(t, waitTimeout, fmt.Sprintf("ct-maps %v", want), func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, fmt.Sprintf("ct-maps %v", want), func() (bool, string) {
 		var rows []ctMapRow
 		if err := a.showJSON("ct-maps", &rows); err != nil {
 			return false, err.Error()

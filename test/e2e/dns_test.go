@@ -46,7 +46,7 @@ func startDNSMasq(t *testing.T, options ...string) string {
 		var d net.Dialer
 		return d.DialContext(ctx, "udp", addr)
 	}}
-	eventually(t, waitTimeout, "dnsmasq to answer on "+addr, func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, "dnsmasq to answer on "+addr, func() (bool, string) {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		_, err := r.LookupNetIP(ctx, "ip4", "ready.e2e.test.")
@@ -200,7 +200,7 @@ func TestDNSProxy(t *testing.T) {
 	a.restart(t)
 	checkProxyStarted(t, a, proxy, upstream)
 	for ip := range identities {
-		eventually(t, waitTimeout, ip+"/32 in the restarted agent's ipcache table", func() (bool, string) {
+		testenv.Eventually(t, waitTimeout, ip+"/32 in the restarted agent's ipcache table", func() (bool, string) {
 			var rows []ipcacheRow
 			if err := a.dump("ipcache", &rows); err != nil {
 				return false, err.Error()

@@ -72,23 +72,6 @@ const (
 	stopTimeout = 10 * time.Second // for an agent to exit after SIGTERM
 )
 
-// eventually polls cond every 50 ms until it holds; after timeout the test
-// fails with what cond last said.
-func eventually(t testing.TB, timeout time.Duration, what string, cond func() (ok bool, state string)) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		ok, state := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s; last:\n%s", timeout, what, state)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
 // freePort returns a loopback port that was free for both TCP and UDP a
 // moment ago.
 func freePort(t testing.TB) int {
@@ -347,7 +330,7 @@ func (a *agent) alive(t testing.TB) {
 // waitHealthy waits until GET /healthz answers 200.
 func (a *agent) waitHealthy(t testing.TB) {
 	t.Helper()
-	eventually(t, waitTimeout, a.proc.name+" /healthz 200", func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, a.proc.name+" /healthz 200", func() (bool, string) {
 		a.alive(t)
 		code, body, err := httpGet(a.url("/healthz"))
 		if err != nil {
@@ -362,7 +345,7 @@ func (a *agent) waitHealthy(t testing.TB) {
 func (a *agent) waitLog(t testing.TB, msg string) map[string]any {
 	t.Helper()
 	var rec map[string]any
-	eventually(t, waitTimeout, a.proc.name+" to log "+strconv.Quote(msg), func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, a.proc.name+" to log "+strconv.Quote(msg), func() (bool, string) {
 		if rec = a.proc.findLog(msg); rec != nil {
 			return true, ""
 		}

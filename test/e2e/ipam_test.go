@@ -27,7 +27,7 @@ type agentIPRow struct {
 func (a *agent) waitHealthIP(t *testing.T, action string) netip.Addr {
 	t.Helper()
 	var ip netip.Addr
-	eventually(t, waitTimeout, "a ready health IP ("+action+") in agent-ips", func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, "a ready health IP ("+action+") in agent-ips", func() (bool, string) {
 		var rows []agentIPRow
 		if err := a.showJSON("agent-ips", &rows); err != nil {
 			return false, err.Error()
@@ -93,7 +93,7 @@ func TestDelegatedIPAM(t *testing.T) {
 	// The health IP gets the reserved health identity (4) in the ipcache map.
 	waitIdentity := func() {
 		t.Helper()
-		eventually(t, waitTimeout, ip.String()+"/32 identity=4 in the ipcache map", func() (bool, string) {
+		testenv.Eventually(t, waitTimeout, ip.String()+"/32 identity=4 in the ipcache map", func() (bool, string) {
 			m, err := a.ipcacheMap()
 			if err != nil {
 				return false, err.Error()

@@ -177,14 +177,14 @@ func (a *agent) frontends() ([]string, error) {
 // wanted.
 func (a *agent) waitLB(t *testing.T, what string, wantFrontends, wantMaps []string) {
 	t.Helper()
-	eventually(t, waitTimeout, "frontends table: "+what, func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, "frontends table: "+what, func() (bool, string) {
 		got, err := a.frontends()
 		if err != nil {
 			return false, err.Error()
 		}
 		return slices.Equal(got, wantFrontends), fmt.Sprintf("got\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(wantFrontends, "\n"))
 	})
-	eventually(t, waitTimeout, "apiary bpf lb list: "+what, func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, "apiary bpf lb list: "+what, func() (bool, string) {
 		got, err := a.lbMaps()
 		if err != nil {
 			return false, err.Error()
@@ -277,7 +277,7 @@ func TestSocketLB(t *testing.T) {
 	}
 	// No connection is made before the programs are attached and the maps
 	// hold the Service: until then it would leave the machine for the VIP.
-	eventually(t, waitTimeout, "the socket LB attached and the frontend written", func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, "the socket LB attached and the frontend written", func() (bool, string) {
 		var health []struct{ Scope, Message string }
 		if err := a.dump("health", &health); err != nil {
 			return false, err.Error()

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/apiary-net/apiary/internal/testenv"
 )
 
 // cpuShare samples the agent's CPU time (utime + stime) over d and returns
@@ -38,7 +40,7 @@ func (a *agent) waitStartupDone(t *testing.T) {
 	t.Helper()
 	a.waitLog(t, "ipcache initialized")
 	a.waitLog(t, "Restored load-balancing state from the pinned maps")
-	eventually(t, waitTimeout, "the first conntrack GC run", func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, "the first conntrack GC run", func() (bool, string) {
 		var rows []healthRow
 		if err := a.dump("health", &rows); err != nil {
 			return false, err.Error()
@@ -157,7 +159,7 @@ func TestSoak(t *testing.T) {
 		writeFile(t, policyFile, soakPolicy(i))
 		wantFE := "10.96.0.10:80/TCP default/web " + strings.Join(want, ",") + " Done"
 		wantCIDR := fmt.Sprintf("cidr:10.%d.0.0/16", 100+i%50)
-		eventually(t, waitTimeout, fmt.Sprintf("change %d applied", i), func() (bool, string) {
+		testenv.Eventually(t, waitTimeout, fmt.Sprintf("change %d applied", i), func() (bool, string) {
 			a.alive(t)
 			got, err := a.frontends()
 			if err != nil {

@@ -153,7 +153,7 @@ func createPod(t *testing.T, cs kubernetes.Interface, p podSpec) {
 // test observes in the cluster.)
 func waitMetric(t *testing.T, a *apiaryProc, name string, want float64) {
 	t.Helper()
-	eventually(t, wait, fmt.Sprintf("%s %s = %v", a.name, name, want), func() (bool, string) {
+	testenv.Eventually(t, wait, fmt.Sprintf("%s %s = %v", a.name, name, want), func() (bool, string) {
 		n, err := metric(a.addr, name)
 		if err != nil {
 			return false, err.Error()
@@ -165,7 +165,7 @@ func waitMetric(t *testing.T, a *apiaryProc, name string, want float64) {
 // waitHealthy waits until the process's /healthz answers 200.
 func waitHealthy(t *testing.T, a *apiaryProc) {
 	t.Helper()
-	eventually(t, wait, a.name+" /healthz 200", func() (bool, string) {
+	testenv.Eventually(t, wait, a.name+" /healthz 200", func() (bool, string) {
 		resp, err := http.Get("http://" + a.addr + "/healthz?verbose=1")
 		if err != nil {
 			return false, err.Error()
@@ -313,7 +313,7 @@ func TestOperatorAndAgentsOnRealAPIServer(t *testing.T) {
 		t.Helper()
 		all := map[string]map[string]tables.Endpoint{}
 		for node, a := range agents {
-			eventually(t, wait, node+": "+what, func() (bool, string) {
+			testenv.Eventually(t, wait, node+": "+what, func() (bool, string) {
 				eps, err := a.endpoints()
 				if err != nil {
 					return false, err.Error()
@@ -368,7 +368,7 @@ func TestOperatorAndAgentsOnRealAPIServer(t *testing.T) {
 	checkCluster := func(what string, wantLabel string) map[uint32]tables.Labels {
 		t.Helper()
 		var ids map[uint32]tables.Labels
-		eventually(t, wait, what+": one Identity per label set", func() (bool, string) {
+		testenv.Eventually(t, wait, what+": one Identity per label set", func() (bool, string) {
 			ids = identities(t, adminIDs)
 			seen := map[string]uint32{}
 			for n, l := range ids {
@@ -423,7 +423,7 @@ func TestOperatorAndAgentsOnRealAPIServer(t *testing.T) {
 	// no create, no delete, no other number on any node.
 	operator.stop(t)
 	operator = startApiary(t, ps, "operator (restarted)", bin, operatorArgs...)
-	eventually(t, wait, "the restarted operator to lead with 2 Identities", func() (bool, string) {
+	testenv.Eventually(t, wait, "the restarted operator to lead with 2 Identities", func() (bool, string) {
 		h, err := operator.health()
 		if err != nil {
 			return false, err.Error()

@@ -205,7 +205,7 @@ func (p *proc) exited() bool {
 func (p *proc) waitLog(t *testing.T, msg, attr string) string {
 	t.Helper()
 	var value string
-	eventually(t, 30*time.Second, p.name+" to log "+strconv.Quote(msg), func() (bool, string) {
+	testenv.Eventually(t, 30*time.Second, p.name+" to log "+strconv.Quote(msg), func() (bool, string) {
 		sc := bufio.NewScanner(strings.NewReader(p.log.String()))
 		sc.Buffer(nil, 1<<20)
 		for sc.Scan() {
@@ -221,23 +221,6 @@ func (p *proc) waitLog(t *testing.T, msg, attr string) string {
 		return false, "not yet"
 	})
 	return value
-}
-
-// eventually polls cond every 50 ms until it holds; after timeout the test
-// fails with what cond last said.
-func eventually(t *testing.T, timeout time.Duration, what string, cond func() (ok bool, state string)) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		ok, state := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s; last:\n%s", timeout, what, state)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 // freePort returns a loopback TCP port that was free a moment ago.
@@ -278,7 +261,7 @@ func startCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string) *cluste
 		"--listen-peer-urls="+peerURL, "--initial-advertise-peer-urls="+peerURL,
 		"--initial-cluster=test="+peerURL, "--unsafe-no-fsync=true", "--log-level=warn")
 	etcd.diesOfSIGTERM = true
-	eventually(t, 30*time.Second, "etcd /health", func() (bool, string) {
+	testenv.Eventually(t, 30*time.Second, "etcd /health", func() (bool, string) {
 		resp, err := http.Get(etcdURL + "/health")
 		if err != nil {
 			return false, err.Error()
@@ -326,7 +309,7 @@ func startCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string) *cluste
 	// The certificate is written at start; until it is there, and for the
 	// readiness probe, skip verification (nothing else listens there).
 	probe := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
-	eventually(t, 60*time.Second, "kube-apiserver /readyz", func() (bool, string) {
+	testenv.Eventually(t, 60*time.Second, "kube-apiserver /readyz", func() (bool, string) {
 		req, _ := http.NewRequest(http.MethodGet, c.server+"/readyz", nil)
 		req.Header.Set("Authorization", "Bearer "+adminToken)
 		resp, err := probe.Do(req)
@@ -454,7 +437,7 @@ func (c *cluster) waitEstablished(t *testing.T, name string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "CRD "+name+" Established", func() (bool, string) {
+	testenv.Eventually(t, 10*time.Second, "CRD "+name+" Established", func() (bool, string) {
 		u, err := dyn.Resource(crdGVR).Get(context.Background(), name, metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()

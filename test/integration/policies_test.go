@@ -32,7 +32,7 @@ type tableState struct {
 // run left behind.
 func waitInitialized(t *testing.T, a *apiaryProc, names ...string) {
 	t.Helper()
-	eventually(t, wait, fmt.Sprintf("%s: tables %v initialized", a.name, names), func() (bool, string) {
+	testenv.Eventually(t, wait, fmt.Sprintf("%s: tables %v initialized", a.name, names), func() (bool, string) {
 		var all []tableState
 		if err := httpGetJSON("http://"+a.addr+"/statedb/tables", &all); err != nil {
 			return false, err.Error()
@@ -86,7 +86,7 @@ func (a *apiaryProc) ipcacheEntry(p netip.Prefix) (*tables.IPCacheEntry, error) 
 // message error") starts with want.
 func waitHealth(t *testing.T, a *apiaryProc, want string) {
 	t.Helper()
-	eventually(t, wait, fmt.Sprintf("%s health %q", a.name, want), func() (bool, string) {
+	testenv.Eventually(t, wait, fmt.Sprintf("%s health %q", a.name, want), func() (bool, string) {
 		h, err := a.health()
 		if err != nil {
 			return false, err.Error()
@@ -188,7 +188,7 @@ func TestCiliumPolicyCRDsOptionalOnRealAPIServer(t *testing.T) {
 		t.Fatalf("create a CiliumNetworkPolicy: %v", err)
 	}
 	cidr := netip.MustParsePrefix("192.0.2.0/24")
-	eventually(t, wait, "the policy's CIDR in prefixes and ipcache", func() (bool, string) {
+	testenv.Eventually(t, wait, "the policy's CIDR in prefixes and ipcache", func() (bool, string) {
 		owners, err := agent.prefixOwners(cidr)
 		if err != nil {
 			return false, err.Error()
@@ -206,7 +206,7 @@ func TestCiliumPolicyCRDsOptionalOnRealAPIServer(t *testing.T) {
 	if err := dyn.Resource(crdGVR).Delete(ctx, "ciliumnetworkpolicies.cilium.io", metav1.DeleteOptions{}); err != nil {
 		t.Fatalf("delete the CiliumNetworkPolicy CRD: %v", err)
 	}
-	eventually(t, wait, "the policy's CIDR gone from prefixes", func() (bool, string) {
+	testenv.Eventually(t, wait, "the policy's CIDR gone from prefixes", func() (bool, string) {
 		owners, err := agent.prefixOwners(cidr)
 		if err != nil {
 			return false, err.Error()
