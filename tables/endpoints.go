@@ -28,6 +28,22 @@ type Endpoint struct {
 	IdentitySource string `json:"identitySource" yaml:"identitySource"`
 	// Error says why the pod has no identity.
 	Error string `json:"error,omitempty" yaml:"error,omitempty"`
+	// UID is the pod's UID, which names its kubelet cgroup.
+	UID string `json:"uid,omitempty" yaml:"uid,omitempty"`
+	// NamedPorts are the pod's named container ports.
+	NamedPorts []NamedPort `json:"namedPorts,omitempty" yaml:"namedPorts,omitempty"`
+	// Cgroup is the pod's cgroup, relative to --cgroup-root; empty until
+	// it appears.
+	Cgroup string `json:"cgroup,omitempty" yaml:"cgroup,omitempty"`
+	// CgroupID is the cgroup's ID (its inode number), 0 until it appears.
+	CgroupID uint64 `json:"cgroupId,omitempty" yaml:"cgroupId,omitempty"`
+}
+
+// NamedPort is a named container port of a pod.
+type NamedPort struct {
+	Name     string `json:"name" yaml:"name"`
+	Port     uint16 `json:"port" yaml:"port"`
+	Protocol string `json:"protocol" yaml:"protocol"`
 }
 
 // TableHeader implements statedb.TableWritable.

@@ -26,6 +26,9 @@ type Policy struct {
 	Peers []string `json:"peers" yaml:"peers"`
 	// CIDRs are the prefixes the policy names, which get cidr: labels.
 	CIDRs []string `json:"cidrs,omitempty" yaml:"cidrs,omitempty"`
+	// Specs are the policy's rules as enforcement uses them; empty for an
+	// invalid policy.
+	Specs []PolicySpec `json:"specs,omitempty" yaml:"specs,omitempty"`
 	// Status is "OK" or "Error".
 	Status string `json:"status" yaml:"status"`
 	// Error says what is wrong with an invalid policy; the valid rules of
@@ -117,4 +120,68 @@ func NewSelectorsTable(db *statedb.DB) (statedb.RWTable[*Selector], error) {
 
 func formatUint(v uint32) string {
 	return strconv.FormatUint(uint64(v), 10)
+}
+
+// Directions of a policy rule and of a policy map entry.
+const (
+	DirIngress = "ingress"
+	DirEgress  = "egress"
+)
+
+// AnyPeer is the peer of a rule that applies to every remote identity
+// (entity "all", or a rule with ports but no peers): it becomes the
+// identity-0 entry of the policy map rather than a selector.
+const AnyPeer = "entity:all"
+
+// Port protocols of a PortRule.
+const (
+	ProtoTCP  = "TCP"
+	ProtoUDP  = "UDP"
+	ProtoSCTP = "SCTP"
+	ProtoAny  = "ANY"
+)
+
+// PolicySpec is one rule (spec) of a policy in the form enforcement
+// uses: the endpoints it applies to and what it allows and denies them.
+type PolicySpec struct {
+	// Subject is the selector (a selectors row) of the endpoints the
+	// spec applies to.
+	Subject string `json:"subject" yaml:"subject"`
+	// Ingress and Egress say that the spec has rules (allow or deny) in
+	// that direction, so the endpoints it selects are enforced there.
+	Ingress bool `json:"ingress,omitempty" yaml:"ingress,omitempty"`
+	Egress  bool `json:"egress,omitempty" yaml:"egress,omitempty"`
+	// DefaultDenyIngress and DefaultDenyEgress say that the spec puts the
+	// endpoints it selects into default deny in that direction: true when
+	// it has rules there unless enableDefaultDeny turns it off.
+	DefaultDenyIngress bool `json:"defaultDenyIngress,omitempty" yaml:"defaultDenyIngress,omitempty"`
+	DefaultDenyEgress  bool `json:"defaultDenyEgress,omitempty" yaml:"defaultDenyEgress,omitempty"`
+	// Rules are the spec's allow and deny rules.
+	Rules []PolicyRule `json:"rules,omitempty" yaml:"rules,omitempty"`
+}
+
+// PolicyRule allows (or denies) the subject's traffic with some peers on
+// some ports in one direction.
+type PolicyRule struct {
+	// Direction is DirIngress or DirEgress.
+	Direction string `json:"direction" yaml:"direction"`
+	// Deny makes the rule deny what it matches; deny beats allow.
+	Deny bool `json:"deny,omitempty" yaml:"deny,omitempty"`
+	// Peers are the selectors (selectors rows) of the remote identities,
+	// or AnyPeer.
+	Peers []string `json:"peers" yaml:"peers"`
+	// Ports limit the rule to these ports; empty: every protocol and port.
+	Ports []PortRule `json:"ports,omitempty" yaml:"ports,omitempty"`
+}
+
+// PortRule is one port (or range, or named port) of a rule.
+type PortRule struct {
+	// Protocol is ProtoTCP, ProtoUDP, ProtoSCTP or ProtoAny.
+	Protocol string `json:"protocol" yaml:"protocol"`
+	// Port is the first port; 0 with no Name: every port of Protocol.
+	Port uint16 `json:"port,omitempty" yaml:"port,omitempty"`
+	// EndPort is the last port of a range (0: just Port).
+	EndPort uint16 `json:"endPort,omitempty" yaml:"endPort,omitempty"`
+	// Name is a named container port, resolved per endpoint (Port is 0).
+	Name string `json:"name,omitempty" yaml:"name,omitempty"`
 }

@@ -1,0 +1,252 @@
+package bpf
+
+import (
+	"fmt"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+// Names (and pin file names) of the policy enforcement maps.
+const (
+	// PolicyMap is the LPM trie of every endpoint's policy entries,
+	// keyed by endpoint ID, remote identity and direction, then protocol,
+	// then destination port.
+	PolicyMap = "policy"
+	// PolicyEndpointsMap maps the cgroup ID of an endpoint (a pod's
+	// cgroup) to its endpoint ID and enforcement flags.
+	PolicyEndpointsMap = "policy_endpoints"
+	// PolicyFlowsMap remembers the allowed flows of sockets (by socket
+	// cookie and peer), so that replies pass whatever the other
+	// direction's policy says.
+	PolicyFlowsMap = "policy_flows"
+	// PolicyStatsMap counts verdicts per direction (per CPU).
+	PolicyStatsMap = "policy_stats"
+)
+
+// Byte sizes of the policy maps' keys and values, as the datapath's C
+// structs (bpf/c/policy.c) lay them out.
+const (
+	PolicyKeySize           = 16
+	PolicyValueSize         = 8
+	PolicyEndpointKeySize   = 8
+	PolicyEndpointValueSize = 8
+	PolicyFlowKeySize       = 16
+	PolicyFlowValueSize     = 8
+)
+
+// PolicyStaticPrefixBits are the key bits every entry matches in full:
+// endpoint ID, remote identity and direction. Protocol (8 bits) and port
+// (up to 16) follow.
+const PolicyStaticPrefixBits = 72
+
+// PolicyFullPrefixBits is the prefix length of a lookup key.
+const PolicyFullPrefixBits = PolicyStaticPrefixBits + 24
+
+// DefaultPolicyMapMaxEntries is the default capacity of the policy map,
+// shared by every endpoint of the node.
+const DefaultPolicyMapMaxEntries = 65536
+
+// Policy map directions (PolicyKey.Egress).
+const (
+	PolicyIngress uint8 = 0
+	PolicyEgress  uint8 = 1
+)
+
+// PolicyKey is the key of the policy LPM trie (struct policy_key).
+type PolicyKey struct {
+	// PrefixLen is PolicyStaticPrefixBits plus 8 when Protocol is set,
+	// plus the port's prefix bits (1–16) when a port is.
+	PrefixLen uint32
+	// EndpointID is the node-local ID of the endpoint.
+	EndpointID uint32
+	// Identity is the remote security identity; 0 matches any.
+	Identity uint32
+	// Egress is PolicyIngress or PolicyEgress.
+	Egress uint8
+	// Protocol is the IANA protocol number, 0 for any (then no port).
+	Protocol uint8
+	// Port is the destination port (the endpoint's own on ingress).
+	Port Be16
+}
+
+// Policy entry flags (PolicyValue.Flags).
+const (
+	// PolicyFlagDeny makes the entry deny what it matches.
+	PolicyFlagDeny uint8 = 1 << 0
+)
+
+// PolicyValue is the value of the policy map (struct policy_value).
+type PolicyValue struct {
+	// Flags are PolicyFlag* bits.
+	Flags uint8
+	// PortPrefixLen repeats the key's protocol and port prefix bits
+	// (0–24), which an LPM lookup does not return.
+	PortPrefixLen uint8
+	Pad           uint16
+	// Cookie names the policy that put the entry there (0: none).
+	Cookie uint32
+}
+
+// NewPolicyKey returns the key of an entry: protocol 0 means any protocol
+// and port; portBits (0–16) is how many leading bits of port the entry
+// matches.
+func NewPolicyKey(endpointID, identity uint32, egress, protocol uint8, port uint16, portBits int) PolicyKey {
+	k := PolicyKey{PrefixLen: PolicyStaticPrefixBits, EndpointID: endpointID, Identity: identity, Egress: egress}
+	if protocol == 0 {
+		return k
+	}
+	k.PrefixLen += 8 + uint32(portBits)
+	k.Protocol = protocol
+	mask := uint16(0)
+	if portBits > 0 {
+		mask = ^uint16(0) << (16 - portBits)
+	}
+	k.Port = NewBe16(port & mask)
+	return k
+}
+
+// PortBits returns how many bits of Port the key matches.
+func (k PolicyKey) PortBits() int {
+	if k.PrefixLen <= PolicyStaticPrefixBits+8 {
+		return 0
+	}
+	return int(k.PrefixLen - PolicyStaticPrefixBits - 8)
+}
+
+// Policy endpoint flags (PolicyEndpointValue.Flags).
+const (
+	// PolicyEnforceIngress: packets into the endpoint are checked.
+	PolicyEnforceIngress uint32 = 1 << 0
+	// PolicyEnforceEgress: connections and packets out are checked.
+	PolicyEnforceEgress uint32 = 1 << 1
+	// PolicyAudit: nothing is denied; what would be is counted as audited.
+	PolicyAudit uint32 = 1 << 2
+)
+
+// PolicyEndpointValue is the value of policy_endpoints (struct
+// policy_endpoint); the key is the cgroup ID (u64).
+type PolicyEndpointValue struct {
+	EndpointID uint32
+	Flags      uint32
+}
+
+// PolicyFlowKey is the key of policy_flows (struct policy_flow_key).
+type PolicyFlowKey struct {
+	// Cookie is the socket's cookie.
+	Cookie uint64
+	// Peer and PeerPort are the remote address and port (network order).
+	Peer     [4]byte
+	PeerPort Be16
+	Protocol uint8
+	Pad      uint8
+}
+
+// PolicyFlowValue is the value of policy_flows (struct policy_flow).
+type PolicyFlowValue struct {
+	EndpointID uint32
+	// Egress is 1 when the endpoint opened the flow.
+	Egress uint8
+	Pad    [3]byte
+}
+
+// Verdict indexes of policy_stats: direction*PolicyVerdicts + verdict.
+const (
+	PolicyVerdictAllowed = 0
+	PolicyVerdictDenied  = 1
+	PolicyVerdictAudited = 2
+	PolicyVerdicts       = 4
+	PolicyStatsEntries   = 2 * PolicyVerdicts
+)
+
+// PolicyMapSpec returns the spec of the policy map with room for
+// maxEntries entries.
+func PolicyMapSpec(maxEntries uint32) *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyMap,
+		Type:       ebpf.LPMTrie,
+		KeySize:    PolicyKeySize,
+		ValueSize:  PolicyValueSize,
+		MaxEntries: maxEntries,
+		Flags:      unix.BPF_F_NO_PREALLOC,
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// PolicyEndpointsMapSpec returns the spec of policy_endpoints.
+func PolicyEndpointsMapSpec(maxEntries uint32) *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyEndpointsMap,
+		Type:       ebpf.Hash,
+		KeySize:    PolicyEndpointKeySize,
+		ValueSize:  PolicyEndpointValueSize,
+		MaxEntries: maxEntries,
+		Flags:      unix.BPF_F_NO_PREALLOC,
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// PolicyFlowsMapSpec returns the spec of policy_flows, an LRU: the oldest
+// flows go first when it is full.
+func PolicyFlowsMapSpec(maxEntries uint32) *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyFlowsMap,
+		Type:       ebpf.LRUHash,
+		KeySize:    PolicyFlowKeySize,
+		ValueSize:  PolicyFlowValueSize,
+		MaxEntries: maxEntries,
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// PolicyStatsMapSpec returns the spec of policy_stats.
+func PolicyStatsMapSpec() *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyStatsMap,
+		Type:       ebpf.PerCPUArray,
+		KeySize:    4,
+		ValueSize:  8,
+		MaxEntries: PolicyStatsEntries,
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// String formats a key for people: "ep 3 id 256 egress TCP/80-95".
+func (k PolicyKey) String() string {
+	dir := "ingress"
+	if k.Egress == PolicyEgress {
+		dir = "egress"
+	}
+	return fmt.Sprintf("ep %d id %d %s %s", k.EndpointID, k.Identity, dir, FormatPortPrefix(k.Protocol, k.Port.Uint16(), k.PortBits()))
+}
+
+// FormatPortPrefix formats a protocol and port prefix: "ANY", "TCP",
+// "TCP/80" or the range a partial prefix covers, "TCP/80-95".
+func FormatPortPrefix(protocol uint8, port uint16, bits int) string {
+	if protocol == 0 {
+		return "ANY"
+	}
+	name := ProtocolName(protocol)
+	switch {
+	case bits == 0:
+		return name
+	case bits == 16:
+		return fmt.Sprintf("%s/%d", name, port)
+	}
+	last := port | (^uint16(0) >> bits)
+	return fmt.Sprintf("%s/%d-%d", name, port, last)
+}
+
+// ProtocolName names an IANA protocol number: TCP, UDP, SCTP, or the
+// number.
+func ProtocolName(p uint8) string {
+	switch p {
+	case unix.IPPROTO_TCP:
+		return "TCP"
+	case unix.IPPROTO_UDP:
+		return "UDP"
+	case unix.IPPROTO_SCTP:
+		return "SCTP"
+	}
+	return fmt.Sprint(p)
+}
