@@ -103,6 +103,17 @@ func (c *IPCache) Close() error {
 	return err
 }
 
+// WithMap calls fn with the open ipcache map, for the datapath loader. fn
+// must not keep it.
+func (c *IPCache) WithMap(fn func(*ebpf.Map) error) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil {
+		return errors.New("ipcache map not open")
+	}
+	return fn(c.m)
+}
+
 // Writes returns how many map updates and deletes the operations made.
 func (c *IPCache) Writes() (updates, deletes uint64) {
 	return c.writes.Load(), c.deletes.Load()

@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"net/netip"
 
+	"github.com/cilium/ebpf"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
@@ -45,6 +46,7 @@ var Cell = cell.Module(
 		statedb.RWTable[*tables.PrefixLabels].ToTable,
 		statedb.RWTable[*tables.IPCacheEntry].ToTable,
 		func(p *prefixes) Prefixes { return p },
+		func(ops *reconcilers.IPCache) Map { return ops },
 		scriptCommands,
 	),
 	cell.Invoke(
@@ -54,6 +56,13 @@ var Cell = cell.Module(
 		registerMetrics,
 	),
 )
+
+// Map gives the datapath loader the ipcache map the cell keeps pinned.
+type Map interface {
+	// WithMap calls fn with the open map (an error until the cell has
+	// started); fn must not keep it.
+	WithMap(fn func(*ebpf.Map) error) error
+}
 
 // OwnerNode owns the node's own addresses.
 const OwnerNode = "node"

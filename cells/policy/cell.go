@@ -1,0 +1,168 @@
+// Package policy enforces network policy: it computes, for every endpoint
+// (pod) of this node, the entries of its policy from the policies' rules,
+// the identities their selectors select and the endpoints' identities; it
+// keeps them in the policy-entries and endpoint-policy tables, reconciles
+// them into the pinned policy and policy_endpoints maps, and attaches the
+// cgroup programs (bpf/policyprog) that decide connections and packets
+// with those maps. See docs/policy.md.
+package policy
+
+import (
+	"fmt"
+	"log/slog"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+	"github.com/spf13/pflag"
+	"golang.org/x/time/rate"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/reconcilers"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// Cell provides the read-only policy-entries and endpoint-policy tables
+// and Maps, and enforces the policy.
+var Cell = cell.Module(
+	"policy",
+	"Policy enforcement per endpoint",
+
+	cell.Config(defaultConfig),
+	cell.ProvidePrivate(
+		tables.NewPolicyEntriesTable,
+		tables.NewEndpointPolicyTable,
+		newOps,
+	),
+	cell.Provide(
+		statedb.RWTable[*tables.PolicyEntry].ToTable,
+		statedb.RWTable[*tables.EndpointPolicy].ToTable,
+		func(ops *reconcilers.Policy) Maps { return ops },
+	),
+	cell.Invoke(
+		registerReconcilers,
+		registerController,
+	),
+)
+
+// Flag names.
+const (
+	EnableFlag   = "enable-policy"
+	AuditFlag    = "policy-audit-mode"
+	MapMaxFlag   = "bpf-policy-map-max"
+	minPolicyMap = 256
+	maxPolicyMap = 16 << 20
+	endpointsMax = 65536
+	flowsMapMax  = 65536
+)
+
+// Config is the policy cell's configuration.
+type Config struct {
+	// EnablePolicy is ModeDefault, ModeAlways or ModeNever.
+	EnablePolicy string
+	// PolicyAuditMode denies nothing; what would be denied is counted.
+	PolicyAuditMode bool
+	// BPFPolicyMapMax is the capacity of the policy map, shared by every
+	// endpoint of the node.
+	BPFPolicyMapMax uint32
+}
+
+var defaultConfig = Config{EnablePolicy: ModeDefault, BPFPolicyMapMax: bpf.DefaultPolicyMapMaxEntries}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(fs *pflag.FlagSet) {
+	fs.String(EnableFlag, def.EnablePolicy,
+		"Policy enforcement: default (an endpoint is enforced in a direction once a policy with rules there selects it), always (every endpoint, deny unless allowed), never (nothing is enforced or attached)")
+	fs.Bool(AuditFlag, def.PolicyAuditMode,
+		"Deny nothing: what policy would deny is allowed and counted as audited")
+	fs.Uint32(MapMaxFlag, def.BPFPolicyMapMax,
+		"Capacity of the policy map in entries, shared by every endpoint of the node; a full map is an error on the endpoints whose entries do not fit")
+}
+
+func (c Config) validate() error {
+	switch c.EnablePolicy {
+	case ModeDefault, ModeAlways, ModeNever:
+	default:
+		return fmt.Errorf("--%s=%q: want default, always or never", EnableFlag, c.EnablePolicy)
+	}
+	if c.BPFPolicyMapMax < minPolicyMap || c.BPFPolicyMapMax > maxPolicyMap {
+		return fmt.Errorf("--%s=%d: want %d to %d", MapMaxFlag, c.BPFPolicyMapMax, minPolicyMap, maxPolicyMap)
+	}
+	return nil
+}
+
+// Maps gives the datapath loader the policy maps the cell keeps pinned.
+type Maps interface {
+	// Maps calls fn with the open policy and policy_endpoints maps (an
+	// error until the cell has opened them); fn must not keep them.
+	Maps(fn func(policy, endpoints *ebpf.Map) error) error
+}
+
+func newOps(log *slog.Logger, cfg Config) (*reconcilers.Policy, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	return reconcilers.NewPolicy(log, MapMaxFlag), nil
+}
+
+type reconcilerParams struct {
+	cell.In
+
+	Params    reconciler.Params
+	Entries   statedb.RWTable[*tables.PolicyEntry]
+	Endpoints statedb.RWTable[*tables.EndpointPolicy]
+	Ops       *reconcilers.Policy
+}
+
+func registerReconcilers(p reconcilerParams) error {
+	// Update skips entries the map already holds, so a refresh would only
+	// compare; nobody else writes the maps.
+	_, err := reconciler.Register(p.Params, p.Entries,
+		(*tables.PolicyEntry).Clone, (*tables.PolicyEntry).SetStatus, (*tables.PolicyEntry).GetStatus,
+		p.Ops.EntryOps(), nil,
+		reconciler.WithRefreshing(0, nil),
+		// The DNS proxy holds answers until their entries are in the map.
+		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),
+	)
+	if err != nil {
+		return fmt.Errorf("register policy-entries reconciler: %w", err)
+	}
+	_, err = reconciler.Register(p.Params, p.Endpoints,
+		(*tables.EndpointPolicy).Clone, (*tables.EndpointPolicy).SetStatus, (*tables.EndpointPolicy).GetStatus,
+		p.Ops.EndpointOps(p.Entries), nil,
+		reconciler.WithRefreshing(0, nil),
+		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),
+	)
+	if err != nil {
+		return fmt.Errorf("register endpoint-policy reconciler: %w", err)
+	}
+	return nil
+}
+
+type controllerParams struct {
+	cell.In
+
+	Log            *slog.Logger
+	Config         Config
+	DB             *statedb.DB
+	Jobs           job.Group
+	PinDir         bpffs.PinDir
+	Lifecycle      cell.Lifecycle
+	Ops            *reconcilers.Policy
+	Entries        statedb.RWTable[*tables.PolicyEntry]
+	EndpointPolicy statedb.RWTable[*tables.EndpointPolicy]
+	Policies       statedb.Table[*tables.Policy]
+	Selectors      statedb.Table[*tables.Selector]
+	Endpoints      statedb.Table[*tables.Endpoint]
+	IPCache        statedb.Table[*tables.IPCacheEntry]
+}
+
+func registerController(p controllerParams) {
+	c := newController(p)
+	p.Jobs.Add(job.OneShot("compute", c.run))
+	// Jobs, the reconcilers among them, stop before this.
+	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { return p.Ops.Close() }})
+}

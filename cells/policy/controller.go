@@ -1,0 +1,232 @@
+package policy
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+
+	"github.com/apiary-net/apiary/tables"
+)
+
+// controller feeds the engine with the changes of the policies, selectors
+// and endpoints tables and writes what it computes.
+type controller struct {
+	controllerParams
+
+	markEntries, markEndpoints func(statedb.WriteTxn)
+	// opened is closed once the maps are open (the loader waits for it).
+	opened chan struct{}
+}
+
+func newController(p controllerParams) *controller {
+	wtxn := p.DB.WriteTxn(p.Entries, p.EndpointPolicy)
+	c := &controller{
+		controllerParams: p,
+		markEntries:      p.Entries.RegisterInitializer(wtxn, "policy-computed"),
+		markEndpoints:    p.EndpointPolicy.RegisterInitializer(wtxn, "policy-computed"),
+		opened:           make(chan struct{}),
+	}
+	wtxn.Commit()
+	return c
+}
+
+// writeChunk bounds the rows of one write transaction (at endpoint
+// boundaries), so that a big policy does not hold the tables for long.
+const writeChunk = 2000
+
+func (c *controller) run(ctx context.Context, health cell.Health) error {
+	restored, err := c.Ops.Open(string(c.PinDir), c.Config.BPFPolicyMapMax, endpointsMax)
+	if err != nil {
+		return fmt.Errorf("open policy maps: %w", err)
+	}
+	close(c.opened)
+	if len(restored) > 0 {
+		c.Log.Info("Read the old policy maps", "endpoints", len(restored), "entries", c.Ops.Entries())
+	}
+	eng := newEngine(c.Config.EnablePolicy, c.Config.PolicyAuditMode, restored)
+
+	wtxn := c.DB.WriteTxn(c.Policies, c.Selectors, c.Endpoints)
+	policies, err := c.Policies.Changes(wtxn)
+	if err == nil {
+		defer policies.Close()
+	}
+	selectors, err2 := c.Selectors.Changes(wtxn)
+	if err2 == nil {
+		defer selectors.Close()
+	}
+	endpoints, err3 := c.Endpoints.Changes(wtxn)
+	if err3 == nil {
+		defer endpoints.Close()
+	}
+	wtxn.Commit()
+	if err := firstErr(err, err2, err3); err != nil {
+		return fmt.Errorf("watch tables: %w", err)
+	}
+
+	initDone := false
+	for {
+		rtxn := c.DB.ReadTxn()
+		polSeq, polWatch := policies.Next(rtxn)
+		for ch := range polSeq {
+			if ch.Deleted || ch.Object.Status != tables.PolicyOK {
+				eng.setPolicy(ch.Object.Name, nil)
+			} else {
+				eng.setPolicy(ch.Object.Name, ch.Object.Specs)
+			}
+		}
+		selSeq, selWatch := selectors.Next(rtxn)
+		for ch := range selSeq {
+			if ch.Deleted {
+				eng.setSelector(ch.Object.Selector, nil)
+			} else {
+				eng.setSelector(ch.Object.Selector, ch.Object.Identities)
+			}
+		}
+		epSeq, epWatch := endpoints.Next(rtxn)
+		for ch := range epSeq {
+			if ch.Deleted {
+				eng.setEndpoint(ch.Object.Name, nil)
+			} else {
+				eng.setEndpoint(ch.Object.Name, ch.Object)
+			}
+		}
+		w := &writer{c: c}
+		eng.flush(w)
+		if err := w.commit(); err != nil {
+			return err
+		}
+
+		// The entries are complete (and the maps may be pruned) once the
+		// inputs have been read whole: prefixes resolved into identities,
+		// the selectors and endpoints tables written from them.
+		var waitInit []<-chan struct{}
+		if !initDone {
+			ready := true
+			for _, t := range []statedb.TableMeta{c.IPCache, c.Policies, c.Selectors, c.Endpoints} {
+				if ok, ch := t.Initialized(rtxn); !ok {
+					ready = false
+					waitInit = append(waitInit, ch)
+				}
+			}
+			if ready || c.Config.EnablePolicy == ModeNever {
+				initDone = true
+				wtxn := c.DB.WriteTxn(c.Entries, c.EndpointPolicy)
+				c.markEntries(wtxn)
+				c.markEndpoints(wtxn)
+				wtxn.Commit()
+				c.Log.Info("Policy computed", "endpoints", len(eng.endpoints), "policies", len(eng.specs))
+			}
+		}
+		c.reportHealth(health, eng)
+
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-polWatch:
+		case <-selWatch:
+		case <-epWatch:
+		case <-firstOf(waitInit):
+		}
+	}
+}
+
+// firstOf returns the first channel, or nil (which blocks): all must be
+// closed for the inputs to be ready, so waiting for any not closed yet is
+// enough before looking again.
+func firstOf(chans []<-chan struct{}) <-chan struct{} {
+	if len(chans) == 0 {
+		return nil
+	}
+	return chans[0]
+}
+
+func firstErr(errs ...error) error {
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (c *controller) reportHealth(h cell.Health, eng *engine) {
+	enforced, entries := 0, 0
+	for _, ep := range eng.endpoints {
+		if ep.id != 0 && (ep.ingress != tables.EnforceOff || ep.egress != tables.EnforceOff) {
+			enforced++
+		}
+		entries += ep.emittedCount
+	}
+	h.OK(fmt.Sprintf("%d endpoints, %d enforced, %d entries (--%s=%s)",
+		len(eng.endpoints), enforced, entries, EnableFlag, c.Config.EnablePolicy))
+}
+
+// writer applies the engine's output in transactions of about writeChunk
+// rows, each ending after an endpoint's row.
+type writer struct {
+	c       *controller
+	pending []func(statedb.WriteTxn) error
+}
+
+func (w *writer) upsertEntry(e *tables.PolicyEntry) {
+	e.Status = reconciler.StatusPending()
+	w.pending = append(w.pending, func(txn statedb.WriteTxn) error {
+		_, _, err := w.c.Entries.Insert(txn, e)
+		return err
+	})
+}
+
+func (w *writer) deleteEntry(e *tables.PolicyEntry) {
+	w.pending = append(w.pending, func(txn statedb.WriteTxn) error {
+		_, _, err := w.c.Entries.Delete(txn, e)
+		return err
+	})
+}
+
+func (w *writer) upsertEndpoint(e *tables.EndpointPolicy) {
+	e.Status = reconciler.StatusPending()
+	w.pending = append(w.pending, func(txn statedb.WriteTxn) error {
+		_, _, err := w.c.EndpointPolicy.Insert(txn, e)
+		return err
+	})
+	w.endOfEndpoint()
+}
+
+func (w *writer) deleteEndpoint(name string) {
+	w.pending = append(w.pending, func(txn statedb.WriteTxn) error {
+		_, _, err := w.c.EndpointPolicy.Delete(txn, &tables.EndpointPolicy{Name: name})
+		return err
+	})
+	w.endOfEndpoint()
+}
+
+// endOfEndpoint commits once enough rows are pending.
+func (w *writer) endOfEndpoint() {
+	if len(w.pending) >= writeChunk {
+		// An error is kept for commit to return: the engine's output
+		// cannot be interrupted.
+		if err := w.commit(); err != nil {
+			w.pending = append(w.pending, func(statedb.WriteTxn) error { return err })
+		}
+	}
+}
+
+func (w *writer) commit() error {
+	if len(w.pending) == 0 {
+		return nil
+	}
+	wtxn := w.c.DB.WriteTxn(w.c.Entries, w.c.EndpointPolicy)
+	defer wtxn.Abort()
+	for _, f := range w.pending {
+		if err := f(wtxn); err != nil {
+			return fmt.Errorf("write policy tables: %w", err)
+		}
+	}
+	wtxn.Commit()
+	w.pending = slices.Delete(w.pending, 0, len(w.pending))
+	return nil
+}

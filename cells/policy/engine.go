@@ -1,0 +1,637 @@
+package policy
+
+import (
+	"maps"
+	"slices"
+
+	"github.com/apiary-net/apiary/tables"
+)
+
+// Enforcement modes (--enable-policy).
+const (
+	// ModeDefault enforces a direction of an endpoint once a policy with
+	// rules in that direction selects it.
+	ModeDefault = "default"
+	// ModeAlways enforces every endpoint in both directions: an endpoint
+	// no policy selects is denied everything.
+	ModeAlways = "always"
+	// ModeNever enforces nothing: no entries, no programs.
+	ModeNever = "never"
+)
+
+// Map directions, as in the policy map key.
+const (
+	dirIngress uint8 = 0
+	dirEgress  uint8 = 1
+)
+
+func dirName(d uint8) string {
+	if d == dirEgress {
+		return tables.DirEgress
+	}
+	return tables.DirIngress
+}
+
+// entryKey is an entry of an endpoint's policy without the endpoint.
+type entryKey struct {
+	identity uint32
+	dir      uint8
+	port     portKey
+}
+
+// groupKey gathers the entries of one remote identity in one direction,
+// among which deny must win whatever the prefix lengths (see
+// endpoint.recomputeGroup).
+type groupKey struct {
+	identity uint32
+	dir      uint8
+}
+
+// contrib is a rule's contribution to an entry: allow or deny, by a policy.
+type contrib struct {
+	policy string
+	deny   bool
+}
+
+// entryValue is what an entry decides, and who decided it.
+type entryValue struct {
+	deny     bool
+	policies []string
+}
+
+func (v entryValue) equal(o entryValue) bool {
+	return v.deny == o.deny && slices.Equal(v.policies, o.policies)
+}
+
+// rule is one rule of a policy as it applies to one endpoint: its ports
+// resolved for the endpoint, its peers to be expanded into identities.
+type rule struct {
+	ep     *endpoint
+	policy string
+	dir    uint8
+	deny   bool
+	peers  []string // selectors; tables.AnyPeer is identity 0
+	ports  []portKey
+}
+
+// endpoint is a local endpoint and its policy.
+type endpoint struct {
+	row *tables.Endpoint
+	id  uint32
+
+	rules           []*rule
+	policies        []string
+	ingress, egress string
+	usesNamedEgress bool
+	contribs        map[entryKey]map[contrib]int
+	groups          map[groupKey]map[portKey]struct{} // keys with contributions
+	dirtyGroups     map[groupKey]struct{}
+	emitted         map[groupKey]map[portKey]entryValue
+	emittedCount    int
+	lastRow         *tables.EndpointPolicy
+}
+
+// engine computes the policy entries of every local endpoint from the
+// policies' specs, the identities each selector selects (the selectors
+// table) and the endpoints. A change costs what it touches: a selector
+// gaining an identity adds the entries of the rules that name the
+// selector, on the endpoints those rules apply to, and recomputes only the
+// (endpoint, identity, direction) groups it touched; a policy or endpoint
+// change recomputes the endpoints concerned.
+//
+// It is not safe for concurrent use.
+type engine struct {
+	mode  string
+	audit bool
+
+	specs     map[string][]tables.PolicySpec // by policy
+	subjects  map[string]int                 // subject selector → specs using it
+	selectors map[string]map[uint32]struct{} // selector → identities (the selectors table)
+	endpoints map[string]*endpoint
+	// byIdentity are the local endpoints of each identity.
+	byIdentity map[uint32]map[*endpoint]struct{}
+	// peerUsers are the rules that name each peer selector.
+	peerUsers map[string]map[*rule]struct{}
+
+	// Endpoint IDs: restored (by cgroup) from the map at start, in use, next.
+	restored map[uint64]uint32
+	usedIDs  map[uint32]*endpoint
+	nextID   uint32
+
+	dirty map[*endpoint]struct{} // to recompute in full
+	// gone are endpoints deleted since the last flush, whose rows go.
+	gone map[string]*endpoint
+}
+
+func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
+	e := &engine{
+		mode: mode, audit: audit,
+		specs: map[string][]tables.PolicySpec{}, subjects: map[string]int{},
+		selectors: map[string]map[uint32]struct{}{}, endpoints: map[string]*endpoint{},
+		byIdentity: map[uint32]map[*endpoint]struct{}{}, peerUsers: map[string]map[*rule]struct{}{},
+		restored: restored, usedIDs: map[uint32]*endpoint{}, nextID: 1,
+		dirty: map[*endpoint]struct{}{}, gone: map[string]*endpoint{},
+	}
+	for _, id := range restored {
+		if id >= e.nextID {
+			e.nextID = id + 1
+		}
+	}
+	return e
+}
+
+// setPolicy replaces the specs of a policy (nil: the policy is gone or
+// invalid).
+func (e *engine) setPolicy(name string, specs []tables.PolicySpec) {
+	for _, s := range e.specs[name] {
+		e.markSelected(s.Subject)
+		if e.subjects[s.Subject]--; e.subjects[s.Subject] <= 0 {
+			delete(e.subjects, s.Subject)
+		}
+	}
+	delete(e.specs, name)
+	if len(specs) == 0 {
+		return
+	}
+	e.specs[name] = specs
+	for _, s := range specs {
+		e.subjects[s.Subject]++
+		e.markSelected(s.Subject)
+	}
+}
+
+// markSelected marks the endpoints a subject selects for a full
+// recompute.
+func (e *engine) markSelected(subject string) {
+	for id := range e.selectors[subject] {
+		for ep := range e.byIdentity[id] {
+			e.dirty[ep] = struct{}{}
+		}
+	}
+}
+
+// setSelector sets the identities a selector selects (nil: the selector
+// is gone).
+func (e *engine) setSelector(name string, ids []uint32) {
+	old := e.selectors[name]
+	next := make(map[uint32]struct{}, len(ids))
+	for _, id := range ids {
+		next[id] = struct{}{}
+	}
+	var added, removed []uint32
+	for id := range next {
+		if _, ok := old[id]; !ok {
+			added = append(added, id)
+		}
+	}
+	for id := range old {
+		if _, ok := next[id]; !ok {
+			removed = append(removed, id)
+		}
+	}
+	if len(added) == 0 && len(removed) == 0 {
+		if ids == nil {
+			delete(e.selectors, name)
+		}
+		return
+	}
+	if ids == nil {
+		delete(e.selectors, name)
+	} else {
+		e.selectors[name] = next
+	}
+	// As a subject: the endpoints of the identities it gained or lost now
+	// have other policies.
+	if e.subjects[name] > 0 {
+		for _, id := range append(slices.Clone(added), removed...) {
+			for ep := range e.byIdentity[id] {
+				e.dirty[ep] = struct{}{}
+			}
+		}
+	}
+	// As a peer: the rules naming it gain and lose entries. Endpoints to
+	// be recomputed in full anyway are left alone.
+	for r := range e.peerUsers[name] {
+		if _, ok := e.dirty[r.ep]; ok {
+			continue
+		}
+		for _, id := range added {
+			r.ep.addIdentity(r, id, 1)
+		}
+		for _, id := range removed {
+			r.ep.addIdentity(r, id, -1)
+		}
+	}
+}
+
+// setEndpoint sets a local endpoint (nil: it is gone).
+func (e *engine) setEndpoint(name string, row *tables.Endpoint) {
+	ep := e.endpoints[name]
+	if ep != nil {
+		e.unindex(ep)
+		if row == nil || ep.row.Identity != row.Identity {
+			delete(e.byIdentity[ep.row.Identity], ep)
+		}
+		if ep.row != nil && row != nil && !slices.Equal(ep.row.NamedPorts, row.NamedPorts) {
+			e.namedPortsChanged()
+		}
+	}
+	if row == nil {
+		if ep != nil {
+			delete(e.endpoints, name)
+			delete(e.dirty, ep)
+			if ep.id != 0 {
+				delete(e.usedIDs, ep.id)
+			}
+			e.gone[name] = ep
+			if len(ep.row.NamedPorts) > 0 {
+				e.namedPortsChanged()
+			}
+		}
+		return
+	}
+	if ep == nil {
+		// An endpoint deleted and added back before a flush keeps what
+		// was emitted for it, so that the flush writes the difference.
+		if ep = e.gone[name]; ep != nil {
+			delete(e.gone, name)
+			if ep.id != 0 && e.usedIDs[ep.id] == nil {
+				e.usedIDs[ep.id] = ep
+			} else {
+				ep.id = 0
+			}
+		} else {
+			ep = &endpoint{emitted: map[groupKey]map[portKey]entryValue{}}
+		}
+		e.endpoints[name] = ep
+		if len(row.NamedPorts) > 0 {
+			e.namedPortsChanged()
+		}
+	}
+	ep.row = row
+	if e.byIdentity[row.Identity] == nil {
+		e.byIdentity[row.Identity] = map[*endpoint]struct{}{}
+	}
+	e.byIdentity[row.Identity][ep] = struct{}{}
+	e.dirty[ep] = struct{}{}
+}
+
+// namedPortsChanged marks the endpoints whose egress rules name ports,
+// which resolve against every local endpoint's named ports.
+func (e *engine) namedPortsChanged() {
+	for _, ep := range e.endpoints {
+		if ep.usesNamedEgress {
+			e.dirty[ep] = struct{}{}
+		}
+	}
+}
+
+// unindex forgets the rules of ep.
+func (e *engine) unindex(ep *endpoint) {
+	for _, r := range ep.rules {
+		for _, p := range r.peers {
+			if users := e.peerUsers[p]; users != nil {
+				delete(users, r)
+				if len(users) == 0 {
+					delete(e.peerUsers, p)
+				}
+			}
+		}
+	}
+	ep.rules = nil
+}
+
+// namedPorts returns the ports called name: the endpoint's own for
+// ingress, those of every local endpoint for egress.
+func (e *engine) namedPorts(ep *endpoint, dir uint8) func(string) []tables.NamedPort {
+	return func(name string) []tables.NamedPort {
+		var out []tables.NamedPort
+		add := func(row *tables.Endpoint) {
+			for _, np := range row.NamedPorts {
+				if np.Name == name && !slices.Contains(out, np) {
+					out = append(out, np)
+				}
+			}
+		}
+		if dir == dirIngress {
+			add(ep.row)
+			return out
+		}
+		ep.usesNamedEgress = true
+		for _, name := range slices.Sorted(maps.Keys(e.endpoints)) {
+			add(e.endpoints[name].row)
+		}
+		return out
+	}
+}
+
+// recompute rebuilds the rules and contributions of ep.
+func (e *engine) recompute(ep *endpoint) {
+	e.unindex(ep)
+	ep.contribs = map[entryKey]map[contrib]int{}
+	ep.groups = map[groupKey]map[portKey]struct{}{}
+	ep.dirtyGroups = map[groupKey]struct{}{}
+	for gk := range ep.emitted {
+		ep.dirtyGroups[gk] = struct{}{}
+	}
+	ep.policies, ep.usesNamedEgress = nil, false
+	ep.ingress, ep.egress = tables.EnforceOff, tables.EnforceOff
+	if e.mode == ModeNever {
+		return
+	}
+	if ep.id == 0 && ep.row.CgroupID != 0 {
+		ep.id = e.allocateID(ep)
+	}
+
+	var selected []struct {
+		policy string
+		spec   *tables.PolicySpec
+	}
+	if ep.row.Identity != 0 {
+		for _, name := range slices.Sorted(maps.Keys(e.specs)) {
+			specs := e.specs[name]
+			for i := range specs {
+				if _, ok := e.selectors[specs[i].Subject][ep.row.Identity]; ok {
+					selected = append(selected, struct {
+						policy string
+						spec   *tables.PolicySpec
+					}{name, &specs[i]})
+				}
+			}
+		}
+	}
+	// Enforcement per direction: on when a selecting spec has rules
+	// there (or always); default deny unless every such spec turned it
+	// off.
+	var inOn, inDeny, outOn, outDeny bool
+	var allowIn, allowOut []string
+	if e.mode == ModeAlways {
+		inOn, inDeny, outOn, outDeny = true, true, true, true
+	}
+	for _, s := range selected {
+		if !slices.Contains(ep.policies, s.policy) {
+			ep.policies = append(ep.policies, s.policy)
+		}
+		if s.spec.Ingress {
+			inOn = true
+			if s.spec.DefaultDenyIngress {
+				inDeny = true
+			} else {
+				allowIn = append(allowIn, s.policy)
+			}
+		}
+		if s.spec.Egress {
+			outOn = true
+			if s.spec.DefaultDenyEgress {
+				outDeny = true
+			} else {
+				allowOut = append(allowOut, s.policy)
+			}
+		}
+	}
+	ep.ingress, ep.egress = enforceState(inOn, inDeny), enforceState(outOn, outDeny)
+	if ep.id == 0 {
+		return // no cgroup yet: nothing to enforce on
+	}
+	if inOn && !inDeny {
+		for _, p := range allowIn {
+			ep.add(entryKey{dir: dirIngress, port: anyPort}, contrib{policy: p}, 1)
+		}
+	}
+	if outOn && !outDeny {
+		for _, p := range allowOut {
+			ep.add(entryKey{dir: dirEgress, port: anyPort}, contrib{policy: p}, 1)
+		}
+	}
+	for _, s := range selected {
+		for i := range s.spec.Rules {
+			pr := &s.spec.Rules[i]
+			dir := dirIngress
+			if pr.Direction == tables.DirEgress {
+				dir = dirEgress
+			}
+			if (dir == dirIngress && !inOn) || (dir == dirEgress && !outOn) {
+				continue
+			}
+			r := &rule{
+				ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: pr.Peers,
+				ports: portKeys(pr.Ports, e.namedPorts(ep, dir)),
+			}
+			if len(r.ports) == 0 {
+				continue
+			}
+			ep.rules = append(ep.rules, r)
+			for _, p := range r.peers {
+				if p == tables.AnyPeer {
+					ep.addIdentity(r, 0, 1)
+					continue
+				}
+				if e.peerUsers[p] == nil {
+					e.peerUsers[p] = map[*rule]struct{}{}
+				}
+				e.peerUsers[p][r] = struct{}{}
+				for id := range e.selectors[p] {
+					ep.addIdentity(r, id, 1)
+				}
+			}
+		}
+	}
+}
+
+func enforceState(on, deny bool) string {
+	switch {
+	case !on:
+		return tables.EnforceOff
+	case deny:
+		return tables.EnforceDefaultDeny
+	}
+	return tables.EnforceDefaultAllow
+}
+
+// allocateID returns ep's endpoint ID: the one its cgroup had in the map
+// before a restart, or the next free one after the last handed out.
+func (e *engine) allocateID(ep *endpoint) uint32 {
+	if id, ok := e.restored[ep.row.CgroupID]; ok && e.usedIDs[id] == nil {
+		e.usedIDs[id] = ep
+		return id
+	}
+	reserved := map[uint32]struct{}{}
+	for _, id := range e.restored {
+		reserved[id] = struct{}{}
+	}
+	for {
+		id := e.nextID
+		e.nextID++
+		if e.nextID == 0 {
+			e.nextID = 1
+		}
+		if _, ok := reserved[id]; ok || e.usedIDs[id] != nil || id == 0 {
+			continue
+		}
+		e.usedIDs[id] = ep
+		return id
+	}
+}
+
+// addIdentity adds (n=1) or removes (n=-1) the contributions of rule r
+// for one remote identity.
+func (ep *endpoint) addIdentity(r *rule, id uint32, n int) {
+	for _, pk := range r.ports {
+		ep.add(entryKey{identity: id, dir: r.dir, port: pk}, contrib{policy: r.policy, deny: r.deny}, n)
+	}
+}
+
+func (ep *endpoint) add(k entryKey, c contrib, n int) {
+	gk := groupKey{k.identity, k.dir}
+	ep.dirtyGroups[gk] = struct{}{}
+	cs := ep.contribs[k]
+	if cs == nil {
+		if n < 0 {
+			return
+		}
+		cs = map[contrib]int{}
+		ep.contribs[k] = cs
+		if ep.groups[gk] == nil {
+			ep.groups[gk] = map[portKey]struct{}{}
+		}
+		ep.groups[gk][k.port] = struct{}{}
+	}
+	cs[c] += n
+	if cs[c] <= 0 {
+		delete(cs, c)
+	}
+	if len(cs) == 0 {
+		delete(ep.contribs, k)
+		delete(ep.groups[gk], k.port)
+		if len(ep.groups[gk]) == 0 {
+			delete(ep.groups, gk)
+		}
+	}
+}
+
+// recomputeGroup returns the entries of one (identity, direction) group.
+// The map's longest-prefix match returns one entry, so an entry inside a
+// deny of the same group becomes a deny itself: then deny wins whatever
+// prefix matches. (A deny of identity 0 is found by the datapath's second
+// lookup.)
+func (ep *endpoint) recomputeGroup(gk groupKey) map[portKey]entryValue {
+	keys := ep.groups[gk]
+	if len(keys) == 0 {
+		return nil
+	}
+	var denies []portKey
+	for pk := range keys {
+		for c := range ep.contribs[entryKey{gk.identity, gk.dir, pk}] {
+			if c.deny {
+				denies = append(denies, pk)
+				break
+			}
+		}
+	}
+	out := make(map[portKey]entryValue, len(keys))
+	for pk := range keys {
+		var v entryValue
+		for _, d := range denies {
+			if d.covers(pk) {
+				v.deny = true
+				for c := range ep.contribs[entryKey{gk.identity, gk.dir, d}] {
+					if c.deny && !slices.Contains(v.policies, c.policy) {
+						v.policies = append(v.policies, c.policy)
+					}
+				}
+			}
+		}
+		if !v.deny {
+			for c := range ep.contribs[entryKey{gk.identity, gk.dir, pk}] {
+				if !slices.Contains(v.policies, c.policy) {
+					v.policies = append(v.policies, c.policy)
+				}
+			}
+		}
+		slices.Sort(v.policies)
+		out[pk] = v
+	}
+	return out
+}
+
+// output receives the engine's changes, an endpoint's entries before its
+// row.
+type output interface {
+	upsertEntry(*tables.PolicyEntry)
+	deleteEntry(*tables.PolicyEntry)
+	upsertEndpoint(*tables.EndpointPolicy)
+	deleteEndpoint(name string)
+}
+
+// flush recomputes what changed and hands the differences to out.
+func (e *engine) flush(out output) {
+	for name, ep := range e.gone {
+		for gk, entries := range ep.emitted {
+			for pk := range entries {
+				out.deleteEntry(ep.entry(name, gk, pk, entryValue{}))
+			}
+		}
+		out.deleteEndpoint(name)
+	}
+	clear(e.gone)
+	for ep := range e.dirty {
+		e.recompute(ep)
+	}
+	clear(e.dirty)
+	for _, name := range slices.Sorted(maps.Keys(e.endpoints)) {
+		ep := e.endpoints[name]
+		if len(ep.dirtyGroups) > 0 {
+			for gk := range ep.dirtyGroups {
+				next := ep.recomputeGroup(gk)
+				old := ep.emitted[gk]
+				for pk, v := range next {
+					if ov, ok := old[pk]; !ok || !ov.equal(v) {
+						out.upsertEntry(ep.entry(name, gk, pk, v))
+					}
+				}
+				for pk := range old {
+					if _, ok := next[pk]; !ok {
+						out.deleteEntry(ep.entry(name, gk, pk, entryValue{}))
+					}
+				}
+				ep.emittedCount += len(next) - len(old)
+				if len(next) == 0 {
+					delete(ep.emitted, gk)
+				} else {
+					ep.emitted[gk] = next
+				}
+			}
+			clear(ep.dirtyGroups)
+		}
+		row := &tables.EndpointPolicy{
+			Name: name, ID: ep.id, Cgroup: ep.row.Cgroup, CgroupID: ep.row.CgroupID,
+			Ingress: ep.ingress, Egress: ep.egress, Audit: e.audit && ep.id != 0,
+			Entries: ep.emittedCount, Policies: ep.policies,
+		}
+		if row.Policies == nil {
+			row.Policies = []string{}
+		}
+		if ep.lastRow == nil || !sameEndpointRow(ep.lastRow, row) {
+			ep.lastRow = row
+			out.upsertEndpoint(row)
+		}
+	}
+}
+
+func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
+	return a.Name == b.Name && a.ID == b.ID && a.Cgroup == b.Cgroup && a.CgroupID == b.CgroupID &&
+		a.Ingress == b.Ingress && a.Egress == b.Egress && a.Audit == b.Audit && a.Entries == b.Entries &&
+		slices.Equal(a.Policies, b.Policies)
+}
+
+// entry returns the table row of an entry of ep.
+func (ep *endpoint) entry(name string, gk groupKey, pk portKey, v entryValue) *tables.PolicyEntry {
+	pol := v.policies
+	if pol == nil {
+		pol = []string{}
+	}
+	return &tables.PolicyEntry{
+		Endpoint: name, EndpointID: ep.id, Identity: gk.identity, Direction: dirName(gk.dir),
+		Protocol: pk.proto, Port: pk.port, PortBits: pk.bits, Deny: v.deny, Policies: pol,
+	}
+}

@@ -1,0 +1,235 @@
+package tables
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/index"
+	"github.com/cilium/statedb/reconciler"
+)
+
+// Table names of policy enforcement.
+const (
+	PolicyEntriesTableName  = "policy-entries"
+	EndpointPolicyTableName = "endpoint-policy"
+)
+
+// PolicyEntry is one entry of an endpoint's policy: what the endpoint may
+// do with a remote identity (0: any) in one direction on a protocol and a
+// port prefix. It is one entry of the policy map.
+type PolicyEntry struct {
+	// Endpoint is the endpoint's name, "<namespace>/<pod>".
+	Endpoint string `json:"endpoint" yaml:"endpoint"`
+	// EndpointID is the endpoint's node-local number in the policy map.
+	EndpointID uint32 `json:"endpointId" yaml:"endpointId"`
+	// Identity is the remote identity; 0 stands for any.
+	Identity uint32 `json:"identity" yaml:"identity"`
+	// Direction is DirIngress or DirEgress.
+	Direction string `json:"direction" yaml:"direction"`
+	// Protocol is the IANA protocol number, 0 for any protocol and port.
+	Protocol uint8 `json:"protocol" yaml:"protocol"`
+	// Port is the first port of the prefix; PortBits how many of its
+	// leading bits the entry matches (16: one port, 0: every port).
+	Port     uint16 `json:"port" yaml:"port"`
+	PortBits uint8  `json:"portBits" yaml:"portBits"`
+	// Deny is true for an entry that denies.
+	Deny bool `json:"deny" yaml:"deny"`
+	// Policies are the policies that put the entry there.
+	Policies []string `json:"policies" yaml:"policies"`
+	// Status is the reconciliation status of the map entry.
+	Status reconciler.Status `json:"status" yaml:"status"`
+}
+
+// Clone returns a shallow copy.
+func (e *PolicyEntry) Clone() *PolicyEntry {
+	c := *e
+	return &c
+}
+
+// GetStatus returns the reconciliation status.
+func (e *PolicyEntry) GetStatus() reconciler.Status { return e.Status }
+
+// SetStatus sets the reconciliation status and returns the entry.
+func (e *PolicyEntry) SetStatus(s reconciler.Status) *PolicyEntry {
+	e.Status = s
+	return e
+}
+
+// Key is the entry's primary key: endpoint, identity, direction,
+// protocol and port prefix.
+func (e *PolicyEntry) Key() string {
+	return PolicyEntryKey(e.Endpoint, e.Identity, e.Direction, e.Protocol, e.Port, e.PortBits)
+}
+
+// PolicyEntryKey is the primary key of a policy entry.
+func PolicyEntryKey(endpoint string, identity uint32, dir string, proto uint8, port uint16, bits uint8) string {
+	return endpoint + "|" + formatUint(identity) + "|" + dir + "|" + PortPrefixString(proto, port, bits)
+}
+
+// PortPrefixString formats a protocol and port prefix: "ANY", "TCP",
+// "TCP/80" or the range a partial prefix covers, "TCP/80-95".
+func PortPrefixString(proto uint8, port uint16, bits uint8) string {
+	if proto == 0 {
+		return "ANY"
+	}
+	var name string
+	switch proto {
+	case 6:
+		name = ProtoTCP
+	case 17:
+		name = ProtoUDP
+	case 132:
+		name = ProtoSCTP
+	default:
+		name = strconv.Itoa(int(proto))
+	}
+	switch {
+	case bits == 0:
+		return name
+	case bits >= 16:
+		return fmt.Sprintf("%s/%d", name, port)
+	}
+	last := port | (^uint16(0) >> bits)
+	return fmt.Sprintf("%s/%d-%d", name, port, last)
+}
+
+// TableHeader implements statedb.TableWritable.
+func (*PolicyEntry) TableHeader() []string {
+	return []string{"Endpoint", "Identity", "Direction", "Port", "Verdict", "Policies", "Status"}
+}
+
+// TableRow implements statedb.TableWritable.
+func (e *PolicyEntry) TableRow() []string {
+	id := "any"
+	if e.Identity != 0 {
+		id = formatUint(e.Identity)
+	}
+	verdict := "allow"
+	if e.Deny {
+		verdict = "deny"
+	}
+	return []string{
+		e.Endpoint, id, e.Direction, PortPrefixString(e.Protocol, e.Port, e.PortBits), verdict,
+		strings.Join(e.Policies, ", "), StatusText(e.Status),
+	}
+}
+
+// PolicyEntryKeyIndex is the primary index of the policy-entries table.
+var PolicyEntryKeyIndex = statedb.Index[*PolicyEntry, string]{
+	Name:       "key",
+	FromObject: func(e *PolicyEntry) index.KeySet { return index.NewKeySet(index.String(e.Key())) },
+	FromKey:    index.String,
+	FromString: index.FromString,
+	Unique:     true,
+}
+
+// PolicyEntryEndpointIndex finds the entries of an endpoint.
+var PolicyEntryEndpointIndex = statedb.Index[*PolicyEntry, string]{
+	Name:       "endpoint",
+	FromObject: func(e *PolicyEntry) index.KeySet { return index.NewKeySet(index.String(e.Endpoint)) },
+	FromKey:    index.String,
+	FromString: index.FromString,
+	Unique:     false,
+}
+
+// PolicyEntryIdentityIndex finds the entries of a remote identity.
+var PolicyEntryIdentityIndex = statedb.Index[*PolicyEntry, uint32]{
+	Name:       "identity",
+	FromObject: func(e *PolicyEntry) index.KeySet { return index.NewKeySet(index.Uint32(e.Identity)) },
+	FromKey:    index.Uint32,
+	FromString: index.Uint32String,
+	Unique:     false,
+}
+
+// NewPolicyEntriesTable registers the policy-entries table with db.
+func NewPolicyEntriesTable(db *statedb.DB) (statedb.RWTable[*PolicyEntry], error) {
+	return statedb.NewTable(db, PolicyEntriesTableName, PolicyEntryKeyIndex, PolicyEntryEndpointIndex, PolicyEntryIdentityIndex)
+}
+
+// Enforcement states of a direction of an endpoint.
+const (
+	// EnforceOff: no policy selects the endpoint in that direction;
+	// everything is allowed.
+	EnforceOff = "off"
+	// EnforceDefaultDeny: only what an entry allows is allowed.
+	EnforceDefaultDeny = "default-deny"
+	// EnforceDefaultAllow: selected, but every selecting policy turned
+	// enableDefaultDeny off; everything not denied is allowed.
+	EnforceDefaultAllow = "default-allow"
+)
+
+// EndpointPolicy is the policy state of an endpoint: its number in the
+// policy map, its cgroup and how each direction is enforced. It is one
+// entry of the policy_endpoints map (once its cgroup is known).
+type EndpointPolicy struct {
+	// Name is the endpoint's name, "<namespace>/<pod>".
+	Name string `json:"name" yaml:"name"`
+	// ID is the endpoint's number in the policy map; 0 until its cgroup
+	// is known.
+	ID uint32 `json:"id" yaml:"id"`
+	// Cgroup and CgroupID are the pod's cgroup (see the endpoints table).
+	Cgroup   string `json:"cgroup" yaml:"cgroup"`
+	CgroupID uint64 `json:"cgroupId" yaml:"cgroupId"`
+	// Ingress and Egress are Enforce* states.
+	Ingress string `json:"ingress" yaml:"ingress"`
+	Egress  string `json:"egress" yaml:"egress"`
+	// Audit: nothing is denied, what would be is counted.
+	Audit bool `json:"audit,omitempty" yaml:"audit,omitempty"`
+	// Entries is the number of the endpoint's policy entries.
+	Entries int `json:"entries" yaml:"entries"`
+	// Policies are the policies that select the endpoint.
+	Policies []string `json:"policies" yaml:"policies"`
+	// Status is the reconciliation status of the endpoint's map entry,
+	// which is written once all its policy entries are in the map.
+	Status reconciler.Status `json:"status" yaml:"status"`
+}
+
+// Clone returns a shallow copy.
+func (e *EndpointPolicy) Clone() *EndpointPolicy {
+	c := *e
+	return &c
+}
+
+// GetStatus returns the reconciliation status.
+func (e *EndpointPolicy) GetStatus() reconciler.Status { return e.Status }
+
+// SetStatus sets the reconciliation status and returns the row.
+func (e *EndpointPolicy) SetStatus(s reconciler.Status) *EndpointPolicy {
+	e.Status = s
+	return e
+}
+
+// TableHeader implements statedb.TableWritable.
+func (*EndpointPolicy) TableHeader() []string {
+	return []string{"Name", "ID", "Cgroup", "Ingress", "Egress", "Entries", "Policies", "Status"}
+}
+
+// TableRow implements statedb.TableWritable.
+func (e *EndpointPolicy) TableRow() []string {
+	ingress, egress := e.Ingress, e.Egress
+	if e.Audit {
+		ingress += " (audit)"
+		egress += " (audit)"
+	}
+	return []string{
+		e.Name, formatUint(e.ID), e.Cgroup, ingress, egress, strconv.Itoa(e.Entries),
+		strings.Join(e.Policies, ", "), StatusText(e.Status),
+	}
+}
+
+// EndpointPolicyNameIndex is the primary index of the endpoint-policy
+// table.
+var EndpointPolicyNameIndex = statedb.Index[*EndpointPolicy, string]{
+	Name:       "name",
+	FromObject: func(e *EndpointPolicy) index.KeySet { return index.NewKeySet(index.String(e.Name)) },
+	FromKey:    index.String,
+	FromString: index.FromString,
+	Unique:     true,
+}
+
+// NewEndpointPolicyTable registers the endpoint-policy table with db.
+func NewEndpointPolicyTable(db *statedb.DB) (statedb.RWTable[*EndpointPolicy], error) {
+	return statedb.NewTable(db, EndpointPolicyTableName, EndpointPolicyNameIndex)
+}
