@@ -1,12 +1,20 @@
 package main
 
 import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+
 	"github.com/spf13/cobra"
 
 	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/cells/policy"
 	"github.com/apiary-net/apiary/reconcilers"
+	"github.com/apiary-net/apiary/tables"
 )
 
 // newBPFCmd returns `apiary bpf`, which reads the agent's pinned BPF maps
@@ -76,5 +84,75 @@ func newBPFCmd() *cobra.Command {
 		},
 	})
 	cmd.AddCommand(ipcacheCmd)
+	cmd.AddCommand(newBPFPolicyCmd(&pinDir))
 	return cmd
+}
+
+// newBPFPolicyCmd returns `apiary bpf policy`.
+func newBPFPolicyCmd(pinDir *string) *cobra.Command {
+	policyCmd := &cobra.Command{
+		Use:   "policy",
+		Short: "The policy maps (per-endpoint policy entries, endpoints by cgroup)",
+	}
+	var endpoint string
+	db := &dbClient{http: &http.Client{}}
+	list := &cobra.Command{
+		Use:   "list",
+		Short: "Print the policy entries of every endpoint, or of one",
+		Long: "Print policy_endpoints and the policy LPM trie, grouped by endpoint: a line per endpoint\n" +
+			"(ID, cgroup ID, enforced directions), then its entries, one per line:\n" +
+			"  <direction> identity=<id|any> <protocol/port or range|ANY> <allow|deny>\n" +
+			"--endpoint takes an endpoint ID, or a name (namespace/pod) that the running agent\n" +
+			"translates (found like `apiary db`: --server, APIARY_SERVER, APIARY_API_ADDR).\n" +
+			"`apiary db show policy-entries` shows the policies behind each entry.",
+		Args: cobra.NoArgs,
+		PreRun: func(cmd *cobra.Command, _ []string) {
+			applyEnv(cmd.Flags(), "server")
+			db.server = serverFromEnv(cmd.Flags().Lookup("server"), db.server)
+		},
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			id, err := db.endpointID(cmd.Context(), endpoint)
+			if err != nil {
+				return err
+			}
+			eps, entries, err := policy.ReadPinned(*pinDir)
+			if err != nil {
+				return err
+			}
+			return policy.WriteEntries(cmd.OutOrStdout(), eps, entries, id)
+		},
+	}
+	list.Flags().StringVar(&endpoint, "endpoint", "", "Only this endpoint: its ID, or its name (namespace/pod)")
+	list.Flags().StringVar(&db.server, "server", defaultServer, "URL of the agent's HTTP API, to translate an endpoint name")
+	policyCmd.AddCommand(list)
+	return policyCmd
+}
+
+// endpointID returns the ID of an endpoint given by ID or by name (asked
+// of the agent); 0 for "".
+func (c *dbClient) endpointID(ctx context.Context, endpoint string) (uint32, error) {
+	if endpoint == "" {
+		return 0, nil
+	}
+	if id, err := strconv.ParseUint(endpoint, 10, 32); err == nil && id > 0 {
+		return uint32(id), nil
+	}
+	resp, err := c.get(ctx, "/statedb/dump/"+tables.EndpointPolicyTableName)
+	if err != nil {
+		return 0, fmt.Errorf("--endpoint %s: %w", endpoint, err)
+	}
+	defer resp.Body.Close()
+	var dump map[string][]tables.EndpointPolicy
+	if err := json.NewDecoder(resp.Body).Decode(&dump); err != nil {
+		return 0, fmt.Errorf("--endpoint %s: decode %s: %w", endpoint, tables.EndpointPolicyTableName, err)
+	}
+	for _, ep := range dump[tables.EndpointPolicyTableName] {
+		if ep.Name == endpoint {
+			if ep.ID == 0 {
+				return 0, fmt.Errorf("--endpoint %s: the endpoint has no ID yet (its cgroup has not been found)", endpoint)
+			}
+			return ep.ID, nil
+		}
+	}
+	return 0, fmt.Errorf("--endpoint %s: no such endpoint on this node (see apiary db show %s)", endpoint, tables.EndpointPolicyTableName)
 }

@@ -34,19 +34,21 @@ const defaultServer = "http://127.0.0.1:9234"
 // newer agent) are printed with their JSON fields as columns.
 func rowDecoders() map[string]func([]byte) (statedb.TableWritable, error) {
 	return map[string]func([]byte) (statedb.TableWritable, error){
-		tables.HealthTableName:     decodeRow[tables.HealthStatus],
-		tables.CTMapsTableName:     decodeRow[tables.CTMap],
-		tables.AgentIPsTableName:   decodeRow[tables.AgentIP],
-		tables.ServicesTableName:   decodeRow[tables.Service],
-		tables.FrontendsTableName:  decodeRow[tables.Frontend],
-		tables.BackendsTableName:   decodeRow[tables.Backend],
-		tables.IdentitiesTableName: decodeRow[tables.Identity],
-		tables.PrefixesTableName:   decodeRow[tables.PrefixLabels],
-		tables.IPCacheTableName:    decodeRow[tables.IPCacheEntry],
-		tables.PoliciesTableName:   decodeRow[tables.Policy],
-		tables.SelectorsTableName:  decodeRow[tables.Selector],
-		tables.EndpointsTableName:  decodeRow[tables.Endpoint],
-		tables.FQDNNamesTableName:  decodeRow[tables.FQDNName],
+		tables.HealthTableName:         decodeRow[tables.HealthStatus],
+		tables.CTMapsTableName:         decodeRow[tables.CTMap],
+		tables.AgentIPsTableName:       decodeRow[tables.AgentIP],
+		tables.ServicesTableName:       decodeRow[tables.Service],
+		tables.FrontendsTableName:      decodeRow[tables.Frontend],
+		tables.BackendsTableName:       decodeRow[tables.Backend],
+		tables.IdentitiesTableName:     decodeRow[tables.Identity],
+		tables.PrefixesTableName:       decodeRow[tables.PrefixLabels],
+		tables.IPCacheTableName:        decodeRow[tables.IPCacheEntry],
+		tables.PoliciesTableName:       decodeRow[tables.Policy],
+		tables.SelectorsTableName:      decodeRow[tables.Selector],
+		tables.EndpointsTableName:      decodeRow[tables.Endpoint],
+		tables.FQDNNamesTableName:      decodeRow[tables.FQDNName],
+		tables.PolicyEntriesTableName:  decodeRow[tables.PolicyEntry],
+		tables.EndpointPolicyTableName: decodeRow[tables.EndpointPolicy],
 	}
 }
 

@@ -197,8 +197,17 @@ func newNameManager(p managerParams) (*nameManager, error) {
 	return m, nil
 }
 
+// Gate holds a DNS answer until the datapath acts on its addresses as
+// policy says: policy enforcement provides one when it is part of the
+// agent. Wait returns once it does, or with ctx's error.
+type Gate interface {
+	Wait(ctx context.Context, ips []netip.Addr) error
+}
+
 type proxyParams struct {
 	cell.In
+
+	Gate Gate `optional:"true"`
 
 	Log       *slog.Logger
 	Lifecycle cell.Lifecycle
@@ -211,7 +220,7 @@ type proxyParams struct {
 
 func newProxy(p proxyParams) (*Proxy, error) {
 	cfg := p.Config
-	px := &Proxy{log: p.Log, names: p.Names, prefixes: p.Prefixes, metrics: p.Metrics, cfg: cfg, now: time.Now}
+	px := &Proxy{log: p.Log, names: p.Names, prefixes: p.Prefixes, gate: p.Gate, metrics: p.Metrics, cfg: cfg, now: time.Now}
 	health := p.Health.NewScope("proxy")
 	if cfg.DNSProxyAddr == "" {
 		health.OK("Disabled: no --dns-proxy-addr")

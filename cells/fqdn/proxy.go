@@ -24,6 +24,7 @@ type Proxy struct {
 	log      *slog.Logger
 	names    *nameManager
 	prefixes ipcache.Prefixes
+	gate     Gate // nil without policy enforcement
 	metrics  *fqdnMetrics
 	cfg      Config
 	now      func() time.Time
@@ -148,6 +149,12 @@ func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg) (*dns.
 		p.metrics.delayExceeded.Inc()
 		p.log.Warn("Releasing a DNS answer before the ipcache map has its addresses",
 			"name", ans.name, "max-delay", p.cfg.ToFQDNsProxyResponseMaxDelay, "error", err)
+	} else if p.gate != nil {
+		if err := p.gate.Wait(wctx, ans.ips); err != nil {
+			p.metrics.delayExceeded.Inc()
+			p.log.Warn("Releasing a DNS answer before the policy map allows its addresses",
+				"name", ans.name, "max-delay", p.cfg.ToFQDNsProxyResponseMaxDelay, "error", err)
+		}
 	}
 	p.metrics.holdSeconds.Observe(time.Since(start).Seconds())
 	return resp, resultLabelled

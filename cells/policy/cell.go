@@ -10,17 +10,23 @@ package policy
 import (
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
 	"golang.org/x/time/rate"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/cgroups"
+	"github.com/apiary-net/apiary/cells/fqdn"
+	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -36,15 +42,18 @@ var Cell = cell.Module(
 		tables.NewPolicyEntriesTable,
 		tables.NewEndpointPolicyTable,
 		newOps,
+		newController,
 	),
 	cell.Provide(
 		statedb.RWTable[*tables.PolicyEntry].ToTable,
 		statedb.RWTable[*tables.EndpointPolicy].ToTable,
 		func(ops *reconcilers.Policy) Maps { return ops },
+		newGate,
 	),
 	cell.Invoke(
 		registerReconcilers,
 		registerController,
+		registerAttacher,
 	),
 )
 
@@ -160,9 +169,94 @@ type controllerParams struct {
 	IPCache        statedb.Table[*tables.IPCacheEntry]
 }
 
-func registerController(p controllerParams) {
-	c := newController(p)
-	p.Jobs.Add(job.OneShot("compute", c.run))
+func registerController(c *controller) {
+	c.Jobs.Add(job.OneShot("compute", c.run))
 	// Jobs, the reconcilers among them, stop before this.
-	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { return p.Ops.Close() }})
+	c.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { return c.Ops.Close() }})
+}
+
+// newGate returns the DNS proxy's gate on the policy map.
+func newGate(c *controller, identities statedb.Table[*tables.Identity]) fqdn.Gate {
+	return &gate{
+		db: c.DB, ipcache: c.IPCache, identities: identities, selectors: c.Selectors,
+		entries: c.Entries, progress: c.progress, mode: c.Config.EnablePolicy,
+	}
+}
+
+type attacherParams struct {
+	cell.In
+
+	Log        *slog.Logger
+	Config     Config
+	PinDir     bpffs.PinDir
+	Root       cgroups.Root
+	Jobs       job.Group
+	Lifecycle  cell.Lifecycle
+	Controller *controller
+	IPCache    ipcache.Map
+	Registry   prometheus.Registerer
+}
+
+func registerAttacher(p attacherParams) error {
+	a := &attacher{
+		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), root: p.Root, ops: p.Controller.Ops,
+		ipcache: p.IPCache, opened: p.Controller.opened, retry: 5 * time.Second,
+	}
+	p.Jobs.Add(job.OneShot("attach", a.run))
+	// The links stay pinned (and attached); only this process's handles
+	// go.
+	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
+	return registerMetrics(p.Registry, a, p.Controller.Ops)
+}
+
+// registerMetrics exports the verdict counters of the datapath and the
+// policy map's writes.
+func registerMetrics(reg prometheus.Registerer, a *attacher, ops *reconcilers.Policy) error {
+	verdicts := prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "verdicts_total"),
+		"Connections and packets the policy programs decided, by direction and verdict (audited: would have been denied)",
+		[]string{"direction", "verdict"}, nil)
+	collectors := []prometheus.Collector{
+		&verdictCollector{desc: verdicts, a: a},
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Namespace: metrics.Namespace, Subsystem: "policy", Name: "map_updates_total",
+			Help: "Entries written to the policy and policy_endpoints maps",
+		}, func() float64 { u, _ := ops.Writes(); return float64(u) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Namespace: metrics.Namespace, Subsystem: "policy", Name: "map_deletes_total",
+			Help: "Entries deleted from the policy and policy_endpoints maps",
+		}, func() float64 { _, d := ops.Writes(); return float64(d) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Namespace: metrics.Namespace, Subsystem: "policy", Name: "map_entries",
+			Help: "Entries in the policy map",
+		}, func() float64 { return float64(ops.Entries()) }),
+	}
+	for _, c := range collectors {
+		if err := reg.Register(c); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// verdictCollector reads policy_stats when scraped.
+type verdictCollector struct {
+	desc *prometheus.Desc
+	a    *attacher
+}
+
+func (c *verdictCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *verdictCollector) Collect(ch chan<- prometheus.Metric) {
+	counts, err := c.a.verdicts()
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(c.desc, err)
+		return
+	}
+	names := [...]string{bpf.PolicyVerdictAllowed: "allowed", bpf.PolicyVerdictDenied: "denied", bpf.PolicyVerdictAudited: "audited"}
+	for d, dir := range []string{"ingress", "egress"} {
+		for v, verdict := range names {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue,
+				float64(counts[d*bpf.PolicyVerdicts+v]), dir, verdict)
+		}
+	}
 }

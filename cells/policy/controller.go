@@ -20,6 +20,8 @@ type controller struct {
 	markEntries, markEndpoints func(statedb.WriteTxn)
 	// opened is closed once the maps are open (the loader waits for it).
 	opened chan struct{}
+	// progress is how far the selectors table has been computed.
+	progress *progress
 }
 
 func newController(p controllerParams) *controller {
@@ -29,6 +31,7 @@ func newController(p controllerParams) *controller {
 		markEntries:      p.Entries.RegisterInitializer(wtxn, "policy-computed"),
 		markEndpoints:    p.EndpointPolicy.RegisterInitializer(wtxn, "policy-computed"),
 		opened:           make(chan struct{}),
+		progress:         newProgress(),
 	}
 	wtxn.Commit()
 	return c
@@ -67,7 +70,7 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		return fmt.Errorf("watch tables: %w", err)
 	}
 
-	initDone := false
+	initDone, marked := false, false
 	for {
 		rtxn := c.DB.ReadTxn()
 		polSeq, polWatch := policies.Next(rtxn)
@@ -94,26 +97,29 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 				eng.setEndpoint(ch.Object.Name, ch.Object)
 			}
 		}
-		w := &writer{c: c}
-		eng.flush(w)
-		if err := w.commit(); err != nil {
-			return err
-		}
-
-		// The entries are complete (and the maps may be pruned) once the
-		// inputs have been read whole: prefixes resolved into identities,
-		// the selectors and endpoints tables written from them.
-		var waitInit []<-chan struct{}
+		// Nothing is written until the inputs have been read whole
+		// (prefixes resolved into identities, the selectors and endpoints
+		// tables written from them): the maps keep enforcing what they
+		// hold until then, and an unchanged restart writes nothing.
+		var waitInit <-chan struct{}
 		if !initDone {
-			ready := true
 			for _, t := range []statedb.TableMeta{c.IPCache, c.Policies, c.Selectors, c.Endpoints} {
 				if ok, ch := t.Initialized(rtxn); !ok {
-					ready = false
-					waitInit = append(waitInit, ch)
+					waitInit = ch
+					break
 				}
 			}
-			if ready || c.Config.EnablePolicy == ModeNever {
-				initDone = true
+			initDone = waitInit == nil || c.Config.EnablePolicy == ModeNever
+		}
+		if initDone {
+			w := &writer{c: c}
+			eng.flush(w)
+			if err := w.commit(); err != nil {
+				return err
+			}
+			c.progress.set(c.Selectors.Revision(rtxn))
+			if !marked {
+				marked = true
 				wtxn := c.DB.WriteTxn(c.Entries, c.EndpointPolicy)
 				c.markEntries(wtxn)
 				c.markEndpoints(wtxn)
@@ -129,19 +135,9 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		case <-polWatch:
 		case <-selWatch:
 		case <-epWatch:
-		case <-firstOf(waitInit):
+		case <-waitInit:
 		}
 	}
-}
-
-// firstOf returns the first channel, or nil (which blocks): all must be
-// closed for the inputs to be ready, so waiting for any not closed yet is
-// enough before looking again.
-func firstOf(chans []<-chan struct{}) <-chan struct{} {
-	if len(chans) == 0 {
-		return nil
-	}
-	return chans[0]
 }
 
 func firstErr(errs ...error) error {

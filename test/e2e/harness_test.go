@@ -39,6 +39,11 @@ const binEnv = "APIARY_E2E_BIN"
 // TestMain builds apiary once, as a user would (`go build ./daemon`), for
 // every test of the package; or takes the binary $APIARY_E2E_BIN names.
 func TestMain(m *testing.M) {
+	// The test binary doubles as the helper processes some tests run in
+	// cgroups (see policy_test.go).
+	if code, ok := runHelper(); ok {
+		os.Exit(code)
+	}
 	if bin := os.Getenv(binEnv); bin != "" {
 		abs, err := filepath.Abs(bin)
 		if err != nil {

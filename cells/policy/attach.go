@@ -1,0 +1,270 @@
+package policy
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/cilium/hive/cell"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/cgrouplink"
+	"github.com/apiary-net/apiary/bpf/policyprog"
+	"github.com/apiary-net/apiary/cells/cgroups"
+	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/reconcilers"
+)
+
+// LinksDir is the subdirectory of --bpf-pin-dir holding the pinned links
+// (shared with the socket load balancer; each hook's pin is named after
+// it).
+const LinksDir = "links"
+
+// orderCheckInterval is how often the attacher checks that its
+// connect4/sendmsg4 programs still run after every other program of their
+// hooks (the socket load balancer's, which may be attached after them):
+// policy must see the backend, not the service address.
+const orderCheckInterval = 5 * time.Second
+
+// attacher loads the enforcement programs on the agent's maps and keeps
+// them attached to the cgroup root through pinned links.
+type attacher struct {
+	log     *slog.Logger
+	cfg     Config
+	pinDir  string
+	root    cgroups.Root
+	ops     *reconcilers.Policy
+	ipcache ipcache.Map
+	opened  <-chan struct{}
+	retry   time.Duration
+
+	mu    sync.Mutex
+	links map[string]link.Link
+	progs map[string]*ebpf.Program
+	flows *ebpf.Map
+	stats *ebpf.Map
+}
+
+func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
+
+// run attaches (or, with --enable-policy=never, detaches), retrying until it
+// succeeds, then keeps the program order right.
+func (a *attacher) run(ctx context.Context, health cell.Health) error {
+	select {
+	case <-a.opened:
+	case <-ctx.Done():
+		return nil
+	}
+	for {
+		var msg string
+		var err error
+		if a.cfg.EnablePolicy == ModeNever {
+			msg, err = a.detach()
+		} else {
+			msg, err = a.attach()
+		}
+		if err == nil {
+			a.log.Info(msg)
+			health.OK(msg)
+			break
+		}
+		a.log.Error("Policy enforcement programs", "error", err)
+		health.Degraded("Attaching the policy programs failed; retrying", err)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(a.retry):
+		}
+	}
+	if a.cfg.EnablePolicy == ModeNever {
+		<-ctx.Done()
+		return nil
+	}
+	ticker := time.NewTicker(orderCheckInterval)
+	defer ticker.Stop()
+	for {
+		if err := a.keepLast(); err != nil {
+			health.Degraded("Policy programs may run before the socket load balancer", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-ticker.C:
+		}
+	}
+}
+
+// attach loads the programs and puts them into the pinned links.
+func (a *attacher) attach() (string, error) {
+	a.close()
+	cgroup, err := a.root.Prepare()
+	if err != nil {
+		return "", err
+	}
+	cgID, err := cgroups.ID(cgroup)
+	if err != nil {
+		return "", err
+	}
+	flows, err := bpf.OpenPinnedMap(a.log, bpf.PolicyFlowsMapSpec(flowsMapMax), a.pinDir, nil)
+	if err != nil {
+		return "", err
+	}
+	stats, err := bpf.OpenPinnedMap(a.log, bpf.PolicyStatsMapSpec(), a.pinDir, nil)
+	if err != nil {
+		flows.Close()
+		return "", err
+	}
+	var progs map[string]*ebpf.Program
+	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
+		return a.ipcache.WithMap(func(ipc *ebpf.Map) error {
+			progs, err = policyprog.Load(policyprog.Maps{
+				Policy: policy, Endpoints: endpoints, Flows: flows.Map, Stats: stats.Map, IPCache: ipc,
+			})
+			return err
+		})
+	})
+	if err != nil {
+		flows.Close()
+		stats.Close()
+		return "", err
+	}
+	if err := os.MkdirAll(a.linksDir(), 0o750); err != nil {
+		flows.Close()
+		stats.Close()
+		closePrograms(progs)
+		return "", fmt.Errorf("links directory: %w", err)
+	}
+	links := map[string]link.Link{}
+	var done []string
+	for _, h := range policyprog.Hooks {
+		l, how, err := cgrouplink.Attach(a.log, filepath.Join(a.linksDir(), h.Name), h.Attach, progs[h.Program], cgroup, cgID)
+		if err != nil {
+			for _, l := range links {
+				l.Close()
+			}
+			flows.Close()
+			stats.Close()
+			closePrograms(progs)
+			return "", fmt.Errorf("attach %s to %s: %w", h.Name, cgroup, err)
+		}
+		links[h.Name] = l
+		done = append(done, h.Name+" "+how)
+	}
+	a.mu.Lock()
+	a.links, a.progs, a.flows, a.stats = links, progs, flows.Map, stats.Map
+	a.mu.Unlock()
+	mode := ""
+	if a.cfg.PolicyAuditMode {
+		mode = " in audit mode"
+	}
+	return fmt.Sprintf("Enforcing policy%s on cgroup %s: %s (links pinned in %s)",
+		mode, cgroup, strings.Join(done, ", "), a.linksDir()), nil
+}
+
+// keepLast moves the connect4 and sendmsg4 programs after any program
+// attached after them (the socket load balancer's).
+func (a *attacher) keepLast() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	cgroup := a.root.Path()
+	for _, h := range policyprog.Hooks {
+		if h.Attach != ebpf.AttachCGroupInet4Connect && h.Attach != ebpf.AttachCGroupUDP4Sendmsg {
+			continue
+		}
+		l := a.links[h.Name]
+		if l == nil {
+			continue
+		}
+		last, err := cgrouplink.RunsLast(l, cgroup, h.Attach)
+		if err != nil || last {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		nl, err := cgrouplink.MoveLast(filepath.Join(a.linksDir(), h.Name), h.Attach, a.progs[h.Program], cgroup)
+		if err != nil {
+			return fmt.Errorf("move %s after the other programs of %s: %w", h.Name, cgroup, err)
+		}
+		l.Close()
+		a.links[h.Name] = nl
+		a.log.Info("Moved a policy program after the other programs of its hook", "hook", h.Name, "cgroup", cgroup)
+	}
+	return nil
+}
+
+// detach removes the pinned links and the maps only the programs use.
+func (a *attacher) detach() (string, error) {
+	a.close()
+	var gone []string
+	for _, h := range policyprog.Hooks {
+		ok, err := cgrouplink.Detach(filepath.Join(a.linksDir(), h.Name))
+		if err != nil {
+			return "", err
+		}
+		if ok {
+			gone = append(gone, h.Name)
+		}
+	}
+	for _, name := range []string{bpf.PolicyFlowsMap, bpf.PolicyStatsMap} {
+		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {
+			return "", err
+		}
+	}
+	if len(gone) == 0 {
+		return "Disabled (--" + EnableFlag + "=never); nothing attached", nil
+	}
+	return "Disabled (--" + EnableFlag + "=never); detached " + strings.Join(gone, ", "), nil
+}
+
+// close drops this process's handles; pinned links stay attached.
+func (a *attacher) close() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, l := range a.links {
+		l.Close()
+	}
+	a.links = nil
+	closePrograms(a.progs)
+	a.progs = nil
+	for _, m := range []*ebpf.Map{a.flows, a.stats} {
+		if m != nil {
+			m.Close()
+		}
+	}
+	a.flows, a.stats = nil, nil
+}
+
+func closePrograms(progs map[string]*ebpf.Program) {
+	for _, p := range progs {
+		p.Close()
+	}
+}
+
+// verdicts returns the counts of policy_stats, summed over CPUs, by
+// direction and verdict index.
+func (a *attacher) verdicts() ([bpf.PolicyStatsEntries]uint64, error) {
+	var out [bpf.PolicyStatsEntries]uint64
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.stats == nil {
+		return out, nil
+	}
+	for i := range out {
+		var perCPU []uint64
+		if err := a.stats.Lookup(uint32(i), &perCPU); err != nil {
+			return out, fmt.Errorf("read policy_stats: %w", err)
+		}
+		for _, v := range perCPU {
+			out[i] += v
+		}
+	}
+	return out, nil
+}

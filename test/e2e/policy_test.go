@@ -1,0 +1,470 @@
+package e2e
+
+// Policy enforcement end to end: pods of --config-dir on this node, their
+// kubelet cgroups under --cgroup-root, processes in those cgroups that
+// connect and listen on loopback addresses, and policies that allow and
+// deny them, as the shipped binary enforces them.
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/apiary-net/apiary/internal/testenv"
+)
+
+// Environment variables that make the test binary a helper process (see
+// TestMain): connect to an address (optionally from a source address) and
+// print the outcome, or listen and greet whoever connects.
+const (
+	connectEnv = "E2E_CONNECT"
+	bindEnv    = "E2E_BIND"
+	serveEnv   = "E2E_SERVE"
+)
+
+// runHelper runs the helper the environment asks for, if any, and reports
+// whether it did.
+func runHelper() (int, bool) {
+	if addr := os.Getenv(serveEnv); addr != "" {
+		return serve(addr), true
+	}
+	if addr := os.Getenv(connectEnv); addr != "" {
+		fmt.Println(connectOutcome(addr, os.Getenv(bindEnv)))
+		return 0, true
+	}
+	return 0, false
+}
+
+// connectOutcome connects to addr over TCP and returns "ok: <greeting>"
+// (or "ok" when the server says nothing), "EPERM" when connect() is
+// refused by a cgroup program, "timeout" when nothing answers, or the
+// error.
+func connectOutcome(addr, bind string) string {
+	d := net.Dialer{Timeout: 2 * time.Second}
+	if bind != "" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(bind)}
+	}
+	conn, err := d.Dial("tcp4", addr)
+	switch {
+	case errors.Is(err, syscall.EPERM):
+		return "EPERM"
+	case err != nil && os.IsTimeout(err):
+		return "timeout"
+	case err != nil:
+		return "error: " + err.Error()
+	}
+	defer conn.Close()
+	conn.SetReadDeadline(time.Now().Add(2 * time.Second))
+	line, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil {
+		if os.IsTimeout(err) {
+			return "ok, no greeting (timeout)"
+		}
+		return "ok"
+	}
+	return "ok: " + strings.TrimSpace(line)
+}
+
+// serve listens on addr and greets every connection with "hello from
+// ADDR".
+func serve(addr string) int {
+	ln, err := net.Listen("tcp4", addr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fmt.Println("listening")
+	for {
+		conn, err := ln.Accept()
+		if err != nil {
+			return 1
+		}
+		fmt.Fprintf(conn, "hello from %s\n", addr)
+		conn.Close()
+	}
+}
+
+// listen starts greeting servers on addrs in the test process itself
+// (outside every pod cgroup).
+func listen(t *testing.T, addrs ...string) {
+	t.Helper()
+	for _, addr := range addrs {
+		ln, err := net.Listen("tcp4", addr)
+		if err != nil {
+			t.Fatalf("listen %s: %v", addr, err)
+		}
+		t.Cleanup(func() { ln.Close() })
+		go func() {
+			for {
+				conn, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				fmt.Fprintf(conn, "hello from %s\n", addr)
+				conn.Close()
+			}
+		}()
+	}
+}
+
+// connectFrom connects to addr from a process in the cgroup dir (from
+// source address bind, if set) and returns the outcome (see
+// connectOutcome).
+func connectFrom(t *testing.T, dir, addr, bind string) string {
+	t.Helper()
+	f, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(self)
+	cmd.Env = append(cleanEnv(), connectEnv+"="+addr, bindEnv+"="+bind)
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(f.Fd())}
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("connect helper in %s: %v: %s", dir, err, out)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// serveIn starts a greeting server on addr in a process in the cgroup dir.
+func serveIn(t *testing.T, dir, addr string) {
+	t.Helper()
+	f, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(self)
+	cmd.Env = append(cleanEnv(), serveEnv+"="+addr)
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(f.Fd()), Pdeathsig: syscall.SIGKILL}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil || strings.TrimSpace(line) != "listening" {
+		t.Fatalf("server on %s in %s: %q %v", addr, dir, line, err)
+	}
+}
+
+// Pods of the policy test, on node e2e-node. Each has a UID (its kubelet
+// cgroup's name), an IP on loopback and labels.
+const (
+	uidA = "0a0a0a0a-0000-4000-8000-00000000000a"
+	uidB = "0b0b0b0b-0000-4000-8000-00000000000b"
+	uidC = "0c0c0c0c-0000-4000-8000-00000000000c"
+	ipA  = "127.0.1.21"
+	ipB  = "127.0.1.22"
+	ipC  = "127.0.1.23"
+)
+
+const policyPods = `apiVersion: v1
+kind: Namespace
+metadata: {name: default}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client-a, namespace: default, uid: ` + uidA + `, labels: {app: client}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
+status: {phase: Running, podIP: ` + ipA + `, podIPs: [{ip: ` + ipA + `}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: server-b, namespace: default, uid: ` + uidB + `, labels: {app: server}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox, ports: [{name: web, containerPort: 9090}]}]}
+status: {phase: Running, podIP: ` + ipB + `, podIPs: [{ip: ` + ipB + `}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client-c, namespace: default, uid: ` + uidC + `, labels: {app: other}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
+status: {phase: Running, podIP: ` + ipC + `, podIPs: [{ip: ` + ipC + `}]}
+`
+
+// egressA lets client-a reach 127.0.1.11:8080 and 127.0.1.12:8100-8103.
+const egressA = `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: egress-a, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egress:
+  - toCIDR: [127.0.1.11/32]
+    toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+  - toCIDRSet: [{cidr: 127.0.1.12/32}]
+    toPorts: [{ports: [{port: "8100", endPort: 8103, protocol: TCP}]}]
+  - toFQDNs: [{matchName: allowed.e2e.test}]
+    toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+`
+
+// denyA denies client-a 127.0.1.11:8080, which egressA allows.
+const denyA = `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: deny-a, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egressDeny:
+  - toCIDR: [127.0.1.11/32]
+    toPorts: [{ports: [{port: "8080"}]}]
+`
+
+// ingressB lets app=client pods reach server-b's named port web.
+const ingressB = `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: ingress-b, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: server}}
+  ingress:
+  - fromEndpoints: [{matchLabels: {app: client}}]
+    toPorts: [{ports: [{port: web, protocol: TCP}]}]
+`
+
+// invalidPolicy has a range that ends before it starts.
+const invalidPolicy = `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: broken, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: other}}
+  egress:
+  - toCIDR: [127.0.1.11/32]
+    toPorts: [{ports: [{port: "8080", endPort: 80, protocol: TCP}]}]
+`
+
+type endpointPolicyRow struct {
+	Name    string `json:"name"`
+	ID      uint32 `json:"id"`
+	Cgroup  string `json:"cgroup"`
+	Ingress string `json:"ingress"`
+	Egress  string `json:"egress"`
+	Entries int    `json:"entries"`
+	Status  struct {
+		Kind  string `json:"kind"`
+		Error string `json:"error"`
+	} `json:"status"`
+}
+
+// waitEndpointPolicy waits until each named endpoint's row reads "ingress
+// egress" as wanted, with its map entry written.
+func (a *agent) waitEndpointPolicy(t *testing.T, want map[string]string) {
+	t.Helper()
+	testenv.Eventually(t, waitTimeout, fmt.Sprintf("endpoint-policy %v", want), func() (bool, string) {
+		var rows []endpointPolicyRow
+		if err := a.dump("endpoint-policy", &rows); err != nil {
+			return false, err.Error()
+		}
+		got := map[string]string{}
+		ok := true
+		for _, r := range rows {
+			if _, asked := want[r.Name]; !asked {
+				continue
+			}
+			got[r.Name] = r.Ingress + " " + r.Egress
+			ok = ok && r.Status.Kind == "Done" && r.ID != 0 && r.Cgroup != ""
+		}
+		var entries []struct {
+			Status struct{ Kind string } `json:"status"`
+		}
+		if err := a.dump("policy-entries", &entries); err != nil {
+			return false, err.Error()
+		}
+		for _, e := range entries {
+			ok = ok && e.Status.Kind == "Done"
+		}
+		return ok && fmt.Sprint(got) == fmt.Sprint(want), fmt.Sprintf("%+v", rows)
+	})
+}
+
+// mkCgroups makes the kubelet cgroups of the three pods under root, in
+// both drivers' layouts, and a container cgroup inside each; it returns
+// the container cgroups.
+func mkCgroups(t *testing.T, root string) (a, b, c string) {
+	t.Helper()
+	dirs := []string{
+		filepath.Join(root, "kubepods", "pod"+uidA, "ctr"),
+		filepath.Join(root, "kubepods", "burstable", "pod"+uidB, "ctr"),
+		filepath.Join(root, "kubepods.slice", "kubepods-besteffort.slice",
+			"kubepods-besteffort-pod"+strings.ReplaceAll(uidC, "-", "_")+".slice", "ctr"),
+	}
+	for _, d := range dirs {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Removed deepest first once the processes in them are gone (the
+	// root is testenv's, removed after).
+	t.Cleanup(func() {
+		for _, d := range dirs {
+			for p := d; p != root; p = filepath.Dir(p) {
+				removeCgroup(p)
+			}
+		}
+	})
+	return dirs[0], dirs[1], dirs[2]
+}
+
+func removeCgroup(dir string) {
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		err := os.Remove(dir)
+		if err == nil || errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENOTEMPTY) && time.Now().After(deadline) {
+			return
+		}
+		if !errors.Is(err, syscall.EBUSY) && !errors.Is(err, syscall.ENOTEMPTY) {
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestPolicy: the shipped binary enforces CiliumNetworkPolicies on the
+// processes of pods' cgroups: egress by connect() (EPERM), port ranges,
+// deny over allow, default allow when the policy goes, ingress by the
+// peer's identity with a named port, toFQDNs after a DNS answer, an
+// invalid policy beside valid ones, and enforcement that holds while the
+// agent is stopped and across a restart that writes nothing.
+func TestPolicy(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	digBin := testenv.RequireProgram(t, "dig")
+	root := testenv.Cgroup(t)
+	cgA, cgB, cgC := mkCgroups(t, root)
+	upstream := startDNSMasq(t,
+		"--address=/allowed.e2e.test/127.0.1.31", "--address=/other.e2e.test/127.0.1.32", "--local-ttl=300")
+	listen(t, "127.0.1.11:8080", "127.0.1.11:8081", "127.0.1.12:8102", "127.0.1.12:8104",
+		"127.0.1.13:8080", "127.0.1.31:8080", "127.0.1.32:8080")
+
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), policyPods)
+	writeFile(t, filepath.Join(configDir, "egress-a.yaml"), egressA)
+	proxy := net.JoinHostPort("127.0.0.1", strconv.Itoa(freePort(t)))
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{
+		"--node-name=e2e-node", "--cgroup-root=" + root,
+		"--dns-proxy-addr=" + proxy, "--dns-upstream=" + upstream,
+		"--tofqdns-proxy-response-max-delay=15s",
+	}})
+	a.waitEndpointPolicy(t, map[string]string{
+		"default/client-a": "off default-deny", "default/server-b": "off off", "default/client-c": "off off",
+	})
+
+	check := func(t *testing.T, dir, bind string, want map[string]string) {
+		t.Helper()
+		for _, addr := range slices.Sorted(func(yield func(string) bool) {
+			for k := range want {
+				if !yield(k) {
+					return
+				}
+			}
+		}) {
+			got := connectFrom(t, dir, addr, bind)
+			if w := want[addr]; got != w && !(w == "ok" && strings.HasPrefix(got, "ok:")) {
+				t.Errorf("from %s to %s: %s, want %s", filepath.Base(filepath.Dir(dir)), addr, got, w)
+			}
+		}
+	}
+
+	t.Run("egress", func(t *testing.T) {
+		check(t, cgA, "", map[string]string{
+			"127.0.1.11:8080": "ok",
+			"127.0.1.11:8081": "EPERM", // another port
+			"127.0.1.13:8080": "EPERM", // another address
+			"127.0.1.12:8102": "ok",    // inside 8100-8103
+			"127.0.1.12:8104": "EPERM", // outside it
+		})
+		// A process outside every pod's cgroup, and a pod no policy
+		// selects, are untouched.
+		check(t, root, "", map[string]string{"127.0.1.13:8080": "ok"})
+		check(t, cgC, "", map[string]string{"127.0.1.13:8080": "ok"})
+	})
+
+	t.Run("toFQDNs", func(t *testing.T) {
+		if got := dig(t, digBin, proxy, "allowed.e2e.test", false); !slices.Equal(got, []string{"127.0.1.31"}) {
+			t.Fatalf("dig allowed.e2e.test: %v", got)
+		}
+		if got := dig(t, digBin, proxy, "other.e2e.test", false); !slices.Equal(got, []string{"127.0.1.32"}) {
+			t.Fatalf("dig other.e2e.test: %v", got)
+		}
+		// No waiting: the answer was held until the policy allowed it.
+		check(t, cgA, "", map[string]string{"127.0.1.31:8080": "ok", "127.0.1.32:8080": "EPERM"})
+	})
+
+	t.Run("deny wins, and removing the policies restores default allow", func(t *testing.T) {
+		writeFile(t, filepath.Join(configDir, "deny-a.yaml"), denyA)
+		testenv.Eventually(t, waitTimeout, "the deny in force", func() (bool, string) {
+			got := connectFrom(t, cgA, "127.0.1.11:8080", "")
+			return got == "EPERM", got
+		})
+		check(t, cgA, "", map[string]string{"127.0.1.12:8102": "ok"})
+		os.Remove(filepath.Join(configDir, "deny-a.yaml"))
+		os.Remove(filepath.Join(configDir, "egress-a.yaml"))
+		a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off off"})
+		check(t, cgA, "", map[string]string{"127.0.1.11:8080": "ok", "127.0.1.13:8080": "ok"})
+	})
+
+	t.Run("ingress by identity on a named port", func(t *testing.T) {
+		serveIn(t, cgB, ipB+":9090")
+		writeFile(t, filepath.Join(configDir, "ingress-b.yaml"), ingressB)
+		writeFile(t, filepath.Join(configDir, "broken.yaml"), invalidPolicy)
+		a.waitEndpointPolicy(t, map[string]string{"default/server-b": "default-deny off"})
+		check(t, cgA, ipA, map[string]string{ipB + ":9090": "ok: hello from " + ipB + ":9090"})
+		check(t, cgC, ipC, map[string]string{ipB + ":9090": "timeout"})
+
+		var policies []struct{ Name, Status, Error string }
+		if err := a.dump("policies", &policies); err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range policies {
+			if p.Name == "cnp/default/broken" && (p.Status != "Error" || !strings.Contains(p.Error, "endPort")) {
+				t.Errorf("the invalid policy's row: %+v", p)
+			}
+		}
+	})
+
+	t.Run("enforcement holds while stopped and across a restart", func(t *testing.T) {
+		writeFile(t, filepath.Join(configDir, "egress-a.yaml"), egressA)
+		a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny", "default/server-b": "default-deny off"})
+		want := map[string]string{"127.0.1.11:8080": "ok", "127.0.1.13:8080": "EPERM"}
+		check(t, cgA, "", want)
+		a.stop(t)
+		check(t, cgA, "", want)
+		check(t, cgC, ipC, map[string]string{ipB + ":9090": "timeout"})
+		a.start(t)
+		a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny", "default/server-b": "default-deny off"})
+		a.waitLog(t, "Policy computed")
+		check(t, cgA, "", want)
+		check(t, cgC, ipC, map[string]string{ipB + ":9090": "timeout"})
+		for _, m := range []string{"apiary_policy_map_updates_total", "apiary_policy_map_deletes_total"} {
+			if v, err := a.metric(m); err != nil || v != 0 {
+				t.Errorf("%s after an unchanged restart: %v %v, want 0", m, v, err)
+			}
+		}
+		out, err := a.bpf("policy", "list")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(out, "egress identity=") || !strings.Contains(out, "TCP/8100-8103 allow") {
+			t.Errorf("apiary bpf policy list:\n%s", out)
+		}
+	})
+}
