@@ -51,6 +51,7 @@ run: build
 ## bpf: regenerate the committed BPF objects and bindings (needs clang, llvm, libbpf-dev); reproducible.
 bpf:
 	cd bpf/socklb && $(GO) generate ./
+	cd bpf/policyprog && $(GO) generate ./
 
 ## demo: socket load balancing end to end — curl a Service VIP from a cgroup (root).
 demo:

@@ -1,0 +1,189 @@
+package policyprog
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/internal/testenv"
+)
+
+// BenchmarkConnect measures connect() from a process that moves itself
+// into a cgroup: one without programs (nohook); the pod's, with the
+// programs attached above it but the pod not an endpoint (noendpoint: the
+// ancestor walk finds nothing); and the pod as an endpoint enforcing both
+// directions with entries that allow the peer (enforced: connect4 decides
+// and remembers the flow, the packets are found in it).
+//
+// tcp is a whole connection over loopback (dial, accept, close with a
+// reset, so that no TIME_WAIT piles up), through every hook; udp is
+// socket, connect and close of a UDP socket, which sends nothing: the
+// cost of connect4 alone. Beside the wall time, which varies more from run
+// to run than the programs cost, the kernel's BPF run-time statistics
+// give the time spent in the programs: bpf-ns/op in all of them per
+// operation, connect4-ns the average run of connect4.
+func BenchmarkConnect(b *testing.B) {
+	testenv.RequireRoot(b)
+	// Made before the move: the listener stays out of the cgroups.
+	l, err := net.Listen("tcp4", "127.0.77.40:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	addr := netip.MustParseAddrPort(l.Addr().String())
+	sa := &unix.SockaddrInet4{Addr: addr.Addr().As4(), Port: int(addr.Port())}
+
+	plain := testenv.Cgroup(b)
+	d := newDatapath(b)
+	d.identity(addr.Addr().String(), 3000)
+	d.rules(
+		rule{identity: 3000, dir: bpf.PolicyEgress, proto: tcp, port: addr.Port(), portBits: 16},
+		rule{identity: 3000, dir: bpf.PolicyEgress, proto: udp, port: addr.Port(), portBits: 16},
+	)
+	move := cgroupMover(b)
+	move(plain)
+	// Without them, the bpf metrics read 0.
+	if stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME)); err != nil {
+		b.Logf("no BPF run-time statistics: %s", err)
+	} else {
+		defer stats.Close()
+	}
+	// The wall time of the first phase would otherwise include warming
+	// up (connections, page faults).
+	for range 1000 {
+		c, err := net.Dial("tcp4", addr.String())
+		if err != nil {
+			b.Fatal(err)
+		}
+		c.(*net.TCPConn).SetLinger(0)
+		c.Close()
+	}
+
+	for _, phase := range []struct {
+		name   string
+		before func()
+	}{
+		{"nohook", nil},
+		{"noendpoint", func() { move(d.app) }},
+		{"enforced", func() { d.endpoint(bpf.PolicyEnforceIngress | bpf.PolicyEnforceEgress) }},
+	} {
+		if phase.before != nil {
+			phase.before()
+		}
+		b.Run(phase.name+"/tcp", func(b *testing.B) {
+			defer d.reportRuntime(b)()
+			for b.Loop() {
+				c, err := net.Dial("tcp4", addr.String())
+				if err != nil {
+					b.Fatal(err)
+				}
+				c.(*net.TCPConn).SetLinger(0)
+				c.Close()
+			}
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "conns/s")
+		})
+		b.Run(phase.name+"/udp", func(b *testing.B) {
+			defer d.reportRuntime(b)()
+			for b.Loop() {
+				fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+				if err != nil {
+					b.Fatal(err)
+				}
+				err = unix.Connect(fd, sa)
+				unix.Close(fd)
+				if err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+	if s := d.stats(); stat(s, bpf.PolicyEgress, bpf.PolicyVerdictAllowed) == 0 || stat(s, bpf.PolicyEgress, bpf.PolicyVerdictDenied) != 0 {
+		b.Errorf("the enforced connects were not allowed by policy: stats %v", s)
+	}
+}
+
+// reportRuntime reads the programs' run-time statistics, and the returned
+// function reports what they spent since, per operation of b.
+func (d *datapath) reportRuntime(b *testing.B) func() {
+	read := func() (all time.Duration, connect4 time.Duration, runs uint64) {
+		for name, p := range d.progs {
+			st, err := p.Stats()
+			if err != nil {
+				b.Fatalf("statistics of %s: %s", name, err)
+			}
+			all += st.Runtime
+			if name == policyprogProgPolicyConnect4 {
+				connect4, runs = st.Runtime, st.RunCount
+			}
+		}
+		return all, connect4, runs
+	}
+	all0, c0, n0 := read()
+	return func() {
+		all, c, n := read()
+		b.ReportMetric(float64(all-all0)/float64(b.N), "bpf-ns/op")
+		if n > n0 {
+			b.ReportMetric(float64(c-c0)/float64(n-n0), "connect4-ns")
+		}
+	}
+}
+
+// cgroupMover moves the whole process between cgroup v2 directories, and
+// back to where it was at first when the benchmark ends (before the
+// cgroups it made are removed, if it is made after them).
+func cgroupMover(b *testing.B) (move func(dir string)) {
+	b.Helper()
+	mount, err := testenv.Cgroup2Mount()
+	if err != nil {
+		testenv.Skip(b, "no cgroup v2 mount: "+err.Error())
+	}
+	self, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		b.Fatal(err)
+	}
+	var orig string
+	for line := range strings.SplitSeq(strings.TrimSpace(string(self)), "\n") {
+		if p, ok := strings.CutPrefix(line, "0::"); ok {
+			orig = filepath.Join(mount, p)
+		}
+	}
+	if orig == "" {
+		b.Fatal("the process's cgroup v2 path is unknown")
+	}
+	pid := []byte(strconv.Itoa(os.Getpid()))
+	write := func(dir string) error {
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), pid, 0); err != nil {
+			return fmt.Errorf("move the process to cgroup %s: %w", dir, err)
+		}
+		return nil
+	}
+	b.Cleanup(func() {
+		if err := write(orig); err != nil {
+			b.Error(err)
+		}
+	})
+	return func(dir string) {
+		if err := write(dir); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -1,0 +1,361 @@
+package policyprog
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// childEnv, when set, makes the test binary a child (see childMain) instead
+// of running tests: the tests re-execute themselves as processes started
+// inside an endpoint's cgroup (or outside it), since a socket belongs to
+// the cgroup of the process that creates it.
+const childEnv = "POLICYPROG_TEST_CHILD"
+
+// Timeouts of one exchange. A packet the programs drop is not answered:
+// the exchange times out, so these bound what a denied case costs; an
+// allowed one over loopback takes well under a millisecond.
+const (
+	dialTimeout = 500 * time.Millisecond
+	ioTimeout   = 500 * time.Millisecond
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) == "1" {
+		os.Exit(childMain(os.Stdin, os.Stdout))
+	}
+	os.Exit(m.Run())
+}
+
+// childMain runs one command per input line and answers each with one
+// line, until its input ends:
+//
+//	tcp|udp|udpc DST [SRC]   an exchange (see exchange); answers its outcome
+//	icmp DST                 an echo request; answers its outcome
+//	serve tcp|udp ADDR       serve ADDR (see serve); answers "ok" and the
+//	                         address it listens on
+func childMain(in io.Reader, out io.Writer) int {
+	sc := bufio.NewScanner(in)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		var answer string
+		switch {
+		case len(f) == 3 && f[0] == "serve":
+			addr, err := serve(f[1], f[2])
+			answer = outcome(err)
+			if err == nil {
+				answer += " " + addr
+			}
+		case len(f) >= 2 && len(f) <= 3:
+			src := ""
+			if len(f) == 3 {
+				src = f[2]
+			}
+			_, err := exchange(f[0], f[1], src)
+			answer = outcome(err)
+		default:
+			answer = fmt.Sprintf("error: bad command %q", sc.Text())
+		}
+		fmt.Fprintln(out, answer)
+	}
+	return 0
+}
+
+// outcome says how an exchange ended: ok, EPERM (refused by a program at
+// connect or send), timeout (a packet was dropped), refused (nobody
+// listens) or the error.
+func outcome(err error) string {
+	var nerr net.Error
+	switch {
+	case err == nil:
+		return "ok"
+	case errors.Is(err, syscall.EPERM):
+		return "EPERM"
+	case errors.Is(err, os.ErrDeadlineExceeded), errors.As(err, &nerr) && nerr.Timeout():
+		return "timeout"
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "refused"
+	}
+	return "error: " + err.Error()
+}
+
+// exchange sends "ping" to dst and waits for "pong", from src when given:
+// over TCP (kind tcp), an unconnected UDP socket (udp: sendmsg4 sees it),
+// a connected one (udpc: connect4 sees it), or ICMP echo (icmp). It returns
+// the socket's local address.
+func exchange(kind, dst, src string) (netip.AddrPort, error) {
+	var local netip.AddrPort
+	if src != "" {
+		a, err := netip.ParseAddr(src)
+		if err != nil {
+			return local, err
+		}
+		local = netip.AddrPortFrom(a, 0)
+	}
+	raddr, err := netip.ParseAddrPort(dst)
+	if kind == "icmp" {
+		a, aerr := netip.ParseAddr(dst)
+		raddr, err = netip.AddrPortFrom(a, 0), aerr
+	}
+	if err != nil {
+		return local, err
+	}
+	var c net.Conn
+	switch kind {
+	case "tcp":
+		d := net.Dialer{Timeout: dialTimeout}
+		if local.IsValid() {
+			d.LocalAddr = net.TCPAddrFromAddrPort(local)
+		}
+		c, err = d.Dial("tcp4", dst)
+	case "udp":
+		return udpUnconnected(local, raddr)
+	case "udpc":
+		var laddr *net.UDPAddr
+		if local.IsValid() {
+			laddr = net.UDPAddrFromAddrPort(local)
+		}
+		c, err = net.DialUDP("udp4", laddr, net.UDPAddrFromAddrPort(raddr))
+	case "icmp":
+		return local, ping(raddr.Addr())
+	default:
+		return local, fmt.Errorf("unknown exchange %q", kind)
+	}
+	if err != nil {
+		return local, err
+	}
+	defer c.Close()
+	local = netip.MustParseAddrPort(c.LocalAddr().String())
+	c.SetDeadline(time.Now().Add(ioTimeout))
+	if _, err := io.WriteString(c, "ping\n"); err != nil {
+		return local, err
+	}
+	line, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		return local, err
+	}
+	if line != "pong\n" {
+		return local, fmt.Errorf("answer %q, want pong", line)
+	}
+	return local, nil
+}
+
+func udpUnconnected(local, raddr netip.AddrPort) (netip.AddrPort, error) {
+	var laddr *net.UDPAddr
+	if local.IsValid() {
+		laddr = net.UDPAddrFromAddrPort(local)
+	}
+	c, err := net.ListenUDP("udp4", laddr)
+	if err != nil {
+		return local, err
+	}
+	defer c.Close()
+	local = c.LocalAddr().(*net.UDPAddr).AddrPort()
+	c.SetDeadline(time.Now().Add(ioTimeout))
+	if _, err := c.WriteToUDPAddrPort([]byte("ping\n"), raddr); err != nil {
+		return local, err
+	}
+	buf := make([]byte, 64)
+	n, from, err := c.ReadFromUDPAddrPort(buf)
+	if err != nil {
+		return local, err
+	}
+	if string(buf[:n]) != "pong\n" || netip.AddrPortFrom(from.Addr().Unmap(), from.Port()) != raddr {
+		return local, fmt.Errorf("answer %q from %s, want pong from %s", buf[:n], from, raddr)
+	}
+	return local, nil
+}
+
+// ping sends an ICMP echo request on a raw socket and waits for the reply.
+func ping(dst netip.Addr) error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMP)
+	if err != nil {
+		return fmt.Errorf("raw socket: %w", err)
+	}
+	defer unix.Close(fd)
+	tv := unix.NsecToTimeval(ioTimeout.Nanoseconds())
+	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
+		return err
+	}
+	id, seq := uint16(os.Getpid()), uint16(time.Now().UnixNano())
+	req := []byte{8, 0, 0, 0, byte(id >> 8), byte(id), byte(seq >> 8), byte(seq), 'p', 'i', 'n', 'g'}
+	binary.BigEndian.PutUint16(req[2:], checksum(req))
+	if err := unix.Sendto(fd, req, 0, &unix.SockaddrInet4{Addr: dst.As4()}); err != nil {
+		return fmt.Errorf("send echo request: %w", err)
+	}
+	// A raw socket sees every ICMP packet, the request's copy included.
+	deadline := time.Now().Add(ioTimeout)
+	buf := make([]byte, 512)
+	for time.Now().Before(deadline) {
+		n, _, err := unix.Recvfrom(fd, buf, 0)
+		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("receive echo reply: %w", err)
+		}
+		ihl := int(buf[0]&0xf) * 4
+		if n < ihl+8 {
+			continue
+		}
+		src := netip.AddrFrom4([4]byte(buf[12:16]))
+		icmp := buf[ihl:n]
+		if icmp[0] == 0 && src == dst && binary.BigEndian.Uint16(icmp[4:]) == id && binary.BigEndian.Uint16(icmp[6:]) == seq {
+			return nil
+		}
+	}
+	return os.ErrDeadlineExceeded
+}
+
+func checksum(b []byte) uint16 {
+	var sum uint32
+	for i := 0; i+1 < len(b); i += 2 {
+		sum += uint32(binary.BigEndian.Uint16(b[i:]))
+	}
+	if len(b)%2 == 1 {
+		sum += uint32(b[len(b)-1]) << 8
+	}
+	for sum > 0xffff {
+		sum = sum>>16 + sum&0xffff
+	}
+	return ^uint16(sum)
+}
+
+// serve answers every "ping" on addr with "pong": each TCP connection
+// once, then closed; every UDP datagram. It returns the address it listens
+// on. The "tcp" and "udp" networks take IPv4 and IPv6 alike: ":0" is a
+// dual-stack socket, which carries IPv4 as mapped IPv6 addresses.
+func serve(proto, addr string) (string, error) {
+	c, err := startServer(proto, addr)
+	if err != nil {
+		return "", err
+	}
+	if l, ok := c.(net.Listener); ok {
+		return l.Addr().String(), nil
+	}
+	return c.(net.PacketConn).LocalAddr().String(), nil
+}
+
+func startServer(proto, addr string) (io.Closer, error) {
+	switch proto {
+	case "tcp":
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			return nil, err
+		}
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				go func() {
+					defer c.Close()
+					c.SetDeadline(time.Now().Add(2 * time.Second))
+					if line, err := bufio.NewReader(c).ReadString('\n'); err == nil && line == "ping\n" {
+						io.WriteString(c, "pong\n")
+					}
+				}()
+			}
+		}()
+		return l, nil
+	case "udp":
+		c, err := net.ListenPacket("udp", addr)
+		if err != nil {
+			return nil, err
+		}
+		go func() {
+			buf := make([]byte, 64)
+			for {
+				n, from, err := c.ReadFrom(buf)
+				if err != nil {
+					return
+				}
+				if string(buf[:n]) == "ping\n" {
+					c.WriteTo([]byte("pong\n"), from)
+				}
+			}
+		}()
+		return c, nil
+	}
+	return nil, fmt.Errorf("unknown protocol %q", proto)
+}
+
+// child is a process running childMain in a cgroup.
+type child struct {
+	t     *testing.T
+	stdin io.WriteCloser
+	out   *bufio.Reader
+}
+
+// startChild starts a child in the cgroup directory dir; it ends with the
+// test.
+func startChild(t *testing.T, dir string) *child {
+	t.Helper()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	cmd := exec.Command(self)
+	// Under the race detector a process waits a second before it exits,
+	// and every test waits for its children.
+	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
+	cmd.Env = append(os.Environ(), childEnv+"=1", "GORACE="+gorace)
+	cmd.Stderr = os.Stderr
+	// Started in the cgroup (clone3 with CLONE_INTO_CGROUP): none of its
+	// sockets ever belongs to another.
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(f.Fd())}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start a child in %s: %s", dir, err)
+	}
+	t.Cleanup(func() {
+		stdin.Close()
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+	})
+	return &child{t: t, stdin: stdin, out: bufio.NewReader(stdout)}
+}
+
+// do runs one command in the child and returns its answer.
+func (c *child) do(cmd ...string) string {
+	c.t.Helper()
+	if _, err := fmt.Fprintln(c.stdin, strings.Join(cmd, " ")); err != nil {
+		c.t.Fatalf("child: %s", err)
+	}
+	line, err := c.out.ReadString('\n')
+	if err != nil {
+		c.t.Fatalf("child: %s", err)
+	}
+	return strings.TrimSpace(line)
+}

@@ -1,0 +1,130 @@
+package policyprog
+
+import (
+	"reflect"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/btf"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/internal/testenv"
+)
+
+// TestLayout compares the C structs of the compiled object, through its BTF,
+// with the Go types the agent writes the maps with: same size, same number
+// of fields, each at the same offset with the same size.
+func TestLayout(t *testing.T) {
+	spec, err := Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		cStruct string
+		goType  reflect.Type
+	}{
+		{"policy_key", reflect.TypeFor[bpf.PolicyKey]()},
+		{"policy_value", reflect.TypeFor[bpf.PolicyValue]()},
+		{"policy_endpoint", reflect.TypeFor[bpf.PolicyEndpointValue]()},
+		{"policy_flow_key", reflect.TypeFor[bpf.PolicyFlowKey]()},
+		{"policy_flow", reflect.TypeFor[bpf.PolicyFlowValue]()},
+		{"ipcache_key", reflect.TypeFor[bpf.IPCacheKey]()},
+		{"remote_endpoint_info", reflect.TypeFor[bpf.IPCacheValue]()},
+	} {
+		t.Run(tc.cStruct, func(t *testing.T) {
+			var st *btf.Struct
+			if err := spec.Types.TypeByName(tc.cStruct, &st); err != nil {
+				t.Fatalf("struct %s in the object's BTF: %s", tc.cStruct, err)
+			}
+			if got, want := st.Size, uint32(tc.goType.Size()); got != want {
+				t.Errorf("struct %s is %d bytes, %s is %d", tc.cStruct, got, tc.goType, want)
+			}
+			if got, want := len(st.Members), tc.goType.NumField(); got != want {
+				t.Fatalf("struct %s has %d fields, %s has %d", tc.cStruct, got, tc.goType, want)
+			}
+			for i, m := range st.Members {
+				f := tc.goType.Field(i)
+				csize, err := btf.Sizeof(m.Type)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if m.Offset.Bytes() != uint32(f.Offset) || uint32(csize) != uint32(f.Type.Size()) {
+					t.Errorf("%s.%s at %d (%d bytes), %s.%s at %d (%d bytes)",
+						tc.cStruct, m.Name, m.Offset.Bytes(), csize,
+						tc.goType.Name(), f.Name, f.Offset, f.Type.Size())
+				}
+			}
+		})
+	}
+
+	// The maps' declared type, key and value sizes and flags, which loading
+	// checks against the agent's maps, agree with the agent's specs.
+	for _, want := range []*ebpf.MapSpec{
+		bpf.PolicyMapSpec(16),
+		bpf.PolicyEndpointsMapSpec(16),
+		bpf.PolicyFlowsMapSpec(16),
+		bpf.PolicyStatsMapSpec(),
+		bpf.IPCacheMapSpec(16),
+	} {
+		got := spec.Maps[want.Name]
+		if got == nil {
+			t.Errorf("object has no map %s", want.Name)
+			continue
+		}
+		if got.Type != want.Type || got.KeySize != want.KeySize || got.ValueSize != want.ValueSize || got.Flags != want.Flags {
+			t.Errorf("map %s: object says %v key %d value %d flags %#x, the agent %v key %d value %d flags %#x",
+				want.Name, got.Type, got.KeySize, got.ValueSize, got.Flags, want.Type, want.KeySize, want.ValueSize, want.Flags)
+		}
+	}
+	// Stats are indexed by direction and verdict: the object must have
+	// room for every index the agent reads.
+	if got := spec.Maps[bpf.PolicyStatsMap].MaxEntries; got != bpf.PolicyStatsEntries {
+		t.Errorf("map %s has %d entries, the agent reads %d", bpf.PolicyStatsMap, got, bpf.PolicyStatsEntries)
+	}
+}
+
+// TestLoad loads the programs with the agent's pinned maps in place of the
+// object's, sized differently from the object's defaults, as the agent does.
+func TestLoad(t *testing.T) {
+	pinDir := testenv.BPFPinDir(t)
+	open := func(spec *ebpf.MapSpec) *ebpf.Map {
+		pm, err := bpf.OpenPinnedMap(nil, spec, pinDir, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { pm.Close() })
+		return pm.Map
+	}
+	m := Maps{
+		Policy:    open(bpf.PolicyMapSpec(1024)),
+		Endpoints: open(bpf.PolicyEndpointsMapSpec(128)),
+		Flows:     open(bpf.PolicyFlowsMapSpec(4096)),
+		Stats:     open(bpf.PolicyStatsMapSpec()),
+		IPCache:   open(bpf.IPCacheMapSpec(1024)),
+	}
+	progs, err := Load(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, h := range Hooks {
+		p := progs[h.Program]
+		if p == nil {
+			t.Errorf("no program %s for hook %s", h.Program, h.Name)
+			continue
+		}
+		p.Close()
+	}
+	if len(progs) != len(Hooks) {
+		t.Errorf("%d programs, %d hooks", len(progs), len(Hooks))
+	}
+
+	// A map of the wrong shape is refused.
+	m.IPCache = m.Policy
+	if _, err := Load(m); err == nil {
+		t.Error("Load accepted the policy map as the ipcache")
+	}
+	m.IPCache = nil
+	if _, err := Load(m); err == nil {
+		t.Error("Load accepted no ipcache")
+	}
+}

@@ -1,0 +1,101 @@
+package policyprog
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/cilium/ebpf"
+)
+
+// Hook is one of the programs and the cgroup hook it attaches to.
+type Hook struct {
+	// Name is the hook's name, also the name of the link's pin.
+	Name string
+	// Program is the program's name in the object.
+	Program string
+	// Attach is the cgroup attach type.
+	Attach ebpf.AttachType
+}
+
+// Hooks lists the programs in attach order. The programs that remember
+// flows come first: sockops (accepted connections), then connect4 and
+// sendmsg4 (the endpoint's own), so that a connection made while the
+// packet filters arrive already has the flow its replies need to pass
+// them. Of the packet filters, ingress comes before egress because it
+// remembers the UDP flows that egress then lets out as replies.
+//
+// Attach these after the socket load balancer's programs on the same
+// cgroup: programs of one hook run in attach order, and connect4 and
+// sendmsg4 must see the backend the load balancer chose, the address the
+// packets will carry.
+var Hooks = []Hook{
+	{Name: "policy_sockops", Program: policyprogProgPolicySockops, Attach: ebpf.AttachCGroupSockOps},
+	{Name: "policy_connect4", Program: policyprogProgPolicyConnect4, Attach: ebpf.AttachCGroupInet4Connect},
+	{Name: "policy_sendmsg4", Program: policyprogProgPolicySendmsg4, Attach: ebpf.AttachCGroupUDP4Sendmsg},
+	{Name: "policy_ingress", Program: policyprogProgPolicyIngress, Attach: ebpf.AttachCGroupInetIngress},
+	{Name: "policy_egress", Program: policyprogProgPolicyEgress, Attach: ebpf.AttachCGroupInetEgress},
+}
+
+// Spec returns the programs' collection spec, as compiled into the binary.
+func Spec() (*ebpf.CollectionSpec, error) {
+	return loadPolicyprog()
+}
+
+// Maps are the maps the programs use, all owned (and pinned) by the agent.
+type Maps struct {
+	// Policy is the policy LPM trie (bpf.PolicyMapSpec).
+	Policy *ebpf.Map
+	// Endpoints maps pod cgroup IDs to endpoints (bpf.PolicyEndpointsMapSpec).
+	Endpoints *ebpf.Map
+	// Flows is the LRU of allowed flows (bpf.PolicyFlowsMapSpec).
+	Flows *ebpf.Map
+	// Stats counts verdicts (bpf.PolicyStatsMapSpec).
+	Stats *ebpf.Map
+	// IPCache gives peers' identities (bpf.IPCacheMapSpec).
+	IPCache *ebpf.Map
+}
+
+// Load loads the programs with m in place of the object's own map
+// definitions, so that the programs read the maps the agent writes. The
+// object's map sizes are only defaults: each definition takes the size and
+// flags of the map that replaces it, which must otherwise agree (type, key
+// and value sizes) or loading fails.
+//
+// The caller owns the returned programs, keyed by program name.
+func Load(m Maps) (map[string]*ebpf.Program, error) {
+	spec, err := Spec()
+	if err != nil {
+		return nil, err
+	}
+	repl := map[string]*ebpf.Map{
+		policyprogMapPolicy:          m.Policy,
+		policyprogMapPolicyEndpoints: m.Endpoints,
+		policyprogMapPolicyFlows:     m.Flows,
+		policyprogMapPolicyStats:     m.Stats,
+		policyprogMapIpcache:         m.IPCache,
+	}
+	for name, mp := range repl {
+		if mp == nil {
+			return nil, fmt.Errorf("load policy programs: no map for %s", name)
+		}
+		ms := spec.Maps[name]
+		if ms == nil {
+			return nil, fmt.Errorf("load policy programs: object has no map %s", name)
+		}
+		ms.MaxEntries = mp.MaxEntries()
+		ms.Flags = mp.Flags()
+	}
+	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: repl})
+	if err != nil {
+		var verr *ebpf.VerifierError
+		if errors.As(err, &verr) {
+			return nil, fmt.Errorf("load policy programs: %+v", verr)
+		}
+		return nil, fmt.Errorf("load policy programs: %w", err)
+	}
+	// The maps are the caller's; only the programs are handed over.
+	progs := coll.Programs
+	coll.Programs = nil
+	coll.Close()
+	return progs, nil
+}
