@@ -2,6 +2,7 @@ package tables
 
 import (
 	"net/netip"
+	"strconv"
 	"strings"
 
 	"github.com/cilium/statedb"
@@ -41,14 +42,18 @@ type Endpoint struct {
 
 // NamedPort is a named container port of a pod.
 type NamedPort struct {
-	Name     string `json:"name" yaml:"name"`
-	Port     uint16 `json:"port" yaml:"port"`
+	// Name is the port's name, which policies may refer to.
+	Name string `json:"name" yaml:"name"`
+	// Port is the container port.
+	Port uint16 `json:"port" yaml:"port"`
+	// Protocol is "TCP" (the default), "UDP" or "SCTP".
 	Protocol string `json:"protocol" yaml:"protocol"`
 }
 
-// TableHeader implements statedb.TableWritable.
+// TableHeader implements statedb.TableWritable. The cgroup comes last, as
+// its path is long; the UID and named ports are in the JSON and YAML forms.
 func (*Endpoint) TableHeader() []string {
-	return []string{"Name", "IPs", "Labels", "Identity", "IdentitySource", "Error"}
+	return []string{"Name", "IPs", "Labels", "Identity", "IdentitySource", "Error", "CgroupID", "Cgroup"}
 }
 
 // TableRow implements statedb.TableWritable.
@@ -57,9 +62,13 @@ func (e *Endpoint) TableRow() []string {
 	for i, ip := range e.IPs {
 		ips[i] = ip.String()
 	}
+	cgroupID := "" // not found, like an empty Cgroup
+	if e.CgroupID != 0 {
+		cgroupID = strconv.FormatUint(e.CgroupID, 10)
+	}
 	return []string{
 		e.Name, strings.Join(ips, ", "), strings.Join(e.Labels, ", "), formatUint(e.Identity),
-		e.IdentitySource, e.Error,
+		e.IdentitySource, e.Error, cgroupID, e.Cgroup,
 	}
 }
 

@@ -7,6 +7,10 @@
 // per-pod ones, --identity-ignored-labels), its namespace as
 // k8s:io.kubernetes.pod.namespace=<ns>, and its namespace's labels as
 // k8s:io.cilium.k8s.namespace.labels.<key>=<value>.
+//
+// A local pod's endpoint also carries the pod's UID, its named container
+// ports and its kubelet cgroup under --cgroup-root (see cgroup.go), which
+// policy enforcement needs.
 package endpoints
 
 import (
@@ -16,6 +20,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -23,6 +28,7 @@ import (
 	"github.com/spf13/pflag"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/cells/node"
@@ -141,6 +147,7 @@ type controllerParams struct {
 	DB         *statedb.DB
 	Jobs       job.Group
 	Node       node.Config
+	Root       cgroups.Root
 	Endpoints  statedb.RWTable[*tables.Endpoint]
 	IPCache    statedb.Table[*tables.IPCacheEntry]
 	Identities statedb.Table[*tables.Identity]
@@ -153,6 +160,11 @@ type podState struct {
 	pod    *corev1.Pod
 	ips    []netip.Addr
 	labels tables.Labels
+	uid    string
+	// ports are the named container ports of a local pod.
+	ports []tables.NamedPort
+	// cgroup is where a local pod's cgroup was found (see cgroup.go).
+	cgroup cgroupRef
 }
 
 type controller struct {
@@ -170,21 +182,29 @@ type controller struct {
 	// last, not all pods: a burst of pods comes in many small rounds.
 	dirty      map[k8s.Key]struct{}
 	ipcacheRev statedb.Revision
+	// cg follows the local pods' cgroups.
+	cg cgroupTracker
+	// now is the clock of the cgroup rechecks (a test's own in tests).
+	now func() time.Time
 }
 
 func registerController(p controllerParams) error {
 	if err := ValidateIgnoredLabels(p.Config.IdentityIgnoredLabels); err != nil {
 		return err
 	}
-	c := &controller{
-		controllerParams: p, pods: map[k8s.Key]*podState{}, nsLabels: map[string]map[string]string{},
-		dirty: map[k8s.Key]struct{}{},
-	}
+	c := newController(p)
 	synced := p.Prefixes.RegisterInitializer("pods")
 	p.Jobs.Add(job.OneShot("pods", func(ctx context.Context, h cell.Health) error {
 		return c.run(ctx, h, synced)
 	}))
 	return nil
+}
+
+func newController(p controllerParams) *controller {
+	return &controller{
+		controllerParams: p, pods: map[k8s.Key]*podState{}, nsLabels: map[string]map[string]string{},
+		dirty: map[k8s.Key]struct{}{}, cg: newCgroupTracker(), now: time.Now,
+	}
 }
 
 // owner returns the prefixes owner of a pod.
@@ -211,6 +231,11 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 	podsSynced, nsSynced, initDone := false, false, false
 	onPod := k8s.TrackSync(&podsSynced, c.podChanged)
 	onNamespace := k8s.TrackSync(&nsSynced, c.namespaceChanged)
+	// One timer for every cgroup recheck; stopped while none is due.
+	recheck := time.NewTimer(recheckResolved)
+	defer recheck.Stop()
+	recheck.Stop()
+	c.ensureRoot(c.now())
 	for {
 		if err := c.flush(); err != nil {
 			return err
@@ -219,17 +244,55 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			initDone = true
 			synced()
 		}
+		now := c.now()
+		c.recheckCgroups(now)
 		_, ipcacheWatch := c.IPCache.AllWatch(c.DB.ReadTxn())
 		if err := c.writeEndpoints(); err != nil {
 			return err
 		}
-		h.OK(fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local))
+		h.OK(fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local) + c.cgroupHealth())
 
-		// Take a batch of events, or wait for the ipcache to change.
-		if _, ok := k8s.ReceiveBatch2(ctx, ipcacheWatch, maxBatch, pods, onPod, namespaces, onNamespace); !ok {
+		if next, ok := c.nextRecheck(); ok {
+			recheck.Reset(max(next.Sub(now), 0))
+		} else {
+			recheck.Stop()
+		}
+		// Take a batch of events, or wait for the ipcache to change or a
+		// recheck to be due.
+		if !receive(ctx, ipcacheWatch, recheck.C, pods, onPod, namespaces, onNamespace) {
 			return nil
 		}
 	}
+}
+
+// receive is k8s.ReceiveBatch2 with a second wake channel, the recheck
+// timer's: it waits for a pod or namespace event, a change of the ipcache
+// or the timer, then takes the events that are ready, up to maxBatch. It
+// returns false when the controller is to stop.
+func receive[W any](ctx context.Context, wake <-chan W, timer <-chan time.Time,
+	pods <-chan k8s.Event[*corev1.Pod], onPod func(k8s.Event[*corev1.Pod]),
+	namespaces <-chan k8s.Event[*corev1.Namespace], onNamespace func(k8s.Event[*corev1.Namespace]),
+) bool {
+	select {
+	case <-ctx.Done():
+		return false
+	case <-wake:
+		return true
+	case <-timer:
+		return true
+	case ev, open := <-pods:
+		if !open {
+			return false
+		}
+		onPod(ev)
+	case ev, open := <-namespaces:
+		if !open {
+			return false
+		}
+		onNamespace(ev)
+	}
+	_, ok := k8s.DrainBatch2(maxBatch-1, pods, onPod, namespaces, onNamespace)
+	return ok
 }
 
 // isLocal says whether s (nil: no pod) is a pod on this node.
@@ -245,15 +308,23 @@ func (c *controller) podChanged(ev k8s.Event[*corev1.Pod]) {
 	}
 	if ev.Kind == k8s.Delete {
 		delete(c.pods, ev.Key)
+		c.trackCgroup(ev.Key, old, nil, c.now())
 		c.relabel(ev.Key, old, nil)
 		return
 	}
-	s := &podState{pod: ev.Object, ips: podIPs(ev.Object), labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace], c.Config.IdentityIgnoredLabels)}
+	s := &podState{
+		pod: ev.Object, ips: podIPs(ev.Object),
+		labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace], c.Config.IdentityIgnoredLabels),
+		uid:    string(ev.Object.UID),
+	}
 	c.pods[ev.Key] = s
 	if c.isLocal(s) {
 		c.local++
 		c.dirty[ev.Key] = struct{}{}
+		// Kept for the endpoints only, so for local pods.
+		s.ports = namedPorts(ev.Object)
 	}
+	c.trackCgroup(ev.Key, old, s, c.now())
 	c.relabel(ev.Key, old, s)
 }
 
@@ -268,12 +339,13 @@ func (c *controller) namespaceChanged(ev k8s.Event[*corev1.Namespace]) {
 		if key.Namespace != ns {
 			continue
 		}
-		s := &podState{pod: old.pod, ips: old.ips, labels: SecurityLabels(old.pod, c.nsLabels[ns], c.Config.IdentityIgnoredLabels)}
-		c.pods[key] = s
-		if c.isLocal(s) {
+		s := *old
+		s.labels = SecurityLabels(old.pod, c.nsLabels[ns], c.Config.IdentityIgnoredLabels)
+		c.pods[key] = &s
+		if c.isLocal(&s) {
 			c.dirty[key] = struct{}{}
 		}
-		c.relabel(key, old, s)
+		c.relabel(key, old, &s)
 	}
 }
 
@@ -312,6 +384,11 @@ func (c *controller) flush() error {
 // pods whose ipcache entries changed, in line with the pods and the
 // identities their IPs resolved to.
 func (c *controller) writeEndpoints() error {
+	// A round woken by the recheck timer often changes nothing: it takes
+	// no write transaction then.
+	if len(c.dirty) == 0 && c.IPCache.Revision(c.DB.ReadTxn()) == c.ipcacheRev {
+		return nil
+	}
 	wtxn := c.DB.WriteTxn(c.Endpoints)
 	defer wtxn.Abort()
 	// Entries written since the last round, by revision: an endpoint takes
@@ -353,7 +430,10 @@ func (c *controller) writeEndpoints() error {
 // endpoint returns the endpoint of the local pod s with the identity its
 // first IP resolved to.
 func (c *controller) endpoint(txn statedb.ReadTxn, key k8s.Key, s *podState) *tables.Endpoint {
-	e := &tables.Endpoint{Name: key.String(), IPs: append([]netip.Addr{}, s.ips...), Labels: s.labels}
+	e := &tables.Endpoint{
+		Name: key.String(), IPs: append([]netip.Addr{}, s.ips...), Labels: s.labels,
+		UID: s.uid, NamedPorts: slices.Clone(s.ports), Cgroup: s.cgroup.path, CgroupID: s.cgroup.id,
+	}
 	if len(s.ips) == 0 {
 		return e
 	}
@@ -375,5 +455,6 @@ func (c *controller) endpoint(txn statedb.ReadTxn, key k8s.Key, s *podState) *ta
 
 func sameEndpoint(a, b *tables.Endpoint) bool {
 	return a.Name == b.Name && slices.Equal(a.IPs, b.IPs) && a.Labels.Equal(b.Labels) &&
-		a.Identity == b.Identity && a.IdentitySource == b.IdentitySource && a.Error == b.Error
+		a.Identity == b.Identity && a.IdentitySource == b.IdentitySource && a.Error == b.Error &&
+		a.UID == b.UID && slices.Equal(a.NamedPorts, b.NamedPorts) && a.Cgroup == b.Cgroup && a.CgroupID == b.CgroupID
 }

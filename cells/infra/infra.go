@@ -8,6 +8,7 @@ import (
 
 	"github.com/apiary-net/apiary/cells/api"
 	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/health"
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/cells/metrics"
@@ -26,5 +27,6 @@ var Cell = cell.Group(
 	api.Cell,        // HTTP API on --api-addr: /statedb/, /healthz, /metrics
 	node.Cell,       // --node-name, --state-dir
 	bpffs.Cell,      // --bpf-pin-dir on a mounted bpffs
+	cgroups.Cell,    // --cgroup-root, for socket LB and policy; mounted only by what attaches to it
 	k8s.SourcesCell, // Kubernetes objects from the API server and/or --config-dir
 )

@@ -10,16 +10,15 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/hive/cell"
-	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/bpf/socklb"
+	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/lb"
 )
 
@@ -34,6 +33,7 @@ const SockRevNatMaxEntries = 65536
 type attacher struct {
 	log    *slog.Logger
 	cfg    Config
+	root   cgroups.Root
 	pinDir string
 	lbMaps lb.Maps
 	retry  time.Duration
@@ -79,11 +79,11 @@ func (a *attacher) run(ctx context.Context, health cell.Health) error {
 // is attached and pinned.
 func (a *attacher) attach() (string, error) {
 	a.close()
-	cgroup, err := prepareCgroup(a.cfg.CgroupRoot)
+	cgroup, err := a.root.Prepare()
 	if err != nil {
 		return "", err
 	}
-	cgID, err := cgroupID(cgroup)
+	cgID, err := cgroups.ID(cgroup)
 	if err != nil {
 		return "", err
 	}
@@ -250,52 +250,4 @@ func (a *attacher) close() {
 		a.revNat.Close()
 		a.revNat = nil
 	}
-}
-
-// prepareCgroup checks that dir is a cgroup v2 directory. The default
-// directory is mounted (cgroup2) when it is not one yet.
-func prepareCgroup(dir string) (string, error) {
-	abs, err := filepath.Abs(dir)
-	if err != nil {
-		return "", fmt.Errorf("--%s %s: %w", CgroupRootFlag, dir, err)
-	}
-	ok, err := isCgroup2(abs)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return "", fmt.Errorf("--%s %s: %w", CgroupRootFlag, abs, err)
-	}
-	if ok {
-		return abs, nil
-	}
-	if abs != DefaultCgroupRoot {
-		return "", fmt.Errorf("--%s %s is not a cgroup v2 directory", CgroupRootFlag, abs)
-	}
-	if err := os.MkdirAll(abs, 0o755); err != nil {
-		return "", fmt.Errorf("--%s %s: %w", CgroupRootFlag, abs, err)
-	}
-	if err := unix.Mount("none", abs, "cgroup2", 0, ""); err != nil {
-		return "", fmt.Errorf("--%s: mount cgroup2 at %s: %w (the agent must run as root)", CgroupRootFlag, abs, err)
-	}
-	return abs, nil
-}
-
-func isCgroup2(dir string) (bool, error) {
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
-		return false, err
-	}
-	return st.Type == unix.CGROUP2_SUPER_MAGIC, nil
-}
-
-// cgroupID returns the id of the cgroup v2 directory dir, which is its
-// inode number (the id the kernel reports for a cgroup link).
-func cgroupID(dir string) (uint64, error) {
-	fi, err := os.Stat(dir)
-	if err != nil {
-		return 0, err
-	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !ok {
-		return 0, fmt.Errorf("stat %s: no inode", dir)
-	}
-	return st.Ino, nil
 }

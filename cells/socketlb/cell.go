@@ -12,9 +12,7 @@
 package socketlb
 
 import (
-	"fmt"
 	"log/slog"
-	"strings"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -22,11 +20,13 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/lb"
 )
 
 // Cell attaches (or, disabled, detaches) the socket load-balancing
-// programs. It needs lb.Maps, so lb.Cell must be part of the hive.
+// programs. It needs lb.Maps and cgroups.Root, so lb.Cell and cgroups.Cell
+// (part of infra.Cell) must be part of the hive.
 var Cell = cell.Module(
 	"socketlb",
 	"Socket load balancing in cgroup hooks",
@@ -36,34 +36,23 @@ var Cell = cell.Module(
 	cell.Invoke(registerJob),
 )
 
-// Flag names.
-const (
-	EnableFlag     = "enable-socket-lb"
-	CgroupRootFlag = "cgroup-root"
-)
-
-// DefaultCgroupRoot is where the agent mounts cgroup v2 when --cgroup-root
-// is not given and nothing is mounted there yet.
-const DefaultCgroupRoot = "/run/apiary/cgroupv2"
+// EnableFlag names the flag that switches socket load balancing on. The
+// cgroup it acts on is --cgroup-root, which cells/cgroups owns.
+const EnableFlag = "enable-socket-lb"
 
 // Config is the socket load balancer's configuration.
 type Config struct {
 	// EnableSocketLB attaches the programs; false detaches any the agent
 	// left attached.
 	EnableSocketLB bool
-	// CgroupRoot is the cgroup v2 directory the programs attach to; they
-	// act on every process in it and below it.
-	CgroupRoot string
 }
 
-var defaultConfig = Config{CgroupRoot: DefaultCgroupRoot}
+var defaultConfig = Config{}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(fs *pflag.FlagSet) {
 	fs.Bool(EnableFlag, def.EnableSocketLB,
-		"Load-balance connections to service frontends in cgroup socket hooks (connect, sendmsg, recvmsg, getpeername); false detaches them")
-	fs.String(CgroupRootFlag, def.CgroupRoot,
-		"cgroup v2 directory the socket load balancer attaches to (processes in it and below it are load-balanced); "+DefaultCgroupRoot+" is mounted when missing")
+		"Load-balance connections to service frontends in cgroup socket hooks (connect, sendmsg, recvmsg, getpeername) of --"+cgroups.RootFlag+"; false detaches them")
 }
 
 func registerJob(jobs job.Group, a *attacher, lc cell.Lifecycle) {
@@ -73,9 +62,6 @@ func registerJob(jobs job.Group, a *attacher, lc cell.Lifecycle) {
 	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
 }
 
-func newAttacher(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, maps lb.Maps) (*attacher, error) {
-	if cfg.EnableSocketLB && strings.TrimSpace(cfg.CgroupRoot) == "" {
-		return nil, fmt.Errorf("--%s is empty", CgroupRootFlag)
-	}
-	return &attacher{log: log, cfg: cfg, pinDir: string(pinDir), lbMaps: maps, retry: 5 * time.Second}, nil
+func newAttacher(log *slog.Logger, cfg Config, root cgroups.Root, pinDir bpffs.PinDir, maps lb.Maps) *attacher {
+	return &attacher{log: log, cfg: cfg, root: root, pinDir: string(pinDir), lbMaps: maps, retry: 5 * time.Second}
 }

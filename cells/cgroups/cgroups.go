@@ -1,0 +1,165 @@
+// Package cgroups owns --cgroup-root: the cgroup v2 directory that the
+// agent's cgroup programs act on (socket load balancing, policy
+// enforcement), and under which it finds the pods' kubelet cgroups.
+//
+// Several features need the directory, and a flag can be registered only
+// once, so it lives here rather than in any of them. The directory is
+// prepared (mounted) lazily, by the features that attach programs to it:
+// an agent that uses none of them never mounts anything, and a root that
+// cannot be used fails only the features that need it.
+package cgroups
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+
+	"github.com/cilium/hive/cell"
+	"github.com/spf13/pflag"
+	"golang.org/x/sys/unix"
+)
+
+// Cell provides Root.
+var Cell = cell.Module(
+	"cgroups",
+	"cgroup v2 root of socket LB and policy",
+
+	cell.Config(Config{CgroupRoot: DefaultRoot}),
+	cell.Provide(newRoot),
+)
+
+// RootFlag names the flag holding the cgroup root.
+const RootFlag = "cgroup-root"
+
+// DefaultRoot is where the agent mounts cgroup v2 when --cgroup-root is not
+// given and nothing is mounted there yet.
+const DefaultRoot = "/run/apiary/cgroupv2"
+
+// Config is the cgroups cell's configuration.
+type Config struct {
+	// CgroupRoot is the cgroup v2 directory the agent's programs attach
+	// to; they act on every process in it and below it.
+	CgroupRoot string
+}
+
+// Flags implements cell.Flagger.
+func (def Config) Flags(fs *pflag.FlagSet) {
+	fs.String(RootFlag, def.CgroupRoot,
+		"cgroup v2 directory the socket load balancer and policy enforcement attach to (processes in it and below it are acted on) and under which pods' kubelet cgroups are found; "+
+			DefaultRoot+" is mounted when missing")
+}
+
+// Root is --cgroup-root, made absolute. Copies share one mount lock, so
+// that features preparing it at once mount it once.
+type Root struct {
+	path string
+	// mountAt is the one path Prepare may mount cgroup2 at: the default.
+	// Any other directory is the operator's to provide.
+	mountAt string
+	mu      *sync.Mutex
+}
+
+func newRoot(cfg Config) (Root, error) {
+	return NewRoot(cfg.CgroupRoot)
+}
+
+// NewRoot checks dir (the value of --cgroup-root) and returns it as a Root.
+// Nothing is mounted or even looked at yet: see Prepare and Check.
+func NewRoot(dir string) (Root, error) {
+	if strings.TrimSpace(dir) == "" {
+		return Root{}, fmt.Errorf("--%s is empty", RootFlag)
+	}
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return Root{}, fmt.Errorf("--%s %s: %w", RootFlag, dir, err)
+	}
+	return Root{path: abs, mountAt: DefaultRoot, mu: &sync.Mutex{}}, nil
+}
+
+// Path returns the absolute path of the root, whether or not it is usable
+// yet.
+func (r Root) Path() string { return r.path }
+
+// Check reports, without changing anything, why the root is not a cgroup
+// v2 directory now (nil when it is).
+func (r Root) Check() error {
+	if r.path == "" {
+		return errUnset
+	}
+	ok, err := isCgroup2(r.path)
+	switch {
+	case ok:
+		return nil
+	case r.path == r.mountAt && (err == nil || errors.Is(err, fs.ErrNotExist)):
+		return fmt.Errorf("--%s %s is not mounted yet (the features that attach to it mount it)", RootFlag, r.path)
+	case err != nil:
+		return fmt.Errorf("--%s %s: %w", RootFlag, r.path, err)
+	default:
+		return fmt.Errorf("--%s %s is not a cgroup v2 directory", RootFlag, r.path)
+	}
+}
+
+// Prepare makes the root usable and returns its path: the default
+// directory is mounted (cgroup2) when it is not a cgroup v2 directory yet;
+// any other directory must already be one. It is safe to call from several
+// features at once, and cheap (one statfs) once the root is ready. A
+// failure is worth retrying: a missing privilege or mount may be fixed.
+func (r Root) Prepare() (string, error) {
+	if r.mu == nil {
+		return "", errUnset
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ok, err := isCgroup2(r.path)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return "", fmt.Errorf("--%s %s: %w", RootFlag, r.path, err)
+	}
+	if ok {
+		return r.path, nil
+	}
+	if r.path != r.mountAt {
+		return "", fmt.Errorf("--%s %s is not a cgroup v2 directory", RootFlag, r.path)
+	}
+	if err := os.MkdirAll(r.path, 0o755); err != nil {
+		return "", fmt.Errorf("--%s %s: %w", RootFlag, r.path, err)
+	}
+	if err := unix.Mount("none", r.path, "cgroup2", 0, ""); err != nil {
+		return "", fmt.Errorf("--%s: mount cgroup2 at %s: %w (the agent must run as root)", RootFlag, r.path, err)
+	}
+	return r.path, nil
+}
+
+// errUnset is what a zero Root, not made by NewRoot, says.
+var errUnset = fmt.Errorf("--%s: no cgroup root configured", RootFlag)
+
+func isCgroup2(dir string) (bool, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return false, &fs.PathError{Op: "statfs", Path: dir, Err: err}
+	}
+	return st.Type == unix.CGROUP2_SUPER_MAGIC, nil
+}
+
+// ID returns the ID of the cgroup v2 directory dir: its inode number, which
+// is what the kernel reports as the cgroup ID (of a cgroup link, or to a
+// program through bpf_get_current_cgroup_id). A missing directory gives an
+// error that matches fs.ErrNotExist.
+func ID(dir string) (uint64, error) {
+	fi, err := os.Stat(dir)
+	if err != nil {
+		return 0, fmt.Errorf("cgroup id: %w", err)
+	}
+	if !fi.IsDir() {
+		return 0, fmt.Errorf("cgroup id: %s is not a directory", dir)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return 0, fmt.Errorf("cgroup id: stat %s: no inode", dir)
+	}
+	return st.Ino, nil
+}
