@@ -22,7 +22,8 @@ type Policy struct {
 	Name string `json:"name" yaml:"name"`
 	// Subjects are the selectors of the endpoints the policy applies to.
 	Subjects []string `json:"subjects" yaml:"subjects"`
-	// Peers are the selectors of the peers the policy allows.
+	// Peers are the selectors of the peers the policy's rules allow or
+	// deny, sorted; never AnyPeer, which is not a selector.
 	Peers []string `json:"peers" yaml:"peers"`
 	// CIDRs are the prefixes the policy names, which get cidr: labels.
 	CIDRs []string `json:"cidrs,omitempty" yaml:"cidrs,omitempty"`
@@ -44,14 +45,24 @@ const (
 
 // TableHeader implements statedb.TableWritable.
 func (*Policy) TableHeader() []string {
-	return []string{"Name", "Subjects", "Peers", "CIDRs", "Status", "Error"}
+	return []string{"Name", "Subjects", "Peers", "CIDRs", "Rules", "Status", "Error"}
 }
 
-// TableRow implements statedb.TableWritable.
+// TableRow implements statedb.TableWritable. Rules is the number of rules
+// of all specs (the rules themselves are in the YAML and JSON forms),
+// empty for an invalid policy.
 func (p *Policy) TableRow() []string {
+	rules := ""
+	if p.Status == PolicyOK {
+		n := 0
+		for _, s := range p.Specs {
+			n += len(s.Rules)
+		}
+		rules = strconv.Itoa(n)
+	}
 	return []string{
 		p.Name, strings.Join(p.Subjects, "; "), strings.Join(p.Peers, "; "),
-		strings.Join(p.CIDRs, ", "), p.Status, p.Error,
+		strings.Join(p.CIDRs, ", "), rules, p.Status, p.Error,
 	}
 }
 
@@ -74,7 +85,8 @@ func NewPoliciesTable(db *statedb.DB) (statedb.RWTable[*Policy], error) {
 type Selector struct {
 	// Selector is the selector in its canonical form: label requirements
 	// "k8s:app=web, k8s:io.kubernetes.pod.namespace=default", a CIDR
-	// "cidr:10.0.0.0/8" (with " except cidr:…" parts) or "fqdn:<pattern>".
+	// "cidr:10.0.0.0/8" (with " except cidr:…" parts), "fqdn:<pattern>"
+	// or an entity "entity:world", "entity:host", "entity:cluster".
 	Selector string `json:"selector" yaml:"selector"`
 	// Identities are the numbers of the identities selected, sorted.
 	Identities []uint32 `json:"identities" yaml:"identities"`

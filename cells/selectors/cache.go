@@ -18,12 +18,14 @@ import (
 //   - a new or changed identity is matched against the CIDR selectors
 //     whose prefix contains one of its cidr: labels (a map lookup per
 //     prefix length in use), the FQDN selectors of its fqdn: labels, the
-//     whole-family CIDR selectors if it has a world label, and the label
-//     selectors if it is an identity of the cluster;
+//     whole-family CIDR selectors and entity world if it has a world
+//     label, entity host if it has reserved:host, and the label selectors
+//     and entity cluster if it is an identity of the cluster;
 //   - a new selector is matched against the identities with a cidr: label
 //     inside its prefix (a subtree of a trie), with its fqdn: label, with a
-//     world label (whole-family CIDR selectors) or of the cluster (label
-//     selectors);
+//     world label (whole-family CIDR selectors, entity world), with
+//     reserved:host (entity host) or of the cluster (label selectors,
+//     entity cluster);
 //   - a deleted identity or selector drops out of the selections that hold
 //     it, found through the identity's own record of its selectors.
 //
@@ -40,14 +42,16 @@ type selectorCache struct {
 	cidrSels     map[netip.Prefix]map[*selectorState]struct{} // by CIDRSelector.Prefix
 	cidrSelsLens [2][129]int                                  // distinct keys of cidrSels by family and length
 	fqdnSels     map[string]map[*selectorState]struct{}       // by FQDNPeer.Label
-	worldSels    map[*selectorState]struct{}                  // 0.0.0.0/0 and ::/0 without except: they select the world too
-	labelSels    map[*selectorState]struct{}                  // label selectors: identities of the cluster only
+	worldSels    map[*selectorState]struct{}                  // 0.0.0.0/0 and ::/0 without except, entity world: they select world identities
+	hostSels     map[*selectorState]struct{}                  // entity host: identities with reserved:host only
+	clusterSels  map[*selectorState]struct{}                  // label selectors, entity cluster: identities of the cluster only
 	otherSels    map[*selectorState]struct{}                  // any other kind: every identity
 
 	// Identities by what can match them.
 	cidrIDs    [2]*lpm.Txn[map[uint32]struct{}] // by each cidr: label's prefix, by family
 	fqdnIDs    map[string]map[uint32]struct{}   // by each fqdn: label
 	worldIDs   map[uint32]struct{}              // with a world label
+	hostIDs    map[uint32]struct{}              // with reserved:host (identity 1)
 	clusterIDs map[uint32]struct{}              // of the cluster (see outsideCluster)
 }
 
@@ -64,6 +68,7 @@ type identityState struct {
 	cidrs     []netip.Prefix // of its cidr: labels
 	fqdns     []string       // its fqdn: labels
 	world     bool           // has reserved:world, world-ipv4 or world-ipv6
+	host      bool           // has reserved:host
 	inCluster bool           // !outsideCluster(labels)
 	// sels are the selectors that select it.
 	sels map[*selectorState]struct{}
@@ -75,18 +80,20 @@ func newSelectorCache() *selectorCache {
 		return t.Txn()
 	}
 	return &selectorCache{
-		identities: map[uint32]*identityState{},
-		selectors:  map[string]*selectorState{},
-		dirty:      map[string]struct{}{},
-		cidrSels:   map[netip.Prefix]map[*selectorState]struct{}{},
-		fqdnSels:   map[string]map[*selectorState]struct{}{},
-		worldSels:  map[*selectorState]struct{}{},
-		labelSels:  map[*selectorState]struct{}{},
-		otherSels:  map[*selectorState]struct{}{},
-		cidrIDs:    [2]*lpm.Txn[map[uint32]struct{}]{trie(), trie()},
-		fqdnIDs:    map[string]map[uint32]struct{}{},
-		worldIDs:   map[uint32]struct{}{},
-		clusterIDs: map[uint32]struct{}{},
+		identities:  map[uint32]*identityState{},
+		selectors:   map[string]*selectorState{},
+		dirty:       map[string]struct{}{},
+		cidrSels:    map[netip.Prefix]map[*selectorState]struct{}{},
+		fqdnSels:    map[string]map[*selectorState]struct{}{},
+		worldSels:   map[*selectorState]struct{}{},
+		hostSels:    map[*selectorState]struct{}{},
+		clusterSels: map[*selectorState]struct{}{},
+		otherSels:   map[*selectorState]struct{}{},
+		cidrIDs:     [2]*lpm.Txn[map[uint32]struct{}]{trie(), trie()},
+		fqdnIDs:     map[string]map[uint32]struct{}{},
+		worldIDs:    map[uint32]struct{}{},
+		hostIDs:     map[uint32]struct{}{},
+		clusterIDs:  map[uint32]struct{}{},
 	}
 }
 
@@ -118,6 +125,8 @@ func newIdentityState(labels tables.Labels) *identityState {
 		switch {
 		case isWorld(l):
 			e.world = true
+		case l == tables.LabelHost:
+			e.host = true
 		case strings.HasPrefix(l, tables.SourceFQDN+":"):
 			e.fqdns = append(e.fqdns, l)
 		default:
@@ -164,6 +173,9 @@ func (c *selectorCache) indexIdentity(id uint32, e *identityState) {
 	if e.world {
 		c.worldIDs[id] = struct{}{}
 	}
+	if e.host {
+		c.hostIDs[id] = struct{}{}
+	}
 	if e.inCluster {
 		c.clusterIDs[id] = struct{}{}
 	}
@@ -184,6 +196,7 @@ func (c *selectorCache) unindexIdentity(id uint32, e *identityState) {
 		removeFrom(c.fqdnIDs, l, id)
 	}
 	delete(c.worldIDs, id)
+	delete(c.hostIDs, id)
 	delete(c.clusterIDs, id)
 }
 
@@ -213,8 +226,13 @@ func (c *selectorCache) candidateSelectors(e *identityState, yield func(*selecto
 			yield(s)
 		}
 	}
+	if e.host {
+		for s := range c.hostSels {
+			yield(s)
+		}
+	}
 	if e.inCluster {
-		for s := range c.labelSels {
+		for s := range c.clusterSels {
 			yield(s)
 		}
 	}
@@ -256,11 +274,48 @@ func (c *selectorCache) candidateIdentities(s *selectorState, yield func(uint32)
 		for id := range c.clusterIDs {
 			yield(id)
 		}
+	case *EntitySelector:
+		for id := range c.entityIDs(sel) {
+			yield(id)
+		}
 	default:
 		for id := range c.identities {
 			yield(id)
 		}
 	}
+}
+
+// entitySels is the index of the selectors like sel; nil for an entity
+// without one (matched against every identity, like an unknown kind).
+func (c *selectorCache) entitySels(sel *EntitySelector) map[*selectorState]struct{} {
+	switch sel.Entity {
+	case EntityWorld:
+		return c.worldSels
+	case EntityHost:
+		return c.hostSels
+	case EntityCluster:
+		return c.clusterSels
+	}
+	return nil
+}
+
+// entityIDs is the index of the identities sel may select: exactly those
+// it selects, as Matches tests the same flags the index was built from.
+func (c *selectorCache) entityIDs(sel *EntitySelector) map[uint32]struct{} {
+	switch sel.Entity {
+	case EntityWorld:
+		return c.worldIDs
+	case EntityHost:
+		return c.hostIDs
+	case EntityCluster:
+		return c.clusterIDs
+	}
+	// Not reached (ParseEntity knows no other), but safe: every identity.
+	all := make(map[uint32]struct{}, len(c.identities))
+	for id := range c.identities {
+		all[id] = struct{}{}
+	}
+	return all
 }
 
 // trieKeyInside reports whether the trie key (data, bits) of p's family
@@ -295,7 +350,13 @@ func (c *selectorCache) indexSelector(s *selectorState) {
 	case *FQDNPeer:
 		addTo(c.fqdnSels, sel.Label, s)
 	case *LabelSelector:
-		c.labelSels[s] = struct{}{}
+		c.clusterSels[s] = struct{}{}
+	case *EntitySelector:
+		if set := c.entitySels(sel); set != nil {
+			set[s] = struct{}{}
+		} else {
+			c.otherSels[s] = struct{}{}
+		}
 	default:
 		c.otherSels[s] = struct{}{}
 	}
@@ -312,7 +373,13 @@ func (c *selectorCache) unindexSelector(s *selectorState) {
 	case *FQDNPeer:
 		removeFrom(c.fqdnSels, sel.Label, s)
 	case *LabelSelector:
-		delete(c.labelSels, s)
+		delete(c.clusterSels, s)
+	case *EntitySelector:
+		if set := c.entitySels(sel); set != nil {
+			delete(set, s)
+		} else {
+			delete(c.otherSels, s)
+		}
 	default:
 		delete(c.otherSels, s)
 	}

@@ -79,8 +79,8 @@ func TestSelectorCacheMatchesBruteForce(t *testing.T) {
 			for range 1 + rng.IntN(3) {
 				l = append(l, pick(k8s))
 			}
-		case 1: // reserved
-			l = append(l, pick([]string{tables.LabelHost, tables.LabelHealth, tables.LabelWorld}))
+		case 1: // reserved, as the identities have them
+			l = append(l, reservedLabels[uint32(1+rng.IntN(len(reservedLabels)))]...)
 		case 2: // a workload inside a CIDR (not normalised: labels as they come)
 			l = append(l, pick(k8s), tables.CIDRLabel(prefix()))
 		case 3: // a mapped IPv4 CIDR label, as no resolver writes it
@@ -99,7 +99,7 @@ func TestSelectorCacheMatchesBruteForce(t *testing.T) {
 		return tables.NewLabels(l...)
 	}
 	randomSelector := func() Selector {
-		switch rng.IntN(4) {
+		switch rng.IntN(5) {
 		case 0:
 			p := prefix()
 			var except []string
@@ -108,6 +108,12 @@ func TestSelectorCacheMatchesBruteForce(t *testing.T) {
 				except = append(except, e.String())
 			}
 			s, err := ParseCIDR(p.String(), except)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return s
+		case 4:
+			s, _, err := ParseEntity(pick([]string{EntityWorld, EntityHost, EntityCluster}))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -240,5 +246,124 @@ func TestCandidateIdentitiesOutsidePrefix(t *testing.T) {
 		if !slices.Equal(slices.Compact(got), tc.want) {
 			t.Errorf("candidates of %s: %v, want %v", tc.cidr, got, tc.want)
 		}
+	}
+}
+
+// TestEntitySelectorsInCache: entity selectors select in the cache what
+// Matches says, whichever comes first (the selector or the identities),
+// follow relabels and deletions, and are indexed: a new entity selector
+// looks only at the identities it selects, and a new identity only at the
+// entity selectors that select it.
+func TestEntitySelectorsInCache(t *testing.T) {
+	ids := entityTestIdentities()
+	entities := []string{EntityWorld, EntityHost, EntityCluster}
+	parse := func(entity string) *EntitySelector {
+		s, _, err := ParseEntity(entity)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	check := func(t *testing.T, c *selectorCache, want map[string][]uint32) {
+		t.Helper()
+		rows := cacheRows(c)
+		for _, e := range entities {
+			key := parse(e).String()
+			row := rows[key]
+			if row == nil {
+				t.Fatalf("no row for %s", key)
+			}
+			if !slices.Equal(row.Identities, want[e]) {
+				t.Errorf("%s selects %v, want %v", key, row.Identities, want[e])
+			}
+		}
+	}
+	for _, tc := range []struct {
+		name           string
+		selectorsFirst bool
+	}{
+		{"identities first", false},
+		{"selectors first", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newSelectorCache()
+			addSelectors := func() {
+				for _, e := range entities {
+					c.addUser(parse(e), "cnp/default/p")
+				}
+			}
+			if tc.selectorsFirst {
+				addSelectors()
+			}
+			for _, id := range slices.Sorted(maps.Keys(ids)) {
+				c.upsertIdentity(id, ids[id])
+			}
+			if !tc.selectorsFirst {
+				addSelectors()
+			}
+			check(t, c, entitySelections)
+
+			// A CIDR identity becomes a pod's (its address went to a pod),
+			// and the host goes: both move between entities.
+			c.takeDirty()
+			c.upsertIdentity(16777217, tables.NewLabels("k8s:app=web", "k8s:io.kubernetes.pod.namespace=default"))
+			c.deleteIdentity(1)
+			dirty := c.takeDirty()
+			for _, key := range []string{"entity:world", "entity:host", "entity:cluster"} {
+				if _, ok := dirty[key]; !ok {
+					t.Errorf("%s changed but is not dirty", key)
+				}
+			}
+			check(t, c, map[string][]uint32{
+				EntityWorld:   {2, 9, 10, 16777218, 16777219, 16777220, 16777221},
+				EntityHost:    nil,
+				EntityCluster: {3, 4, 5, 6, 7, 8, 256, 257, 16777217},
+			})
+			// And back.
+			c.upsertIdentity(16777217, ids[16777217])
+			c.upsertIdentity(1, ids[1])
+			check(t, c, entitySelections)
+		})
+	}
+
+	// The indexes: candidates are exactly the selection.
+	c := newSelectorCache()
+	for id, l := range ids {
+		c.upsertIdentity(id, l)
+	}
+	states := map[string]*selectorState{}
+	for _, e := range entities {
+		sel := parse(e)
+		c.addUser(sel, "p")
+		states[e] = c.selectors[sel.String()]
+		var got []uint32
+		c.candidateIdentities(states[e], func(id uint32) { got = append(got, id) })
+		slices.Sort(got)
+		if !slices.Equal(got, entitySelections[e]) {
+			t.Errorf("candidate identities of %s: %v, want %v", sel, got, entitySelections[e])
+		}
+	}
+	for id, l := range ids {
+		var got []string
+		c.candidateSelectors(newIdentityState(l), func(s *selectorState) { got = append(got, s.key) })
+		slices.Sort(got)
+		var want []string
+		for _, e := range entities {
+			if slices.Contains(entitySelections[e], id) {
+				want = append(want, parse(e).String())
+			}
+		}
+		slices.Sort(want)
+		if !slices.Equal(got, want) {
+			t.Errorf("candidate selectors of identity %d (%s): %v, want %v", id, l, got, want)
+		}
+	}
+	// Gone with their last user, from the indexes too.
+	for _, e := range entities {
+		c.removeUser(parse(e).String(), "p")
+	}
+	if len(c.worldSels)+len(c.hostSels)+len(c.clusterSels)+len(c.otherSels) != 0 {
+		t.Errorf("selectors left in the indexes: world %d, host %d, cluster %d, other %d",
+			len(c.worldSels), len(c.hostSels), len(c.clusterSels), len(c.otherSels))
 	}
 }

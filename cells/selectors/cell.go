@@ -114,7 +114,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			c.setPolicy(name, nil)
 		} else {
 			c.logUnknown(name, ev.Object.UnknownFields())
-			c.setPolicy(name, parsePolicy(name, ev.Key.Namespace, ev.Object.Spec, ev.Object.Specs))
+			c.setPolicy(name, parsePolicy(name, ev.Key.Namespace, ev.Object.Spec, ev.Object.Specs, ev.Object.UnsupportedFields()))
 		}
 	})
 	onCCNP := k8s.TrackSync(&ccnpSynced, func(ev k8s.Event[*CiliumClusterwideNetworkPolicy]) {
@@ -123,7 +123,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			c.setPolicy(name, nil)
 		} else {
 			c.logUnknown(name, ev.Object.UnknownFields())
-			c.setPolicy(name, parsePolicy(name, "", ev.Object.Spec, ev.Object.Specs))
+			c.setPolicy(name, parsePolicy(name, "", ev.Object.Spec, ev.Object.Specs, ev.Object.UnsupportedFields()))
 		}
 	})
 	for {
@@ -151,9 +151,10 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 	}
 }
 
-// logUnknown logs the fields of a policy that apiary ignores (toPorts,
-// ingressDeny, …): existing policies load unchanged, and a user who wonders
-// why a field has no effect finds it in the debug log.
+// logUnknown logs the fields of a policy that apiary ignores, outside its
+// rules (description, nodeSelector, …): such policies load unchanged, and a
+// user who wonders why a field has no effect finds it in the debug log.
+// Unknown fields inside rules are errors instead (see parsePolicy).
 func (c *controller) logUnknown(name string, fields []string) {
 	if len(fields) > 0 {
 		c.Log.Debug("Ignoring policy fields apiary does not implement", "policy", name, "fields", strings.Join(fields, ", "))
@@ -407,6 +408,9 @@ func policyRow(name string, p *parsedPolicy) *tables.Policy {
 	for _, pfx := range p.cidrs {
 		row.CIDRs = append(row.CIDRs, pfx.String())
 	}
+	// Shared with the parsed policy: rows are immutable once written, and
+	// the parsed policy never changes.
+	row.Specs = p.specs
 	return row
 }
 

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -32,7 +33,9 @@ type CiliumNetworkPolicy struct {
 	Spec  *Rule  `json:"spec,omitempty"`
 	Specs []Rule `json:"specs,omitempty"`
 
-	unknown []string
+	// unknown and unsupported are the fields UnmarshalJSON found no place
+	// for (see UnknownFields and UnsupportedFields).
+	unknown, unsupported []string
 }
 
 // CiliumClusterwideNetworkPolicy is a cluster-scoped policy: its selectors
@@ -44,15 +47,32 @@ type CiliumClusterwideNetworkPolicy struct {
 	Spec  *Rule  `json:"spec,omitempty"`
 	Specs []Rule `json:"specs,omitempty"`
 
-	unknown []string
+	// unknown and unsupported are the fields UnmarshalJSON found no place
+	// for (see UnknownFields and UnsupportedFields).
+	unknown, unsupported []string
 }
 
-// Rule selects endpoints and says which peers they may talk to.
+// Rule selects endpoints and says what they may and may not talk to.
+// Fields unknown inside the four rule lists make the policy invalid (see
+// the apiary:"strict" tag and unknown.go); elsewhere they are ignored.
 type Rule struct {
 	EndpointSelector *EndpointSelector `json:"endpointSelector,omitempty"`
-	Ingress          []IngressRule     `json:"ingress,omitempty"`
-	Egress           []EgressRule      `json:"egress,omitempty"`
-	Description      string            `json:"description,omitempty"`
+	Ingress          []IngressRule     `json:"ingress,omitempty" apiary:"strict"`
+	IngressDeny      []IngressRule     `json:"ingressDeny,omitempty" apiary:"strict"`
+	Egress           []EgressRule      `json:"egress,omitempty" apiary:"strict"`
+	// EgressDeny shares EgressRule's fields, but ToFQDNs is an error in it
+	// (as in the reference, which has no such field there).
+	EgressDeny        []EgressRule       `json:"egressDeny,omitempty" apiary:"strict"`
+	EnableDefaultDeny *DefaultDenyConfig `json:"enableDefaultDeny,omitempty"`
+	Description       string             `json:"description,omitempty"`
+}
+
+// DefaultDenyConfig says per direction whether a rule puts the endpoints
+// it selects into default deny there; unset means yes (when the rule has
+// rules in that direction).
+type DefaultDenyConfig struct {
+	Ingress *bool `json:"ingress,omitempty"`
+	Egress  *bool `json:"egress,omitempty"`
 }
 
 // EndpointSelector is a Kubernetes label selector over security labels.
@@ -69,19 +89,25 @@ type LabelSelectorRequirement struct {
 	Values   []string `json:"values,omitempty"`
 }
 
-// IngressRule lists the peers allowed in.
+// IngressRule lists peers allowed in (or, in ingressDeny, denied), on
+// ToPorts or every port.
 type IngressRule struct {
 	FromEndpoints []EndpointSelector `json:"fromEndpoints,omitempty"`
 	FromCIDR      []string           `json:"fromCIDR,omitempty"`
 	FromCIDRSet   []CIDRRule         `json:"fromCIDRSet,omitempty"`
+	FromEntities  []string           `json:"fromEntities,omitempty"`
+	ToPorts       []PortRule         `json:"toPorts,omitempty"`
 }
 
-// EgressRule lists the peers allowed out.
+// EgressRule lists peers allowed out (or, in egressDeny, denied), on
+// ToPorts or every port.
 type EgressRule struct {
 	ToEndpoints []EndpointSelector `json:"toEndpoints,omitempty"`
 	ToCIDR      []string           `json:"toCIDR,omitempty"`
 	ToCIDRSet   []CIDRRule         `json:"toCIDRSet,omitempty"`
 	ToFQDNs     []FQDNSelector     `json:"toFQDNs,omitempty"`
+	ToEntities  []string           `json:"toEntities,omitempty"`
+	ToPorts     []PortRule         `json:"toPorts,omitempty"`
 }
 
 // CIDRRule is a prefix minus the prefixes in Except.
@@ -94,6 +120,41 @@ type CIDRRule struct {
 type FQDNSelector struct {
 	MatchName    string `json:"matchName,omitempty"`
 	MatchPattern string `json:"matchPattern,omitempty"`
+}
+
+// PortRule is one toPorts entry: the ports a rule is limited to. L7
+// fields (rules, serverNames, listener, …) are not supported.
+type PortRule struct {
+	Ports []PortProtocol `json:"ports,omitempty"`
+}
+
+// PortProtocol is a port, a range of ports or a named port, of one
+// protocol (TCP, UDP, SCTP or ANY, the default).
+type PortProtocol struct {
+	// Port is a number ("0" or empty: every port) or a named container
+	// port.
+	Port PortValue `json:"port,omitempty"`
+	// EndPort is the last port of a range starting at Port.
+	EndPort  PortValue `json:"endPort,omitempty"`
+	Protocol string    `json:"protocol,omitempty"`
+}
+
+// PortValue is a port field as written: the CRD has port as a string and
+// endPort as a number, and people write either way, so both decode here
+// and parsePolicy validates the text (a bad value then makes the policy
+// invalid with its path, rather than failing the whole decode).
+type PortValue string
+
+// UnmarshalJSON implements json.Unmarshaler: a string as it is, anything
+// else as its JSON text.
+func (v *PortValue) UnmarshalJSON(data []byte) error {
+	var s string
+	if err := json.Unmarshal(data, &s); err == nil {
+		*v = PortValue(s)
+		return nil
+	}
+	*v = PortValue(strings.TrimSpace(string(data)))
+	return nil
 }
 
 // CiliumNetworkPolicyList is a list of CiliumNetworkPolicy.
@@ -128,14 +189,14 @@ func deepCopy[T any](in *T) *T {
 // DeepCopyObject implements runtime.Object.
 func (p *CiliumNetworkPolicy) DeepCopyObject() runtime.Object {
 	out := deepCopy(p)
-	out.unknown = slices.Clone(p.unknown)
+	out.unknown, out.unsupported = slices.Clone(p.unknown), slices.Clone(p.unsupported)
 	return out
 }
 
 // DeepCopyObject implements runtime.Object.
 func (p *CiliumClusterwideNetworkPolicy) DeepCopyObject() runtime.Object {
 	out := deepCopy(p)
-	out.unknown = slices.Clone(p.unknown)
+	out.unknown, out.unsupported = slices.Clone(p.unknown), slices.Clone(p.unsupported)
 	return out
 }
 

@@ -6,119 +6,86 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
+
+	"github.com/apiary-net/apiary/tables"
 )
 
 // parsedPolicy is what a policy contributes: the selectors of its subjects
-// and peers and the prefixes that need cidr: labels. An invalid policy
-// contributes nothing and carries the error.
+// and peers, the prefixes that need cidr: labels, and its specs in the
+// form enforcement uses. An invalid policy contributes nothing and carries
+// the error.
 type parsedPolicy struct {
 	name     string
 	subjects []Selector
-	peers    []Selector
+	peers    []Selector // every peer selector of every rule (not AnyPeer)
 	cidrs    []netip.Prefix
+	specs    []tables.PolicySpec
 	err      error
 }
 
 // parsePolicy parses the rules of a policy. namespace is empty for a
 // clusterwide policy; for a namespaced one it restricts the endpoint
-// selectors to the policy's namespace.
-func parsePolicy(name, namespace string, spec *Rule, specs []Rule) *parsedPolicy {
+// selectors to the policy's namespace. unsupported are the paths of the
+// fields inside rules that apiary does not implement (UnsupportedFields),
+// each an error.
+//
+// Errors name the field: "egress[0].toCIDR[1]: …" for a policy with only
+// a spec, "spec.…" and "specs[2].…" for one with specs.
+func parsePolicy(name, namespace string, spec *Rule, specs []Rule, unsupported []string) *parsedPolicy {
 	p := &parsedPolicy{name: name}
-	rules := specs
-	if spec != nil {
-		rules = append([]Rule{*spec}, specs...)
+	pp := &policyParser{
+		namespace: namespace,
+		subjects:  map[string]Selector{},
+		peers:     map[string]Selector{},
+		cidrs:     map[netip.Prefix]struct{}{},
 	}
-	if len(rules) == 0 {
+	type specAt struct {
+		rule *Rule
+		path string
+	}
+	var all []specAt
+	if spec != nil {
+		path := "spec."
+		if len(specs) == 0 {
+			path = "" // as the paths have always been for a single spec
+		}
+		all = append(all, specAt{spec, path})
+	}
+	for i := range specs {
+		all = append(all, specAt{&specs[i], fmt.Sprintf("specs[%d].", i)})
+	}
+	if len(all) == 0 {
 		p.err = errors.New("the policy has neither spec nor specs")
 		return p
 	}
-	var errs []error
-	addErr := func(rule int, what string, err error) {
-		if len(rules) > 1 {
-			what = fmt.Sprintf("specs[%d].%s", rule, what)
-		}
-		errs = append(errs, fmt.Errorf("%s: %w", what, err))
-	}
-	subjects := map[string]Selector{}
-	peers := map[string]Selector{}
-	cidrs := map[netip.Prefix]struct{}{}
-	addCIDR := func(s *CIDRSelector) {
-		peers[s.String()] = s
-		for _, pfx := range s.Prefixes() {
-			cidrs[pfx] = struct{}{}
+	for _, s := range all {
+		pp.prefix = s.path
+		if ps, ok := pp.spec(s.rule); ok {
+			p.specs = append(p.specs, ps)
 		}
 	}
-	endpoints := func(rule int, what string, list []EndpointSelector) {
-		for i, es := range list {
-			sel, err := ParseEndpointSelector(es, namespace)
-			if err != nil {
-				addErr(rule, fmt.Sprintf("%s[%d]", what, i), err)
-				continue
-			}
-			peers[sel.String()] = sel
+	for _, f := range unsupported {
+		if spec != nil && len(specs) == 0 {
+			f = strings.TrimPrefix(f, "spec.")
 		}
+		pp.errs = append(pp.errs, fmt.Errorf("%s: not supported", f))
 	}
-	cidrList := func(rule int, what string, list []string) {
-		for i, c := range list {
-			sel, err := ParseCIDR(c, nil)
-			if err != nil {
-				addErr(rule, fmt.Sprintf("%s[%d]", what, i), err)
-				continue
-			}
-			addCIDR(sel)
-		}
-	}
-	cidrSets := func(rule int, what string, list []CIDRRule) {
-		for i, c := range list {
-			sel, err := ParseCIDR(c.CIDR, c.Except)
-			if err != nil {
-				addErr(rule, fmt.Sprintf("%s[%d]", what, i), err)
-				continue
-			}
-			addCIDR(sel)
-		}
-	}
-	for r, rule := range rules {
-		if rule.EndpointSelector == nil {
-			addErr(r, "endpointSelector", errors.New("missing"))
-		} else if sel, err := ParseEndpointSelector(*rule.EndpointSelector, namespace); err != nil {
-			addErr(r, "endpointSelector", err)
-		} else {
-			subjects[sel.String()] = sel
-		}
-		for i, in := range rule.Ingress {
-			endpoints(r, fmt.Sprintf("ingress[%d].fromEndpoints", i), in.FromEndpoints)
-			cidrList(r, fmt.Sprintf("ingress[%d].fromCIDR", i), in.FromCIDR)
-			cidrSets(r, fmt.Sprintf("ingress[%d].fromCIDRSet", i), in.FromCIDRSet)
-		}
-		for i, out := range rule.Egress {
-			endpoints(r, fmt.Sprintf("egress[%d].toEndpoints", i), out.ToEndpoints)
-			cidrList(r, fmt.Sprintf("egress[%d].toCIDR", i), out.ToCIDR)
-			cidrSets(r, fmt.Sprintf("egress[%d].toCIDRSet", i), out.ToCIDRSet)
-			for j, f := range out.ToFQDNs {
-				sel, err := ParseFQDN(f)
-				if err != nil {
-					addErr(r, fmt.Sprintf("egress[%d].toFQDNs[%d]", i, j), err)
-					continue
-				}
-				peers[sel.String()] = sel
-			}
-		}
-	}
-	if len(errs) > 0 {
-		p.err = errors.Join(errs...)
+	if len(pp.errs) > 0 {
+		p.err = errors.Join(pp.errs...)
+		p.specs = nil
 		return p
 	}
-	p.subjects = sortedSelectors(subjects)
-	p.peers = sortedSelectors(peers)
+	p.subjects = sortedSelectors(pp.subjects)
+	p.peers = sortedSelectors(pp.peers)
 	// Sorted as text, each prefix formatted once.
 	type named struct {
 		text string
 		pfx  netip.Prefix
 	}
-	byText := make([]named, 0, len(cidrs))
-	for pfx := range cidrs {
+	byText := make([]named, 0, len(pp.cidrs))
+	for pfx := range pp.cidrs {
 		byText = append(byText, named{pfx.String(), pfx})
 	}
 	slices.SortFunc(byText, func(a, b named) int { return strings.Compare(a.text, b.text) })
@@ -126,6 +93,263 @@ func parsePolicy(name, namespace string, spec *Rule, specs []Rule) *parsedPolicy
 		p.cidrs = append(p.cidrs, n.pfx)
 	}
 	return p
+}
+
+// policyParser collects what the specs of one policy contribute, and the
+// errors, each with the path of its field.
+type policyParser struct {
+	namespace string
+	prefix    string // of the spec being parsed: "", "spec." or "specs[i]."
+	subjects  map[string]Selector
+	peers     map[string]Selector
+	cidrs     map[netip.Prefix]struct{}
+	errs      []error
+}
+
+func (pp *policyParser) errorf(path string, format string, args ...any) {
+	pp.errs = append(pp.errs, fmt.Errorf("%s%s: %s", pp.prefix, path, fmt.Sprintf(format, args...)))
+}
+
+func (pp *policyParser) fail(path string, err error) {
+	pp.errs = append(pp.errs, fmt.Errorf("%s%s: %w", pp.prefix, path, err))
+}
+
+// ruleParts are the fields of an ingress or egress rule, of either list.
+type ruleParts struct {
+	endpoints   []EndpointSelector
+	cidrs       []string
+	cidrSets    []CIDRRule
+	fqdns       []FQDNSelector
+	entities    []string
+	ports       []PortRule
+	fieldPrefix string // "from" or "to"
+}
+
+// spec parses one spec; ok is false if it had errors.
+func (pp *policyParser) spec(r *Rule) (tables.PolicySpec, bool) {
+	errs := len(pp.errs)
+	var ps tables.PolicySpec
+	if r.EndpointSelector == nil {
+		pp.errorf("endpointSelector", "missing")
+	} else if sel, err := ParseEndpointSelector(*r.EndpointSelector, pp.namespace); err != nil {
+		pp.fail("endpointSelector", err)
+	} else {
+		pp.subjects[sel.String()] = sel
+		ps.Subject = sel.String()
+	}
+	// Even an empty rule ({}) counts: it selects no peer but puts the
+	// subject into default deny, as in the reference.
+	ps.Ingress = len(r.Ingress)+len(r.IngressDeny) > 0
+	ps.Egress = len(r.Egress)+len(r.EgressDeny) > 0
+	ps.DefaultDenyIngress, ps.DefaultDenyEgress = ps.Ingress, ps.Egress
+	if d := r.EnableDefaultDeny; d != nil {
+		if d.Ingress != nil && !*d.Ingress {
+			ps.DefaultDenyIngress = false
+		}
+		if d.Egress != nil && !*d.Egress {
+			ps.DefaultDenyEgress = false
+		}
+	}
+	ingress := func(list []IngressRule, field string, deny bool) {
+		for i, in := range list {
+			ps.Rules = append(ps.Rules, pp.rule(fmt.Sprintf("%s[%d]", field, i), tables.DirIngress, deny, ruleParts{
+				endpoints: in.FromEndpoints, cidrs: in.FromCIDR, cidrSets: in.FromCIDRSet,
+				entities: in.FromEntities, ports: in.ToPorts, fieldPrefix: "from",
+			}))
+		}
+	}
+	egress := func(list []EgressRule, field string, deny bool) {
+		for i, out := range list {
+			path := fmt.Sprintf("%s[%d]", field, i)
+			if deny && len(out.ToFQDNs) > 0 {
+				// The reference has no toFQDNs in deny rules; ignoring it
+				// would deny less than the rule says.
+				pp.errorf(path+".toFQDNs", "not allowed in a deny rule")
+				continue
+			}
+			ps.Rules = append(ps.Rules, pp.rule(path, tables.DirEgress, deny, ruleParts{
+				endpoints: out.ToEndpoints, cidrs: out.ToCIDR, cidrSets: out.ToCIDRSet, fqdns: out.ToFQDNs,
+				entities: out.ToEntities, ports: out.ToPorts, fieldPrefix: "to",
+			}))
+		}
+	}
+	ingress(r.Ingress, "ingress", false)
+	ingress(r.IngressDeny, "ingressDeny", true)
+	egress(r.Egress, "egress", false)
+	egress(r.EgressDeny, "egressDeny", true)
+	return ps, len(pp.errs) == errs
+}
+
+// rule parses one element of a rule list.
+func (pp *policyParser) rule(path, dir string, deny bool, r ruleParts) tables.PolicyRule {
+	out := tables.PolicyRule{Direction: dir, Deny: deny, Peers: []string{}}
+	peers := map[string]struct{}{}
+	addPeer := func(s Selector) {
+		pp.peers[s.String()] = s
+		peers[s.String()] = struct{}{}
+	}
+	field := func(name string) string { return path + "." + r.fieldPrefix + name }
+	for i, es := range r.endpoints {
+		sel, err := ParseEndpointSelector(es, pp.namespace)
+		if err != nil {
+			pp.fail(fmt.Sprintf("%s[%d]", field("Endpoints"), i), err)
+			continue
+		}
+		addPeer(sel)
+	}
+	addCIDR := func(where string, cidr string, except []string) {
+		sel, err := ParseCIDR(cidr, except)
+		if err != nil {
+			pp.fail(where, err)
+			return
+		}
+		addPeer(sel)
+		for _, pfx := range sel.Prefixes() {
+			pp.cidrs[pfx] = struct{}{}
+		}
+	}
+	for i, c := range r.cidrs {
+		addCIDR(fmt.Sprintf("%s[%d]", field("CIDR"), i), c, nil)
+	}
+	for i, c := range r.cidrSets {
+		addCIDR(fmt.Sprintf("%s[%d]", field("CIDRSet"), i), c.CIDR, c.Except)
+	}
+	for i, f := range r.fqdns {
+		sel, err := ParseFQDN(f)
+		if err != nil {
+			pp.fail(fmt.Sprintf("%s.toFQDNs[%d]", path, i), err)
+			continue
+		}
+		addPeer(sel)
+	}
+	for i, name := range r.entities {
+		sel, peer, err := ParseEntity(name)
+		if err != nil {
+			pp.fail(fmt.Sprintf("%s[%d]", field("Entities"), i), err)
+			continue
+		}
+		if sel != nil {
+			addPeer(sel)
+		} else {
+			peers[peer] = struct{}{} // AnyPeer: identity 0, not a selector
+		}
+	}
+	hasPorts := false
+	for i, pr := range r.ports {
+		where := fmt.Sprintf("%s.toPorts[%d]", path, i)
+		if len(pr.Ports) == 0 {
+			// Such an entry names no port: rather than guess whether
+			// it means every port or none, say so.
+			pp.errorf(where+".ports", "missing: list at least one port (port 0 for every port)")
+			continue
+		}
+		hasPorts = true
+		for j, entry := range pr.Ports {
+			port, err := parsePort(entry)
+			if err != nil {
+				pp.errs = append(pp.errs, fmt.Errorf("%s%s.ports[%d].%w", pp.prefix, where, j, err))
+				continue
+			}
+			if !slices.Contains(out.Ports, port) {
+				out.Ports = append(out.Ports, port)
+			}
+		}
+	}
+	// A rule with ports but no peer applies to every peer on those ports.
+	if len(peers) == 0 && hasPorts {
+		peers[tables.AnyPeer] = struct{}{}
+	}
+	out.Peers = append(out.Peers, slices.Sorted(maps.Keys(peers))...)
+	return out
+}
+
+// portFieldError is an error about one field of a port entry; wrapped
+// after "ports[j]." it reads "ports[0].endPort: …".
+type portFieldError struct {
+	field string
+	msg   string
+}
+
+func (e *portFieldError) Error() string { return e.field + ": " + e.msg }
+
+// parsePort returns the canonical form of a port entry: protocol in upper
+// case (ANY when unset), a numeric port or a port name, EndPort only for a
+// range of more than one port.
+func parsePort(p PortProtocol) (tables.PortRule, error) {
+	var out tables.PortRule
+	switch proto := strings.ToUpper(p.Protocol); proto {
+	case "":
+		out.Protocol = tables.ProtoAny
+	case tables.ProtoTCP, tables.ProtoUDP, tables.ProtoSCTP, tables.ProtoAny:
+		out.Protocol = proto
+	default:
+		return out, &portFieldError{"protocol", fmt.Sprintf("%q is not TCP, UDP, SCTP or ANY", p.Protocol)}
+	}
+	port := string(p.Port)
+	switch {
+	case port == "":
+	case isDigits(port):
+		n, err := strconv.ParseUint(port, 10, 16)
+		if err != nil {
+			return out, &portFieldError{"port", fmt.Sprintf("%s is not a port number (0-65535)", port)}
+		}
+		out.Port = uint16(n)
+	case isPortName(port):
+		out.Name = port
+	default:
+		return out, &portFieldError{"port", fmt.Sprintf("%q is neither a port number (0-65535) nor a port name "+
+			"(1-15 lowercase letters, digits and '-', with a letter, without '-' at either end or twice in a row)", port)}
+	}
+	if end := string(p.EndPort); end != "" {
+		n, err := strconv.ParseUint(end, 10, 16)
+		if !isDigits(end) || err != nil {
+			return out, &portFieldError{"endPort", fmt.Sprintf("%s is not a port number (0-65535)", end)}
+		}
+		switch {
+		case n == 0: // unset, as the CRD's integer default
+		case out.Name != "":
+			return out, &portFieldError{"endPort", fmt.Sprintf("%d needs a numeric port, not the port name %q", n, out.Name)}
+		case out.Port == 0:
+			return out, &portFieldError{"endPort", fmt.Sprintf("%d needs a port to start the range at (port 0 is every port)", n)}
+		case uint16(n) < out.Port:
+			return out, &portFieldError{"endPort", fmt.Sprintf("%d is below port %d", n, out.Port)}
+		case uint16(n) > out.Port:
+			out.EndPort = uint16(n)
+		}
+	}
+	return out, nil
+}
+
+func isDigits(s string) bool {
+	if s == "" {
+		return false
+	}
+	for _, r := range s {
+		if r < '0' || r > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// isPortName reports whether s is a valid IANA service name, as the names
+// of container ports are: 1–15 lowercase letters, digits and '-', with at
+// least one letter, no '-' at either end and no "--".
+func isPortName(s string) bool {
+	if len(s) == 0 || len(s) > 15 || s[0] == '-' || s[len(s)-1] == '-' || strings.Contains(s, "--") {
+		return false
+	}
+	letter := false
+	for _, r := range s {
+		switch {
+		case r >= 'a' && r <= 'z':
+			letter = true
+		case r >= '0' && r <= '9', r == '-':
+		default:
+			return false
+		}
+	}
+	return letter
 }
 
 func sortedSelectors(m map[string]Selector) []Selector {

@@ -1,313 +1,563 @@
-package selectors_test
+package selectors
 
 import (
-	"fmt"
-	"net/netip"
+	"encoding/json"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
-	"github.com/cilium/statedb"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
 
-	"github.com/apiary-net/apiary/cells/ipcache"
-	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/tables"
 )
 
-// bigCIDRs is the size of the big policy of these tests: several chunks of
-// the controller's writes and of the ipcache resolver's.
-const bigCIDRs = 5_000
-
-const testTimeout = 2 * time.Minute
-
-// snapshot is every row of the tables a policy changes, as db/show prints
-// them.
-type snapshot map[string][]string
-
-func (a *agent) snapshot(txn statedb.ReadTxn) snapshot {
-	s := snapshot{}
-	add := func(name string, row []string) { s[name] = append(s[name], strings.Join(row, " | ")) }
-	for r := range a.policies.All(txn) {
-		add("policies", r.TableRow())
+// decodeCNP decodes a CiliumNetworkPolicy called "p" in namespace default
+// whose body (spec, specs) is given in YAML, the way the cell gets it:
+// through its UnmarshalJSON, which notes unknown fields.
+func decodeCNP(t *testing.T, body string) *CiliumNetworkPolicy {
+	t.Helper()
+	doc := "apiVersion: cilium.io/v2\nkind: CiliumNetworkPolicy\nmetadata: {name: p, namespace: default}\n" + body
+	js, err := yaml.YAMLToJSON([]byte(doc))
+	if err != nil {
+		t.Fatalf("bad test YAML: %v", err)
 	}
-	for r := range a.selectors.All(txn) {
-		add("selectors", r.TableRow())
+	var p CiliumNetworkPolicy
+	if err := json.Unmarshal(js, &p); err != nil {
+		t.Fatalf("decode: %v", err)
 	}
-	for r := range a.prefixTbl.All(txn) {
-		add("prefixes", r.TableRow())
-	}
-	for r := range a.ipcache.All(txn) {
-		add("ipcache", r.TableRow())
-	}
-	for r := range a.identities.All(txn) {
-		add("identities", r.TableRow())
-	}
-	return s
+	return &p
 }
 
-// diff describes how s differs from want, a few rows per table.
-func (s snapshot) diff(want snapshot) string {
-	var b strings.Builder
-	for _, table := range []string{"policies", "selectors", "prefixes", "ipcache", "identities"} {
-		got, exp := s[table], want[table]
-		var extra, missing []string
-		for _, r := range got {
-			if !slices.Contains(exp, r) {
-				extra = append(extra, r)
-			}
-		}
-		for _, r := range exp {
-			if !slices.Contains(got, r) {
-				missing = append(missing, r)
-			}
-		}
-		if len(extra)+len(missing) > 0 {
-			fmt.Fprintf(&b, "%s: %d rows, want %d; extra %q; missing %q\n",
-				table, len(got), len(exp), extra[:min(3, len(extra))], missing[:min(3, len(missing))])
-		}
+// parseYAML parses a policy body as the cell does, namespaced in default
+// or, with clusterwide, without a namespace.
+func parseYAML(t *testing.T, body string, clusterwide bool) *parsedPolicy {
+	t.Helper()
+	p := decodeCNP(t, body)
+	ns := "default"
+	if clusterwide {
+		ns = ""
 	}
-	return b.String()
+	return parsePolicy("cnp/default/p", ns, p.Spec, p.Specs, p.UnsupportedFields())
 }
 
-func (s snapshot) equal(o snapshot) bool {
-	for _, table := range []string{"policies", "selectors", "prefixes", "ipcache", "identities"} {
-		if !slices.Equal(s[table], o[table]) {
-			return false
-		}
-	}
-	return true
-}
-
-// checkPolicyRefs returns an error unless every selector a valid policies
-// row names is in the selectors table, listing that policy: what each
-// commit of the controller keeps, however many chunks a change takes.
-func (a *agent) checkPolicyRefs(txn statedb.ReadTxn) error {
-	for p := range a.policies.All(txn) {
-		if p.Status != tables.PolicyOK {
-			continue
-		}
-		for _, sel := range append(slices.Clone(p.Subjects), p.Peers...) {
-			row, _, found := a.selectors.Get(txn, tables.SelectorIndex.Query(sel))
-			if !found {
-				return fmt.Errorf("policy %s names selector %s, which is not in the table", p.Name, sel)
-			}
-			if !slices.Contains(row.Policies, p.Name) {
-				return fmt.Errorf("policy %s names selector %s, whose policies are %v", p.Name, sel, row.Policies)
-			}
-		}
-	}
-	return nil
-}
-
-// cidrsApplied reports whether the policy called name (cnp/default/…) has
-// exactly the given CIDRs and each of its CIDR selectors selects an
-// identity.
-func (a *agent) cidrsApplied(name string, cidrs []netip.Prefix) func(statedb.ReadTxn) bool {
-	want := make([]string, len(cidrs))
-	for i, p := range cidrs {
-		want[i] = p.String()
-	}
-	slices.Sort(want)
-	return func(txn statedb.ReadTxn) bool {
-		p, _, found := a.policies.Get(txn, tables.PolicyNameIndex.Query(name))
-		if !found || !slices.Equal(slices.Sorted(slices.Values(p.CIDRs)), want) {
-			return false
-		}
-		for _, sel := range p.Peers {
-			row, _, found := a.selectors.Get(txn, tables.SelectorIndex.Query(sel))
-			if !found || strings.HasPrefix(sel, "cidr:") && len(row.Identities) == 0 {
-				return false
-			}
-		}
-		return true
-	}
-}
-
-// withBaseline starts an agent holding a small policy and prefixes of other
-// owners, some inside the big policy's CIDRs, and waits until they are
-// settled.
-func withBaseline(t *testing.T) *agent {
-	a := startAgent(t)
-	base := cidrPolicy("base", []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")})
-	base.Spec.Egress = append(base.Spec.Egress, selectors.EgressRule{ToFQDNs: []selectors.FQDNSelector{{MatchPattern: "*.example.com"}}})
-	a.addPolicy(t, base)
-	if _, err := a.prefixes.Update(
-		// Inside and outside the big policy's first CIDR, 11.0.0.0/16: the
-		// one inside changes identity while the policy is there, and gets
-		// its old one back (the one outside keeps it alive).
-		ipcache.Upsert(netip.MustParsePrefix("11.0.0.5/32"), "fqdn/a.example.com", "fqdn:*.example.com"),
-		ipcache.Upsert(netip.MustParsePrefix("12.0.0.5/32"), "fqdn/a.example.com", "fqdn:*.example.com"),
-		// A pod inside the big policy's CIDRs keeps its identity.
-		ipcache.Upsert(netip.MustParsePrefix("11.0.1.9/32"), "pod/default/web-1", "k8s:app=web", "k8s:io.kubernetes.pod.namespace=default"),
-	); err != nil {
+func toJSON(t *testing.T, v any) string {
+	t.Helper()
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
 		t.Fatal(err)
 	}
-	selects := func(txn statedb.ReadTxn, sel string, n int) bool {
-		row, _, found := a.selectors.Get(txn, tables.SelectorIndex.Query(sel))
-		return found && len(row.Identities) == n
-	}
-	a.waitUntil(t, testTimeout, "baseline", func(txn statedb.ReadTxn) bool {
-		return selects(txn, "fqdn:*.example.com", 1) && selects(txn, "cidr:10.0.0.0/8", 1) &&
-			selects(txn, "any:app=web, k8s:io.kubernetes.pod.namespace=default", 1)
-	})
-	return a
+	return string(b)
 }
 
-// TestBigPolicyRoundTrip adds a policy of 5,000 CIDRs, changes half of
-// them, and removes it: afterwards the policies, selectors, prefixes,
-// ipcache and identities tables are exactly as they were before it came,
-// and every commit of the controller on the way (several chunks each)
-// kept each selector a policy names in the selectors table.
-func TestBigPolicyRoundTrip(t *testing.T) {
-	var (
-		mu        sync.Mutex
-		agentRefs *agent
-		chunked   int
-		refErr    error
+// Selector texts used below.
+const (
+	webSubject    = "any:app=web, k8s:io.kubernetes.pod.namespace=default"
+	clientPeer    = "any:app=client, k8s:io.kubernetes.pod.namespace=default"
+	dnsPeer       = "any:k8s-app=kube-dns, k8s:io.kubernetes.pod.namespace=kube-system"
+	entityWorld   = "entity:world"
+	entityHost    = "entity:host"
+	entityCluster = "entity:cluster"
+)
+
+func TestParsePolicySpecs(t *testing.T) {
+	type (
+		spec = tables.PolicySpec
+		rule = tables.PolicyRule
+		port = tables.PortRule
 	)
-	selectors.SetTestHookCommitted(t, func(table string, chunk, chunks int) {
-		mu.Lock()
-		defer mu.Unlock()
-		if table != "selectors" || agentRefs == nil {
-			return
-		}
-		if chunks > 1 {
-			chunked++
-		}
-		if err := agentRefs.checkPolicyRefs(agentRefs.db.ReadTxn()); err != nil && refErr == nil {
-			refErr = fmt.Errorf("after chunk %d of %d: %w", chunk, chunks, err)
-		}
-	})
-	a := withBaseline(t)
-	mu.Lock()
-	agentRefs = a
-	mu.Unlock()
-	before := a.snapshot(a.db.ReadTxn())
-
-	cidrs := policyCIDRs(bigCIDRs)
-	big := cidrPolicy("big", cidrs)
-	a.addPolicy(t, big)
-	a.waitUntil(t, testTimeout, "big policy applied", a.cidrsApplied("cnp/default/big", cidrs))
-	// The FQDN address inside the policy's /16 now has an identity of its
-	// own (with the cidr: label), which the FQDN selector selects too.
-	a.waitUntil(t, testTimeout, "FQDN selector follows the relabel", func(txn statedb.ReadTxn) bool {
-		row, _, found := a.selectors.Get(txn, tables.SelectorIndex.Query("fqdn:*.example.com"))
-		return found && len(row.Identities) == 2
-	})
-
-	// Half the CIDRs go, as many new ones come.
-	changed := slices.Clone(cidrs[bigCIDRs/2:])
-	for i := range bigCIDRs / 2 {
-		changed = append(changed, netip.PrefixFrom(netip.AddrFrom4([4]byte{13, byte(i >> 8), byte(i), 0}), 24))
+	in := func(deny bool, peers []string, ports ...port) rule {
+		return rule{Direction: tables.DirIngress, Deny: deny, Peers: peers, Ports: ports}
 	}
-	big = cidrPolicy("big", changed)
-	big.ResourceVersion = "2"
-	if err := a.fake.Tracker().Update(cnpResource, big, big.Namespace, metav1.UpdateOptions{}); err != nil {
+	out := func(deny bool, peers []string, ports ...port) rule {
+		return rule{Direction: tables.DirEgress, Deny: deny, Peers: peers, Ports: ports}
+	}
+	peers := func(p ...string) []string { return append([]string{}, p...) }
+	any := peers(tables.AnyPeer)
+	tcp := func(p uint16) port { return port{Protocol: tables.ProtoTCP, Port: p} }
+	for _, tc := range []struct {
+		name        string
+		body        string
+		clusterwide bool
+		want        []spec
+		// wantPeers and wantCIDRs are the policies row's Peers and CIDRs.
+		wantPeers []string
+		wantCIDRs []string
+	}{
+		{
+			name: "fromEndpoints on a port",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  ingress:
+  - fromEndpoints: [{matchLabels: {app: client}}]
+    toPorts: [{ports: [{port: "80", protocol: TCP}]}]`,
+			want: []spec{{Subject: webSubject, Ingress: true, DefaultDenyIngress: true,
+				Rules: []rule{in(false, peers(clientPeer), tcp(80))}}},
+			wantPeers: peers(clientPeer),
+		},
+		{
+			name: "CIDRs, CIDR sets and FQDNs, every port",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress:
+  - toCIDR: [192.0.2.0/24, "2001:db8::1"]
+    toCIDRSet: [{cidr: 10.0.0.0/8, except: [10.1.0.0/16]}]
+  - toFQDNs: [{matchName: api.example.com}, {matchPattern: "*.Example.org"}]
+  ingress:
+  - fromCIDR: [198.51.100.7]
+    fromCIDRSet: [{cidr: 203.0.113.0/24}]`,
+			want: []spec{{Subject: webSubject, Ingress: true, Egress: true, DefaultDenyIngress: true, DefaultDenyEgress: true,
+				Rules: []rule{
+					in(false, peers("cidr:198.51.100.7/32", "cidr:203.0.113.0/24")),
+					out(false, peers("cidr:10.0.0.0/8 except cidr:10.1.0.0/16", "cidr:192.0.2.0/24", "cidr:2001:db8::1/128")),
+					out(false, peers("fqdn:*.example.org", "fqdn:api.example.com")),
+				}}},
+			wantPeers: peers("cidr:10.0.0.0/8 except cidr:10.1.0.0/16", "cidr:192.0.2.0/24", "cidr:198.51.100.7/32",
+				"cidr:2001:db8::1/128", "cidr:203.0.113.0/24", "fqdn:*.example.org", "fqdn:api.example.com"),
+			wantCIDRs: peers("10.0.0.0/8", "10.1.0.0/16", "192.0.2.0/24", "198.51.100.7/32", "2001:db8::1/128", "203.0.113.0/24"),
+		},
+		{
+			name: "entities",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  ingress:
+  - fromEntities: [host, cluster]
+  - fromEntities: [all]
+    toPorts: [{ports: [{port: "8080"}]}]
+  egress:
+  - toEntities: [world]
+  - toEntities: [all, world]
+    toEndpoints: [{matchLabels: {app: client}}]`,
+			want: []spec{{Subject: webSubject, Ingress: true, Egress: true, DefaultDenyIngress: true, DefaultDenyEgress: true,
+				Rules: []rule{
+					in(false, peers(entityCluster, entityHost)),
+					in(false, any, port{Protocol: tables.ProtoAny, Port: 8080}),
+					out(false, peers(entityWorld)),
+					// all does not swallow the other peers: the rule says them.
+					out(false, peers(clientPeer, tables.AnyPeer, entityWorld)),
+				}}},
+			wantPeers: peers(clientPeer, entityCluster, entityHost, entityWorld),
+		},
+		{
+			name: "ports without peers apply to every peer",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress:
+  - toPorts: [{ports: [{port: "53", protocol: udp}, {port: "53", protocol: tcp}]}]`,
+			want: []spec{{Subject: webSubject, Egress: true, DefaultDenyEgress: true,
+				Rules: []rule{out(false, any, port{Protocol: tables.ProtoUDP, Port: 53}, tcp(53))}}},
+			wantPeers: peers(),
+		},
+		{
+			name: "an empty rule only puts the subject into default deny",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  ingress: [{}]`,
+			want: []spec{{Subject: webSubject, Ingress: true, DefaultDenyIngress: true,
+				Rules: []rule{in(false, peers())}}},
+			wantPeers: peers(),
+		},
+		{
+			name: "an empty list is no section",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  ingress: []
+  egressDeny: []`,
+			want:      []spec{{Subject: webSubject}},
+			wantPeers: peers(),
+		},
+		{
+			name: "deny rules",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  ingressDeny:
+  - fromCIDRSet: [{cidr: 0.0.0.0/0}]
+    toPorts: [{ports: [{port: "22", protocol: TCP}]}]
+  egressDeny:
+  - toEntities: [host]
+  - toEndpoints: [{matchLabels: {app: client}}]
+    toPorts: [{ports: [{port: "6379"}]}]`,
+			want: []spec{{Subject: webSubject, Ingress: true, Egress: true, DefaultDenyIngress: true, DefaultDenyEgress: true,
+				Rules: []rule{
+					in(true, peers("cidr:0.0.0.0/0"), tcp(22)),
+					out(true, peers(entityHost)),
+					out(true, peers(clientPeer), port{Protocol: tables.ProtoAny, Port: 6379}),
+				}}},
+			wantPeers: peers(clientPeer, "cidr:0.0.0.0/0", entityHost),
+			wantCIDRs: peers("0.0.0.0/0"),
+		},
+		{
+			name: "allow and deny in one direction",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress: [{toEntities: [world]}]
+  egressDeny: [{toCIDR: [192.0.2.0/24]}]`,
+			want: []spec{{Subject: webSubject, Egress: true, DefaultDenyEgress: true,
+				Rules: []rule{out(false, peers(entityWorld)), out(true, peers("cidr:192.0.2.0/24"))}}},
+			wantPeers: peers("cidr:192.0.2.0/24", entityWorld),
+			wantCIDRs: peers("192.0.2.0/24"),
+		},
+		{
+			name: "enableDefaultDeny turns default deny off per direction",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  enableDefaultDeny: {ingress: false, egress: true}
+  ingress: [{fromEntities: [cluster]}]
+  egress: [{toEntities: [world]}]`,
+			want: []spec{{Subject: webSubject, Ingress: true, Egress: true, DefaultDenyEgress: true,
+				Rules: []rule{in(false, peers(entityCluster)), out(false, peers(entityWorld))}}},
+			wantPeers: peers(entityCluster, entityWorld),
+		},
+		{
+			name: "enableDefaultDeny does not turn it on without rules",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  enableDefaultDeny: {ingress: true, egress: true}
+  egressDeny: [{toEntities: [world]}]`,
+			want: []spec{{Subject: webSubject, Egress: true, DefaultDenyEgress: true,
+				Rules: []rule{out(true, peers(entityWorld))}}},
+			wantPeers: peers(entityWorld),
+		},
+		{
+			name: "ports in canonical form",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress:
+  - toEntities: [cluster]
+    toPorts:
+    - ports:
+      - {port: "80"}                                     # ANY by default
+      - {port: 443, protocol: tcp}                       # a YAML number; protocol in any case
+      - {port: "0080", protocol: Tcp}                    # leading zeros
+      - {port: "443", protocol: TCP}                     # the same port again: once
+      - {protocol: UDP}                                  # no port: every UDP port
+      - {port: "0", protocol: SCTP}                      # port 0: every SCTP port
+      - {port: "8000", endPort: 8099, protocol: TCP}     # a range
+      - {port: "9000", endPort: "9000", protocol: TCP}   # a range of one port is the port
+      - {port: "9100", endPort: 0}                       # endPort 0 is unset
+    - ports:
+      - {port: http-alt, protocol: TCP}                  # a named port
+      - {port: "65535", protocol: any}`,
+			want: []spec{{Subject: webSubject, Egress: true, DefaultDenyEgress: true,
+				Rules: []rule{out(false, peers(entityCluster),
+					port{Protocol: tables.ProtoAny, Port: 80},
+					tcp(443), tcp(80),
+					port{Protocol: tables.ProtoUDP},
+					port{Protocol: tables.ProtoSCTP},
+					port{Protocol: tables.ProtoTCP, Port: 8000, EndPort: 8099},
+					tcp(9000),
+					port{Protocol: tables.ProtoAny, Port: 9100},
+					port{Protocol: tables.ProtoTCP, Name: "http-alt"},
+					port{Protocol: tables.ProtoAny, Port: 65535},
+				)}}},
+			wantPeers: peers(entityCluster),
+		},
+		{
+			name: "spec and specs: one PolicySpec each, in order",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress: [{toEndpoints: [{matchLabels: {k8s:io.kubernetes.pod.namespace: kube-system, k8s-app: kube-dns}}]}]
+specs:
+- endpointSelector: {matchLabels: {app: web}}
+  ingress: [{fromEndpoints: [{matchLabels: {app: client}}]}]
+- endpointSelector: {matchLabels: {app: client}}
+  egress: [{toEndpoints: [{matchLabels: {app: web}}]}]`,
+			want: []spec{
+				{Subject: webSubject, Egress: true, DefaultDenyEgress: true, Rules: []rule{out(false, peers(dnsPeer))}},
+				{Subject: webSubject, Ingress: true, DefaultDenyIngress: true, Rules: []rule{in(false, peers(clientPeer))}},
+				{Subject: clientPeer, Egress: true, DefaultDenyEgress: true, Rules: []rule{out(false, peers(webSubject))}},
+			},
+			wantPeers: peers(clientPeer, webSubject, dnsPeer),
+		},
+		{
+			name:        "clusterwide: no namespace",
+			clusterwide: true,
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  ingress: [{fromEndpoints: [{}], fromEntities: [host]}]`,
+			want: []spec{{Subject: "any:app=web", Ingress: true, DefaultDenyIngress: true,
+				Rules: []rule{in(false, peers("all", entityHost))}}},
+			wantPeers: peers("all", entityHost),
+		},
+		{
+			name: "empty unsupported fields and fields outside rules are ignored",
+			body: `
+spec:
+  description: why
+  nodeSelector: {}
+  endpointSelector: {matchLabels: {app: web}}
+  egress:
+  - toEntities: [world]
+    icmps: []
+    toRequires: null
+    toPorts: [{ports: [{port: "443"}], rules: {}}]`,
+			want: []spec{{Subject: webSubject, Egress: true, DefaultDenyEgress: true,
+				Rules: []rule{out(false, peers(entityWorld), port{Protocol: tables.ProtoAny, Port: 443})}}},
+			wantPeers: peers(entityWorld),
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := parseYAML(t, tc.body, tc.clusterwide)
+			if p.err != nil {
+				t.Fatalf("invalid: %s", p.errorText())
+			}
+			row := policyRow("cnp/default/p", p)
+			if got, want := toJSON(t, row.Specs), toJSON(t, tc.want); got != want {
+				t.Errorf("specs:\n%s\nwant:\n%s", got, want)
+			}
+			if !slices.Equal(row.Peers, tc.wantPeers) {
+				t.Errorf("peers %q, want %q", row.Peers, tc.wantPeers)
+			}
+			if !slices.Equal(row.CIDRs, tc.wantCIDRs) {
+				t.Errorf("CIDRs %q, want %q", row.CIDRs, tc.wantCIDRs)
+			}
+			if row.Status != tables.PolicyOK || row.Error != "" {
+				t.Errorf("status %s %q", row.Status, row.Error)
+			}
+			// Every subject and peer the specs name is a selector the
+			// policy registers (AnyPeer excepted), and no other.
+			registered := map[string]bool{}
+			for _, s := range p.selectors() {
+				registered[s.String()] = true
+			}
+			named := map[string]bool{}
+			for _, s := range row.Specs {
+				named[s.Subject] = true
+				for _, r := range s.Rules {
+					for _, peer := range r.Peers {
+						if peer != tables.AnyPeer {
+							named[peer] = true
+						}
+					}
+				}
+			}
+			for s := range named {
+				if !registered[s] {
+					t.Errorf("the specs name %s, which is not registered", s)
+				}
+			}
+			for s := range registered {
+				if !named[s] {
+					t.Errorf("%s is registered but no spec names it", s)
+				}
+			}
+			if slices.Contains(row.Peers, tables.AnyPeer) || registered[tables.AnyPeer] {
+				t.Errorf("AnyPeer is a selector: peers %q", row.Peers)
+			}
+		})
+	}
+}
+
+func TestParsePolicyErrors(t *testing.T) {
+	const web = "\nspec:\n  endpointSelector: {matchLabels: {app: web}}\n"
+	for _, tc := range []struct {
+		name string
+		body string
+		err  string // the whole error text
+	}{
+		{"no spec", "", "the policy has neither spec nor specs"},
+		{"no subject", "spec: {ingress: [{}]}", "endpointSelector: missing"},
+		{"bad CIDR", web + "  egress: [{toCIDR: [10.0.0.0/40]}]", `egress[0].toCIDR[0]: invalid CIDR "10.0.0.0/40"`},
+		{"bad fromCIDR in deny", web + "  ingressDeny: [{}, {fromCIDR: [nope]}]", `ingressDeny[1].fromCIDR[0]: invalid CIDR "nope"`},
+		{"except outside", web + "  egress: [{toCIDRSet: [{cidr: 10.0.0.0/8, except: [11.0.0.0/16]}]}]",
+			"egress[0].toCIDRSet[0]: except 11.0.0.0/16 is not inside 10.0.0.0/8"},
+		{"FQDN with both", web + "  egress: [{toFQDNs: [{matchName: a.com, matchPattern: '*.a.com'}]}]",
+			`egress[0].toFQDNs[0]: toFQDNs entry has both matchName "a.com" and matchPattern "*.a.com"`},
+		{"FQDN star in a name", web + "  egress: [{toFQDNs: [{matchName: '*.a.com'}]}]", "egress[0].toFQDNs[0]: toFQDNs:"},
+		{"bad peer selector", web + "  ingress: [{fromEndpoints: [{matchExpressions: [{key: a, operator: Exists, values: [x]}]}]}]",
+			`ingress[0].fromEndpoints[0]: selector "a": operator Exists takes no values`},
+		{"entity as a label source", web + "  egressDeny: [{toEndpoints: [{matchLabels: {'entity:world': ''}}]}]",
+			`egressDeny[0].toEndpoints[0]: selector key "entity:world": entity: is not a label source (use fromEntities or toEntities)`},
+		{"unknown entity", web + "  ingress: [{fromEntities: [host, remote-node]}]",
+			`ingress[0].fromEntities[1]: unknown entity "remote-node" (apiary supports world, host, cluster and all)`},
+		{"entities are lower case", web + "  egress: [{toEntities: [World]}]",
+			`egress[0].toEntities[0]: unknown entity "World" (apiary supports world, host, cluster and all)`},
+		{"toFQDNs in a deny rule", web + "  egressDeny: [{toFQDNs: [{matchName: a.com}]}]",
+			"egressDeny[0].toFQDNs: not allowed in a deny rule"},
+		{"toPorts without ports", web + "  egress: [{toPorts: [{ports: [{port: '80'}]}, {}]}]",
+			"egress[0].toPorts[1].ports: missing: list at least one port (port 0 for every port)"},
+		{"endPort below port", `
+specs:
+- endpointSelector: {}
+- endpointSelector: {}
+  egress: [{toPorts: [{ports: [{port: "80", endPort: 79}]}]}]`,
+			"specs[1].egress[0].toPorts[0].ports[0].endPort: 79 is below port 80"},
+		{"endPort of a named port", web + "  ingress: [{toPorts: [{ports: [{port: '443'}, {port: https, endPort: 444}]}]}]",
+			`ingress[0].toPorts[0].ports[1].endPort: 444 needs a numeric port, not the port name "https"`},
+		{"endPort without port", web + "  ingress: [{toPorts: [{ports: [{endPort: 90, protocol: TCP}]}]}]",
+			"ingress[0].toPorts[0].ports[0].endPort: 90 needs a port to start the range at (port 0 is every port)"},
+		{"endPort not a number", web + "  ingress: [{toPorts: [{ports: [{port: '80', endPort: -1}]}]}]",
+			"ingress[0].toPorts[0].ports[0].endPort: -1 is not a port number (0-65535)"},
+		{"endPort too big", web + "  ingress: [{toPorts: [{ports: [{port: '80', endPort: 65536}]}]}]",
+			"ingress[0].toPorts[0].ports[0].endPort: 65536 is not a port number (0-65535)"},
+		{"port too big", web + "  egress: [{toPorts: [{ports: [{port: '65536'}]}]}]",
+			"egress[0].toPorts[0].ports[0].port: 65536 is not a port number (0-65535)"},
+		{"port not an integer", web + "  egress: [{toPorts: [{ports: [{port: 80.5}]}]}]",
+			`egress[0].toPorts[0].ports[0].port: "80.5" is neither a port number`},
+		{"protocol", web + "  egress: [{toPorts: [{ports: [{port: '8', protocol: ICMP}]}]}]",
+			`egress[0].toPorts[0].ports[0].protocol: "ICMP" is not TCP, UDP, SCTP or ANY`},
+		// Unsupported fields in rules, each named.
+		{"L7 rules", web + "  egress: [{toPorts: [{ports: [{port: '80'}], rules: {http: [{method: GET}]}}]}]",
+			"egress[0].toPorts[0].rules: not supported"},
+		{"DNS rules", web + "  egress: [{toPorts: [{ports: [{port: '53'}], rules: {dns: [{matchPattern: '*'}]}}]}]",
+			"egress[0].toPorts[0].rules: not supported"},
+		{"TLS and listener", web + "  egress: [{toPorts: [{ports: [{port: '443'}], serverNames: [a.com], listener: {name: x}, originatingTLS: {secret: {name: s}}}]}]",
+			"egress[0].toPorts[0].listener: not supported; egress[0].toPorts[0].originatingTLS: not supported; egress[0].toPorts[0].serverNames: not supported"},
+		{"toServices", web + "  egress: [{toServices: [{k8sService: {serviceName: a}}]}]", "egress[0].toServices: not supported"},
+		{"toRequires", web + "  egress: [{toRequires: [{matchLabels: {a: b}}]}]", "egress[0].toRequires: not supported"},
+		{"fromRequires", web + "  ingress: [{fromRequires: [{matchLabels: {a: b}}]}]", "ingress[0].fromRequires: not supported"},
+		{"icmps", web + "  ingressDeny: [{icmps: [{fields: [{type: 8}]}]}]", "ingressDeny[0].icmps: not supported"},
+		{"toGroups", web + "  egress: [{toGroups: [{aws: {labels: {a: b}}}]}]", "egress[0].toGroups: not supported"},
+		{"authentication", web + "  ingress: [{fromEntities: [cluster], authentication: {mode: required}}]", "ingress[0].authentication: not supported"},
+		{"toNodes", web + "  egress: [{toNodes: [{}]}]", "egress[0].toNodes: not supported"},
+		{"an unknown field of a port", web + "  egress: [{toPorts: [{ports: [{port: '80', portName: x}]}]}]", "egress[0].toPorts[0].ports[0].portName: not supported"},
+		{"cidrGroupRef", web + "  egress: [{toCIDRSet: [{cidrGroupRef: g}]}]",
+			`egress[0].toCIDRSet[0]: invalid CIDR ""; egress[0].toCIDRSet[0].cidrGroupRef: not supported`},
+		{"paths in specs", `
+spec:
+  endpointSelector: {}
+  egress: [{toServices: [{}, {}]}]
+specs:
+- endpointSelector: {}
+  ingress: [{fromEntities: [moon]}]`,
+			`specs[0].ingress[0].fromEntities[0]: unknown entity "moon" (apiary supports world, host, cluster and all); spec.egress[0].toServices: not supported`},
+		{"several errors", web + "  egress: [{toEntities: [nope], toPorts: [{ports: [{port: '1', endPort: '0x10'}]}]}]",
+			`egress[0].toEntities[0]: unknown entity "nope" (apiary supports world, host, cluster and all); ` +
+				`egress[0].toPorts[0].ports[0].endPort: 0x10 is not a port number (0-65535)`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := parseYAML(t, tc.body, false)
+			if p.err == nil {
+				t.Fatalf("valid, want the error %q", tc.err)
+			}
+			// A few messages come from elsewhere (the FQDN pattern
+			// parser) or are long: their start is enough.
+			prefixOnly := strings.HasSuffix(tc.err, "neither a port number") || strings.HasSuffix(tc.err, "toFQDNs:")
+			if got := p.errorText(); got != tc.err && !(prefixOnly && strings.HasPrefix(got, tc.err)) {
+				t.Errorf("error:\n%s\nwant:\n%s", got, tc.err)
+			}
+			// An invalid policy contributes nothing; its row says why.
+			if len(p.cidrs) != 0 || len(p.selectors()) != 0 || len(p.specs) != 0 {
+				t.Errorf("an invalid policy contributes selectors %v, prefixes %v or specs %v", p.selectors(), p.cidrs, p.specs)
+			}
+			row := policyRow("cnp/default/p", p)
+			if row.Status != tables.PolicyError || row.Error != p.errorText() || row.Specs != nil || len(row.Peers) != 0 {
+				t.Errorf("row %+v", row)
+			}
+		})
+	}
+}
+
+func TestPortNames(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		ok   bool
+	}{
+		{"http", true},
+		{"h", true},
+		{"http-alt", true},
+		{"h2c", true},
+		{"8080-http", true},
+		{"a-b-c-d-e-f-g-h", true},   // 15
+		{"a-b-c-d-e-f-g-hi", false}, // 16
+		{"", false},
+		{"HTTP", false}, // container port names are lower case
+		{"-http", false},
+		{"http-", false},
+		{"my--port", false},
+		{"123-456", false}, // no letter
+		{"web_port", false},
+		{"héllo", false},
+	} {
+		if got := isPortName(tc.name); got != tc.ok {
+			t.Errorf("isPortName(%q) = %v, want %v", tc.name, got, tc.ok)
+		}
+		if tc.ok {
+			got, err := parsePort(PortProtocol{Port: PortValue(tc.name)})
+			if err != nil || got != (tables.PortRule{Protocol: tables.ProtoAny, Name: tc.name}) {
+				t.Errorf("parsePort(%q) = %+v, %v", tc.name, got, err)
+			}
+		}
+	}
+}
+
+func TestUnknownFields(t *testing.T) {
+	p := decodeCNP(t, `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  nodeSelector: {}
+  description: ignored
+  egress:
+  - toCIDR: [10.0.0.0/8]
+    toPorts: [{ports: [{port: 80}], rules: {http: [{}]}}]
+  ingressDeny: [{icmps: []}]
+  enableDefaultDeny: {ingress: false, audit: true}
+specs:
+- endpointSelector: {}
+  egress: [{toFQDNs: [{matchName: a.com, extra: 1}]}]
+`)
+	// description is a field of Rule, so not unknown.
+	wantIgnored := []string{"spec.enableDefaultDeny.audit", "spec.ingressDeny[0].icmps", "spec.nodeSelector"}
+	wantUnsupported := []string{"spec.egress[0].toPorts[0].rules", "specs[0].egress[0].toFQDNs[0].extra"}
+	if got := p.UnknownFields(); !slices.Equal(got, wantIgnored) {
+		t.Errorf("unknown fields %q, want %q", got, wantIgnored)
+	}
+	if got := p.UnsupportedFields(); !slices.Equal(got, wantUnsupported) {
+		t.Errorf("unsupported fields %q, want %q", got, wantUnsupported)
+	}
+	if p.Spec == nil || len(p.Spec.Egress) != 1 || p.Spec.Egress[0].ToCIDR[0] != "10.0.0.0/8" ||
+		p.Spec.Egress[0].ToPorts[0].Ports[0].Port != "80" || p.Name != "p" {
+		t.Errorf("decoded %+v", p)
+	}
+	cp := p.DeepCopyObject().(*CiliumNetworkPolicy)
+	if !slices.Equal(cp.UnknownFields(), wantIgnored) || !slices.Equal(cp.UnsupportedFields(), wantUnsupported) ||
+		cp.Spec.Egress[0].ToPorts[0].Ports[0].Port != "80" {
+		t.Errorf("deep copy lost fields: %+v", cp)
+	}
+	ccnp := &CiliumClusterwideNetworkPolicy{}
+	if err := json.Unmarshal([]byte(`{"spec":{"ingress":[{"fromRequires":[{}]}]}}`), ccnp); err != nil {
 		t.Fatal(err)
 	}
-	a.waitUntil(t, testTimeout, "big policy changed", a.cidrsApplied("cnp/default/big", changed))
-
-	a.deletePolicy(t, big)
-	var last snapshot
-	a.waitUntil(t, testTimeout, "tables as before the big policy", func(txn statedb.ReadTxn) bool {
-		last = a.snapshot(txn)
-		return last.equal(before)
-	}, func() string { return last.diff(before) })
-	// The map too: waitUntil waited for it.
-
-	mu.Lock()
-	defer mu.Unlock()
-	agentRefs = nil
-	if refErr != nil {
-		t.Error(refErr)
-	}
-	// Adding, changing and removing 5,000 CIDRs each took several chunks.
-	if chunked < 3*(bigCIDRs/selectors.WriteChunk) {
-		t.Errorf("%d commits were part of a chunked change, want at least %d", chunked, 3*(bigCIDRs/selectors.WriteChunk))
+	// fromRequires: [{}] is not empty (it lists a selector).
+	if got := ccnp.UnsupportedFields(); !slices.Equal(got, []string{"spec.ingress[0].fromRequires"}) {
+		t.Errorf("clusterwide unsupported fields %q", got)
 	}
 }
 
-// TestWritersGetInDuringRemoval removes a policy of 5,000 CIDRs and, right
-// after the controller commits the first of several chunks of prefixes and
-// then of selectors, has another writer write the same table (the prefixes
-// of another owner, as the DNS proxy does; the selectors table's lock).
-// Both writers get in while the policy is still half there, and the
-// other owner's prefix gets its identity.
-func TestWritersGetInDuringRemoval(t *testing.T) {
-	var (
-		mu       sync.Mutex
-		a        *agent
-		removing bool
-		events   []string
-	)
-	other := netip.MustParsePrefix("192.0.2.1/32")
-	// write runs f on another goroutine and waits for it, bounded.
-	write := func(f func()) bool {
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			f()
-		}()
-		select {
-		case <-done:
-			return true
-		case <-time.After(30 * time.Second):
-			return false
-		}
-	}
-	selectors.SetTestHookCommitted(t, func(table string, chunk, chunks int) {
-		mu.Lock()
-		defer mu.Unlock()
-		if !removing || chunk != 1 || chunks < 2 {
+// FuzzParsePort: whatever is written, a port entry either is an error or
+// comes out canonical.
+func FuzzParsePort(f *testing.F) {
+	f.Add("80", "90", "tcp")
+	f.Add("http-alt", "", "")
+	f.Add("0", "0", "ANY")
+	f.Add("65535", "70000", "Udp")
+	f.Fuzz(func(t *testing.T, port, endPort, protocol string) {
+		got, err := parsePort(PortProtocol{Port: PortValue(port), EndPort: PortValue(endPort), Protocol: protocol})
+		if err != nil {
 			return
 		}
-		switch table {
-		case "prefixes":
-			var err error
-			ok := write(func() {
-				_, err = a.prefixes.Update(ipcache.Upsert(other, "test/other", "fqdn:other.example.com"))
-			})
-			left := 0
-			for range a.prefixTbl.List(a.db.ReadTxn(), tables.PrefixOwnerIndex.Query(selectors.OwnerPolicy)) {
-				left++
-			}
-			events = append(events, fmt.Sprintf("prefixes written=%v err=%v, policy prefixes left=%d", ok, err, left))
-		case "selectors":
-			ok := write(func() {
-				wtxn := a.db.WriteTxn(a.selectors, a.policies)
-				wtxn.Abort()
-			})
-			events = append(events, fmt.Sprintf("selectors locked=%v, selectors left=%d", ok, a.selectors.NumObjects(a.db.ReadTxn())))
+		switch got.Protocol {
+		case tables.ProtoTCP, tables.ProtoUDP, tables.ProtoSCTP, tables.ProtoAny:
+		default:
+			t.Fatalf("%q %q %q: protocol %q", port, endPort, protocol, got.Protocol)
+		}
+		if got.Name != "" && (got.Port != 0 || got.EndPort != 0 || !isPortName(got.Name)) {
+			t.Fatalf("%q %q %q: named port %+v", port, endPort, protocol, got)
+		}
+		if got.EndPort != 0 && (got.Port == 0 || got.EndPort <= got.Port) {
+			t.Fatalf("%q %q %q: range %+v", port, endPort, protocol, got)
 		}
 	})
-	mu.Lock()
-	a = startAgent(t)
-	mu.Unlock()
-	p := cidrPolicy("big", policyCIDRs(bigCIDRs))
-	a.addPolicy(t, p)
-	a.waitUntil(t, testTimeout, "big policy applied", a.policyApplied(bigCIDRs))
-
-	mu.Lock()
-	removing = true
-	mu.Unlock()
-	a.deletePolicy(t, p)
-	a.waitUntil(t, testTimeout, "big policy removed", func(txn statedb.ReadTxn) bool {
-		e, _, found := a.ipcache.Get(txn, tables.IPCachePrefixIndex.Query(other))
-		return found && e.Identity != 0 && a.selectors.NumObjects(txn) == 0 && a.ipcache.NumObjects(txn) == 2
-	})
-
-	mu.Lock()
-	defer mu.Unlock()
-	// The first chunk of each kind is all that was left out when they
-	// wrote: the rest of the policy was still there.
-	want := []string{
-		fmt.Sprintf("prefixes written=true err=<nil>, policy prefixes left=%d", bigCIDRs-selectors.WriteChunk),
-		fmt.Sprintf("selectors locked=true, selectors left=%d", bigCIDRs+1-(selectors.WriteChunk-1)),
-	}
-	if !slices.Equal(events, want) {
-		t.Errorf("writers during the removal:\n%s\nwant:\n%s", strings.Join(events, "\n"), strings.Join(want, "\n"))
-	}
 }

@@ -10,11 +10,11 @@ import (
 	"github.com/apiary-net/apiary/tables"
 )
 
-// Selector selects identities by their labels. Three kinds exist: label
+// Selector selects identities by their labels. Four kinds exist: label
 // selectors (Kubernetes semantics over security labels), CIDR selectors
-// (prefix-aware over cidr: labels) and FQDN selectors (identities carrying
+// (prefix-aware over cidr: labels), FQDN selectors (identities carrying
 // the selector's fqdn: label, which the DNS proxy gives the IPs of names it
-// matches).
+// matches) and entity selectors (world, host, cluster).
 type Selector interface {
 	// String is the canonical form: two selectors with the same string
 	// select the same identities, and share a row of the selectors table.
@@ -144,6 +144,11 @@ func ParseEndpointSelector(es EndpointSelector, namespace string) (*LabelSelecto
 		}
 		if source == "any" {
 			source = ""
+		}
+		if source == sourceEntity {
+			// No identity has entity: labels; and the selector's text
+			// could be that of an entity selector, whose row it would share.
+			return fmt.Errorf("selector key %q: %s: is not a label source (use fromEntities or toEntities)", key, sourceEntity)
 		}
 		if k == "" {
 			return fmt.Errorf("selector key %q is empty", key)
@@ -324,3 +329,63 @@ func (s *FQDNPeer) String() string { return s.Label }
 
 // Matches implements Selector.
 func (s *FQDNPeer) Matches(l tables.Labels) bool { return l.Has(s.Label) }
+
+// Entities of fromEntities and toEntities.
+const (
+	// EntityWorld is every address outside the cluster: the identities
+	// with a world label (reserved 2, 9, 10 and every CIDR and FQDN
+	// identity).
+	EntityWorld = "world"
+	// EntityHost is the local node: identity 1.
+	EntityHost = "host"
+	// EntityCluster is everything inside the cluster: workloads and the
+	// reserved identities that are not world ones.
+	EntityCluster = "cluster"
+	// EntityAll is every peer; it is tables.AnyPeer (identity 0), not a
+	// selector.
+	EntityAll = "all"
+)
+
+// sourceEntity is the prefix of entity selectors' text.
+const sourceEntity = "entity"
+
+// EntitySelector selects the identities of an entity (world, host or
+// cluster). Its text is "entity:<name>".
+type EntitySelector struct {
+	Entity string
+}
+
+// ParseEntity returns the peer of a fromEntities or toEntities entry:
+// an entity selector, or tables.AnyPeer for "all" (nil selector).
+func ParseEntity(name string) (*EntitySelector, string, error) {
+	switch name {
+	case EntityWorld, EntityHost, EntityCluster:
+		s := &EntitySelector{Entity: name}
+		return s, s.String(), nil
+	case EntityAll:
+		return nil, tables.AnyPeer, nil
+	}
+	return nil, "", fmt.Errorf("unknown entity %q (apiary supports %s, %s, %s and %s)",
+		name, EntityWorld, EntityHost, EntityCluster, EntityAll)
+}
+
+// String implements Selector.
+func (s *EntitySelector) String() string { return sourceEntity + ":" + s.Entity }
+
+// Matches implements Selector.
+func (s *EntitySelector) Matches(l tables.Labels) bool {
+	switch s.Entity {
+	case EntityWorld:
+		return hasWorld(l)
+	case EntityHost:
+		return l.Has(tables.LabelHost)
+	case EntityCluster:
+		return !outsideCluster(l)
+	}
+	return false
+}
+
+// hasWorld reports whether l holds one of the world labels.
+func hasWorld(l tables.Labels) bool {
+	return l.Has(tables.LabelWorld) || l.Has(tables.LabelWorldIPv4) || l.Has(tables.LabelWorldIPv6)
+}

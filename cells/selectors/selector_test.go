@@ -1,6 +1,8 @@
 package selectors
 
 import (
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -71,6 +73,9 @@ func TestEndpointSelector(t *testing.T) {
 		{name: "in without values", es: EndpointSelector{MatchExpressions: []LabelSelectorRequirement{{Key: "app", Operator: "In"}}},
 			err: "needs values"},
 		{name: "empty key", es: EndpointSelector{MatchLabels: map[string]string{"k8s:": "x"}}, err: "empty"},
+		// Its text would be an entity selector's.
+		{name: "entity source", es: EndpointSelector{MatchExpressions: []LabelSelectorRequirement{{Key: "entity:world", Operator: "Exists"}}},
+			err: "is not a label source"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s, err := ParseEndpointSelector(tc.es, tc.ns)
@@ -98,33 +103,6 @@ func TestEndpointSelector(t *testing.T) {
 	}
 }
 
-func TestParsePolicyErrors(t *testing.T) {
-	sel := &EndpointSelector{}
-	for _, tc := range []struct {
-		name string
-		rule Rule
-		err  string
-	}{
-		{"no subject", Rule{}, "endpointSelector: missing"},
-		{"bad cidr", Rule{EndpointSelector: sel, Egress: []EgressRule{{ToCIDR: []string{"10.0.0.0/40"}}}}, `egress[0].toCIDR[0]: invalid CIDR "10.0.0.0/40"`},
-		{"except outside", Rule{EndpointSelector: sel, Egress: []EgressRule{{ToCIDRSet: []CIDRRule{{CIDR: "10.0.0.0/8", Except: []string{"11.0.0.0/16"}}}}}}, "except 11.0.0.0/16 is not inside 10.0.0.0/8"},
-		{"fqdn both", Rule{EndpointSelector: sel, Egress: []EgressRule{{ToFQDNs: []FQDNSelector{{MatchName: "a.com", MatchPattern: "*.a.com"}}}}}, "both"},
-		{"fqdn star in name", Rule{EndpointSelector: sel, Egress: []EgressRule{{ToFQDNs: []FQDNSelector{{MatchName: "*.a.com"}}}}}, "not allowed"},
-		{"bad peer", Rule{EndpointSelector: sel, Ingress: []IngressRule{{FromEndpoints: []EndpointSelector{{MatchExpressions: []LabelSelectorRequirement{{Key: "a", Operator: "Exists", Values: []string{"x"}}}}}}}}, "ingress[0].fromEndpoints[0]"},
-	} {
-		p := parsePolicy("cnp/default/x", "default", &tc.rule, nil)
-		if p.err == nil || !strings.Contains(p.errorText(), tc.err) {
-			t.Errorf("%s: got %v, want an error with %q", tc.name, p.err, tc.err)
-		}
-		if len(p.cidrs) != 0 || len(p.selectors()) != 0 {
-			t.Errorf("%s: an invalid policy contributes selectors or prefixes", tc.name)
-		}
-	}
-	if p := parsePolicy("cnp/default/x", "default", nil, nil); p.err == nil {
-		t.Error("a policy without spec is valid")
-	}
-}
-
 func FuzzParseSelectors(f *testing.F) {
 	f.Add("10.0.0.0/8", "10.1.0.0/16", "k8s:app", "In", "web")
 	f.Add("fd00::/8", "", "tier", "Exists", "")
@@ -148,24 +126,120 @@ func FuzzParseSelectors(f *testing.F) {
 	})
 }
 
-func TestUnknownFields(t *testing.T) {
-	data := []byte(`{"apiVersion":"cilium.io/v2","kind":"CiliumNetworkPolicy","metadata":{"name":"x","labels":{"a":"b"}},
-	"spec":{"endpointSelector":{"matchLabels":{"app":"web"}},"nodeSelector":{},
-	  "egress":[{"toCIDR":["10.0.0.0/8"],"toPorts":[{"ports":[{"port":"80"}]}]}],
-	  "ingressDeny":[{}]},
-	"specs":[{"endpointSelector":{},"egress":[{"toFQDNs":[{"matchName":"a.com","extra":1}]}]}]}`)
-	var p CiliumNetworkPolicy
-	if err := p.UnmarshalJSON(data); err != nil {
-		t.Fatal(err)
+// reservedLabels are the label sets of the reserved identities, by number,
+// as identity.Reserved has them.
+var reservedLabels = map[uint32]tables.Labels{
+	1:  tables.NewLabels(tables.LabelHost),
+	2:  tables.NewLabels(tables.LabelWorld),
+	3:  tables.NewLabels(tables.LabelUnmanaged),
+	4:  tables.NewLabels(tables.LabelHealth),
+	5:  tables.NewLabels(tables.LabelInit),
+	6:  tables.NewLabels(tables.LabelRemoteNode),
+	7:  tables.NewLabels(tables.LabelKubeAPIServer, tables.LabelRemoteNode),
+	8:  tables.NewLabels(tables.LabelIngress),
+	9:  tables.NewLabels(tables.LabelWorldIPv4),
+	10: tables.NewLabels(tables.LabelWorldIPv6),
+}
+
+// entityTestIdentities are reservedLabels and identities of every other
+// kind: workloads, CIDRs (IPv4 and IPv6, with --enable-ipv6's world
+// labels too), FQDN names.
+func entityTestIdentities() map[uint32]tables.Labels {
+	ids := map[uint32]tables.Labels{
+		256:      tables.NewLabels("k8s:app=web", "k8s:io.kubernetes.pod.namespace=default"),
+		257:      tables.NewLabels("k8s:app=db", "k8s:io.kubernetes.pod.namespace=prod"),
+		16777217: tables.NewLabels("cidr:192.0.2.0/24", tables.LabelWorld),
+		16777218: tables.NewLabels("cidr:192.0.2.0/24", tables.LabelWorldIPv4),
+		16777219: tables.NewLabels("cidr:2001:db8::/64", tables.LabelWorldIPv6),
+		16777220: tables.NewLabels("fqdn:*.example.com", tables.LabelWorld),
+		16777221: tables.NewLabels("cidr:198.51.100.0/24", "fqdn:*.example.com", tables.LabelWorld),
 	}
-	want := []string{"spec.egress[0].toPorts", "spec.ingressDeny", "spec.nodeSelector", "specs[0].egress[0].toFQDNs[0].extra"}
-	if got := p.UnknownFields(); strings.Join(got, " ") != strings.Join(want, " ") {
-		t.Errorf("unknown fields %v, want %v", got, want)
+	for id, l := range reservedLabels {
+		ids[id] = l
 	}
-	if p.Spec == nil || len(p.Spec.Egress) != 1 || p.Spec.Egress[0].ToCIDR[0] != "10.0.0.0/8" || p.Name != "x" {
-		t.Errorf("decoded %+v", p)
+	return ids
+}
+
+// entitySelections are what each entity selects of entityTestIdentities.
+var entitySelections = map[string][]uint32{
+	EntityWorld:   {2, 9, 10, 16777217, 16777218, 16777219, 16777220, 16777221},
+	EntityHost:    {1},
+	EntityCluster: {1, 3, 4, 5, 6, 7, 8, 256, 257},
+}
+
+func TestEntitySelector(t *testing.T) {
+	ids := entityTestIdentities()
+	for _, tc := range []struct {
+		entity string
+		text   string
+	}{
+		{EntityWorld, "entity:world"},
+		{EntityHost, "entity:host"},
+		{EntityCluster, "entity:cluster"},
+	} {
+		sel, peer, err := ParseEntity(tc.entity)
+		if err != nil || sel == nil || sel.String() != tc.text || peer != tc.text {
+			t.Fatalf("ParseEntity(%s) = %v, %q, %v; want the selector %s", tc.entity, sel, peer, err, tc.text)
+		}
+		var got []uint32
+		for id, l := range ids {
+			if sel.Matches(l) {
+				got = append(got, id)
+			}
+		}
+		slices.Sort(got)
+		if want := entitySelections[tc.entity]; !slices.Equal(got, want) {
+			t.Errorf("%s selects %v, want %v", sel, got, want)
+		}
 	}
-	if cp := p.DeepCopyObject().(*CiliumNetworkPolicy); len(cp.UnknownFields()) != 4 || cp.Name != "x" {
-		t.Errorf("deep copy lost fields: %+v", cp)
+	// The world and the cluster split every identity between them.
+	for id, l := range ids {
+		world := slices.Contains(entitySelections[EntityWorld], id)
+		cluster := slices.Contains(entitySelections[EntityCluster], id)
+		if world == cluster {
+			t.Errorf("identity %d (%s): world %v, cluster %v", id, l, world, cluster)
+		}
+	}
+	if sel, peer, err := ParseEntity(EntityAll); sel != nil || peer != tables.AnyPeer || err != nil {
+		t.Errorf("ParseEntity(all) = %v, %q, %v; want AnyPeer", sel, peer, err)
+	}
+	for _, bad := range []string{"", "World", "remote-node", "health", "kube-apiserver", "none"} {
+		if _, _, err := ParseEntity(bad); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("unknown entity %q", bad)) {
+			t.Errorf("ParseEntity(%q): %v, want an error naming it", bad, err)
+		}
+	}
+}
+
+// TestLabelSelectorsUnchanged pins what label selectors select of the
+// reserved identities and the others, which entity selectors must not
+// have changed: everything of the cluster, never the world.
+func TestLabelSelectorsUnchanged(t *testing.T) {
+	ids := entityTestIdentities()
+	for _, tc := range []struct {
+		es   EndpointSelector
+		ns   string
+		want []uint32
+	}{
+		{EndpointSelector{}, "", []uint32{1, 3, 4, 5, 6, 7, 8, 256, 257}},
+		{EndpointSelector{}, "default", []uint32{256}},
+		{EndpointSelector{MatchLabels: map[string]string{"reserved:host": ""}}, "", []uint32{1}}, // a label without value is ""
+		{EndpointSelector{MatchExpressions: []LabelSelectorRequirement{{Key: "reserved:host", Operator: opExists}}}, "", []uint32{1}},
+		{EndpointSelector{MatchExpressions: []LabelSelectorRequirement{{Key: "reserved:world", Operator: opExists}}}, "", nil},
+		{EndpointSelector{MatchExpressions: []LabelSelectorRequirement{{Key: "app", Operator: opDoesNotExist}}}, "", []uint32{1, 3, 4, 5, 6, 7, 8}},
+	} {
+		sel, err := ParseEndpointSelector(tc.es, tc.ns)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []uint32
+		for id, l := range ids {
+			if sel.Matches(l) {
+				got = append(got, id)
+			}
+		}
+		slices.Sort(got)
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("%s selects %v, want %v", sel, got, tc.want)
+		}
 	}
 }
