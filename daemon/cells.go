@@ -12,6 +12,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ipam"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/lb"
+	"github.com/apiary-net/apiary/cells/policy"
 	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/cells/socketlb"
 )
@@ -29,7 +30,8 @@ var ControlPlane = cell.Group(
 	ipcache.Cell,   // prefix labels → identities → ipcache map
 	selectors.Cell, // CiliumNetworkPolicies: policies, selectors, policy CIDR prefixes
 	fqdn.Cell,      // DNS proxy: addresses of names FQDN selectors match → prefixes (fqdn-names)
-	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node
+	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node, their cgroups
+	policy.Cell,    // policy enforcement: per-endpoint entries → policy maps, cgroup programs (--enable-policy)
 )
 
 // agentCells is the whole agent:

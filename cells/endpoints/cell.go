@@ -32,6 +32,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/cells/node"
+	"github.com/apiary-net/apiary/internal/wake"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -170,6 +171,9 @@ type podState struct {
 type controller struct {
 	controllerParams
 
+	// markInitialized marks the endpoints table initialized.
+	markInitialized func(statedb.WriteTxn)
+
 	pods     map[k8s.Key]*podState
 	nsLabels map[string]map[string]string
 	// local counts the pods on this node.
@@ -194,6 +198,9 @@ func registerController(p controllerParams) error {
 	}
 	c := newController(p)
 	synced := p.Prefixes.RegisterInitializer("pods")
+	wtxn := p.DB.WriteTxn(p.Endpoints)
+	c.markInitialized = p.Endpoints.RegisterInitializer(wtxn, "pods-resolved")
+	wtxn.Commit()
 	p.Jobs.Add(job.OneShot("pods", func(ctx context.Context, h cell.Health) error {
 		return c.run(ctx, h, synced)
 	}))
@@ -228,7 +235,7 @@ const maxBatch = 1000
 
 func (c *controller) run(ctx context.Context, h cell.Health, synced func()) error {
 	pods, namespaces := c.Pods.Events(ctx), c.Namespaces.Events(ctx)
-	podsSynced, nsSynced, initDone := false, false, false
+	podsSynced, nsSynced, initDone, tableInit := false, false, false, false
 	onPod := k8s.TrackSync(&podsSynced, c.podChanged)
 	onNamespace := k8s.TrackSync(&nsSynced, c.namespaceChanged)
 	// One timer for every cgroup recheck; stopped while none is due.
@@ -246,9 +253,25 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		}
 		now := c.now()
 		c.recheckCgroups(now)
-		_, ipcacheWatch := c.IPCache.AllWatch(c.DB.ReadTxn())
+		rtxn := c.DB.ReadTxn()
+		_, ipcacheWatch := c.IPCache.AllWatch(rtxn)
+		ipcacheInit, ipcacheInitWatch := c.IPCache.Initialized(rtxn)
 		if err := c.writeEndpoints(); err != nil {
 			return err
+		}
+		// The table is complete once the pods have synced and their
+		// identities resolved: the ipcache was initialized before this
+		// round wrote the endpoints.
+		stopWait := func() {}
+		if !tableInit {
+			if initDone && ipcacheInit {
+				tableInit = true
+				wtxn := c.DB.WriteTxn(c.Endpoints)
+				c.markInitialized(wtxn)
+				wtxn.Commit()
+			} else {
+				ipcacheWatch, stopWait = wake.Either(ipcacheWatch, ipcacheInitWatch)
+			}
 		}
 		h.OK(fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local) + c.cgroupHealth())
 
@@ -259,7 +282,9 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		}
 		// Take a batch of events, or wait for the ipcache to change or a
 		// recheck to be due.
-		if !receive(ctx, ipcacheWatch, recheck.C, pods, onPod, namespaces, onNamespace) {
+		ok := receive(ctx, ipcacheWatch, recheck.C, pods, onPod, namespaces, onNamespace)
+		stopWait()
+		if !ok {
 			return nil
 		}
 	}

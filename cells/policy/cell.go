@@ -42,7 +42,8 @@ var Cell = cell.Module(
 		tables.NewPolicyEntriesTable,
 		tables.NewEndpointPolicyTable,
 		newOps,
-		newController,
+		newProgress,
+		newMapsOpened,
 	),
 	cell.Provide(
 		statedb.RWTable[*tables.PolicyEntry].ToTable,
@@ -167,46 +168,62 @@ type controllerParams struct {
 	Selectors      statedb.Table[*tables.Selector]
 	Endpoints      statedb.Table[*tables.Endpoint]
 	IPCache        statedb.Table[*tables.IPCacheEntry]
+	Progress       *progress
+	Opened         mapsOpened
 }
 
-func registerController(c *controller) {
+func registerController(p controllerParams) {
+	c := newController(p)
 	c.Jobs.Add(job.OneShot("compute", c.run))
 	// Jobs, the reconcilers among them, stop before this.
 	c.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { return c.Ops.Close() }})
 }
 
 // newGate returns the DNS proxy's gate on the policy map.
-func newGate(c *controller, identities statedb.Table[*tables.Identity]) fqdn.Gate {
+type gateParams struct {
+	cell.In
+
+	DB         *statedb.DB
+	Config     Config
+	IPCache    statedb.Table[*tables.IPCacheEntry]
+	Identities statedb.Table[*tables.Identity]
+	Selectors  statedb.Table[*tables.Selector]
+	Entries    statedb.RWTable[*tables.PolicyEntry]
+	Progress   *progress
+}
+
+func newGate(p gateParams) fqdn.Gate {
 	return &gate{
-		db: c.DB, ipcache: c.IPCache, identities: identities, selectors: c.Selectors,
-		entries: c.Entries, progress: c.progress, mode: c.Config.EnablePolicy,
+		db: p.DB, ipcache: p.IPCache, identities: p.Identities, selectors: p.Selectors,
+		entries: p.Entries, progress: p.Progress, mode: p.Config.EnablePolicy,
 	}
 }
 
 type attacherParams struct {
 	cell.In
 
-	Log        *slog.Logger
-	Config     Config
-	PinDir     bpffs.PinDir
-	Root       cgroups.Root
-	Jobs       job.Group
-	Lifecycle  cell.Lifecycle
-	Controller *controller
-	IPCache    ipcache.Map
-	Registry   prometheus.Registerer
+	Log       *slog.Logger
+	Config    Config
+	PinDir    bpffs.PinDir
+	Root      cgroups.Root
+	Jobs      job.Group
+	Lifecycle cell.Lifecycle
+	Ops       *reconcilers.Policy
+	Opened    mapsOpened
+	IPCache   ipcache.Map
+	Registry  prometheus.Registerer
 }
 
 func registerAttacher(p attacherParams) error {
 	a := &attacher{
-		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), root: p.Root, ops: p.Controller.Ops,
-		ipcache: p.IPCache, opened: p.Controller.opened, retry: 5 * time.Second,
+		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), root: p.Root, ops: p.Ops,
+		ipcache: p.IPCache, opened: p.Opened, retry: 5 * time.Second,
 	}
 	p.Jobs.Add(job.OneShot("attach", a.run))
 	// The links stay pinned (and attached); only this process's handles
 	// go.
 	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
-	return registerMetrics(p.Registry, a, p.Controller.Ops)
+	return registerMetrics(p.Registry, a, p.Ops)
 }
 
 // registerMetrics exports the verdict counters of the datapath and the

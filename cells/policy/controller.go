@@ -18,11 +18,13 @@ type controller struct {
 	controllerParams
 
 	markEntries, markEndpoints func(statedb.WriteTxn)
-	// opened is closed once the maps are open (the loader waits for it).
-	opened chan struct{}
-	// progress is how far the selectors table has been computed.
-	progress *progress
 }
+
+// mapsOpened is closed once the controller has opened the maps (the
+// loader waits for it).
+type mapsOpened chan struct{}
+
+func newMapsOpened() mapsOpened { return make(mapsOpened) }
 
 func newController(p controllerParams) *controller {
 	wtxn := p.DB.WriteTxn(p.Entries, p.EndpointPolicy)
@@ -30,8 +32,6 @@ func newController(p controllerParams) *controller {
 		controllerParams: p,
 		markEntries:      p.Entries.RegisterInitializer(wtxn, "policy-computed"),
 		markEndpoints:    p.EndpointPolicy.RegisterInitializer(wtxn, "policy-computed"),
-		opened:           make(chan struct{}),
-		progress:         newProgress(),
 	}
 	wtxn.Commit()
 	return c
@@ -46,7 +46,7 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 	if err != nil {
 		return fmt.Errorf("open policy maps: %w", err)
 	}
-	close(c.opened)
+	close(c.Opened)
 	if len(restored) > 0 {
 		c.Log.Info("Read the old policy maps", "endpoints", len(restored), "entries", c.Ops.Entries())
 	}
@@ -117,7 +117,7 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 			if err := w.commit(); err != nil {
 				return err
 			}
-			c.progress.set(c.Selectors.Revision(rtxn))
+			c.Progress.set(c.Selectors.Revision(rtxn))
 			if !marked {
 				marked = true
 				wtxn := c.DB.WriteTxn(c.Entries, c.EndpointPolicy)

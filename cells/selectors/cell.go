@@ -23,6 +23,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/cells/node"
+	"github.com/apiary-net/apiary/internal/wake"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -60,6 +61,7 @@ type controllerParams struct {
 	Policies   statedb.RWTable[*tables.Policy]
 	Selectors  statedb.RWTable[*tables.Selector]
 	Identities statedb.Table[*tables.Identity]
+	IPCache    statedb.Table[*tables.IPCacheEntry]
 	Prefixes   ipcache.Prefixes
 	CNPs       k8s.Resource[*CiliumNetworkPolicy]
 	CCNPs      k8s.Resource[*CiliumClusterwideNetworkPolicy]
@@ -67,6 +69,9 @@ type controllerParams struct {
 
 type controller struct {
 	controllerParams
+
+	// markPolicies and markSelectors mark the tables initialized.
+	markPolicies, markSelectors func(statedb.WriteTxn)
 
 	cache    *selectorCache
 	policies map[string]*parsedPolicy
@@ -87,6 +92,10 @@ func registerController(p controllerParams) {
 		dirtyCIDRs:       map[netip.Prefix]struct{}{},
 	}
 	synced := p.Prefixes.RegisterInitializer("policies")
+	wtxn := p.DB.WriteTxn(p.Policies, p.Selectors)
+	c.markPolicies = p.Policies.RegisterInitializer(wtxn, "policies-synced")
+	c.markSelectors = p.Selectors.RegisterInitializer(wtxn, "identities-selected")
+	wtxn.Commit()
 	p.Jobs.Add(job.OneShot("policies", func(ctx context.Context, h cell.Health) error {
 		return c.run(ctx, h, synced)
 	}))
@@ -126,8 +135,11 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			c.setPolicy(name, parsePolicy(name, "", ev.Object.Spec, ev.Object.Specs, ev.Object.UnsupportedFields()))
 		}
 	})
+	tablesInit := false
 	for {
-		seq, idWatch := idChanges.Next(c.DB.ReadTxn())
+		rtxn := c.DB.ReadTxn()
+		ipcacheInit, ipcacheInitWatch := c.IPCache.Initialized(rtxn)
+		seq, idWatch := idChanges.Next(rtxn)
 		for change := range seq {
 			if change.Deleted {
 				c.cache.deleteIdentity(change.Object.ID)
@@ -143,9 +155,26 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			initDone = true
 			synced()
 		}
+		// The selectors are complete once the policies have synced and
+		// every identity the ipcache had when it was initialized (so
+		// those of every prefix known at start) has been matched.
+		stopWait := func() {}
+		if !tablesInit {
+			if initDone && ipcacheInit {
+				tablesInit = true
+				wtxn := c.DB.WriteTxn(c.Policies, c.Selectors)
+				c.markPolicies(wtxn)
+				c.markSelectors(wtxn)
+				wtxn.Commit()
+			} else {
+				idWatch, stopWait = wake.Either(idWatch, ipcacheInitWatch)
+			}
+		}
 
 		// Apply a batch of policy events, or wait for identities.
-		if _, ok := k8s.ReceiveBatch2(ctx, idWatch, maxBatch, cnps, onCNP, ccnps, onCCNP); !ok {
+		_, ok := k8s.ReceiveBatch2(ctx, idWatch, maxBatch, cnps, onCNP, ccnps, onCCNP)
+		stopWait()
+		if !ok {
 			return nil // the context ended
 		}
 	}
