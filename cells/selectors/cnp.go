@@ -123,9 +123,21 @@ type FQDNSelector struct {
 }
 
 // PortRule is one toPorts entry: the ports a rule is limited to. L7
-// fields (rules, serverNames, listener, …) are not supported.
+// fields (rules other than dns, serverNames, listener, …) are not
+// supported.
 type PortRule struct {
 	Ports []PortProtocol `json:"ports,omitempty"`
+	// Rules holds the L7 rules; only DNS rules are accepted.
+	Rules *L7Rules `json:"rules,omitempty"`
+}
+
+// L7Rules are a toPorts entry's L7 rules. DNS rules, which the reference's
+// users write beside every toFQDNs rule (to let pods query DNS through its
+// proxy), are accepted and not enforced: apiary's DNS proxy sees every
+// query sent to it, and the entry's ports (53) are enforced as L4 rules.
+// Any other kind (http, kafka, …) makes the policy invalid.
+type L7Rules struct {
+	DNS []json.RawMessage `json:"dns,omitempty"`
 }
 
 // PortProtocol is a port, a range of ports or a named port, of one

@@ -410,9 +410,9 @@ specs:
 			`egress[0].toPorts[0].ports[0].protocol: "ICMP" is not TCP, UDP, SCTP or ANY`},
 		// Unsupported fields in rules, each named.
 		{"L7 rules", web + "  egress: [{toPorts: [{ports: [{port: '80'}], rules: {http: [{method: GET}]}}]}]",
-			"egress[0].toPorts[0].rules: not supported"},
-		{"DNS rules", web + "  egress: [{toPorts: [{ports: [{port: '53'}], rules: {dns: [{matchPattern: '*'}]}}]}]",
-			"egress[0].toPorts[0].rules: not supported"},
+			"egress[0].toPorts[0].rules.http: not supported"},
+		{"DNS rules beside others", web + "  egress: [{toPorts: [{ports: [{port: '53'}], rules: {dns: [{matchPattern: '*'}], kafka: [{}]}}]}]",
+			"egress[0].toPorts[0].rules.kafka: not supported"},
 		{"TLS and listener", web + "  egress: [{toPorts: [{ports: [{port: '443'}], serverNames: [a.com], listener: {name: x}, originatingTLS: {secret: {name: s}}}]}]",
 			"egress[0].toPorts[0].listener: not supported; egress[0].toPorts[0].originatingTLS: not supported; egress[0].toPorts[0].serverNames: not supported"},
 		{"toServices", web + "  egress: [{toServices: [{k8sService: {serviceName: a}}]}]", "egress[0].toServices: not supported"},
@@ -502,6 +502,8 @@ spec:
   egress:
   - toCIDR: [10.0.0.0/8]
     toPorts: [{ports: [{port: 80}], rules: {http: [{}]}}]
+  - toEndpoints: [{matchLabels: {k8s-app: kube-dns}}]
+    toPorts: [{ports: [{port: "53", protocol: ANY}], rules: {dns: [{matchPattern: "*"}]}}]
   ingressDeny: [{icmps: []}]
   enableDefaultDeny: {ingress: false, audit: true}
 specs:
@@ -510,14 +512,15 @@ specs:
 `)
 	// description is a field of Rule, so not unknown.
 	wantIgnored := []string{"spec.enableDefaultDeny.audit", "spec.ingressDeny[0].icmps", "spec.nodeSelector"}
-	wantUnsupported := []string{"spec.egress[0].toPorts[0].rules", "specs[0].egress[0].toFQDNs[0].extra"}
+	// DNS rules are accepted (and not enforced); other L7 rules are not.
+	wantUnsupported := []string{"spec.egress[0].toPorts[0].rules.http", "specs[0].egress[0].toFQDNs[0].extra"}
 	if got := p.UnknownFields(); !slices.Equal(got, wantIgnored) {
 		t.Errorf("unknown fields %q, want %q", got, wantIgnored)
 	}
 	if got := p.UnsupportedFields(); !slices.Equal(got, wantUnsupported) {
 		t.Errorf("unsupported fields %q, want %q", got, wantUnsupported)
 	}
-	if p.Spec == nil || len(p.Spec.Egress) != 1 || p.Spec.Egress[0].ToCIDR[0] != "10.0.0.0/8" ||
+	if p.Spec == nil || len(p.Spec.Egress) != 2 || p.Spec.Egress[0].ToCIDR[0] != "10.0.0.0/8" ||
 		p.Spec.Egress[0].ToPorts[0].Ports[0].Port != "80" || p.Name != "p" {
 		t.Errorf("decoded %+v", p)
 	}
