@@ -472,3 +472,97 @@ func TestPolicy(t *testing.T) {
 		}
 	})
 }
+
+// TestPolicyAfterSocketLB: policy decides on the backend a Service
+// connection goes to, not on the Service's address, however the socket LB
+// and policy programs came to be attached; and audit mode lets through
+// what policy would deny, counting it.
+func TestPolicyAfterSocketLB(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	root := testenv.Cgroup(t)
+	cgA, _, _ := mkCgroups(t, root)
+	listen(t, "127.0.1.41:8080", "127.0.1.42:8080")
+
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), policyPods)
+	writeFile(t, filepath.Join(configDir, "svc.yaml"), `apiVersion: v1
+kind: Service
+metadata: {name: api, namespace: default}
+spec:
+  clusterIP: 10.96.0.20
+  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: api-1, namespace: default, labels: {kubernetes.io/service-name: api}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints: [{addresses: ["127.0.1.41"], conditions: {ready: true}}]
+`)
+	writeFile(t, filepath.Join(configDir, "egress-a.yaml"), `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: to-backend, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egress:
+  - toCIDR: [127.0.1.41/32]
+    toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+`)
+	// First without the socket LB: its programs come after policy's when
+	// it is switched on, and the agent must put policy back last.
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{"--node-name=e2e-node", "--cgroup-root=" + root}})
+	a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny"})
+	if got := connectFrom(t, cgA, "127.0.1.41:8080", ""); got != "ok: hello from 127.0.1.41:8080" {
+		t.Fatalf("to the backend: %s", got)
+	}
+
+	a.restart(t, "--enable-socket-lb")
+	a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny"})
+	// The pinned policy links were updated in place, the socket LB's
+	// attached after them: the agent moves its own after the socket LB's.
+	a.waitLog(t, "Moved a policy program after the other programs of its hook")
+	testenv.Eventually(t, waitTimeout, "the Service reached through its allowed backend", func() (bool, string) {
+		got := connectFrom(t, cgA, "10.96.0.20:80", "")
+		return got == "ok: hello from 127.0.1.41:8080", got
+	})
+	if got := connectFrom(t, cgA, "127.0.1.42:8080", ""); got != "EPERM" {
+		t.Errorf("to an address policy does not allow: %s, want EPERM", got)
+	}
+	out, err := a.bpf("policy", "list", "--endpoint", "default/client-a", "--server", "http://"+a.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lines := strings.Split(strings.TrimSpace(out), "\n"); len(lines) != 2 ||
+		!strings.HasPrefix(lines[0], "endpoint ") || !strings.Contains(lines[0], "enforce=egress") ||
+		!strings.HasSuffix(lines[1], " TCP/8080 allow") {
+		t.Errorf("apiary bpf policy list --endpoint default/client-a:\n%s", out)
+	}
+
+	a.restart(t, "--enable-socket-lb", "--policy-audit-mode")
+	testenv.Eventually(t, waitTimeout, "audit mode: what policy denies goes through", func() (bool, string) {
+		got := connectFrom(t, cgA, "127.0.1.42:8080", "")
+		return got == "ok: hello from 127.0.1.42:8080", got
+	})
+	if n, err := a.labelledMetric(`apiary_policy_verdicts_total{direction="egress",verdict="audited"}`); err != nil || n < 1 {
+		t.Errorf("audited egress verdicts: %v %v, want at least 1", n, err)
+	}
+}
+
+// labelledMetric returns the value of one series of /metrics, named with
+// its labels as Prometheus prints them.
+func (a *agent) labelledMetric(series string) (float64, error) {
+	code, body, err := httpGet(a.url("/metrics"))
+	if err != nil {
+		return 0, err
+	}
+	if code != 200 {
+		return 0, fmt.Errorf("GET /metrics: %d", code)
+	}
+	for line := range strings.Lines(body) {
+		if rest, ok := strings.CutPrefix(line, series+" "); ok {
+			return strconv.ParseFloat(strings.TrimSpace(rest), 64)
+		}
+	}
+	return 0, fmt.Errorf("no series %s in /metrics", series)
+}
