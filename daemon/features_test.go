@@ -22,6 +22,7 @@ import (
 	"github.com/miekg/dns"
 	"github.com/spf13/pflag"
 
+	"github.com/apiary-net/apiary/bpf/policyprog"
 	"github.com/apiary-net/apiary/bpf/socklb"
 	"github.com/apiary-net/apiary/cells/api"
 	"github.com/apiary-net/apiary/cells/core"
@@ -109,6 +110,9 @@ spec:
 		if m == nil {
 			t.Fatalf("the proxy's health names no address: %s", msg)
 		}
+		// An answer is labelled only for the selectors the proxy knows:
+		// the policy must have been read first.
+		waitRow(t, base, "selectors", `"fqdn:*.example.com"`)
 		q := new(dns.Msg).SetQuestion("api.example.com.", dns.TypeA)
 		for _, proto := range []string{"udp", "tcp"} {
 			resp, _, err := (&dns.Client{Net: proto, Timeout: 5 * time.Second}).Exchange(q, m[1])
@@ -149,6 +153,25 @@ spec:
 			}
 			return true, ""
 		})
+	})
+	t.Run("policy programs are attached and the policy maps pinned", func(t *testing.T) {
+		waitRow(t, base, "health", `"policy.job-attach"`, "Enforcing policy on cgroup")
+		f, err := os.Open(cgroup)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		for _, hook := range policyprog.Hooks {
+			res, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: hook.Attach})
+			if err != nil || len(res.Programs) == 0 {
+				t.Errorf("%s: no program attached (%v)", hook.Name, err)
+			}
+		}
+		for _, m := range []string{"policy", "policy_endpoints", "policy_flows", "policy_stats"} {
+			if _, err := os.Stat(filepath.Join(pinDir, m)); err != nil {
+				t.Errorf("map %s is not pinned: %s", m, err)
+			}
+		}
 	})
 	t.Run("IPAM asked the plugin", func(t *testing.T) {
 		waitRow(t, base, "agent-ips", `"health"`, "10.99.0.")

@@ -61,15 +61,16 @@ func TestCLI(t *testing.T) {
 			counts[f[0]] = n
 		}
 		for _, table := range []string{"agent-ips", "backends", "ct-maps", "endpoints", "fqdn-names", "frontends",
-			"health", "identities", "ipcache", "policies", "prefixes", "selectors", "services"} {
+			"health", "identities", "ipcache", "policies", "prefixes", "selectors", "services",
+			"policy-entries", "endpoint-policy"} {
 			if _, ok := counts[table]; !ok {
 				t.Fatalf("apiary db tables lacks %s:\n%s", table, out)
 			}
 		}
 		// docs/examples: one Service with one frontend and two backends,
-		// one policy, two conntrack maps.
+		// two policies, two conntrack maps.
 		return counts["services"] == 1 && counts["frontends"] == 1 && counts["backends"] == 2 &&
-			counts["policies"] == 1 && counts["ct-maps"] == 2, out
+			counts["policies"] == 2 && counts["ct-maps"] == 2, out
 	})
 
 	// `apiary db show health -o json`: the modules' scopes, none degraded.
