@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"context"
 	"fmt"
 	"testing"
 
@@ -8,6 +9,7 @@ import (
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/testenv"
+	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -131,4 +133,67 @@ func BenchmarkIdentitySelected(b *testing.B) {
 			b.Fatalf("%d writes, want %d", out.writes, want)
 		}
 	}
+}
+
+// mapOutput writes the engine's entries into the policy map through the
+// reconciler's operations, as the agent's reconciler does.
+type mapOutput struct {
+	ops    reconcilers.PolicyEntryOps
+	err    error
+	writes int
+}
+
+func (o *mapOutput) upsertEntry(e *tables.PolicyEntry) {
+	o.writes++
+	if err := o.ops.Update(context.Background(), nil, 0, e); err != nil && o.err == nil {
+		o.err = err
+	}
+}
+
+func (o *mapOutput) deleteEntry(e *tables.PolicyEntry) {
+	o.writes++
+	if err := o.ops.Delete(context.Background(), nil, 0, e); err != nil && o.err == nil {
+		o.err = err
+	}
+}
+func (o *mapOutput) upsertEndpoint(*tables.EndpointPolicy) {}
+func (o *mapOutput) deleteEndpoint(string)                 {}
+
+// BenchmarkIdentityToMap: a new identity selected by 100 selectors, each
+// named by the policy of 100 endpoints, computed and written into the
+// pinned policy map (the old identity's entries deleted): the issue's
+// "reaching the maps of 100 endpoints".
+func BenchmarkIdentityToMap(b *testing.B) {
+	testenv.RequireRoot(b)
+	const selectors, endpoints = 100, 100
+	ops := reconcilers.NewPolicy(nil, MapMaxFlag)
+	if _, err := ops.Open(testenv.BPFPinDir(b), bpf.DefaultPolicyMapMaxEntries, endpointsMax); err != nil {
+		b.Fatal(err)
+	}
+	defer ops.Close()
+	e := newEngine(ModeDefault, false, nil)
+	e.setSelector("app=web", []uint32{256})
+	var rules []tables.PolicyRule
+	for s := range selectors {
+		rules = append(rules, egress(false, []string{fmt.Sprintf("fqdn:s%d", s)}, tcp(443, 0)))
+	}
+	e.setPolicy("cnp/x", []tables.PolicySpec{spec("app=web", rules...)})
+	for i := range endpoints {
+		name := fmt.Sprintf("default/web-%d", i)
+		e.setEndpoint(name, endpointRow(name, 256, uint64(100+i)))
+	}
+	out := &mapOutput{ops: ops.EntryOps()}
+	e.flush(out)
+	b.ResetTimer()
+	for i := range b.N {
+		id := uint32(0x01000000 + i)
+		for s := range selectors {
+			e.setSelector(fmt.Sprintf("fqdn:s%d", s), []uint32{id})
+		}
+		e.flush(out)
+		if out.err != nil {
+			b.Fatal(out.err)
+		}
+	}
+	b.ReportMetric(float64(out.writes)/float64(b.N), "map-ops/op")
 }
