@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -17,6 +16,7 @@ import (
 	"github.com/cilium/hive/cell"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/cgrouplink"
 	"github.com/apiary-net/apiary/bpf/socklb"
 	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/lb"
@@ -120,7 +120,7 @@ func (a *attacher) attach() (string, error) {
 	var links []link.Link
 	var done []string
 	for _, h := range socklb.Hooks {
-		l, how, err := a.attachHook(h, progs[h.Program], cgroup, cgID)
+		l, how, err := cgrouplink.Attach(a.log, filepath.Join(a.linksDir(), h.Name), h.Attach, progs[h.Program], cgroup, cgID)
 		if err != nil {
 			for _, l := range links {
 				l.Close()
@@ -138,70 +138,6 @@ func (a *attacher) attach() (string, error) {
 		cgroup, strings.Join(done, ", "), a.linksDir()), nil
 }
 
-// attachHook returns the link of hook h running prog, and whether it was
-// "attached" anew or "updated" in place.
-func (a *attacher) attachHook(h socklb.Hook, prog *ebpf.Program, cgroup string, cgID uint64) (link.Link, string, error) {
-	if prog == nil {
-		return nil, "", fmt.Errorf("object has no program %s", h.Program)
-	}
-	path := filepath.Join(a.linksDir(), h.Name)
-	old, err := link.LoadPinnedLink(path, nil)
-	switch {
-	case err == nil:
-		if same, why := sameAttachment(old, h, cgID); same {
-			if err := old.Update(prog); err != nil {
-				old.Close()
-				return nil, "", fmt.Errorf("update pinned link %s: %w", path, err)
-			}
-			return old, "updated", nil
-		} else {
-			// Attached elsewhere (another --cgroup-root): that one goes.
-			a.log.Info("Replacing a pinned link", "path", path, "reason", why)
-			if err := errors.Join(old.Unpin(), old.Close()); err != nil {
-				return nil, "", fmt.Errorf("remove pinned link %s: %w", path, err)
-			}
-		}
-	case errors.Is(err, fs.ErrNotExist):
-	default:
-		// Not a link, or unreadable: it cannot be ours to keep.
-		a.log.Warn("Removing an unusable pin", "path", path, "error", err)
-		if err := os.Remove(path); err != nil {
-			return nil, "", fmt.Errorf("remove pin %s: %w", path, err)
-		}
-	}
-
-	l, err := link.AttachCgroup(link.CgroupOptions{Path: cgroup, Attach: h.Attach, Program: prog})
-	if err != nil {
-		return nil, "", err
-	}
-	// Until pinned, the link dies with this process, so a crash here
-	// leaves nothing attached behind.
-	if err := l.Pin(path); err != nil {
-		l.Close()
-		return nil, "", fmt.Errorf("pin link %s (the kernel must support BPF links): %w", path, err)
-	}
-	return l, "attached", nil
-}
-
-// sameAttachment tells whether l is a cgroup link of hook h on cgroup cgID.
-func sameAttachment(l link.Link, h socklb.Hook, cgID uint64) (bool, string) {
-	info, err := l.Info()
-	if err != nil {
-		return false, err.Error()
-	}
-	cg := info.Cgroup()
-	if cg == nil {
-		return false, fmt.Sprintf("not a cgroup link (type %d)", info.Type)
-	}
-	if cg.CgroupId != cgID {
-		return false, fmt.Sprintf("attached to cgroup id %d, not %d", cg.CgroupId, cgID)
-	}
-	if ebpf.AttachType(cg.AttachType) != h.Attach {
-		return false, fmt.Sprintf("attach type %d, not %d", cg.AttachType, h.Attach)
-	}
-	return true, ""
-}
-
 // detach removes the pinned links (detaching the programs) and the socket
 // reverse-NAT map.
 func (a *attacher) detach() (string, error) {
@@ -209,22 +145,14 @@ func (a *attacher) detach() (string, error) {
 	var errs []error
 	var gone []string
 	for _, h := range socklb.Hooks {
-		path := filepath.Join(a.linksDir(), h.Name)
-		l, err := link.LoadPinnedLink(path, nil)
-		if errors.Is(err, fs.ErrNotExist) {
-			continue
-		}
+		ok, err := cgrouplink.Detach(filepath.Join(a.linksDir(), h.Name))
 		if err != nil {
-			errs = append(errs, fmt.Errorf("load pinned link %s: %w", path, err))
+			errs = append(errs, err)
 			continue
 		}
-		// Unpinned and closed, the link has no reference left and the
-		// kernel detaches it.
-		if err := errors.Join(l.Unpin(), l.Close()); err != nil {
-			errs = append(errs, fmt.Errorf("remove pinned link %s: %w", path, err))
-			continue
+		if ok {
+			gone = append(gone, h.Name)
 		}
-		gone = append(gone, h.Name)
 	}
 	if err := bpf.RemovePinnedMap(a.pinDir, socklb.SockRevNatMap); err != nil {
 		errs = append(errs, err)
