@@ -1,10 +1,9 @@
 package policyprog
 
 import (
-	"errors"
-	"fmt"
-
 	"github.com/cilium/ebpf"
+
+	"github.com/apiary-net/apiary/bpf"
 )
 
 // Hook is one of the programs and the cgroup hook it attaches to.
@@ -74,28 +73,5 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 		policyprogMapPolicyStats:     m.Stats,
 		policyprogMapIpcache:         m.IPCache,
 	}
-	for name, mp := range repl {
-		if mp == nil {
-			return nil, fmt.Errorf("load policy programs: no map for %s", name)
-		}
-		ms := spec.Maps[name]
-		if ms == nil {
-			return nil, fmt.Errorf("load policy programs: object has no map %s", name)
-		}
-		ms.MaxEntries = mp.MaxEntries()
-		ms.Flags = mp.Flags()
-	}
-	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: repl})
-	if err != nil {
-		var verr *ebpf.VerifierError
-		if errors.As(err, &verr) {
-			return nil, fmt.Errorf("load policy programs: %+v", verr)
-		}
-		return nil, fmt.Errorf("load policy programs: %w", err)
-	}
-	// The maps are the caller's; only the programs are handed over.
-	progs := coll.Programs
-	coll.Programs = nil
-	coll.Close()
-	return progs, nil
+	return bpf.LoadPrograms(spec, repl, "policy programs")
 }

@@ -1,10 +1,9 @@
 package socklb
 
 import (
-	"errors"
-	"fmt"
-
 	"github.com/cilium/ebpf"
+
+	"github.com/apiary-net/apiary/bpf"
 )
 
 // SockRevNatMap is the name (and pin name) of the map in which the programs
@@ -59,30 +58,7 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 		socklbMapLb4ReverseNat: m.RevNat,
 		socklbMapLb4SockRevnat: m.SockRevNat,
 	}
-	for name, mp := range repl {
-		if mp == nil {
-			return nil, fmt.Errorf("load socket LB programs: no map for %s", name)
-		}
-		ms := spec.Maps[name]
-		if ms == nil {
-			return nil, fmt.Errorf("load socket LB programs: object has no map %s", name)
-		}
-		ms.MaxEntries = mp.MaxEntries()
-		ms.Flags = mp.Flags()
-	}
-	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: repl})
-	if err != nil {
-		var verr *ebpf.VerifierError
-		if errors.As(err, &verr) {
-			return nil, fmt.Errorf("load socket LB programs: %+v", verr)
-		}
-		return nil, fmt.Errorf("load socket LB programs: %w", err)
-	}
-	// The maps are the caller's; only the programs are handed over.
-	progs := coll.Programs
-	coll.Programs = nil
-	coll.Close()
-	return progs, nil
+	return bpf.LoadPrograms(spec, repl, "socket LB programs")
 }
 
 // SockRevNatSpec returns the spec of the socket reverse-NAT map, for the

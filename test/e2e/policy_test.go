@@ -117,24 +117,33 @@ func listen(t *testing.T, addrs ...string) {
 	}
 }
 
-// connectFrom connects to addr from a process in the cgroup dir (from
-// source address bind, if set) and returns the outcome (see
-// connectOutcome).
-func connectFrom(t *testing.T, dir, addr, bind string) string {
+// helperIn returns the command that runs this test binary as a helper
+// (see runHelper) with env, started inside the cgroup dir (clone3 with
+// CLONE_INTO_CGROUP); the caller runs it before the test ends.
+func helperIn(t *testing.T, dir string, env ...string) *exec.Cmd {
 	t.Helper()
 	f, err := os.Open(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
+	// Only needed until the process starts; the test outlives it.
+	t.Cleanup(func() { f.Close() })
 	self, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
 	cmd := exec.Command(self)
-	cmd.Env = append(cleanEnv(), connectEnv+"="+addr, bindEnv+"="+bind)
-	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(f.Fd())}
-	out, err := cmd.Output()
+	cmd.Env = append(cleanEnv(), env...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(f.Fd()), Pdeathsig: syscall.SIGKILL}
+	return cmd
+}
+
+// connectFrom connects to addr from a process in the cgroup dir (from
+// source address bind, if set) and returns the outcome (see
+// connectOutcome).
+func connectFrom(t *testing.T, dir, addr, bind string) string {
+	t.Helper()
+	out, err := helperIn(t, dir, connectEnv+"="+addr, bindEnv+"="+bind).Output()
 	if err != nil {
 		t.Fatalf("connect helper in %s: %v: %s", dir, err, out)
 	}
@@ -144,18 +153,7 @@ func connectFrom(t *testing.T, dir, addr, bind string) string {
 // serveIn starts a greeting server on addr in a process in the cgroup dir.
 func serveIn(t *testing.T, dir, addr string) {
 	t.Helper()
-	f, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	self, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(self)
-	cmd.Env = append(cleanEnv(), serveEnv+"="+addr)
-	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(f.Fd()), Pdeathsig: syscall.SIGKILL}
+	cmd := helperIn(t, dir, serveEnv+"="+addr)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
