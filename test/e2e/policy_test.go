@@ -545,6 +545,16 @@ spec:
 	if n, err := a.labelledMetric(`apiary_policy_verdicts_total{direction="egress",verdict="audited"}`); err != nil || n < 1 {
 		t.Errorf("audited egress verdicts: %v %v, want at least 1", n, err)
 	}
+
+	// --enable-policy=never detaches the programs: nothing is enforced.
+	a.restart(t, "--enable-socket-lb", "--enable-policy=never")
+	a.waitLog(t, "Disabled (--enable-policy=never); detached policy_sockops, policy_connect4, policy_sendmsg4, policy_ingress, policy_egress")
+	if _, err := os.Stat(filepath.Join(a.pinDir, "links", "policy_connect4")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the connect4 link is still pinned: %v", err)
+	}
+	if got := connectFrom(t, cgA, "127.0.1.42:8080", ""); got != "ok: hello from 127.0.1.42:8080" {
+		t.Errorf("with --enable-policy=never: %s", got)
+	}
 }
 
 // labelledMetric returns the value of one series of /metrics, named with
