@@ -17,6 +17,7 @@ import (
 	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -54,18 +55,27 @@ spec:
 // examplePolicy in --config-dir, and waits for its FQDN selector.
 func startAgent(t testing.TB, upstream string, args ...string) *agent {
 	t.Helper()
+	return startAgentWith(t, upstream, nil, nil, args...)
+}
+
+// startAgentWith is startAgent with more cells in the hive (extra) and
+// objects in the fake clientset.
+func startAgentWith(t testing.TB, upstream string, extra []cell.Cell, objects []runtime.Object, args ...string) *agent {
+	t.Helper()
 	pinDir := testenv.BPFPinDir(t)
 	configDir := t.TempDir()
 	if err := os.WriteFile(filepath.Join(configDir, "policy.yaml"), []byte(examplePolicy), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	a := &agent{pinDir: pinDir}
-	h := hive.NewWithOptions(core.HiveOptions(),
-		infra.Cell, k8sfake.NewCell(fake.NewSimpleClientset()), //nolint:staticcheck // CRDs need the untyped tracker
+	cells := append([]cell.Cell{
+		infra.Cell, k8sfake.NewCell(fake.NewSimpleClientset(objects...)), //nolint:staticcheck // CRDs need the untyped tracker
 		identity.Cell, ipcache.Cell, selectors.Cell, fqdn.Cell,
 		cell.Invoke(func(p *fqdn.Proxy, db *statedb.DB, ids statedb.Table[*tables.Identity], names statedb.Table[*tables.FQDNName], reg *prometheus.Registry) {
 			a.proxy, a.db, a.identities, a.names, a.reg = p, db, ids, names, reg
-		}))
+		}),
+	}, extra...)
+	h := hive.NewWithOptions(core.HiveOptions(), cells...)
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(fs)
 	flags := append([]string{

@@ -1,0 +1,678 @@
+package reconcilers_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+	"golang.org/x/sys/unix"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/internal/testenv"
+	"github.com/apiary-net/apiary/reconcilers"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// policyMaxFlag is the flag the operations name when the policy map is
+// full (the policy cell passes its own, the same).
+const policyMaxFlag = "bpf-policy-map-max"
+
+// policyFixture is a real statedb.DB holding the policy-entries and
+// endpoint-policy tables, and the policy operations on maps pinned in a
+// fresh bpffs directory.
+type policyFixture struct {
+	dir       string
+	db        *statedb.DB
+	entries   statedb.RWTable[*tables.PolicyEntry]
+	endpoints statedb.RWTable[*tables.EndpointPolicy]
+	ops       *reconcilers.Policy
+}
+
+// newPolicyFixture opens empty maps, the policy map with room for
+// maxEntries entries.
+func newPolicyFixture(t *testing.T, maxEntries uint32) *policyFixture {
+	t.Helper()
+	f := &policyFixture{dir: testenv.BPFPinDir(t), db: statedb.New()}
+	var err error
+	if f.entries, err = tables.NewPolicyEntriesTable(f.db); err != nil {
+		t.Fatal(err)
+	}
+	if f.endpoints, err = tables.NewEndpointPolicyTable(f.db); err != nil {
+		t.Fatal(err)
+	}
+	if restored := f.open(t, maxEntries); len(restored) != 0 {
+		t.Fatalf("fresh maps restored %v", restored)
+	}
+	t.Cleanup(func() { f.ops.Close() })
+	return f
+}
+
+// open opens the pinned maps with new operations (as a restarted agent
+// does), closing the previous ones, and returns what Open restored.
+func (f *policyFixture) open(t *testing.T, maxEntries uint32) map[uint64]uint32 {
+	t.Helper()
+	if f.ops != nil {
+		if err := f.ops.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.ops = reconcilers.NewPolicy(nil, policyMaxFlag)
+	restored, err := f.ops.Open(f.dir, maxEntries, 1024)
+	if err != nil {
+		t.Fatalf("open the policy maps in %s: %v", f.dir, err)
+	}
+	return restored
+}
+
+// insert puts rows (*tables.PolicyEntry or *tables.EndpointPolicy) into
+// their tables, pending, as the policy controller does.
+func (f *policyFixture) insert(t *testing.T, rows ...any) {
+	t.Helper()
+	wtxn := f.db.WriteTxn(f.entries, f.endpoints)
+	defer wtxn.Abort()
+	for _, row := range rows {
+		var err error
+		switch r := row.(type) {
+		case *tables.PolicyEntry:
+			r.Status = reconciler.StatusPending()
+			_, _, err = f.entries.Insert(wtxn, r)
+		case *tables.EndpointPolicy:
+			r.Status = reconciler.StatusPending()
+			_, _, err = f.endpoints.Insert(wtxn, r)
+		default:
+			t.Fatalf("insert %T", row)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	wtxn.Commit()
+}
+
+// remove deletes rows from their tables.
+func (f *policyFixture) remove(t *testing.T, rows ...any) {
+	t.Helper()
+	wtxn := f.db.WriteTxn(f.entries, f.endpoints)
+	defer wtxn.Abort()
+	for _, row := range rows {
+		var err error
+		switch r := row.(type) {
+		case *tables.PolicyEntry:
+			_, _, err = f.entries.Delete(wtxn, r)
+		case *tables.EndpointPolicy:
+			_, _, err = f.endpoints.Delete(wtxn, r)
+		default:
+			t.Fatalf("remove %T", row)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	wtxn.Commit()
+}
+
+// updateEntries runs the entry operations' Update on every row of the
+// policy-entries table, as its reconciler does, and returns the errors by
+// row key.
+func (f *policyFixture) updateEntries(t *testing.T) map[string]error {
+	t.Helper()
+	errs := map[string]error{}
+	txn := f.db.ReadTxn()
+	for e, rev := range f.entries.All(txn) {
+		if err := f.ops.EntryOps().Update(context.Background(), txn, rev, e); err != nil {
+			errs[e.Key()] = err
+		}
+	}
+	return errs
+}
+
+// updateEndpoint runs the endpoint operations' Update on the row name.
+func (f *policyFixture) updateEndpoint(t *testing.T, name string) error {
+	t.Helper()
+	txn := f.db.ReadTxn()
+	row, rev, found := f.endpoints.Get(txn, tables.EndpointPolicyNameIndex.Query(name))
+	if !found {
+		t.Fatalf("no endpoint-policy row %s", name)
+	}
+	return f.ops.EndpointOps(f.entries).Update(context.Background(), txn, rev, row)
+}
+
+// pruneEntries and pruneEndpoints run Prune with what the tables hold.
+func (f *policyFixture) pruneEntries(t *testing.T) {
+	t.Helper()
+	txn := f.db.ReadTxn()
+	if err := f.ops.EntryOps().Prune(context.Background(), txn, f.entries.All(txn)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (f *policyFixture) pruneEndpoints(t *testing.T) {
+	t.Helper()
+	txn := f.db.ReadTxn()
+	if err := f.ops.EndpointOps(f.entries).Prune(context.Background(), txn, f.endpoints.All(txn)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// policyMap reads the pinned policy map as the kernel has it.
+func (f *policyFixture) policyMap(t *testing.T) map[bpf.PolicyKey]bpf.PolicyValue {
+	t.Helper()
+	return readPinned[bpf.PolicyKey, bpf.PolicyValue](t, filepath.Join(f.dir, bpf.PolicyMap))
+}
+
+// endpointsMap reads the pinned policy_endpoints map.
+func (f *policyFixture) endpointsMap(t *testing.T) map[uint64]bpf.PolicyEndpointValue {
+	t.Helper()
+	return readPinned[uint64, bpf.PolicyEndpointValue](t, filepath.Join(f.dir, bpf.PolicyEndpointsMap))
+}
+
+func readPinned[K comparable, V any](t *testing.T, path string) map[K]V {
+	t.Helper()
+	m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	out := map[K]V{}
+	err = bpf.Walk(m, 64, func(keys []K, values []V) error {
+		for i, k := range keys {
+			out[k] = values[i]
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("read %s: %v", path, err)
+	}
+	return out
+}
+
+// polEntry is an allow entry of endpoint (named "default/ep<id>") towards
+// identity on TCP/port.
+func polEntry(endpointID, identity uint32, dir string, port uint16) *tables.PolicyEntry {
+	return &tables.PolicyEntry{
+		Endpoint: fmt.Sprintf("default/ep%d", endpointID), EndpointID: endpointID, Identity: identity,
+		Direction: dir, Protocol: unix.IPPROTO_TCP, Port: port, PortBits: 16, Policies: []string{"cnp/default/p"},
+	}
+}
+
+// polEndpoint is the endpoint-policy row of "default/ep<id>".
+func polEndpoint(id uint32, cgroupID uint64, ingress, egress string) *tables.EndpointPolicy {
+	return &tables.EndpointPolicy{
+		Name: fmt.Sprintf("default/ep%d", id), ID: id, Cgroup: fmt.Sprintf("kubepods/pod%d", id), CgroupID: cgroupID,
+		Ingress: ingress, Egress: egress, Policies: []string{"cnp/default/p"},
+	}
+}
+
+// policyLookup is a lookup as the datapath makes it: every key bit given.
+type policyLookup struct {
+	egress   bool
+	protocol uint8
+	port     uint16
+}
+
+func (l policyLookup) String() string {
+	dir := "ingress"
+	if l.egress {
+		dir = "egress"
+	}
+	return fmt.Sprintf("%s %s", dir, bpf.FormatPortPrefix(l.protocol, l.port, 16))
+}
+
+// TestPolicyEntryKeys writes entries of every shape and reads them back
+// from the map: the key's prefix length covers endpoint, identity and
+// direction (72 bits), then the protocol (8) unless it is any, then the
+// port's prefix bits; the value repeats the protocol and port bits and
+// carries the deny flag. Lookups with full keys, as the datapath's,
+// match what the entry covers and nothing else.
+func TestPolicyEntryKeys(t *testing.T) {
+	const (
+		tcp, udp = unix.IPPROTO_TCP, unix.IPPROTO_UDP
+		cidrID   = 0x01000001 // a local identity: every byte of the key's identity matters
+	)
+	tests := []struct {
+		name  string
+		entry tables.PolicyEntry // EndpointID is the case's number
+		key   bpf.PolicyKey      // EndpointID is the case's number
+		value bpf.PolicyValue
+		hits  []policyLookup
+		miss  []policyLookup
+	}{{
+		name:  "any protocol",
+		entry: tables.PolicyEntry{Identity: 256, Direction: tables.DirEgress},
+		key:   bpf.PolicyKey{PrefixLen: 72, Identity: 256, Egress: bpf.PolicyEgress},
+		value: bpf.PolicyValue{PortPrefixLen: 0},
+		hits:  []policyLookup{{true, tcp, 443}, {true, udp, 53}, {true, unix.IPPROTO_SCTP, 1}},
+		miss:  []policyLookup{{false, tcp, 443}},
+	}, {
+		name:  "any identity, every TCP port",
+		entry: tables.PolicyEntry{Identity: 0, Direction: tables.DirIngress, Protocol: tcp},
+		key:   bpf.PolicyKey{PrefixLen: 80, Identity: 0, Egress: bpf.PolicyIngress, Protocol: tcp},
+		value: bpf.PolicyValue{PortPrefixLen: 8},
+		hits:  []policyLookup{{false, tcp, 1}, {false, tcp, 65535}},
+		miss:  []policyLookup{{false, udp, 80}, {true, tcp, 80}},
+	}, {
+		name:  "one port",
+		entry: tables.PolicyEntry{Identity: cidrID, Direction: tables.DirEgress, Protocol: tcp, Port: 443, PortBits: 16},
+		key:   bpf.PolicyKey{PrefixLen: 96, Identity: cidrID, Egress: bpf.PolicyEgress, Protocol: tcp, Port: bpf.NewBe16(443)},
+		value: bpf.PolicyValue{PortPrefixLen: 24},
+		hits:  []policyLookup{{true, tcp, 443}},
+		miss:  []policyLookup{{true, tcp, 442}, {true, tcp, 444}, {true, udp, 443}},
+	}, {
+		name:  "port prefix 8000-8063",
+		entry: tables.PolicyEntry{Identity: 256, Direction: tables.DirIngress, Protocol: tcp, Port: 8000, PortBits: 10},
+		key:   bpf.PolicyKey{PrefixLen: 90, Identity: 256, Egress: bpf.PolicyIngress, Protocol: tcp, Port: bpf.NewBe16(8000)},
+		value: bpf.PolicyValue{PortPrefixLen: 18},
+		hits:  []policyLookup{{false, tcp, 8000}, {false, tcp, 8031}, {false, tcp, 8063}},
+		miss:  []policyLookup{{false, tcp, 7999}, {false, tcp, 8064}},
+	}, {
+		name:  "port prefix: the bits past it are cleared",
+		entry: tables.PolicyEntry{Identity: 256, Direction: tables.DirEgress, Protocol: udp, Port: 1029, PortBits: 14},
+		key:   bpf.PolicyKey{PrefixLen: 94, Identity: 256, Egress: bpf.PolicyEgress, Protocol: udp, Port: bpf.NewBe16(1028)},
+		value: bpf.PolicyValue{PortPrefixLen: 22},
+		hits:  []policyLookup{{true, udp, 1028}, {true, udp, 1031}},
+		miss:  []policyLookup{{true, udp, 1027}, {true, udp, 1032}},
+	}, {
+		name:  "deny",
+		entry: tables.PolicyEntry{Identity: 2, Direction: tables.DirEgress, Protocol: udp, Port: 53, PortBits: 16, Deny: true},
+		key:   bpf.PolicyKey{PrefixLen: 96, Identity: 2, Egress: bpf.PolicyEgress, Protocol: udp, Port: bpf.NewBe16(53)},
+		value: bpf.PolicyValue{Flags: bpf.PolicyFlagDeny, PortPrefixLen: 24},
+		hits:  []policyLookup{{true, udp, 53}},
+		miss:  []policyLookup{{true, tcp, 53}, {false, udp, 53}},
+	}, {
+		name:  "deny of every port of any identity",
+		entry: tables.PolicyEntry{Identity: 0, Direction: tables.DirIngress, Deny: true},
+		key:   bpf.PolicyKey{PrefixLen: 72, Identity: 0, Egress: bpf.PolicyIngress},
+		value: bpf.PolicyValue{Flags: bpf.PolicyFlagDeny},
+		hits:  []policyLookup{{false, tcp, 22}, {false, udp, 22}},
+		miss:  []policyLookup{{true, tcp, 22}},
+	}}
+
+	f := newPolicyFixture(t, 1024)
+	want := map[bpf.PolicyKey]bpf.PolicyValue{}
+	for i, tc := range tests {
+		// One endpoint per case, so that lookups see that case's entry
+		// only.
+		e := tc.entry
+		e.EndpointID = uint32(i + 1)
+		e.Endpoint = fmt.Sprintf("default/ep%d", e.EndpointID)
+		if err := f.ops.EntryOps().Update(context.Background(), f.db.ReadTxn(), 0, &e); err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		k := tc.key
+		k.EndpointID = e.EndpointID
+		// The key as the rest of the agent computes it.
+		if nk := bpf.NewPolicyKey(e.EndpointID, e.Identity, k.Egress, e.Protocol, e.Port, int(e.PortBits)); nk != k {
+			t.Errorf("%s: NewPolicyKey gives %+v, want %+v", tc.name, nk, k)
+		}
+		want[k] = tc.value
+	}
+	if got := f.policyMap(t); !maps.Equal(got, want) {
+		t.Fatalf("the map holds\n%v\nwant\n%v", got, want)
+	}
+	if u, d := f.ops.Writes(); u != uint64(len(tests)) || d != 0 {
+		t.Errorf("%d writes, %d deletes; want %d, 0", u, d, len(tests))
+	}
+
+	m, err := ebpf.LoadPinnedMap(filepath.Join(f.dir, bpf.PolicyMap), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			lookup := func(l policyLookup) (bpf.PolicyValue, error) {
+				dir := bpf.PolicyIngress
+				if l.egress {
+					dir = bpf.PolicyEgress
+				}
+				var v bpf.PolicyValue
+				err := m.Lookup(bpf.NewPolicyKey(uint32(i+1), tc.key.Identity, dir, l.protocol, l.port, 16), &v)
+				return v, err
+			}
+			for _, l := range tc.hits {
+				if v, err := lookup(l); err != nil || v != tc.value {
+					t.Errorf("lookup %s: %+v, %v; want %+v", l, v, err, tc.value)
+				}
+			}
+			for _, l := range tc.miss {
+				if v, err := lookup(l); !errors.Is(err, ebpf.ErrKeyNotExist) {
+					t.Errorf("lookup %s matched %+v (%v); want no entry", l, v, err)
+				}
+			}
+		})
+	}
+}
+
+// TestPolicyRestart closes the operations and opens the maps again, as a
+// restarted agent does: Open returns the endpoint IDs by cgroup, the same
+// rows applied again write nothing (also after the map was resized), and
+// Prune removes what the tables no longer hold.
+func TestPolicyRestart(t *testing.T) {
+	f := newPolicyFixture(t, 1024)
+	web := polEndpoint(1, 1001, tables.EnforceDefaultDeny, tables.EnforceDefaultDeny)
+	db := polEndpoint(2, 1002, tables.EnforceDefaultDeny, tables.EnforceOff)
+	webEntries := []*tables.PolicyEntry{
+		polEntry(1, 256, tables.DirEgress, 5432), polEntry(1, 257, tables.DirIngress, 8080), polEntry(1, 0, tables.DirEgress, 53),
+	}
+	dbEntries := []*tables.PolicyEntry{polEntry(2, 256, tables.DirIngress, 5432), polEntry(2, 258, tables.DirIngress, 5432)}
+	rows := []any{web, db}
+	for _, e := range slices.Concat(webEntries, dbEntries) {
+		rows = append(rows, e)
+	}
+	f.insert(t, rows...)
+
+	apply := func() {
+		t.Helper()
+		for _, name := range []string{web.Name, db.Name} {
+			if err := f.updateEndpoint(t, name); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if errs := f.updateEntries(t); len(errs) > 0 {
+			t.Fatal(errs)
+		}
+	}
+	apply()
+	if u, d := f.ops.Writes(); u != 7 || d != 0 {
+		t.Fatalf("first run: %d writes, %d deletes; want 5 entries and 2 cgroups written", u, d)
+	}
+	wantCgroups := map[uint64]bpf.PolicyEndpointValue{
+		1001: {EndpointID: 1, Flags: bpf.PolicyEnforceIngress | bpf.PolicyEnforceEgress},
+		1002: {EndpointID: 2, Flags: bpf.PolicyEnforceIngress},
+	}
+	if got := f.endpointsMap(t); !maps.Equal(got, wantCgroups) {
+		t.Fatalf("policy_endpoints %v, want %v", got, wantCgroups)
+	}
+
+	for _, size := range []uint32{1024, 2048} { // the same size, then a resize
+		restored := f.open(t, size)
+		if want := map[uint64]uint32{1001: 1, 1002: 2}; !maps.Equal(restored, want) {
+			t.Fatalf("size %d: restored %v, want %v", size, restored, want)
+		}
+		if n := f.ops.Entries(); n != 5 {
+			t.Errorf("size %d: %d entries read, want 5", size, n)
+		}
+		apply()
+		f.pruneEntries(t)
+		f.pruneEndpoints(t)
+		if u, d := f.ops.Writes(); u != 0 || d != 0 {
+			t.Errorf("size %d: %d writes, %d deletes for rows the maps held", size, u, d)
+		}
+	}
+
+	// An entry and an endpoint the tables lost while the agent was down
+	// (the new run's rows lack them) go at the first prune.
+	gone := webEntries[1]
+	goneKey, _ := reconcilers.PolicyKeyOf(gone)
+	f.open(t, 2048)
+	f.remove(t, gone, db, dbEntries[0], dbEntries[1])
+	f.pruneEntries(t)
+	got := f.policyMap(t)
+	if _, ok := got[goneKey]; ok {
+		t.Errorf("pruned entry %s is still in the map", goneKey)
+	}
+	for _, e := range dbEntries {
+		k, _ := reconcilers.PolicyKeyOf(e)
+		if _, ok := got[k]; ok {
+			t.Errorf("pruned entry %s is still in the map", k)
+		}
+	}
+	if len(got) != 2 {
+		t.Errorf("%d entries after the prune, want 2: %v", len(got), got)
+	}
+	f.pruneEndpoints(t)
+	delete(wantCgroups, 1002)
+	if got := f.endpointsMap(t); !maps.Equal(got, wantCgroups) {
+		t.Errorf("after the prune policy_endpoints is %v, want %v", got, wantCgroups)
+	}
+	if u, d := f.ops.Writes(); u != 0 || d != 4 {
+		t.Errorf("prune: %d writes, %d deletes; want 0, 4", u, d)
+	}
+}
+
+// TestPolicyMapFull fills a policy map of the smallest size (256) with 300
+// entries: those beyond its capacity fail with an error that says the map
+// is full and names the flag that sizes it, the others are in the map; an
+// endpoint whose entries do not all fit is not switched on (no
+// policy_endpoints entry, an error naming it), an endpoint whose entries
+// fit is, and the first is once room is made.
+func TestPolicyMapFull(t *testing.T) {
+	const size = 256
+	f := newPolicyFixture(t, size)
+	fits := polEndpoint(1, 2001, tables.EnforceOff, tables.EnforceDefaultDeny)
+	overflows := polEndpoint(2, 2002, tables.EnforceOff, tables.EnforceDefaultDeny)
+	var fitsEntries, overflowsEntries []*tables.PolicyEntry
+	rows := []any{fits, overflows}
+	for i := range 200 {
+		e := polEntry(1, uint32(1000+i), tables.DirEgress, 443)
+		fitsEntries = append(fitsEntries, e)
+		rows = append(rows, e)
+	}
+	for i := range 100 {
+		e := polEntry(2, uint32(1000+i), tables.DirEgress, 443)
+		overflowsEntries = append(overflowsEntries, e)
+		rows = append(rows, e)
+	}
+	f.insert(t, rows...)
+
+	isFull := func(err error) bool {
+		return err != nil && strings.Contains(err.Error(), fmt.Sprintf("policy map is full (%d entries)", size)) &&
+			strings.Contains(err.Error(), "--"+policyMaxFlag)
+	}
+	// The entries' reconciler first: it goes through the table in key
+	// order, so the entries of default/ep1 and the first 56 of
+	// default/ep2 fit.
+	errs := f.updateEntries(t)
+	if len(errs) != 300-size {
+		t.Fatalf("%d entries failed, want %d", len(errs), 300-size)
+	}
+	for key, err := range errs {
+		if !isFull(err) {
+			t.Fatalf("entry %s: %v; want the map full and --%s named", key, err, policyMaxFlag)
+		}
+	}
+	got := f.policyMap(t)
+	if len(got) != size {
+		t.Fatalf("%d entries in the map, want %d", len(got), size)
+	}
+	for e := range f.entries.All(f.db.ReadTxn()) {
+		k, v := reconcilers.PolicyKeyOf(e)
+		_, failed := errs[e.Key()]
+		if mv, ok := got[k]; ok == failed || (ok && mv != v) {
+			t.Errorf("entry %s: in the map %v (%+v), its update failed %v", e.Key(), ok, mv, failed)
+		}
+	}
+	for _, e := range fitsEntries {
+		if _, failed := errs[e.Key()]; failed {
+			t.Errorf("entry %s of the endpoint that fits failed", e.Key())
+		}
+	}
+
+	// The endpoint rows: only the one whose entries are all in the map
+	// is switched on.
+	if err := f.updateEndpoint(t, fits.Name); err != nil {
+		t.Fatalf("endpoint %s: %v", fits.Name, err)
+	}
+	err := f.updateEndpoint(t, overflows.Name)
+	if !isFull(err) || !strings.Contains(err.Error(), "endpoint "+overflows.Name+" not enforced") {
+		t.Fatalf("endpoint %s: %v; want an error naming it, the full map and --%s", overflows.Name, err, policyMaxFlag)
+	}
+	wantCgroups := map[uint64]bpf.PolicyEndpointValue{2001: {EndpointID: 1, Flags: bpf.PolicyEnforceEgress}}
+	if got := f.endpointsMap(t); !maps.Equal(got, wantCgroups) {
+		t.Fatalf("policy_endpoints %v, want %v", got, wantCgroups)
+	}
+
+	// Room is made (the first endpoint loses 50 entries): the second
+	// one's entries go in, and then its cgroup.
+	var dropped []any
+	for _, e := range fitsEntries[150:] {
+		dropped = append(dropped, e)
+		if err := f.ops.EntryOps().Delete(context.Background(), f.db.ReadTxn(), 0, e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.remove(t, dropped...)
+	if err := f.updateEndpoint(t, overflows.Name); err != nil {
+		t.Fatalf("endpoint %s once there is room: %v", overflows.Name, err)
+	}
+	wantCgroups[2002] = bpf.PolicyEndpointValue{EndpointID: 2, Flags: bpf.PolicyEnforceEgress}
+	if got := f.endpointsMap(t); !maps.Equal(got, wantCgroups) {
+		t.Fatalf("policy_endpoints %v, want %v", got, wantCgroups)
+	}
+	got = f.policyMap(t)
+	for _, e := range overflowsEntries {
+		if k, _ := reconcilers.PolicyKeyOf(e); !mapHas(got, k) {
+			t.Errorf("entry %s of the switched-on endpoint is not in the map", k)
+		}
+	}
+	if errs := f.updateEntries(t); len(errs) > 0 {
+		t.Errorf("entries failing once there is room: %v", errs)
+	}
+}
+
+func mapHas[K comparable, V any](m map[K]V, k K) bool {
+	_, ok := m[k]
+	return ok
+}
+
+// TestPolicyEndpointFlags: an endpoint row's Update writes the endpoint's
+// entries (the entry operations never ran) and then its cgroup, with the
+// flags of its directions' enforcement and of audit mode.
+func TestPolicyEndpointFlags(t *testing.T) {
+	tests := []struct {
+		name            string
+		ingress, egress string
+		audit           bool
+		want            uint32
+	}{
+		{"not enforced", tables.EnforceOff, tables.EnforceOff, false, 0},
+		{"ingress default deny", tables.EnforceDefaultDeny, tables.EnforceOff, false, bpf.PolicyEnforceIngress},
+		{"egress default allow", tables.EnforceOff, tables.EnforceDefaultAllow, false, bpf.PolicyEnforceEgress},
+		{"both, audit", tables.EnforceDefaultAllow, tables.EnforceDefaultDeny, true,
+			bpf.PolicyEnforceIngress | bpf.PolicyEnforceEgress | bpf.PolicyAudit},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newPolicyFixture(t, 1024)
+			ep := polEndpoint(7, 3001, tc.ingress, tc.egress)
+			ep.Audit = tc.audit
+			entries := []*tables.PolicyEntry{polEntry(7, 256, tables.DirIngress, 80), polEntry(7, 0, tables.DirEgress, 53)}
+			f.insert(t, ep, entries[0], entries[1])
+			if err := f.updateEndpoint(t, ep.Name); err != nil {
+				t.Fatal(err)
+			}
+			got := f.policyMap(t)
+			for _, e := range entries {
+				k, v := reconcilers.PolicyKeyOf(e)
+				if got[k] != v || !mapHas(got, k) {
+					t.Errorf("entry %s: %+v in the map, want %+v", k, got[k], v)
+				}
+			}
+			want := map[uint64]bpf.PolicyEndpointValue{3001: {EndpointID: 7, Flags: tc.want}}
+			if got := f.endpointsMap(t); !maps.Equal(got, want) {
+				t.Errorf("policy_endpoints %v, want %v", got, want)
+			}
+			// The entry operations then find their entries there.
+			before, _ := f.ops.Writes()
+			if errs := f.updateEntries(t); len(errs) > 0 {
+				t.Fatal(errs)
+			}
+			if after, _ := f.ops.Writes(); after != before {
+				t.Errorf("the entry operations wrote %d entries the endpoint's update had written", after-before)
+			}
+		})
+	}
+}
+
+// TestPolicyEndpointCgroup follows an endpoint's cgroup: a new cgroup ID
+// moves its policy_endpoints entry (the old key goes), a cgroup gone
+// removes it, Delete removes it, a row without an endpoint ID writes
+// nothing, and Prune removes the cgroups no row names (left by an earlier
+// run) and keeps those rows name.
+func TestPolicyEndpointCgroup(t *testing.T) {
+	f := newPolicyFixture(t, 1024)
+	// An earlier run left cgroup 4242 (endpoint 9) in policy_endpoints.
+	old := polEndpoint(9, 4242, tables.EnforceDefaultDeny, tables.EnforceOff)
+	f.insert(t, old)
+	if err := f.updateEndpoint(t, old.Name); err != nil {
+		t.Fatal(err)
+	}
+	f.remove(t, old)
+	if restored := f.open(t, 1024); !maps.Equal(restored, map[uint64]uint32{4242: 9}) {
+		t.Fatalf("restored %v", restored)
+	}
+
+	web := polEndpoint(1, 1001, tables.EnforceDefaultDeny, tables.EnforceDefaultDeny)
+	webValue := bpf.PolicyEndpointValue{EndpointID: 1, Flags: bpf.PolicyEnforceIngress | bpf.PolicyEnforceEgress}
+	entry := polEntry(1, 256, tables.DirEgress, 443)
+	f.insert(t, web, entry)
+	steps := []struct {
+		name   string
+		change func(*tables.EndpointPolicy) // nil: Delete the row
+		want   map[uint64]bpf.PolicyEndpointValue
+	}{
+		{"first cgroup", func(*tables.EndpointPolicy) {}, map[uint64]bpf.PolicyEndpointValue{4242: {EndpointID: 9, Flags: bpf.PolicyEnforceIngress}, 1001: webValue}},
+		{"cgroup made anew", func(e *tables.EndpointPolicy) { e.CgroupID = 1002 }, map[uint64]bpf.PolicyEndpointValue{4242: {EndpointID: 9, Flags: bpf.PolicyEnforceIngress}, 1002: webValue}},
+		{"egress no longer enforced", func(e *tables.EndpointPolicy) { e.Egress = tables.EnforceOff },
+			map[uint64]bpf.PolicyEndpointValue{4242: {EndpointID: 9, Flags: bpf.PolicyEnforceIngress}, 1002: {EndpointID: 1, Flags: bpf.PolicyEnforceIngress}}},
+		{"cgroup gone", func(e *tables.EndpointPolicy) { e.CgroupID, e.Cgroup = 0, "" }, map[uint64]bpf.PolicyEndpointValue{4242: {EndpointID: 9, Flags: bpf.PolicyEnforceIngress}}},
+		{"cgroup back", func(e *tables.EndpointPolicy) { e.CgroupID, e.Cgroup = 1003, "kubepods/pod1" }, map[uint64]bpf.PolicyEndpointValue{4242: {EndpointID: 9, Flags: bpf.PolicyEnforceIngress}, 1003: {EndpointID: 1, Flags: bpf.PolicyEnforceIngress}}},
+		{"deleted", nil, map[uint64]bpf.PolicyEndpointValue{4242: {EndpointID: 9, Flags: bpf.PolicyEnforceIngress}}},
+	}
+	row := web
+	for _, step := range steps {
+		var err error
+		if step.change == nil {
+			txn := f.db.ReadTxn()
+			f.remove(t, row)
+			err = f.ops.EndpointOps(f.entries).Delete(context.Background(), txn, 0, row)
+		} else {
+			row = row.Clone()
+			step.change(row)
+			f.insert(t, row)
+			err = f.updateEndpoint(t, row.Name)
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", step.name, err)
+		}
+		if got := f.endpointsMap(t); !maps.Equal(got, step.want) {
+			t.Fatalf("%s: policy_endpoints %v, want %v", step.name, got, step.want)
+		}
+	}
+	// The endpoint's entries are the entry operations' to delete.
+	if k, _ := reconcilers.PolicyKeyOf(entry); !mapHas(f.policyMap(t), k) {
+		t.Errorf("deleting the endpoint row deleted its entry %s", k)
+	}
+
+	// No endpoint ID yet (its cgroup unknown so far): nothing written.
+	pending := polEndpoint(0, 0, tables.EnforceDefaultDeny, tables.EnforceOff)
+	pending.Name = "default/pending"
+	f.insert(t, pending)
+	before, _ := f.ops.Writes()
+	if err := f.updateEndpoint(t, pending.Name); err != nil {
+		t.Fatal(err)
+	}
+	if after, _ := f.ops.Writes(); after != before {
+		t.Errorf("a row without an endpoint ID wrote %d entries", after-before)
+	}
+
+	// Prune: the rows name cgroup 1005 only.
+	db := polEndpoint(2, 1005, tables.EnforceDefaultDeny, tables.EnforceOff)
+	f.insert(t, db)
+	if err := f.updateEndpoint(t, db.Name); err != nil {
+		t.Fatal(err)
+	}
+	f.pruneEndpoints(t)
+	want := map[uint64]bpf.PolicyEndpointValue{1005: {EndpointID: 2, Flags: bpf.PolicyEnforceIngress}}
+	if got := f.endpointsMap(t); !maps.Equal(got, want) {
+		t.Fatalf("after the prune policy_endpoints %v, want %v", got, want)
+	}
+}
