@@ -41,6 +41,11 @@ type Policy struct {
 	entries   map[bpf.PolicyKey]bpf.PolicyValue
 	// cgroups is what policy_endpoints holds: cgroup ID → value.
 	cgroups map[uint64]bpf.PolicyEndpointValue
+	// written are the entries the endpoint operations wrote, with the
+	// policy-entries table's revision they saw: the entry reconciler's
+	// prune may run on an older view of the table, which does not have
+	// them yet, and must not delete them under an enforced endpoint.
+	written map[bpf.PolicyKey]statedb.Revision
 
 	writes, deletes atomic.Uint64
 }
@@ -55,6 +60,7 @@ func NewPolicy(log *slog.Logger, maxFlag string) *Policy {
 	return &Policy{
 		log: log, maxFlag: maxFlag,
 		entries: map[bpf.PolicyKey]bpf.PolicyValue{}, cgroups: map[uint64]bpf.PolicyEndpointValue{},
+		written: map[bpf.PolicyKey]statedb.Revision{},
 	}
 }
 
@@ -64,9 +70,9 @@ func NewPolicy(log *slog.Logger, maxFlag string) *Policy {
 // their entries) across a restart. A policy map of another size is
 // replaced by one holding the old one's entries.
 func (p *Policy) Open(pinDir string, maxEntries, maxEndpoints uint32) (map[uint64]uint32, error) {
-	pol, err := bpf.OpenPinnedMap(p.log, bpf.PolicyMapSpec(maxEntries), pinDir, copyMap[bpf.PolicyKey, bpf.PolicyValue])
+	pol, err := bpf.OpenPinnedMap(p.log, bpf.PolicyMapSpec(maxEntries), pinDir, p.copyPolicy)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%w (--%s=%d)", err, p.maxFlag, maxEntries)
 	}
 	eps, err := bpf.OpenPinnedMap(p.log, bpf.PolicyEndpointsMapSpec(maxEndpoints), pinDir, copyMap[uint64, bpf.PolicyEndpointValue])
 	if err != nil {
@@ -111,6 +117,37 @@ func copyMap[K comparable, V any](old, new *ebpf.Map) error {
 		_, err := new.BatchUpdate(keys, values, nil)
 		return err
 	})
+}
+
+// copyPolicy is the migration of a resized policy map: every entry moves
+// while there is room. A smaller map than the entries needs keeps what
+// fits (the endpoints stay enforced on those); the reconciler rewrites the
+// rest and reports the entries that do not fit on their endpoints.
+func (p *Policy) copyPolicy(old, new *ebpf.Map) error {
+	left := 0
+	err := bpf.Walk(old, 1024, func(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
+		if _, err := new.BatchUpdate(keys, values, nil); err == nil {
+			return nil
+		}
+		for i, k := range keys {
+			if err := new.Put(k, values[i]); err != nil {
+				if !isFull(err) {
+					return err
+				}
+				left++
+			}
+		}
+		return nil
+	})
+	if left > 0 {
+		p.log.Warn("The resized policy map is too small for the old one's entries", "left-out", left, "flag", "--"+p.maxFlag)
+	}
+	return err
+}
+
+// isFull reports whether err says that a map has no room left.
+func isFull(err error) bool {
+	return errors.Is(err, unix.E2BIG) || errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM)
 }
 
 // Close closes the maps; the pins stay.
@@ -175,7 +212,7 @@ func (p *Policy) putEntryLocked(k bpf.PolicyKey, v bpf.PolicyValue) error {
 		return errors.New("policy map not open")
 	}
 	if err := p.policy.Put(k, v); err != nil {
-		if errors.Is(err, unix.E2BIG) || errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM) {
+		if isFull(err) {
 			return fmt.Errorf("policy map is full (%d entries): raise --%s", p.maxCount, p.maxFlag)
 		}
 		return fmt.Errorf("write policy entry %s: %w", k, err)
@@ -201,12 +238,18 @@ func (p *Policy) deleteEntryLocked(k bpf.PolicyKey) error {
 }
 
 // PolicyEntryOps are the operations of the policy-entries table.
-type PolicyEntryOps struct{ *Policy }
+type PolicyEntryOps struct {
+	*Policy
+	table statedb.Table[*tables.PolicyEntry]
+}
 
 var _ reconciler.Operations[*tables.PolicyEntry] = PolicyEntryOps{}
 
-// EntryOps returns the operations of the policy-entries table.
-func (p *Policy) EntryOps() PolicyEntryOps { return PolicyEntryOps{p} }
+// EntryOps returns the operations of the policy-entries table, which
+// prune reads the revision of.
+func (p *Policy) EntryOps(table statedb.Table[*tables.PolicyEntry]) PolicyEntryOps {
+	return PolicyEntryOps{p, table}
+}
 
 // Update implements reconciler.Operations.
 func (o PolicyEntryOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.PolicyEntry) error {
@@ -225,19 +268,33 @@ func (o PolicyEntryOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.R
 }
 
 // Prune implements reconciler.Operations: entries the table does not hold
-// (left by an earlier run) are deleted.
-func (o PolicyEntryOps) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*tables.PolicyEntry, statedb.Revision]) error {
+// (left by an earlier run) are deleted, except those the endpoint
+// operations wrote from a newer view of the table than txn.
+func (o PolicyEntryOps) Prune(_ context.Context, txn statedb.ReadTxn, objs iter.Seq2[*tables.PolicyEntry, statedb.Revision]) error {
 	want := map[bpf.PolicyKey]struct{}{}
 	for e := range objs {
 		k, _ := PolicyKeyOf(e)
 		want[k] = struct{}{}
 	}
+	var seen statedb.Revision
+	if o.table != nil {
+		seen = o.table.Revision(txn)
+	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	var errs []error
 	for k := range o.entries {
-		if _, ok := want[k]; !ok {
-			errs = append(errs, o.deleteEntryLocked(k))
+		if _, ok := want[k]; ok {
+			continue
+		}
+		if rev, ok := o.written[k]; ok && rev > seen {
+			continue
+		}
+		errs = append(errs, o.deleteEntryLocked(k))
+	}
+	for k, rev := range o.written {
+		if rev <= seen {
+			delete(o.written, k)
 		}
 	}
 	return errors.Join(errs...)
@@ -281,8 +338,10 @@ func (o EndpointPolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ stat
 	}
 	// Every entry of the endpoint first: see Policy.
 	var errs []error
+	rev := o.Entries.Revision(txn)
 	for entry := range o.Entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
 		k, v := PolicyKeyOf(entry)
+		o.written[k] = rev
 		if err := o.putEntryLocked(k, v); err != nil {
 			errs = append(errs, err)
 			if len(errs) == 3 {

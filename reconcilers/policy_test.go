@@ -127,7 +127,7 @@ func (f *policyFixture) updateEntries(t *testing.T) map[string]error {
 	errs := map[string]error{}
 	txn := f.db.ReadTxn()
 	for e, rev := range f.entries.All(txn) {
-		if err := f.ops.EntryOps().Update(context.Background(), txn, rev, e); err != nil {
+		if err := f.ops.EntryOps(f.entries).Update(context.Background(), txn, rev, e); err != nil {
 			errs[e.Key()] = err
 		}
 	}
@@ -149,7 +149,7 @@ func (f *policyFixture) updateEndpoint(t *testing.T, name string) error {
 func (f *policyFixture) pruneEntries(t *testing.T) {
 	t.Helper()
 	txn := f.db.ReadTxn()
-	if err := f.ops.EntryOps().Prune(context.Background(), txn, f.entries.All(txn)); err != nil {
+	if err := f.ops.EntryOps(f.entries).Prune(context.Background(), txn, f.entries.All(txn)); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -303,7 +303,7 @@ func TestPolicyEntryKeys(t *testing.T) {
 		e := tc.entry
 		e.EndpointID = uint32(i + 1)
 		e.Endpoint = fmt.Sprintf("default/ep%d", e.EndpointID)
-		if err := f.ops.EntryOps().Update(context.Background(), f.db.ReadTxn(), 0, &e); err != nil {
+		if err := f.ops.EntryOps(f.entries).Update(context.Background(), f.db.ReadTxn(), 0, &e); err != nil {
 			t.Fatalf("%s: %v", tc.name, err)
 		}
 		k := tc.key
@@ -515,7 +515,7 @@ func TestPolicyMapFull(t *testing.T) {
 	var dropped []any
 	for _, e := range fitsEntries[150:] {
 		dropped = append(dropped, e)
-		if err := f.ops.EntryOps().Delete(context.Background(), f.db.ReadTxn(), 0, e); err != nil {
+		if err := f.ops.EntryOps(f.entries).Delete(context.Background(), f.db.ReadTxn(), 0, e); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -674,5 +674,55 @@ func TestPolicyEndpointCgroup(t *testing.T) {
 	want := map[uint64]bpf.PolicyEndpointValue{1005: {EndpointID: 2, Flags: bpf.PolicyEnforceIngress}}
 	if got := f.endpointsMap(t); !maps.Equal(got, want) {
 		t.Fatalf("after the prune policy_endpoints %v, want %v", got, want)
+	}
+}
+
+// TestPolicyPruneStaleView: the entry reconciler's prune may run on a view
+// of the table older than the one an endpoint's Update wrote the
+// endpoint's entries from; it must not delete them under the enforced
+// endpoint, and deletes them once its own view no longer has them.
+func TestPolicyPruneStaleView(t *testing.T) {
+	f := newPolicyFixture(t, 1024)
+	web := polEndpoint(1, 1001, tables.EnforceOff, tables.EnforceDefaultDeny)
+	f.insert(t, web)
+	stale := f.db.ReadTxn() // the entry reconciler's round starts here
+	e := polEntry(1, 256, tables.DirEgress, 443)
+	f.insert(t, e)
+	if err := f.updateEndpoint(t, web.Name); err != nil {
+		t.Fatal(err)
+	}
+	k, _ := reconcilers.PolicyKeyOf(e)
+	if err := f.ops.EntryOps(f.entries).Prune(context.Background(), stale, f.entries.All(stale)); err != nil {
+		t.Fatal(err)
+	}
+	if !mapHas(f.policyMap(t), k) {
+		t.Fatalf("prune on a stale view deleted %s under an enforced endpoint", k)
+	}
+
+	// Gone from the table: a prune that sees that deletes it.
+	f.remove(t, e)
+	f.pruneEntries(t)
+	if mapHas(f.policyMap(t), k) {
+		t.Fatalf("%s stays after the table lost it", k)
+	}
+}
+
+// TestPolicyMapShrink: a restart with a policy map smaller than the
+// entries it held keeps the entries that fit instead of failing to start.
+func TestPolicyMapShrink(t *testing.T) {
+	f := newPolicyFixture(t, 1024)
+	var rows []any
+	for i := range 300 {
+		rows = append(rows, polEntry(1, uint32(1000+i), tables.DirEgress, 443))
+	}
+	f.insert(t, rows...)
+	for key, err := range f.updateEntries(t) {
+		if err != nil {
+			t.Fatalf("%s: %v", key, err)
+		}
+	}
+	f.open(t, 256)
+	if n := len(f.policyMap(t)); n != 256 {
+		t.Fatalf("the shrunk map holds %d entries, want the 256 that fit", n)
 	}
 }

@@ -182,7 +182,7 @@ func BenchmarkIdentityToMap(b *testing.B) {
 		name := fmt.Sprintf("default/web-%d", i)
 		e.setEndpoint(name, endpointRow(name, 256, uint64(100+i)))
 	}
-	out := &mapOutput{ops: ops.EntryOps()}
+	out := &mapOutput{ops: ops.EntryOps(nil)}
 	e.flush(out)
 	b.ResetTimer()
 	for i := range b.N {

@@ -132,7 +132,7 @@ func registerReconcilers(p reconcilerParams) error {
 	// compare; nobody else writes the maps.
 	_, err := reconciler.Register(p.Params, p.Entries,
 		(*tables.PolicyEntry).Clone, (*tables.PolicyEntry).SetStatus, (*tables.PolicyEntry).GetStatus,
-		p.Ops.EntryOps(), nil,
+		p.Ops.EntryOps(p.Entries), nil,
 		reconciler.WithRefreshing(0, nil),
 		// The DNS proxy holds answers until their entries are in the map.
 		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),

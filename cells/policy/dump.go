@@ -77,7 +77,8 @@ func withPinned(path string, fn func(*ebpf.Map) error) error {
 //
 //	egress identity=256 TCP/80-95 allow
 //
-// identity=any for identity 0. endpointID, when not 0, keeps one endpoint.
+// identity=any for identity 0. endpointID, when not 0, keeps one endpoint
+// (an error if the maps do not have it).
 // Entries of an endpoint without a policy_endpoints entry (not enforced
 // yet) are printed under "endpoint N (no cgroup)".
 func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint32) error {
@@ -111,6 +112,9 @@ func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint3
 		if _, ok := byID[id]; !ok {
 			byID[id] = nil
 		}
+	}
+	if endpointID != 0 && len(byID) == 0 {
+		return fmt.Errorf("endpoint %d is not in the policy maps", endpointID)
 	}
 	ids := slices.Sorted(func(yield func(uint32) bool) {
 		for id := range byID {

@@ -88,17 +88,25 @@ func TestPolicyList(t *testing.T) {
 		name     string
 		endpoint uint32
 		want     string
+		wantErr  string
 	}{
-		{"every endpoint", 0, listGolden},
-		{"--endpoint 2", 2, "endpoint 2 cgroup 1002 enforce=egress audit\n  egress identity=16777217 TCP/443 allow\n"},
-		{"--endpoint of no cgroup", 3, "endpoint 3 (no cgroup)\n  egress identity=any ANY allow\n"},
-		{"--endpoint without entries", 4, "endpoint 4 cgroup 1004 enforce=none\n"},
-		{"--endpoint unknown", 99, ""},
+		{"every endpoint", 0, listGolden, ""},
+		{"--endpoint 2", 2, "endpoint 2 cgroup 1002 enforce=egress audit\n  egress identity=16777217 TCP/443 allow\n", ""},
+		{"--endpoint of no cgroup", 3, "endpoint 3 (no cgroup)\n  egress identity=any ANY allow\n", ""},
+		{"--endpoint without entries", 4, "endpoint 4 cgroup 1004 enforce=none\n", ""},
+		{"--endpoint unknown", 99, "", "endpoint 99 is not in the policy maps"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			var out strings.Builder
-			if err := policy.WriteEntries(&out, gotEndpoints, gotEntries, tc.endpoint); err != nil {
+			err := policy.WriteEntries(&out, gotEndpoints, gotEntries, tc.endpoint)
+			if tc.wantErr != "" {
+				if err == nil || err.Error() != tc.wantErr {
+					t.Fatalf("error %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
 				t.Fatal(err)
 			}
 			if out.String() != tc.want {
