@@ -30,11 +30,29 @@ type Policy struct {
 	// Specs are the policy's rules as enforcement uses them; empty for an
 	// invalid policy.
 	Specs []PolicySpec `json:"specs,omitempty" yaml:"specs,omitempty"`
+	// Audit is set by the annotation apiary.io/audit: "true": what only
+	// this policy denies is let through and reported as audited.
+	Audit bool `json:"audit,omitempty" yaml:"audit,omitempty"`
+	// Verdicts count the connections and flows the policy's entries
+	// decided on this node since the agent started.
+	Verdicts VerdictCounts `json:"verdicts" yaml:"verdicts"`
 	// Status is "OK" or "Error".
 	Status string `json:"status" yaml:"status"`
 	// Error says what is wrong with an invalid policy; the valid rules of
 	// the other policies keep working.
 	Error string `json:"error,omitempty" yaml:"error,omitempty"`
+}
+
+// VerdictCounts are counts of decisions by verdict.
+type VerdictCounts struct {
+	Allowed uint64 `json:"allowed" yaml:"allowed"`
+	Denied  uint64 `json:"denied" yaml:"denied"`
+	Audited uint64 `json:"audited" yaml:"audited"`
+}
+
+// Add returns the sum of c and o.
+func (c VerdictCounts) Add(o VerdictCounts) VerdictCounts {
+	return VerdictCounts{Allowed: c.Allowed + o.Allowed, Denied: c.Denied + o.Denied, Audited: c.Audited + o.Audited}
 }
 
 // Policy statuses.
@@ -45,13 +63,17 @@ const (
 
 // TableHeader implements statedb.TableWritable.
 func (*Policy) TableHeader() []string {
-	return []string{"Name", "Subjects", "Peers", "CIDRs", "Rules", "Status", "Error"}
+	return []string{"Name", "Subjects", "Peers", "CIDRs", "Rules", "Allowed", "Denied", "Audited", "Status", "Error"}
 }
 
 // TableRow implements statedb.TableWritable. Rules is the number of rules
 // of all specs (the rules themselves are in the YAML and JSON forms),
 // empty for an invalid policy.
 func (p *Policy) TableRow() []string {
+	status := p.Status
+	if p.Audit {
+		status += " (audit)"
+	}
 	rules := ""
 	if p.Status == PolicyOK {
 		n := 0
@@ -62,7 +84,9 @@ func (p *Policy) TableRow() []string {
 	}
 	return []string{
 		p.Name, strings.Join(p.Subjects, "; "), strings.Join(p.Peers, "; "),
-		strings.Join(p.CIDRs, ", "), rules, p.Status, p.Error,
+		strings.Join(p.CIDRs, ", "), rules,
+		strconv.FormatUint(p.Verdicts.Allowed, 10), strconv.FormatUint(p.Verdicts.Denied, 10),
+		strconv.FormatUint(p.Verdicts.Audited, 10), status, p.Error,
 	}
 }
 

@@ -36,8 +36,13 @@ type PolicyEntry struct {
 	PortBits uint8  `json:"portBits" yaml:"portBits"`
 	// Deny is true for an entry that denies.
 	Deny bool `json:"deny" yaml:"deny"`
+	// Audit is true for a deny that only audited policies make: it lets
+	// traffic through and reports it as audited.
+	Audit bool `json:"audit,omitempty" yaml:"audit,omitempty"`
 	// Policies are the policies that put the entry there.
 	Policies []string `json:"policies" yaml:"policies"`
+	// Cookie names the first of Policies in the datapath's verdicts.
+	Cookie uint32 `json:"cookie" yaml:"cookie"`
 	// Status is the reconciliation status of the map entry.
 	Status reconciler.Status `json:"status" yaml:"status"`
 }
@@ -107,7 +112,10 @@ func (e *PolicyEntry) TableRow() []string {
 		id = formatUint(e.Identity)
 	}
 	verdict := "allow"
-	if e.Deny {
+	switch {
+	case e.Deny && e.Audit:
+		verdict = "deny (audit)"
+	case e.Deny:
 		verdict = "deny"
 	}
 	return []string{
@@ -175,8 +183,13 @@ type EndpointPolicy struct {
 	// Ingress and Egress are Enforce* states.
 	Ingress string `json:"ingress" yaml:"ingress"`
 	Egress  string `json:"egress" yaml:"egress"`
-	// Audit: nothing is denied, what would be is counted.
+	// Audit: nothing is denied, what would be is counted
+	// (--policy-audit-mode).
 	Audit bool `json:"audit,omitempty" yaml:"audit,omitempty"`
+	// AuditDefaultIngress and AuditDefaultEgress: the direction's default
+	// deny comes only from audited policies, so it is audited too.
+	AuditDefaultIngress bool `json:"auditDefaultIngress,omitempty" yaml:"auditDefaultIngress,omitempty"`
+	AuditDefaultEgress  bool `json:"auditDefaultEgress,omitempty" yaml:"auditDefaultEgress,omitempty"`
 	// Entries is the number of the endpoint's policy entries.
 	Entries int `json:"entries" yaml:"entries"`
 	// Policies are the policies that select the endpoint.
@@ -209,8 +222,10 @@ func (*EndpointPolicy) TableHeader() []string {
 // TableRow implements statedb.TableWritable.
 func (e *EndpointPolicy) TableRow() []string {
 	ingress, egress := e.Ingress, e.Egress
-	if e.Audit {
+	if e.Audit || e.AuditDefaultIngress {
 		ingress += " (audit)"
+	}
+	if e.Audit || e.AuditDefaultEgress {
 		egress += " (audit)"
 	}
 	return []string{

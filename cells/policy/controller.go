@@ -76,9 +76,9 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		polSeq, polWatch := policies.Next(rtxn)
 		for ch := range polSeq {
 			if ch.Deleted || ch.Object.Status != tables.PolicyOK {
-				eng.setPolicy(ch.Object.Name, nil)
+				eng.setPolicy(ch.Object.Name, nil, false)
 			} else {
-				eng.setPolicy(ch.Object.Name, ch.Object.Specs)
+				eng.setPolicy(ch.Object.Name, ch.Object.Specs, ch.Object.Audit)
 			}
 		}
 		selSeq, selWatch := selectors.Next(rtxn)

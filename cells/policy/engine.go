@@ -2,6 +2,7 @@ package policy
 
 import (
 	"maps"
+	"reflect"
 	"slices"
 
 	"github.com/apiary-net/apiary/tables"
@@ -55,12 +56,14 @@ type contrib struct {
 
 // entryValue is what an entry decides, and who decided it.
 type entryValue struct {
-	deny     bool
+	deny bool
+	// audit: a deny that only audited policies make.
+	audit    bool
 	policies []string
 }
 
 func (v entryValue) equal(o entryValue) bool {
-	return v.deny == o.deny && slices.Equal(v.policies, o.policies)
+	return v.deny == o.deny && v.audit == o.audit && slices.Equal(v.policies, o.policies)
 }
 
 // rule is one rule of a policy as it applies to one endpoint: its ports
@@ -82,13 +85,16 @@ type endpoint struct {
 	rules           []*rule
 	policies        []string
 	ingress, egress string
-	usesNamedEgress bool
-	contribs        map[entryKey]map[contrib]int
-	groups          map[groupKey]map[portKey]struct{} // keys with contributions
-	dirtyGroups     map[groupKey]struct{}
-	emitted         map[groupKey]map[portKey]entryValue
-	emittedCount    int
-	lastRow         *tables.EndpointPolicy
+	// auditIngress, auditEgress: the direction's default deny comes only
+	// from audited policies.
+	auditIngress, auditEgress bool
+	usesNamedEgress           bool
+	contribs                  map[entryKey]map[contrib]int
+	groups                    map[groupKey]map[portKey]struct{} // keys with contributions
+	dirtyGroups               map[groupKey]struct{}
+	emitted                   map[groupKey]map[portKey]entryValue
+	emittedCount              int
+	lastRow                   *tables.EndpointPolicy
 }
 
 // engine computes the policy entries of every local endpoint from the
@@ -105,6 +111,7 @@ type engine struct {
 	audit bool
 
 	specs     map[string][]tables.PolicySpec // by policy
+	audited   map[string]bool                // policies whose denies are audited
 	subjects  map[string]int                 // subject selector → specs using it
 	selectors map[string]map[uint32]struct{} // selector → identities (the selectors table)
 	endpoints map[string]*endpoint
@@ -126,7 +133,7 @@ type engine struct {
 func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
 	e := &engine{
 		mode: mode, audit: audit,
-		specs: map[string][]tables.PolicySpec{}, subjects: map[string]int{},
+		specs: map[string][]tables.PolicySpec{}, audited: map[string]bool{}, subjects: map[string]int{},
 		selectors: map[string]map[uint32]struct{}{}, endpoints: map[string]*endpoint{},
 		byIdentity: map[uint32]map[*endpoint]struct{}{}, peerUsers: map[string]map[*rule]struct{}{},
 		restored: restored, usedIDs: map[uint32]*endpoint{}, nextID: 1,
@@ -141,8 +148,17 @@ func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
 }
 
 // setPolicy replaces the specs of a policy (nil: the policy is gone or
-// invalid).
-func (e *engine) setPolicy(name string, specs []tables.PolicySpec) {
+// invalid); audit makes its denies audited. The same specs again change
+// nothing.
+func (e *engine) setPolicy(name string, specs []tables.PolicySpec, audit bool) {
+	if old, ok := e.specs[name]; ok && e.audited[name] == audit && reflect.DeepEqual(old, specs) {
+		return
+	}
+	if audit {
+		e.audited[name] = true
+	} else {
+		delete(e.audited, name)
+	}
 	for _, s := range e.specs[name] {
 		e.markSelected(s.Subject)
 		if e.subjects[s.Subject]--; e.subjects[s.Subject] <= 0 {
@@ -336,6 +352,7 @@ func (e *engine) recompute(ep *endpoint) {
 	}
 	ep.policies, ep.usesNamedEgress = nil, false
 	ep.ingress, ep.egress = tables.EnforceOff, tables.EnforceOff
+	ep.auditIngress, ep.auditEgress = false, false
 	if e.mode == ModeNever {
 		return
 	}
@@ -364,9 +381,12 @@ func (e *engine) recompute(ep *endpoint) {
 	// there (or always); default deny unless every such spec turned it
 	// off.
 	var inOn, inDeny, outOn, outDeny bool
+	// Default deny by a policy that is not audited (or by the mode).
+	var inEnforced, outEnforced bool
 	var allowIn, allowOut []string
 	if e.mode == ModeAlways {
 		inOn, inDeny, outOn, outDeny = true, true, true, true
+		inEnforced, outEnforced = true, true
 	}
 	for _, s := range selected {
 		if !slices.Contains(ep.policies, s.policy) {
@@ -376,6 +396,7 @@ func (e *engine) recompute(ep *endpoint) {
 			inOn = true
 			if s.spec.DefaultDenyIngress {
 				inDeny = true
+				inEnforced = inEnforced || !e.audited[s.policy]
 			} else {
 				allowIn = append(allowIn, s.policy)
 			}
@@ -384,12 +405,14 @@ func (e *engine) recompute(ep *endpoint) {
 			outOn = true
 			if s.spec.DefaultDenyEgress {
 				outDeny = true
+				outEnforced = outEnforced || !e.audited[s.policy]
 			} else {
 				allowOut = append(allowOut, s.policy)
 			}
 		}
 	}
 	ep.ingress, ep.egress = enforceState(inOn, inDeny), enforceState(outOn, outDeny)
+	ep.auditIngress, ep.auditEgress = inDeny && !inEnforced, outDeny && !outEnforced
 	if ep.id == 0 {
 		return // no cgroup yet: nothing to enforce on
 	}
@@ -514,7 +537,7 @@ func (ep *endpoint) add(k entryKey, c contrib, n int) {
 // deny of the same group becomes a deny itself: then deny wins whatever
 // prefix matches. (A deny of identity 0 is found by the datapath's second
 // lookup.)
-func (ep *endpoint) recomputeGroup(gk groupKey) map[portKey]entryValue {
+func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool) map[portKey]entryValue {
 	keys := ep.groups[gk]
 	if len(keys) == 0 {
 		return nil
@@ -549,6 +572,12 @@ func (ep *endpoint) recomputeGroup(gk groupKey) map[portKey]entryValue {
 			}
 		}
 		slices.Sort(v.policies)
+		if v.deny {
+			v.audit = true
+			for _, p := range v.policies {
+				v.audit = v.audit && audited(p)
+			}
+		}
 		out[pk] = v
 	}
 	return out
@@ -582,7 +611,7 @@ func (e *engine) flush(out output) {
 		ep := e.endpoints[name]
 		if len(ep.dirtyGroups) > 0 {
 			for gk := range ep.dirtyGroups {
-				next := ep.recomputeGroup(gk)
+				next := ep.recomputeGroup(gk, func(p string) bool { return e.audited[p] })
 				old := ep.emitted[gk]
 				for pk, v := range next {
 					if ov, ok := old[pk]; !ok || !ov.equal(v) {
@@ -606,6 +635,7 @@ func (e *engine) flush(out output) {
 		row := &tables.EndpointPolicy{
 			Name: name, ID: ep.id, Cgroup: ep.row.Cgroup, CgroupID: ep.row.CgroupID,
 			Ingress: ep.ingress, Egress: ep.egress, Audit: e.audit && ep.id != 0,
+			AuditDefaultIngress: ep.auditIngress, AuditDefaultEgress: ep.auditEgress,
 			Entries: ep.emittedCount, Policies: ep.policies,
 		}
 		if row.Policies == nil {
@@ -621,6 +651,7 @@ func (e *engine) flush(out output) {
 func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
 	return a.Name == b.Name && a.ID == b.ID && a.Cgroup == b.Cgroup && a.CgroupID == b.CgroupID &&
 		a.Ingress == b.Ingress && a.Egress == b.Egress && a.Audit == b.Audit && a.Entries == b.Entries &&
+		a.AuditDefaultIngress == b.AuditDefaultIngress && a.AuditDefaultEgress == b.AuditDefaultEgress &&
 		slices.Equal(a.Policies, b.Policies)
 }
 
@@ -630,8 +661,13 @@ func (ep *endpoint) entry(name string, gk groupKey, pk portKey, v entryValue) *t
 	if pol == nil {
 		pol = []string{}
 	}
+	cookie := uint32(0)
+	if len(pol) > 0 {
+		cookie = policyCookie(pol[0])
+	}
 	return &tables.PolicyEntry{
 		Endpoint: name, EndpointID: ep.id, Identity: gk.identity, Direction: dirName(gk.dir),
-		Protocol: pk.proto, Port: pk.port, PortBits: pk.bits, Deny: v.deny, Policies: pol,
+		Protocol: pk.proto, Port: pk.port, PortBits: pk.bits, Deny: v.deny, Audit: v.audit,
+		Policies: pol, Cookie: cookie,
 	}
 }

@@ -45,7 +45,8 @@ var Cell = cell.Module(
 			return k8s.NewResource(p, CCNPKind)
 		},
 	),
-	cell.Invoke(registerController),
+	cell.Provide(newVerdictCounter),
+	cell.Invoke(registerController, registerVerdicts),
 )
 
 // OwnerPolicy owns the prefixes named by policies.
@@ -123,7 +124,8 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			c.setPolicy(name, nil)
 		} else {
 			c.logUnknown(name, ev.Object.UnknownFields())
-			c.setPolicy(name, parsePolicy(name, ev.Key.Namespace, ev.Object.Spec, ev.Object.Specs, ev.Object.UnsupportedFields()))
+			c.setPolicy(name, parsePolicy(name, ev.Key.Namespace, ev.Object.Spec, ev.Object.Specs, ev.Object.UnsupportedFields()).
+				withAudit(ev.Object.Annotations))
 		}
 	})
 	onCCNP := k8s.TrackSync(&ccnpSynced, func(ev k8s.Event[*CiliumClusterwideNetworkPolicy]) {
@@ -132,7 +134,8 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			c.setPolicy(name, nil)
 		} else {
 			c.logUnknown(name, ev.Object.UnknownFields())
-			c.setPolicy(name, parsePolicy(name, "", ev.Object.Spec, ev.Object.Specs, ev.Object.UnsupportedFields()))
+			c.setPolicy(name, parsePolicy(name, "", ev.Object.Spec, ev.Object.Specs, ev.Object.UnsupportedFields()).
+				withAudit(ev.Object.Annotations))
 		}
 	})
 	tablesInit := false
@@ -406,6 +409,10 @@ func (c *controller) writeRows(writes []rowWrite) error {
 		var err error
 		switch {
 		case w.policy != nil:
+			// The verdict counts (see VerdictCounter) stay.
+			if old, _, found := c.Policies.Get(wtxn, tables.PolicyNameIndex.Query(w.policy.Name)); found {
+				w.policy.Verdicts = old.Verdicts
+			}
 			_, _, err = c.Policies.Insert(wtxn, w.policy)
 		case w.selector != nil:
 			_, _, err = c.Selectors.Insert(wtxn, w.selector)
@@ -424,7 +431,7 @@ func (c *controller) writeRows(writes []rowWrite) error {
 
 // policyRow is the policies row of p.
 func policyRow(name string, p *parsedPolicy) *tables.Policy {
-	row := &tables.Policy{Name: name, Status: tables.PolicyOK, Subjects: []string{}, Peers: []string{}}
+	row := &tables.Policy{Name: name, Status: tables.PolicyOK, Subjects: []string{}, Peers: []string{}, Audit: p.audit}
 	if p.err != nil {
 		row.Status, row.Error = tables.PolicyError, p.errorText()
 	}

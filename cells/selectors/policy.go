@@ -22,7 +22,35 @@ type parsedPolicy struct {
 	peers    []Selector // every peer selector of every rule (not AnyPeer)
 	cidrs    []netip.Prefix
 	specs    []tables.PolicySpec
-	err      error
+	// audit: the policy's denies are audited (AuditAnnotation).
+	audit bool
+	err   error
+}
+
+// AuditAnnotation, set to "true" on a policy, makes what only that policy
+// denies go through, reported as audited: a new policy can be tried on
+// live traffic before it is enforced.
+const AuditAnnotation = "apiary.io/audit"
+
+// withAudit applies the policy's audit annotation to p: "true" or
+// "false" (any case); anything else makes the policy invalid.
+func (p *parsedPolicy) withAudit(annotations map[string]string) *parsedPolicy {
+	v, ok := annotations[AuditAnnotation]
+	if !ok {
+		return p
+	}
+	switch strings.ToLower(strings.TrimSpace(v)) {
+	case "true":
+		p.audit = true
+	case "false":
+	default:
+		err := fmt.Errorf("annotation %s: %q is neither true nor false", AuditAnnotation, v)
+		if p.err != nil {
+			err = errors.Join(p.err, err)
+		}
+		p.err = err
+	}
+	return p
 }
 
 // parsePolicy parses the rules of a policy. namespace is empty for a

@@ -564,3 +564,28 @@ func FuzzParsePort(f *testing.F) {
 		}
 	})
 }
+
+func TestAuditAnnotation(t *testing.T) {
+	for _, tc := range []struct {
+		value     *string
+		wantAudit bool
+		wantErr   string
+	}{
+		{nil, false, ""},
+		{ptr("true"), true, ""},
+		{ptr(" TRUE "), true, ""},
+		{ptr("false"), false, ""},
+		{ptr("yes"), false, `annotation apiary.io/audit: "yes" is neither true nor false`},
+	} {
+		annotations := map[string]string{}
+		if tc.value != nil {
+			annotations[AuditAnnotation] = *tc.value
+		}
+		p := (&parsedPolicy{name: "cnp/default/p"}).withAudit(annotations)
+		if p.audit != tc.wantAudit || p.errorText() != tc.wantErr {
+			t.Errorf("%v: audit %t error %q, want %t %q", annotations, p.audit, p.errorText(), tc.wantAudit, tc.wantErr)
+		}
+	}
+}
+
+func ptr[T any](v T) *T { return &v }

@@ -1,0 +1,110 @@
+package policy
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Verdict is one decision of the policy programs about a new connection or
+// flow, as `apiary monitor` shows it.
+type Verdict struct {
+	Time time.Time `json:"time"`
+	// Endpoint is the endpoint's name, "<namespace>/<pod>" (or
+	// "endpoint <ID>" for one the agent no longer knows).
+	Endpoint string `json:"endpoint"`
+	// Direction is "ingress" or "egress".
+	Direction string `json:"direction"`
+	// Src and Dst are "address:port" (the port 0 when there is none).
+	Src string `json:"src"`
+	Dst string `json:"dst"`
+	// Proto is "TCP", "UDP", "SCTP", "ICMP" or the protocol number.
+	Proto string `json:"proto"`
+	// RemoteIdentity is the peer's security identity, RemoteLabels its
+	// labels.
+	RemoteIdentity uint32   `json:"remoteIdentity"`
+	RemoteLabels   []string `json:"remoteLabels"`
+	// Verdict is "allowed", "denied" or "audited" (denied by policy but let
+	// through by audit mode).
+	Verdict string `json:"verdict"`
+	// Policy is the policy whose entry decided, empty when none did.
+	Policy string `json:"policy"`
+	// Reason is "policy" (an entry decided), "default deny" or "no policy"
+	// (the endpoint is not enforced in that direction).
+	Reason string `json:"reason"`
+}
+
+// Verdicts and reasons as Verdict spells them.
+const (
+	VerdictAllowed = "allowed"
+	VerdictDenied  = "denied"
+	VerdictAudited = "audited"
+
+	ReasonPolicy      = "policy"
+	ReasonDefaultDeny = "default deny"
+	ReasonNoPolicy    = "no policy"
+)
+
+// Monitor hands the datapath's verdicts to subscribers (the API's
+// streams). Publishing never blocks: a subscriber that does not keep up
+// loses verdicts, counted for it, and slows no one.
+type Monitor struct {
+	mu   sync.Mutex
+	subs map[*subscription]struct{}
+	// lost counts the events the datapath could not hand over (a full ring
+	// buffer), as read from policy_stats.
+	lost atomic.Uint64
+}
+
+type subscription struct {
+	ch      chan Verdict
+	dropped atomic.Uint64
+}
+
+// NewMonitor returns a monitor without subscribers.
+func NewMonitor() *Monitor {
+	return &Monitor{subs: map[*subscription]struct{}{}}
+}
+
+// Subscribe returns a channel of the verdicts published from now on,
+// buffered for buffer of them; dropped says how many did not fit. cancel
+// ends the subscription and closes the channel.
+func (m *Monitor) Subscribe(buffer int) (ch <-chan Verdict, dropped func() uint64, cancel func()) {
+	s := &subscription{ch: make(chan Verdict, max(buffer, 1))}
+	m.mu.Lock()
+	m.subs[s] = struct{}{}
+	m.mu.Unlock()
+	var once sync.Once
+	return s.ch, s.dropped.Load, func() {
+		once.Do(func() {
+			m.mu.Lock()
+			delete(m.subs, s)
+			m.mu.Unlock()
+			close(s.ch)
+		})
+	}
+}
+
+// Publish hands v to every subscriber that has room for it.
+func (m *Monitor) Publish(v Verdict) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for s := range m.subs {
+		select {
+		case s.ch <- v:
+		default:
+			s.dropped.Add(1)
+		}
+	}
+}
+
+// Lost returns how many events the datapath could not hand over since
+// the programs' counters were created.
+func (m *Monitor) Lost() uint64 { return m.lost.Load() }
+
+// Subscribers returns how many subscriptions are open.
+func (m *Monitor) Subscribers() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.subs)
+}
