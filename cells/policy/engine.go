@@ -603,8 +603,13 @@ func (e *engine) flush(out output) {
 		out.deleteEndpoint(name)
 	}
 	clear(e.gone)
-	for ep := range e.dirty {
-		e.recompute(ep)
+	// By name, so that new endpoints get their IDs in a stable order.
+	for _, name := range slices.Sorted(maps.Keys(e.endpoints)) {
+		if ep := e.endpoints[name]; ep != nil {
+			if _, ok := e.dirty[ep]; ok {
+				e.recompute(ep)
+			}
+		}
 	}
 	clear(e.dirty)
 	for _, name := range slices.Sorted(maps.Keys(e.endpoints)) {
