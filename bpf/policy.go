@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"encoding/binary"
 	"fmt"
 
 	"github.com/cilium/ebpf"
@@ -20,8 +21,12 @@ const (
 	// cookie and peer), so that replies pass whatever the other
 	// direction's policy says.
 	PolicyFlowsMap = "policy_flows"
-	// PolicyStatsMap counts verdicts per direction (per CPU).
+	// PolicyStatsMap counts verdicts per direction, and events lost (per
+	// CPU).
 	PolicyStatsMap = "policy_stats"
+	// PolicyEventsMap is the ring buffer of verdict events (PolicyEvent):
+	// one per decision on a new connection or flow.
+	PolicyEventsMap = "policy_events"
 )
 
 // Byte sizes of the policy maps' keys and values, as the datapath's C
@@ -33,6 +38,7 @@ const (
 	PolicyEndpointValueSize = 8
 	PolicyFlowKeySize       = 16
 	PolicyFlowValueSize     = 8
+	PolicyEventSize         = 40
 )
 
 // PolicyStaticPrefixBits are the key bits every entry matches in full:
@@ -46,6 +52,10 @@ const PolicyFullPrefixBits = PolicyStaticPrefixBits + 24
 // DefaultPolicyMapMaxEntries is the default capacity of the policy map,
 // shared by every endpoint of the node.
 const DefaultPolicyMapMaxEntries = 65536
+
+// DefaultPolicyEventsSize is the default size in bytes of policy_events:
+// 1 MiB holds about 21000 events (48 bytes each with the ring's header).
+const DefaultPolicyEventsSize = 1 << 20
 
 // Policy map directions (PolicyKey.Egress).
 const (
@@ -74,6 +84,10 @@ type PolicyKey struct {
 const (
 	// PolicyFlagDeny makes the entry deny what it matches.
 	PolicyFlagDeny uint8 = 1 << 0
+	// PolicyFlagAudit, on a deny entry, makes it deny nothing: what it
+	// matches is allowed and counted as audited, unless another deny
+	// entry that matches denies it.
+	PolicyFlagAudit uint8 = 1 << 1
 )
 
 // PolicyValue is the value of the policy map (struct policy_value).
@@ -122,6 +136,11 @@ const (
 	PolicyEnforceEgress uint32 = 1 << 1
 	// PolicyAudit: nothing is denied; what would be is counted as audited.
 	PolicyAudit uint32 = 1 << 2
+	// PolicyAuditDefaultIngress: what the ingress default deny would deny
+	// is allowed and counted as audited; deny entries still deny.
+	PolicyAuditDefaultIngress uint32 = 1 << 3
+	// PolicyAuditDefaultEgress: the same for the egress default deny.
+	PolicyAuditDefaultEgress uint32 = 1 << 4
 )
 
 // PolicyEndpointValue is the value of policy_endpoints (struct
@@ -150,14 +169,89 @@ type PolicyFlowValue struct {
 	Pad    [3]byte
 }
 
-// Verdict indexes of policy_stats: direction*PolicyVerdicts + verdict.
+// Verdict indexes of policy_stats: direction*PolicyVerdicts + verdict;
+// then PolicyStatsLost. The verdicts are also PolicyEvent.Verdict.
 const (
 	PolicyVerdictAllowed = 0
 	PolicyVerdictDenied  = 1
 	PolicyVerdictAudited = 2
 	PolicyVerdicts       = 4
-	PolicyStatsEntries   = 2 * PolicyVerdicts
+	// PolicyStatsLost counts the events that found policy_events full.
+	PolicyStatsLost    = 2 * PolicyVerdicts
+	PolicyStatsEntries = PolicyStatsLost + 1
 )
+
+// Reasons of a decision (PolicyEvent.Reason).
+const (
+	// PolicyReasonEntry: an entry decided; PolicyEvent.Cookie is its.
+	PolicyReasonEntry uint8 = 0
+	// PolicyReasonDefaultDeny: no entry matched in an enforced direction.
+	PolicyReasonDefaultDeny uint8 = 1
+	// PolicyReasonNoPolicy: the endpoint does not enforce the direction.
+	PolicyReasonNoPolicy uint8 = 2
+)
+
+// Programs that decide (PolicyEvent.Hook).
+const (
+	PolicyHookConnect4 uint8 = 0
+	PolicyHookSendmsg4 uint8 = 1
+	PolicyHookIngress  uint8 = 2
+	PolicyHookEgress   uint8 = 3
+)
+
+// PolicyEvent is a record of policy_events (struct policy_event): one
+// decision on a new connection or flow, seen from the endpoint.
+type PolicyEvent struct {
+	// TimeNs is when it was taken (CLOCK_MONOTONIC, bpf_ktime_get_ns).
+	TimeNs         uint64
+	EndpointID     uint32
+	RemoteIdentity uint32
+	// Cookie is the cookie of the entry that decided (PolicyValue.Cookie),
+	// 0 when none did: of the deny entry when denied or audited by one,
+	// else of the allowing entry, the peer's own before identity 0's.
+	Cookie uint32
+	// LocalAddr and LocalPort are the endpoint's side, RemoteAddr and
+	// RemotePort the peer's (network order). connect4 and sendmsg4 give
+	// the socket's address and port only if it is bound already, else 0.
+	LocalAddr  [4]byte
+	RemoteAddr [4]byte
+	LocalPort  Be16
+	RemotePort Be16
+	Protocol   uint8
+	// Direction is PolicyIngress or PolicyEgress.
+	Direction uint8
+	// Verdict is PolicyVerdictAllowed, PolicyVerdictDenied or
+	// PolicyVerdictAudited (allowed, but a denial under audit).
+	Verdict uint8
+	// Reason is a PolicyReason*.
+	Reason uint8
+	// Hook is a PolicyHook*.
+	Hook uint8
+	Pad  [3]byte
+}
+
+// ParsePolicyEvent decodes a record of policy_events.
+func ParsePolicyEvent(raw []byte) (PolicyEvent, error) {
+	var e PolicyEvent
+	if len(raw) < PolicyEventSize {
+		return e, fmt.Errorf("policy event of %d bytes, want %d", len(raw), PolicyEventSize)
+	}
+	e.TimeNs = binary.NativeEndian.Uint64(raw[0:])
+	e.EndpointID = binary.NativeEndian.Uint32(raw[8:])
+	e.RemoteIdentity = binary.NativeEndian.Uint32(raw[12:])
+	e.Cookie = binary.NativeEndian.Uint32(raw[16:])
+	e.LocalAddr = [4]byte(raw[20:24])
+	e.RemoteAddr = [4]byte(raw[24:28])
+	e.LocalPort = Be16(raw[28:30])
+	e.RemotePort = Be16(raw[30:32])
+	e.Protocol = raw[32]
+	e.Direction = raw[33]
+	e.Verdict = raw[34]
+	e.Reason = raw[35]
+	e.Hook = raw[36]
+	e.Pad = [3]byte(raw[37:40])
+	return e, nil
+}
 
 // PolicyMapSpec returns the spec of the policy map with room for
 // maxEntries entries.
@@ -207,6 +301,24 @@ func PolicyStatsMapSpec() *ebpf.MapSpec {
 		KeySize:    4,
 		ValueSize:  8,
 		MaxEntries: PolicyStatsEntries,
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// PolicyEventsMapSpec returns the spec of policy_events, a ring buffer of
+// sizeBytes bytes: a power of 2 and a multiple of the page size (the
+// kernel refuses other sizes).
+//
+// The programs wake its reader only once an eighth of the ring waits to be
+// read (a wakeup per event would cost more than the decision itself), so a
+// reader must also poll: read with a deadline (ringbuf.Reader.SetDeadline)
+// and read again when it passes. Events that find the ring full are lost,
+// counted at PolicyStatsLost of policy_stats.
+func PolicyEventsMapSpec(sizeBytes uint32) *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyEventsMap,
+		Type:       ebpf.RingBuf,
+		MaxEntries: sizeBytes,
 		Pinning:    ebpf.PinByName,
 	}
 }

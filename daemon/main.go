@@ -23,7 +23,7 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "apiary",
 		Short:         "apiary: a node agent for eBPF networking",
-		Long:          "apiary converges load balancing, identities and policy state into pinned eBPF maps.\nRun `apiary agent` on each node; inspect it with `apiary db`.",
+		Long:          "apiary converges load balancing, identities and policy state into pinned eBPF maps.\nRun `apiary agent` on each node; inspect it with `apiary db`, its maps with `apiary bpf`,\nand the policy verdicts it makes, live, with `apiary monitor`.",
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
@@ -33,6 +33,7 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 		newAgentCmd(),
 		newOperatorCmd(),
 		newDBCmd(),
+		newMonitorCmd(),
 		newBPFCmd(),
 		newVersionCmd(),
 	)

@@ -197,9 +197,12 @@ func PolicyKeyOf(e *tables.PolicyEntry) (bpf.PolicyKey, bpf.PolicyValue) {
 		dir = bpf.PolicyEgress
 	}
 	k := bpf.NewPolicyKey(e.EndpointID, e.Identity, dir, e.Protocol, e.Port, int(e.PortBits))
-	v := bpf.PolicyValue{PortPrefixLen: uint8(k.PrefixLen - bpf.PolicyStaticPrefixBits)}
+	v := bpf.PolicyValue{PortPrefixLen: uint8(k.PrefixLen - bpf.PolicyStaticPrefixBits), Cookie: e.Cookie}
 	if e.Deny {
 		v.Flags |= bpf.PolicyFlagDeny
+		if e.Audit {
+			v.Flags |= bpf.PolicyFlagAudit
+		}
 	}
 	return k, v
 }
@@ -325,6 +328,12 @@ func EndpointValue(e *tables.EndpointPolicy) bpf.PolicyEndpointValue {
 	}
 	if e.Audit {
 		v.Flags |= bpf.PolicyAudit
+	}
+	if e.AuditDefaultIngress {
+		v.Flags |= bpf.PolicyAuditDefaultIngress
+	}
+	if e.AuditDefaultEgress {
+		v.Flags |= bpf.PolicyAuditDefaultEgress
 	}
 	return v
 }

@@ -11,6 +11,13 @@
  * peer), so that its replies pass whatever the other direction says;
  * sockops remembers the TCP connections a listener accepts.
  *
+ * Each decision on a new connection or flow, never a packet of a known
+ * one, is reported in policy_events, a ring buffer the agent reads: which
+ * endpoint, peer, ports, verdict, why, and the cookie of the entry that
+ * decided. The programs never wait for the reader: an event that finds
+ * the ring full is counted as lost in policy_stats. Nor do they wake it up
+ * for each event (see emit): the reader polls.
+ *
  * Every map is the agent's: the loader replaces these definitions with the
  * maps the agent keeps pinned, so the structs below must match the Go types
  * in bpf/policy.go and bpf/ipcache.go byte for byte (a Go test compares
@@ -38,7 +45,7 @@ struct policy_key {
 };
 
 struct policy_value {
-	__u8 flags;           /* POLICY_DENY */
+	__u8 flags;           /* POLICY_DENY, POLICY_AUDIT */
 	__u8 port_prefix_len; /* for people: the lookup does not return it */
 	__u16 pad;
 	__u32 cookie;
@@ -47,7 +54,7 @@ struct policy_value {
 /* policy_endpoints: cgroup id (u64) -> endpoint. */
 struct policy_endpoint {
 	__u32 endpoint_id;
-	__u32 flags; /* EP_ENFORCE_INGRESS, EP_ENFORCE_EGRESS, EP_AUDIT */
+	__u32 flags; /* EP_ENFORCE_*, EP_AUDIT, EP_AUDIT_DEFAULT_* */
 };
 
 /* policy_flows: an allowed flow of a socket, seen from the endpoint. */
@@ -62,6 +69,28 @@ struct policy_flow_key {
 struct policy_flow {
 	__u32 endpoint_id;
 	__u8 egress; /* 1: the endpoint opened it */
+	__u8 pad[3];
+};
+
+/*
+ * policy_events: one decision, seen from the endpoint. Addresses and ports
+ * are in network order; a connect4 or sendmsg4 event has the socket's own
+ * address and port when it is bound already, else 0.
+ */
+struct policy_event {
+	__u64 time_ns; /* bpf_ktime_get_ns() */
+	__u32 endpoint_id;
+	__u32 remote_identity;
+	__u32 cookie; /* of the entry that decided, 0 when none did */
+	__be32 local_addr;
+	__be32 remote_addr;
+	__be16 local_port;
+	__be16 remote_port;
+	__u8 protocol;
+	__u8 direction; /* enum direction */
+	__u8 verdict;   /* enum verdict */
+	__u8 reason;    /* enum reason */
+	__u8 hook;      /* enum hook */
 	__u8 pad[3];
 };
 
@@ -109,8 +138,14 @@ struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__type(key, __u32);
 	__type(value, __u64);
-	__uint(max_entries, 8);
+	__uint(max_entries, 9); /* STATS_ENTRIES */
 } policy_stats SEC(".maps");
+
+/* The agent's map replaces this one, with the size it was told. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 20);
+} policy_events SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
@@ -125,10 +160,16 @@ struct {
 #define AF_INET6 10
 
 #define POLICY_DENY 0x1
+/* A deny entry that only audits: what it matches is allowed, as audited. */
+#define POLICY_AUDIT 0x2
 
 #define EP_ENFORCE_INGRESS 0x1
 #define EP_ENFORCE_EGRESS 0x2
+/* Nothing is denied: what would be is allowed, as audited. */
 #define EP_AUDIT 0x4
+/* The default deny of a direction only audits; deny entries still deny. */
+#define EP_AUDIT_DEFAULT_INGRESS 0x8
+#define EP_AUDIT_DEFAULT_EGRESS 0x10
 
 /* endpoint_id + identity + egress + protocol + port, all matched. */
 #define POLICY_LOOKUP_BITS 96
@@ -147,12 +188,31 @@ enum direction {
 	DIR_EGRESS = 1,
 };
 
-/* policy_stats index: direction * VERDICTS + verdict. */
+/* policy_stats index: direction * VERDICTS + verdict, then STATS_LOST. */
 enum verdict {
 	VERDICT_ALLOWED = 0,
 	VERDICT_DENIED = 1,
 	VERDICT_AUDITED = 2,
 	VERDICTS = 4,
+};
+
+/* Events that found policy_events full. */
+#define STATS_LOST (2 * VERDICTS)
+#define STATS_ENTRIES (STATS_LOST + 1)
+
+/* Why a decision was taken, as policy_events says it. */
+enum reason {
+	REASON_ENTRY = 0,        /* an entry matched: its cookie is reported */
+	REASON_DEFAULT_DENY = 1, /* none did, in an enforced direction */
+	REASON_NO_POLICY = 2,    /* the direction is not enforced */
+};
+
+/* The program that decided, as policy_events says it. */
+enum hook {
+	HOOK_CONNECT4 = 0,
+	HOOK_SENDMSG4 = 1,
+	HOOK_INGRESS = 2,
+	HOOK_EGRESS = 3,
 };
 
 /*
@@ -207,27 +267,50 @@ static __always_inline __u32 identity_of(__be32 addr)
 	return info ? info->sec_identity : IDENTITY_WORLD;
 }
 
-/* An entry's flags, with ENTRY_FOUND set, or 0 when nothing matches. The
- * verdict works on these numbers, never on two map pointers at once: clang
- * may merge pointer tests into an OR of the pointers, which the verifier
- * refuses. */
+/* An entry's cookie (upper half) and flags, with ENTRY_FOUND set, or 0
+ * when nothing matches. The verdict works on these numbers, never on two
+ * map pointers at once: clang may merge pointer tests into an OR of the
+ * pointers, which the verifier refuses. */
 #define ENTRY_FOUND 0x100
 
-static __always_inline __u32 lookup_entry(const struct policy_key *key)
+static __always_inline __u64 lookup_entry(const struct policy_key *key)
 {
 	struct policy_value *v = bpf_map_lookup_elem(&policy, key);
 
-	return v ? ENTRY_FOUND | v->flags : 0;
+	return v ? (__u64)v->cookie << 32 | ENTRY_FOUND | v->flags : 0;
 }
+
+/* A decision, and what policy_events reports of it. */
+struct decision {
+	__u32 identity; /* the peer's */
+	__u32 cookie;   /* of the entry that decided, 0 when none did */
+	__u8 verdict;   /* enum verdict */
+	__u8 reason;    /* enum reason */
+};
+
+static __always_inline struct decision by_entry(__u64 entry, enum verdict v)
+{
+	return (struct decision){
+		.cookie = (__u32)(entry >> 32),
+		.verdict = v,
+		.reason = REASON_ENTRY,
+	};
+}
+
+/* A deny entry that denies, not one that only audits. */
+#define ENFORCED_DENY(entry) (((entry) & (POLICY_DENY | POLICY_AUDIT)) == POLICY_DENY)
 
 /*
  * lookup_verdict applies the policy of an endpoint to a peer and port. The
  * longest match for the peer's own identity comes first, then the longest
- * for any peer (identity 0): a deny in either wins, else an entry in
- * either allows, else nothing does (default deny).
+ * for any peer (identity 0): a deny in either wins; else an audited deny
+ * in either makes it audited; else an entry in either allows; else
+ * nothing does (default deny). The entry that decided is the peer's own
+ * when both could have.
  */
-static __always_inline enum verdict lookup_verdict(__u32 endpoint_id, __u32 identity,
-						   enum direction dir, __u8 protocol, __be16 dport)
+static __always_inline struct decision lookup_verdict(__u32 endpoint_id, __u32 identity,
+						       enum direction dir, __u8 protocol,
+						       __be16 dport)
 {
 	struct policy_key key = {
 		.prefixlen = POLICY_LOOKUP_BITS,
@@ -237,21 +320,28 @@ static __always_inline enum verdict lookup_verdict(__u32 endpoint_id, __u32 iden
 		.protocol = protocol,
 		.dport = dport,
 	};
-	__u32 l3, l4;
+	__u64 l3, l4;
 
 	l3 = lookup_entry(&key);
-	if (l3 & POLICY_DENY)
-		return VERDICT_DENIED;
+	if (ENFORCED_DENY(l3))
+		return by_entry(l3, VERDICT_DENIED);
 	key.identity = 0;
 	l4 = lookup_entry(&key);
+	if (ENFORCED_DENY(l4))
+		return by_entry(l4, VERDICT_DENIED);
+	if (l3 & POLICY_DENY)
+		return by_entry(l3, VERDICT_AUDITED);
 	if (l4 & POLICY_DENY)
-		return VERDICT_DENIED;
-	return ((l3 | l4) & ENTRY_FOUND) ? VERDICT_ALLOWED : VERDICT_DENIED;
+		return by_entry(l4, VERDICT_AUDITED);
+	if (l3 & ENTRY_FOUND)
+		return by_entry(l3, VERDICT_ALLOWED);
+	if (l4 & ENTRY_FOUND)
+		return by_entry(l4, VERDICT_ALLOWED);
+	return (struct decision){ .verdict = VERDICT_DENIED, .reason = REASON_DEFAULT_DENY };
 }
 
-static __always_inline void count(enum direction dir, enum verdict v)
+static __always_inline void count_at(__u32 idx)
 {
-	__u32 idx = (__u32)dir * VERDICTS + (__u32)v;
 	__u64 *n = bpf_map_lookup_elem(&policy_stats, &idx);
 
 	/* Per CPU, but a packet's softirq can interrupt a connect() on the
@@ -260,19 +350,103 @@ static __always_inline void count(enum direction dir, enum verdict v)
 		__sync_fetch_and_add(n, 1);
 }
 
-/*
- * decide returns 1 when the endpoint may talk to the peer (allowed, or
- * denied but audited) and 0 when not, and counts the decision.
- */
-static __always_inline int decide(__u32 endpoint_id, __u32 ep_flags, __be32 peer,
-				  enum direction dir, __u8 protocol, __be16 dport)
+static __always_inline void count(enum direction dir, enum verdict v)
 {
-	enum verdict v = lookup_verdict(endpoint_id, identity_of(peer), dir, protocol, dport);
+	count_at((__u32)dir * VERDICTS + (__u32)v);
+}
 
-	if (v == VERDICT_DENIED && (ep_flags & EP_AUDIT))
-		v = VERDICT_AUDITED;
-	count(dir, v);
-	return v != VERDICT_DENIED;
+/* A connection or packet, seen from the endpoint (network order). */
+struct conn4 {
+	__be32 local_addr;
+	__be32 remote_addr;
+	__be16 local_port;
+	__be16 remote_port;
+	__u8 protocol;
+};
+
+/*
+ * decide applies the endpoint's policy in direction dir to c, and counts
+ * the decision. A denial is audited instead when the endpoint audits
+ * everything, or when it is a default deny that the endpoint audits in
+ * that direction.
+ */
+static __always_inline struct decision decide(__u32 endpoint_id, __u32 ep_flags,
+					      const struct conn4 *c, enum direction dir)
+{
+	__u32 audit_default = dir == DIR_EGRESS ? EP_AUDIT_DEFAULT_EGRESS : EP_AUDIT_DEFAULT_INGRESS;
+	__be16 dport = dir == DIR_EGRESS ? c->remote_port : c->local_port;
+	__u32 identity = identity_of(c->remote_addr);
+	struct decision d = lookup_verdict(endpoint_id, identity, dir, c->protocol, dport);
+
+	d.identity = identity;
+	if (d.verdict == VERDICT_DENIED &&
+	    ((ep_flags & EP_AUDIT) ||
+	     (d.reason == REASON_DEFAULT_DENY && (ep_flags & audit_default))))
+		d.verdict = VERDICT_AUDITED;
+	count(dir, d.verdict);
+	return d;
+}
+
+/* The decision of a direction the endpoint does not enforce; not counted. */
+static __always_inline struct decision no_policy(const struct conn4 *c)
+{
+	return (struct decision){
+		.identity = identity_of(c->remote_addr),
+		.verdict = VERDICT_ALLOWED,
+		.reason = REASON_NO_POLICY,
+	};
+}
+
+/*
+ * The reader is woken when this share of the ring (1/8) waits to be read,
+ * not for each event: a wakeup is an interrupt (in a VM, an exit), and
+ * costs several times the rest of a decision. Below that, the reader
+ * finds the events when it polls.
+ */
+#define EVENTS_WAKEUP_SHIFT 3
+
+/*
+ * emit puts ev into policy_events. It never waits for room: when the ring
+ * is full (the agent reads too slowly, or not at all), the event is
+ * counted as lost instead. Out of line, so that struct policy_event is in
+ * the object's BTF, where a test compares it with the agent's Go type.
+ */
+static __noinline void emit(const struct policy_event *ev)
+{
+	struct policy_event *e = bpf_ringbuf_reserve(&policy_events, sizeof(*e), 0);
+	__u64 pending, wakeup_at;
+
+	if (!e) {
+		count_at(STATS_LOST);
+		return;
+	}
+	*e = *ev;
+	pending = bpf_ringbuf_query(&policy_events, BPF_RB_AVAIL_DATA);
+	wakeup_at = bpf_ringbuf_query(&policy_events, BPF_RB_RING_SIZE) >> EVENTS_WAKEUP_SHIFT;
+	bpf_ringbuf_submit(e, pending >= wakeup_at ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
+}
+
+/* report puts the decision d on c into policy_events. */
+static __always_inline void report(__u32 endpoint_id, const struct decision *d,
+				   const struct conn4 *c, enum direction dir, enum hook hook)
+{
+	struct policy_event ev = {
+		.time_ns = bpf_ktime_get_ns(),
+		.endpoint_id = endpoint_id,
+		.remote_identity = d->identity,
+		.cookie = d->cookie,
+		.local_addr = c->local_addr,
+		.remote_addr = c->remote_addr,
+		.local_port = c->local_port,
+		.remote_port = c->remote_port,
+		.protocol = c->protocol,
+		.direction = (__u8)dir,
+		.verdict = d->verdict,
+		.reason = d->reason,
+		.hook = (__u8)hook,
+	};
+
+	emit(&ev);
 }
 
 static __always_inline int flow_known(__u64 cookie, __be32 peer, __be16 port, __u8 protocol)
@@ -309,51 +483,72 @@ static __always_inline void remember_flow(__u64 cookie, __be32 peer, __be16 port
 /*
  * sock4_egress checks a connect() or an unconnected sendmsg() of a process
  * in an endpoint. It runs after the socket load balancer, so the
- * destination is the backend, the address the packets will carry.
+ * destination is the backend, the address the packets will carry. src is
+ * the source a sendmsg() asks for, 0 for none.
  */
-static __always_inline int sock4_egress(struct bpf_sock_addr *ctx)
+static __always_inline int sock4_egress(struct bpf_sock_addr *ctx, enum hook hook, __be32 src)
 {
-	__u8 protocol = (__u8)ctx->protocol;
-	__be32 dst = ctx->user_ip4;
-	__be16 dport = (__be16)ctx->user_port;
+	struct conn4 c = {
+		.remote_addr = ctx->user_ip4,
+		.remote_port = (__be16)ctx->user_port,
+		.protocol = (__u8)ctx->protocol,
+	};
 	struct policy_endpoint *ep;
+	struct bpf_sock *sk;
+	struct decision d;
 	__u32 ep_id, flags;
 	__u64 cookie;
 
-	if (protocol != IPPROTO_TCP && protocol != IPPROTO_UDP)
+	if (c.protocol != IPPROTO_TCP && c.protocol != IPPROTO_UDP)
 		return 1;
 	ep = endpoint_of_current();
 	if (!ep)
 		return 1;
 	ep_id = ep->endpoint_id;
 	flags = ep->flags;
-	/* An endpoint that enforces nothing needs no flows either. */
-	if (!(flags & (EP_ENFORCE_INGRESS | EP_ENFORCE_EGRESS)))
-		return 1;
 
 	cookie = bpf_get_socket_cookie(ctx);
 	/* A known flow: a UDP socket sending again to the same peer, or a
 	 * server's reply to a datagram its ingress policy let in. */
-	if (flow_known(cookie, dst, dport, protocol))
+	if (flow_known(cookie, c.remote_addr, c.remote_port, c.protocol))
 		return 1;
-	if ((flags & EP_ENFORCE_EGRESS) && !decide(ep_id, flags, dst, DIR_EGRESS, protocol, dport))
-		return 0; /* connect() and sendmsg() fail with EPERM */
+	/* The socket's own address and port, if bound already (an unbound
+	 * one gets them after this program). */
+	sk = ctx->sk;
+	c.local_addr = src ? src : sk->src_ip4;
+	c.local_port = bpf_htons((__u16)sk->src_port);
+
+	if (flags & EP_ENFORCE_EGRESS) {
+		d = decide(ep_id, flags, &c, DIR_EGRESS);
+		report(ep_id, &d, &c, DIR_EGRESS, hook);
+		if (d.verdict == VERDICT_DENIED)
+			return 0; /* connect() and sendmsg() fail with EPERM */
+	} else {
+		d = no_policy(&c);
+		report(ep_id, &d, &c, DIR_EGRESS, hook);
+		/* Each connect() is reported; a connection of an endpoint
+		 * that enforces nothing needs no flow. */
+		if (hook == HOOK_CONNECT4 && !(flags & EP_ENFORCE_INGRESS))
+			return 1;
+	}
 	/* Also with egress not enforced: the replies need the flow to pass
-	 * an enforced ingress. */
-	remember_flow(cookie, dst, dport, protocol, ep_id, DIR_EGRESS);
+	 * an enforced ingress, and the next datagrams to the peer are not
+	 * reported again. */
+	remember_flow(cookie, c.remote_addr, c.remote_port, c.protocol, ep_id, DIR_EGRESS);
 	return 1;
 }
 
 SEC("cgroup/connect4")
 int policy_connect4(struct bpf_sock_addr *ctx)
 {
-	return sock4_egress(ctx);
+	return sock4_egress(ctx, HOOK_CONNECT4, 0);
 }
 
 SEC("cgroup/sendmsg4")
 int policy_sendmsg4(struct bpf_sock_addr *ctx)
 {
-	return sock4_egress(ctx);
+	/* The source of an IP_PKTINFO message, if any. */
+	return sock4_egress(ctx, HOOK_SENDMSG4, ctx->msg_src_ip4);
 }
 
 /* What the skb programs need of an IPv4 packet. */
@@ -363,9 +558,13 @@ struct pkt4 {
 	__be16 sport;
 	__be16 dport;
 	__u8 protocol;
+	__u8 l4_off; /* where the TCP, UDP or SCTP header starts */
 };
 
 #define IP_FRAG_OFFSET 0x1fff
+/* The flags byte of a TCP header, and its SYN bit. */
+#define TCP_FLAGS_OFF 13
+#define TCP_FLAG_SYN 0x02
 
 /*
  * parse4 reads the addresses, protocol and (TCP, UDP, SCTP) ports of the
@@ -385,6 +584,7 @@ static __always_inline int parse4(struct __sk_buff *skb, struct pkt4 *p)
 	p->protocol = iph.protocol;
 	p->sport = 0;
 	p->dport = 0;
+	p->l4_off = iph.ihl * 4;
 	if (iph.frag_off & bpf_htons(IP_FRAG_OFFSET))
 		return 0;
 	switch (iph.protocol) {
@@ -392,7 +592,7 @@ static __always_inline int parse4(struct __sk_buff *skb, struct pkt4 *p)
 	case IPPROTO_UDP:
 	case IPPROTO_SCTP:
 		/* The three start with source and destination port. */
-		if (bpf_skb_load_bytes(skb, iph.ihl * 4, ports, sizeof(ports)) < 0)
+		if (bpf_skb_load_bytes(skb, p->l4_off, ports, sizeof(ports)) < 0)
 			return 0;
 		p->sport = ports[0];
 		p->dport = ports[1];
@@ -400,10 +600,39 @@ static __always_inline int parse4(struct __sk_buff *skb, struct pkt4 *p)
 	return 0;
 }
 
+/* on_listener tells whether the packet's socket is a TCP listener. */
+static __always_inline int on_listener(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = skb->sk;
+
+	if (!sk)
+		return 0;
+	sk = bpf_sk_fullsock(sk);
+	return sk && sk->state == BPF_TCP_LISTEN;
+}
+
+/*
+ * opens_flow tells whether an incoming packet that policy judged starts a
+ * flow. Every one does but a TCP packet without SYN to a listener: the
+ * last ACK of a handshake (its SYN was judged, and reported, already).
+ */
+static __always_inline int opens_flow(struct __sk_buff *skb, const struct pkt4 *p)
+{
+	__u8 tcp_flags;
+
+	if (p->protocol != IPPROTO_TCP || !on_listener(skb))
+		return 1;
+	if (bpf_skb_load_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &tcp_flags, 1) < 0)
+		return 1;
+	return tcp_flags & TCP_FLAG_SYN;
+}
+
 SEC("cgroup_skb/ingress")
 int policy_ingress(struct __sk_buff *skb)
 {
 	struct policy_endpoint *ep;
+	struct decision d;
+	struct conn4 c;
 	__u32 ep_id, flags;
 	struct pkt4 p;
 	__u64 cookie;
@@ -429,9 +658,23 @@ int policy_ingress(struct __sk_buff *skb)
 	/* A reply of a flow the endpoint opened, or more of one let in. */
 	if (flow_known(cookie, p.saddr, p.sport, p.protocol))
 		return 1;
-	if ((flags & EP_ENFORCE_INGRESS) &&
-	    !decide(ep_id, flags, p.saddr, DIR_INGRESS, p.protocol, p.dport))
-		return 0;
+	if (flags & EP_ENFORCE_INGRESS) {
+		c = (struct conn4){
+			.local_addr = p.daddr,
+			.remote_addr = p.saddr,
+			.local_port = p.dport,
+			.remote_port = p.sport,
+			.protocol = p.protocol,
+		};
+		d = decide(ep_id, flags, &c, DIR_INGRESS);
+		/* The handshake's last ACK is judged again, but a TCP
+		 * connection is one decision, its SYN's: only a denial of
+		 * it is reported. */
+		if (d.verdict == VERDICT_DENIED || opens_flow(skb, &p))
+			report(ep_id, &d, &c, DIR_INGRESS, HOOK_INGRESS);
+		if (d.verdict == VERDICT_DENIED)
+			return 0;
+	}
 	/* TCP is remembered by sockops once accepted (the SYN arrives on the
 	 * listener, whose cookie is not the connection's); a UDP socket's
 	 * replies go out on the socket that received, so remember it here. */
@@ -444,7 +687,8 @@ SEC("cgroup_skb/egress")
 int policy_egress(struct __sk_buff *skb)
 {
 	struct policy_endpoint *ep;
-	struct bpf_sock *sk;
+	struct decision d;
+	struct conn4 c;
 	__u32 ep_id, flags;
 	struct pkt4 p;
 	__u64 cookie;
@@ -467,15 +711,18 @@ int policy_egress(struct __sk_buff *skb)
 	/* A SYN-ACK leaves on the listener (its request socket is not a full
 	 * socket, so the kernel runs the hook with the listener): it answers
 	 * a SYN that ingress already judged. */
-	if (p.protocol == IPPROTO_TCP) {
-		sk = skb->sk;
-		if (sk) {
-			sk = bpf_sk_fullsock(sk);
-			if (sk && sk->state == BPF_TCP_LISTEN)
-				return 1;
-		}
-	}
-	if (!decide(ep_id, flags, p.daddr, DIR_EGRESS, p.protocol, p.dport))
+	if (p.protocol == IPPROTO_TCP && on_listener(skb))
+		return 1;
+	c = (struct conn4){
+		.local_addr = p.saddr,
+		.remote_addr = p.daddr,
+		.local_port = p.sport,
+		.remote_port = p.dport,
+		.protocol = p.protocol,
+	};
+	d = decide(ep_id, flags, &c, DIR_EGRESS);
+	report(ep_id, &d, &c, DIR_EGRESS, HOOK_EGRESS);
+	if (d.verdict == VERDICT_DENIED)
 		return 0;
 	remember_flow(cookie, p.daddr, p.dport, p.protocol, ep_id, DIR_EGRESS);
 	return 1;

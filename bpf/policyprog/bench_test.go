@@ -1,6 +1,7 @@
 package policyprog
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/ringbuf"
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -21,9 +23,15 @@ import (
 // BenchmarkConnect measures connect() from a process that moves itself
 // into a cgroup: one without programs (nohook); the pod's, with the
 // programs attached above it but the pod not an endpoint (noendpoint: the
-// ancestor walk finds nothing); and the pod as an endpoint enforcing both
-// directions with entries that allow the peer (enforced: connect4 decides
-// and remembers the flow, the packets are found in it).
+// ancestor walk finds nothing); the pod as an endpoint that enforces
+// nothing (nopolicy: connect4 reports each connect, reason "no policy");
+// and the pod as an endpoint enforcing both directions with entries that
+// allow the peer (enforced: connect4 decides, reports and remembers the
+// flow, the packets are found in it).
+//
+// Events are on throughout, as in the agent: a goroutine drains
+// policy_events (of the default size) as fast as it can; events/op is
+// what it read, lost/op what found the ring full at that rate.
 //
 // tcp is a whole connection over loopback (dial, accept, close with a
 // reset, so that no TIME_WAIT piles up), through every hook; udp is
@@ -54,6 +62,8 @@ func BenchmarkConnect(b *testing.B) {
 
 	plain := testenv.Cgroup(b)
 	d := newDatapath(b)
+	stopReader := d.drainEvents(b)
+	defer stopReader()
 	d.identity(addr.Addr().String(), 3000)
 	d.rules(
 		rule{identity: 3000, dir: bpf.PolicyEgress, proto: tcp, port: addr.Port(), portBits: 16},
@@ -84,6 +94,7 @@ func BenchmarkConnect(b *testing.B) {
 	}{
 		{"nohook", nil},
 		{"noendpoint", func() { move(d.app) }},
+		{"nopolicy", func() { d.endpoint(0) }},
 		{"enforced", func() { d.endpoint(bpf.PolicyEnforceIngress | bpf.PolicyEnforceEgress) }},
 	} {
 		if phase.before != nil {
@@ -91,6 +102,7 @@ func BenchmarkConnect(b *testing.B) {
 		}
 		b.Run(phase.name+"/tcp", func(b *testing.B) {
 			defer d.reportRuntime(b)()
+			defer d.reportEvents(b)()
 			for b.Loop() {
 				c, err := net.Dial("tcp4", addr.String())
 				if err != nil {
@@ -103,6 +115,7 @@ func BenchmarkConnect(b *testing.B) {
 		})
 		b.Run(phase.name+"/udp", func(b *testing.B) {
 			defer d.reportRuntime(b)()
+			defer d.reportEvents(b)()
 			for b.Loop() {
 				fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 				if err != nil {
@@ -144,6 +157,43 @@ func (d *datapath) reportRuntime(b *testing.B) func() {
 		if n > n0 {
 			b.ReportMetric(float64(c-c0)/float64(n-n0), "connect4-ns")
 		}
+	}
+}
+
+// drainEvents reads policy_events in a goroutine until the returned
+// function is called, counting the events in d.eventsRead: woken by the
+// programs when an eighth of the ring waits, else every eventPoll.
+func (d *datapath) drainEvents(b *testing.B) (stop func()) {
+	r := d.reader()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		var rec ringbuf.Record
+		for {
+			r.SetDeadline(time.Now().Add(eventPoll))
+			err := r.ReadInto(&rec)
+			switch {
+			case err == nil:
+				d.eventsRead.Add(1)
+			case !errors.Is(err, os.ErrDeadlineExceeded):
+				return // closed
+			}
+		}
+	}()
+	return func() {
+		r.Close()
+		<-done
+	}
+}
+
+// reportEvents reads how many events were read and lost, and the returned
+// function reports those since, per operation of b. The reader may still
+// be behind when b ends: events/op is a floor.
+func (d *datapath) reportEvents(b *testing.B) func() {
+	read0, lost0 := d.eventsRead.Load(), d.lost()
+	return func() {
+		b.ReportMetric(float64(d.eventsRead.Load()-read0)/float64(b.N), "events/op")
+		b.ReportMetric(float64(d.lost()-lost0)/float64(b.N), "lost/op")
 	}
 }
 

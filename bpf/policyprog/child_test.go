@@ -42,14 +42,22 @@ func TestMain(m *testing.M) {
 // childMain runs one command per input line and answers each with one
 // line, until its input ends:
 //
-//	tcp|udp|udpc DST [SRC]   an exchange (see exchange); answers its outcome
-//	icmp DST                 an echo request; answers its outcome
-//	serve tcp|udp ADDR       serve ADDR (see serve); answers "ok" and the
-//	                         address it listens on
+//	tcp|udp|udp2|udpsrc|udpc DST [SRC]
+//	                             an exchange (see exchange); answers its
+//	                             outcome
+//	local tcp|udp|... DST [SRC]  the same, answering the outcome and the
+//	                             socket's local address ("-" if none)
+//	icmp DST                     an echo request; answers its outcome
+//	serve tcp|udp ADDR           serve ADDR (see serve); answers "ok" and
+//	                             the address it listens on
 func childMain(in io.Reader, out io.Writer) int {
 	sc := bufio.NewScanner(in)
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
+		withLocal := len(f) > 0 && f[0] == "local"
+		if withLocal {
+			f = f[1:]
+		}
 		var answer string
 		switch {
 		case len(f) == 3 && f[0] == "serve":
@@ -63,8 +71,15 @@ func childMain(in io.Reader, out io.Writer) int {
 			if len(f) == 3 {
 				src = f[2]
 			}
-			_, err := exchange(f[0], f[1], src)
+			local, err := exchange(f[0], f[1], src)
 			answer = outcome(err)
+			if withLocal {
+				if local.IsValid() {
+					answer += " " + local.String()
+				} else {
+					answer += " -"
+				}
+			}
 		default:
 			answer = fmt.Sprintf("error: bad command %q", sc.Text())
 		}
@@ -92,17 +107,22 @@ func outcome(err error) string {
 }
 
 // exchange sends "ping" to dst and waits for "pong", from src when given:
-// over TCP (kind tcp), an unconnected UDP socket (udp: sendmsg4 sees it),
-// a connected one (udpc: connect4 sees it), or ICMP echo (icmp). It returns
-// the socket's local address.
+// over TCP (kind tcp), an unconnected UDP socket (udp: sendmsg4 sees it;
+// udp2: twice from the same socket; udpsrc: with src as IP_PKTINFO, not
+// bound), a connected one (udpc: connect4 sees it), or ICMP echo (icmp). src is an address, or an address and port
+// (see freePort). It returns the socket's local address.
 func exchange(kind, dst, src string) (netip.AddrPort, error) {
 	var local netip.AddrPort
 	if src != "" {
-		a, err := netip.ParseAddr(src)
+		ap, err := netip.ParseAddrPort(src)
 		if err != nil {
-			return local, err
+			a, aerr := netip.ParseAddr(src)
+			if aerr != nil {
+				return local, aerr
+			}
+			ap = netip.AddrPortFrom(a, 0)
 		}
-		local = netip.AddrPortFrom(a, 0)
+		local = ap
 	}
 	raddr, err := netip.ParseAddrPort(dst)
 	if kind == "icmp" {
@@ -121,7 +141,12 @@ func exchange(kind, dst, src string) (netip.AddrPort, error) {
 		}
 		c, err = d.Dial("tcp4", dst)
 	case "udp":
-		return udpUnconnected(local, raddr)
+		return udpUnconnected(local, raddr, 1, netip.Addr{})
+	case "udp2":
+		return udpUnconnected(local, raddr, 2, netip.Addr{})
+	case "udpsrc":
+		// From an unbound socket, asking for src per datagram.
+		return udpUnconnected(netip.AddrPort{}, raddr, 1, local.Addr())
 	case "udpc":
 		var laddr *net.UDPAddr
 		if local.IsValid() {
@@ -152,7 +177,30 @@ func exchange(kind, dst, src string) (netip.AddrPort, error) {
 	return local, nil
 }
 
-func udpUnconnected(local, raddr netip.AddrPort) (netip.AddrPort, error) {
+// freePort returns addr with a TCP port that a client may bind, for an
+// exchange whose source port must be known although it fails. The port is
+// found as a client finds one: without SO_REUSEADDR, so that it is in no
+// TIME_WAIT either.
+func freePort(t testing.TB, addr string) string {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: netip.MustParseAddr(addr).As4()}); err != nil {
+		t.Fatalf("bind %s: %s", addr, err)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return netip.AddrPortFrom(netip.MustParseAddr(addr), uint16(sa.(*unix.SockaddrInet4).Port)).String()
+}
+
+// udpUnconnected sends times pings from an unconnected socket bound to
+// local (any when invalid), each asking for the source src if valid.
+func udpUnconnected(local, raddr netip.AddrPort, times int, src netip.Addr) (netip.AddrPort, error) {
 	var laddr *net.UDPAddr
 	if local.IsValid() {
 		laddr = net.UDPAddrFromAddrPort(local)
@@ -164,16 +212,22 @@ func udpUnconnected(local, raddr netip.AddrPort) (netip.AddrPort, error) {
 	defer c.Close()
 	local = c.LocalAddr().(*net.UDPAddr).AddrPort()
 	c.SetDeadline(time.Now().Add(ioTimeout))
-	if _, err := c.WriteToUDPAddrPort([]byte("ping\n"), raddr); err != nil {
-		return local, err
+	var oob []byte
+	if src.IsValid() {
+		oob = unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: src.As4()})
 	}
-	buf := make([]byte, 64)
-	n, from, err := c.ReadFromUDPAddrPort(buf)
-	if err != nil {
-		return local, err
-	}
-	if string(buf[:n]) != "pong\n" || netip.AddrPortFrom(from.Addr().Unmap(), from.Port()) != raddr {
-		return local, fmt.Errorf("answer %q from %s, want pong from %s", buf[:n], from, raddr)
+	for range times {
+		if _, _, err := c.WriteMsgUDPAddrPort([]byte("ping\n"), oob, raddr); err != nil {
+			return local, err
+		}
+		buf := make([]byte, 64)
+		n, from, err := c.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			return local, err
+		}
+		if string(buf[:n]) != "pong\n" || netip.AddrPortFrom(from.Addr().Unmap(), from.Port()) != raddr {
+			return local, fmt.Errorf("answer %q from %s, want pong from %s", buf[:n], from, raddr)
+		}
 	}
 	return local, nil
 }

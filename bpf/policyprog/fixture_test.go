@@ -2,15 +2,19 @@ package policyprog
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/ringbuf"
+	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/testenv"
@@ -31,9 +35,23 @@ type datapath struct {
 	maps                  Maps
 	progs                 map[string]*ebpf.Program
 	root, pod, app, other string
+	// events reads policy_events, once a test asks for one.
+	events *ringbuf.Reader
+	// eventsRead counts the events a benchmark's reader read.
+	eventsRead atomic.Uint64
+	// start is when the datapath was made (CLOCK_MONOTONIC): no event is
+	// older.
+	start uint64
 }
 
 func newDatapath(t testing.TB) *datapath {
+	t.Helper()
+	return newDatapathEvents(t, bpf.DefaultPolicyEventsSize)
+}
+
+// newDatapathEvents is newDatapath with a policy_events of eventsSize
+// bytes.
+func newDatapathEvents(t testing.TB, eventsSize uint32) *datapath {
 	t.Helper()
 	testenv.RequireRoot(t)
 	newMap := func(spec *ebpf.MapSpec) *ebpf.Map {
@@ -52,7 +70,8 @@ func newDatapath(t testing.TB) *datapath {
 		Flows:     newMap(bpf.PolicyFlowsMapSpec(1024)),
 		Stats:     newMap(bpf.PolicyStatsMapSpec()),
 		IPCache:   newMap(bpf.IPCacheMapSpec(1024)),
-	}}
+		Events:    newMap(bpf.PolicyEventsMapSpec(eventsSize)),
+	}, start: monotonicNow(t)}
 	progs, err := Load(d.maps)
 	if err != nil {
 		t.Fatal(err)
@@ -146,15 +165,20 @@ type rule struct {
 	port     uint16
 	portBits int
 	deny     bool
+	audit    bool   // with deny: only audits
+	cookie   uint32 // 1 when 0
 }
 
 func (d *datapath) rules(rules ...rule) {
 	d.t.Helper()
 	for _, r := range rules {
 		k := bpf.NewPolicyKey(testEndpoint, r.identity, r.dir, r.proto, r.port, r.portBits)
-		v := bpf.PolicyValue{PortPrefixLen: uint8(k.PrefixLen - bpf.PolicyStaticPrefixBits), Cookie: 1}
+		v := bpf.PolicyValue{PortPrefixLen: uint8(k.PrefixLen - bpf.PolicyStaticPrefixBits), Cookie: max(r.cookie, 1)}
 		if r.deny {
-			v.Flags = bpf.PolicyFlagDeny
+			v.Flags |= bpf.PolicyFlagDeny
+		}
+		if r.audit {
+			v.Flags |= bpf.PolicyFlagAudit
 		}
 		if err := d.maps.Policy.Put(k, v); err != nil {
 			d.t.Fatalf("put %s: %s", k, err)
@@ -175,6 +199,12 @@ func (d *datapath) stats() (s [bpf.PolicyStatsEntries]uint64) {
 		}
 	}
 	return s
+}
+
+// lost returns how many events found policy_events full.
+func (d *datapath) lost() uint64 {
+	d.t.Helper()
+	return d.stats()[bpf.PolicyStatsLost]
 }
 
 // stat returns one count of stats.
@@ -209,4 +239,135 @@ func servers(t testing.TB, specs ...[2]string) {
 		}
 		t.Cleanup(func() { c.Close() })
 	}
+}
+
+// reader returns the reader of policy_events, made at the first call.
+func (d *datapath) reader() *ringbuf.Reader {
+	d.t.Helper()
+	if d.events == nil {
+		r, err := ringbuf.NewReader(d.maps.Events)
+		if err != nil {
+			d.t.Fatalf("read %s: %s", bpf.PolicyEventsMap, err)
+		}
+		d.t.Cleanup(func() { r.Close() })
+		d.events = r
+	}
+	return d.events
+}
+
+// eventWait bounds how long nextEvent waits for an event. The programs
+// report a decision before the syscall or the packet that caused it goes
+// on, so an event a test expects is there at once; the wait only bounds a
+// failure.
+const eventWait = 2 * time.Second
+
+// eventPoll is how often a reader looks at policy_events: the programs
+// wake it only once an eighth of the ring waits, so it must poll, as the
+// agent does.
+const eventPoll = 10 * time.Millisecond
+
+// nextEvent returns the next event of policy_events, failing the test
+// when none comes. Its time is checked, then cleared, so that tests can
+// compare whole events.
+func (d *datapath) nextEvent() bpf.PolicyEvent {
+	d.t.Helper()
+	r := d.reader()
+	var rec ringbuf.Record
+	for deadline := time.Now().Add(eventWait); ; {
+		r.SetDeadline(time.Now().Add(eventPoll))
+		err := r.ReadInto(&rec)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, os.ErrDeadlineExceeded) || time.Now().After(deadline) {
+			d.t.Fatalf("no event in %s: %s", bpf.PolicyEventsMap, err)
+		}
+	}
+	e, err := bpf.ParsePolicyEvent(rec.RawSample)
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	if now := monotonicNow(d.t); e.TimeNs < d.start || e.TimeNs > now {
+		d.t.Errorf("event at %d ns, not between the start of the test (%d) and now (%d)", e.TimeNs, d.start, now)
+	}
+	e.TimeNs = 0
+	return e
+}
+
+// expectEvents reads the next events and compares them with want, in
+// order.
+func (d *datapath) expectEvents(what string, want ...bpf.PolicyEvent) {
+	d.t.Helper()
+	for i, w := range want {
+		if got := d.nextEvent(); got != w {
+			d.t.Errorf("%s: event %d:\n got  %s\n want %s", what, i+1, fmtEvent(got), fmtEvent(w))
+		}
+	}
+}
+
+// noEvents checks that nothing is left to read in policy_events.
+func (d *datapath) noEvents(what string) {
+	d.t.Helper()
+	if n := d.reader().AvailableBytes(); n != 0 {
+		d.t.Errorf("%s: %d bytes of events left, want none; next: %s", what, n, fmtEvent(d.nextEvent()))
+	}
+}
+
+// event is an event the test expects: local and remote are "addr:port",
+// "addr" (port 0) or "" (0.0.0.0:0); the direction follows from the hook.
+type event struct {
+	hook          uint8 // bpf.PolicyHook*
+	local, remote string
+	proto         uint8
+	identity      uint32
+	verdict       uint8 // bpf.PolicyVerdict*
+	reason        uint8 // bpf.PolicyReason*
+	cookie        uint32
+}
+
+func (w event) policyEvent() bpf.PolicyEvent {
+	e := bpf.PolicyEvent{
+		EndpointID:     testEndpoint,
+		RemoteIdentity: w.identity,
+		Cookie:         w.cookie,
+		Protocol:       w.proto,
+		Direction:      bpf.PolicyEgress,
+		Verdict:        w.verdict,
+		Reason:         w.reason,
+		Hook:           w.hook,
+	}
+	if w.hook == bpf.PolicyHookIngress {
+		e.Direction = bpf.PolicyIngress
+	}
+	e.LocalAddr, e.LocalPort = addrPort(w.local)
+	e.RemoteAddr, e.RemotePort = addrPort(w.remote)
+	return e
+}
+
+func addrPort(s string) ([4]byte, bpf.Be16) {
+	if s == "" {
+		return [4]byte{}, bpf.Be16{}
+	}
+	if a, err := netip.ParseAddr(s); err == nil {
+		return a.As4(), bpf.Be16{}
+	}
+	ap := netip.MustParseAddrPort(s)
+	return ap.Addr().As4(), bpf.NewBe16(ap.Port())
+}
+
+// fmtEvent formats an event for failures.
+func fmtEvent(e bpf.PolicyEvent) string {
+	return fmt.Sprintf("hook %d dir %d ep %d %s:%d -> %s:%d proto %d identity %d verdict %d reason %d cookie %d pad %v",
+		e.Hook, e.Direction, e.EndpointID,
+		netip.AddrFrom4(e.LocalAddr), e.LocalPort.Uint16(), netip.AddrFrom4(e.RemoteAddr), e.RemotePort.Uint16(),
+		e.Protocol, e.RemoteIdentity, e.Verdict, e.Reason, e.Cookie, e.Pad)
+}
+
+// monotonicNow is bpf_ktime_get_ns() of now.
+func monotonicNow(t testing.TB) uint64 {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		t.Fatal(err)
+	}
+	return uint64(ts.Nano())
 }

@@ -1,7 +1,9 @@
 package policyprog
 
 import (
+	"encoding/binary"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -28,6 +30,7 @@ func TestLayout(t *testing.T) {
 		{"policy_endpoint", reflect.TypeFor[bpf.PolicyEndpointValue]()},
 		{"policy_flow_key", reflect.TypeFor[bpf.PolicyFlowKey]()},
 		{"policy_flow", reflect.TypeFor[bpf.PolicyFlowValue]()},
+		{"policy_event", reflect.TypeFor[bpf.PolicyEvent]()},
 		{"ipcache_key", reflect.TypeFor[bpf.IPCacheKey]()},
 		{"remote_endpoint_info", reflect.TypeFor[bpf.IPCacheValue]()},
 	} {
@@ -65,6 +68,7 @@ func TestLayout(t *testing.T) {
 		bpf.PolicyFlowsMapSpec(16),
 		bpf.PolicyStatsMapSpec(),
 		bpf.IPCacheMapSpec(16),
+		bpf.PolicyEventsMapSpec(4096),
 	} {
 		got := spec.Maps[want.Name]
 		if got == nil {
@@ -80,6 +84,36 @@ func TestLayout(t *testing.T) {
 	// room for every index the agent reads.
 	if got := spec.Maps[bpf.PolicyStatsMap].MaxEntries; got != bpf.PolicyStatsEntries {
 		t.Errorf("map %s has %d entries, the agent reads %d", bpf.PolicyStatsMap, got, bpf.PolicyStatsEntries)
+	}
+	// The object's own ring (replaced by the agent's) is the default size.
+	if got := spec.Maps[bpf.PolicyEventsMap].MaxEntries; got != bpf.DefaultPolicyEventsSize {
+		t.Errorf("map %s is %d bytes, the agent's default %d", bpf.PolicyEventsMap, got, bpf.DefaultPolicyEventsSize)
+	}
+}
+
+// TestParsePolicyEvent decodes an event as the library would marshal the
+// Go type, which TestLayout compares with the C struct.
+func TestParsePolicyEvent(t *testing.T) {
+	want := bpf.PolicyEvent{
+		TimeNs: 0x0102030405060708, EndpointID: 9, RemoteIdentity: 0x10203, Cookie: 0xa0b0c0d,
+		LocalAddr: [4]byte{10, 0, 0, 1}, RemoteAddr: [4]byte{192, 0, 2, 7},
+		LocalPort: bpf.NewBe16(8080), RemotePort: bpf.NewBe16(40000),
+		Protocol: 6, Direction: bpf.PolicyEgress, Verdict: bpf.PolicyVerdictAudited,
+		Reason: bpf.PolicyReasonDefaultDeny, Hook: bpf.PolicyHookSendmsg4, Pad: [3]byte{1, 2, 3},
+	}
+	raw, err := binary.Append(nil, binary.NativeEndian, want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(raw) != bpf.PolicyEventSize {
+		t.Fatalf("PolicyEvent marshals to %d bytes, PolicyEventSize is %d", len(raw), bpf.PolicyEventSize)
+	}
+	got, err := bpf.ParsePolicyEvent(raw)
+	if err != nil || got != want {
+		t.Errorf("ParsePolicyEvent: %+v, %v; want %+v", got, err, want)
+	}
+	if _, err := bpf.ParsePolicyEvent(raw[:bpf.PolicyEventSize-1]); err == nil {
+		t.Error("ParsePolicyEvent accepted a short record")
 	}
 }
 
@@ -101,6 +135,7 @@ func TestLoad(t *testing.T) {
 		Flows:     open(bpf.PolicyFlowsMapSpec(4096)),
 		Stats:     open(bpf.PolicyStatsMapSpec()),
 		IPCache:   open(bpf.IPCacheMapSpec(1024)),
+		Events:    open(bpf.PolicyEventsMapSpec(1 << 16)),
 	}
 	progs, err := Load(m)
 	if err != nil {
@@ -126,5 +161,10 @@ func TestLoad(t *testing.T) {
 	m.IPCache = nil
 	if _, err := Load(m); err == nil {
 		t.Error("Load accepted no ipcache")
+	}
+	m.IPCache = open(bpf.IPCacheMapSpec(1024))
+	m.Events = nil
+	if _, err := Load(m); err == nil || !strings.Contains(err.Error(), "Events") {
+		t.Errorf("Load without events: %v, want an error naming Maps.Events", err)
 	}
 }

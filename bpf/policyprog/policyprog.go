@@ -1,6 +1,8 @@
 package policyprog
 
 import (
+	"fmt"
+
 	"github.com/cilium/ebpf"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -48,10 +50,14 @@ type Maps struct {
 	Endpoints *ebpf.Map
 	// Flows is the LRU of allowed flows (bpf.PolicyFlowsMapSpec).
 	Flows *ebpf.Map
-	// Stats counts verdicts (bpf.PolicyStatsMapSpec).
+	// Stats counts verdicts and lost events (bpf.PolicyStatsMapSpec).
 	Stats *ebpf.Map
 	// IPCache gives peers' identities (bpf.IPCacheMapSpec).
 	IPCache *ebpf.Map
+	// Events receives a bpf.PolicyEvent per decision
+	// (bpf.PolicyEventsMapSpec); the programs never wait for its reader,
+	// and wake it only once an eighth of the ring waits: it must poll.
+	Events *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's own map
@@ -62,6 +68,10 @@ type Maps struct {
 //
 // The caller owns the returned programs, keyed by program name.
 func Load(m Maps) (map[string]*ebpf.Program, error) {
+	if m.Events == nil {
+		return nil, fmt.Errorf("load policy programs: no events map (Maps.Events, a ring buffer from bpf.PolicyEventsMapSpec(%d))",
+			bpf.DefaultPolicyEventsSize)
+	}
 	spec, err := Spec()
 	if err != nil {
 		return nil, err
@@ -72,6 +82,7 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 		policyprogMapPolicyFlows:     m.Flows,
 		policyprogMapPolicyStats:     m.Stats,
 		policyprogMapIpcache:         m.IPCache,
+		policyprogMapPolicyEvents:    m.Events,
 	}
 	return bpf.LoadPrograms(spec, repl, "policy programs")
 }

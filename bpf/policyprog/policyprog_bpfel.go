@@ -19,6 +19,7 @@ const (
 	policyprogMapIpcache         = "ipcache"
 	policyprogMapPolicy          = "policy"
 	policyprogMapPolicyEndpoints = "policy_endpoints"
+	policyprogMapPolicyEvents    = "policy_events"
 	policyprogMapPolicyFlows     = "policy_flows"
 	policyprogMapPolicyStats     = "policy_stats"
 	policyprogProgPolicyConnect4 = "policy_connect4"
@@ -84,6 +85,7 @@ type policyprogMapSpecs struct {
 	Ipcache         *ebpf.MapSpec `ebpf:"ipcache"`
 	Policy          *ebpf.MapSpec `ebpf:"policy"`
 	PolicyEndpoints *ebpf.MapSpec `ebpf:"policy_endpoints"`
+	PolicyEvents    *ebpf.MapSpec `ebpf:"policy_events"`
 	PolicyFlows     *ebpf.MapSpec `ebpf:"policy_flows"`
 	PolicyStats     *ebpf.MapSpec `ebpf:"policy_stats"`
 }
@@ -117,6 +119,7 @@ type policyprogMaps struct {
 	Ipcache         *ebpf.Map `ebpf:"ipcache"`
 	Policy          *ebpf.Map `ebpf:"policy"`
 	PolicyEndpoints *ebpf.Map `ebpf:"policy_endpoints"`
+	PolicyEvents    *ebpf.Map `ebpf:"policy_events"`
 	PolicyFlows     *ebpf.Map `ebpf:"policy_flows"`
 	PolicyStats     *ebpf.Map `ebpf:"policy_stats"`
 }
@@ -126,6 +129,7 @@ func (m *policyprogMaps) Close() error {
 		m.Ipcache,
 		m.Policy,
 		m.PolicyEndpoints,
+		m.PolicyEvents,
 		m.PolicyFlows,
 		m.PolicyStats,
 	)

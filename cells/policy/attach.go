@@ -2,6 +2,7 @@ package policy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/ringbuf"
 	"github.com/cilium/hive/cell"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -45,11 +47,15 @@ type attacher struct {
 	opened  <-chan struct{}
 	retry   time.Duration
 
-	mu    sync.Mutex
-	links map[string]link.Link
-	progs map[string]*ebpf.Program
-	flows *ebpf.Map
-	stats *ebpf.Map
+	mu     sync.Mutex
+	links  map[string]link.Link
+	progs  map[string]*ebpf.Program
+	flows  *ebpf.Map
+	stats  *ebpf.Map
+	events *ebpf.Map
+	// attached is closed once the programs are attached (the event
+	// reader starts then).
+	attached chan struct{}
 }
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
@@ -121,23 +127,32 @@ func (a *attacher) attach() (string, error) {
 		flows.Close()
 		return "", err
 	}
-	var progs map[string]*ebpf.Program
-	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
-		return a.ipcache.WithMap(func(ipc *ebpf.Map) error {
-			progs, err = policyprog.Load(policyprog.Maps{
-				Policy: policy, Endpoints: endpoints, Flows: flows.Map, Stats: stats.Map, IPCache: ipc,
-			})
-			return err
-		})
-	})
+	events, err := bpf.OpenPinnedMap(a.log, bpf.PolicyEventsMapSpec(bpf.DefaultPolicyEventsSize), a.pinDir, nil)
 	if err != nil {
 		flows.Close()
 		stats.Close()
 		return "", err
 	}
-	if err := os.MkdirAll(a.linksDir(), 0o750); err != nil {
+	closeMaps := func() {
 		flows.Close()
 		stats.Close()
+		events.Close()
+	}
+	var progs map[string]*ebpf.Program
+	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
+		return a.ipcache.WithMap(func(ipc *ebpf.Map) error {
+			progs, err = policyprog.Load(policyprog.Maps{
+				Policy: policy, Endpoints: endpoints, Flows: flows.Map, Stats: stats.Map, IPCache: ipc, Events: events.Map,
+			})
+			return err
+		})
+	})
+	if err != nil {
+		closeMaps()
+		return "", err
+	}
+	if err := os.MkdirAll(a.linksDir(), 0o750); err != nil {
+		closeMaps()
 		closePrograms(progs)
 		return "", fmt.Errorf("links directory: %w", err)
 	}
@@ -149,8 +164,7 @@ func (a *attacher) attach() (string, error) {
 			for _, l := range links {
 				l.Close()
 			}
-			flows.Close()
-			stats.Close()
+			closeMaps()
 			closePrograms(progs)
 			return "", fmt.Errorf("attach %s to %s: %w", h.Name, cgroup, err)
 		}
@@ -158,8 +172,13 @@ func (a *attacher) attach() (string, error) {
 		done = append(done, h.Name+" "+how)
 	}
 	a.mu.Lock()
-	a.links, a.progs, a.flows, a.stats = links, progs, flows.Map, stats.Map
+	a.links, a.progs, a.flows, a.stats, a.events = links, progs, flows.Map, stats.Map, events.Map
 	a.mu.Unlock()
+	select {
+	case <-a.attached:
+	default:
+		close(a.attached)
+	}
 	mode := ""
 	if a.cfg.PolicyAuditMode {
 		mode = " in audit mode"
@@ -213,7 +232,7 @@ func (a *attacher) detach() (string, error) {
 			gone = append(gone, h.Name)
 		}
 	}
-	for _, name := range []string{bpf.PolicyFlowsMap, bpf.PolicyStatsMap} {
+	for _, name := range []string{bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap} {
 		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {
 			return "", err
 		}
@@ -234,12 +253,12 @@ func (a *attacher) close() {
 	a.links = nil
 	closePrograms(a.progs)
 	a.progs = nil
-	for _, m := range []*ebpf.Map{a.flows, a.stats} {
+	for _, m := range []*ebpf.Map{a.flows, a.stats, a.events} {
 		if m != nil {
 			m.Close()
 		}
 	}
-	a.flows, a.stats = nil, nil
+	a.flows, a.stats, a.events = nil, nil, nil
 }
 
 func closePrograms(progs map[string]*ebpf.Program) {
@@ -248,8 +267,37 @@ func closePrograms(progs map[string]*ebpf.Program) {
 	}
 }
 
+// eventsReader returns a reader of policy_events, once the programs are
+// attached.
+func (a *attacher) eventsReader(ctx context.Context) (*ringbuf.Reader, error) {
+	select {
+	case <-a.attached:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.events == nil {
+		return nil, errors.New("policy_events not open")
+	}
+	rd, err := ringbuf.NewReader(a.events)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", bpf.PolicyEventsMap, err)
+	}
+	return rd, nil
+}
+
+// lost returns how many events found policy_events full.
+func (a *attacher) lost() uint64 {
+	counts, err := a.verdicts()
+	if err != nil {
+		return 0
+	}
+	return counts[bpf.PolicyStatsLost]
+}
+
 // verdicts returns the counts of policy_stats, summed over CPUs, by
-// direction and verdict index.
+// direction and verdict index, then the events lost.
 func (a *attacher) verdicts() ([bpf.PolicyStatsEntries]uint64, error) {
 	var out [bpf.PolicyStatsEntries]uint64
 	a.mu.Lock()

@@ -8,6 +8,7 @@
 package policy
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"time"
@@ -27,6 +28,7 @@ import (
 	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/metrics"
+	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -44,6 +46,10 @@ var Cell = cell.Module(
 		newOps,
 		newProgress,
 		newMapsOpened,
+	),
+	cell.Provide(
+		NewMonitor,
+		newMonitorHandler,
 	),
 	cell.Provide(
 		statedb.RWTable[*tables.PolicyEntry].ToTable,
@@ -202,24 +208,54 @@ func newGate(p gateParams) fqdn.Gate {
 type attacherParams struct {
 	cell.In
 
-	Log       *slog.Logger
-	Config    Config
-	PinDir    bpffs.PinDir
-	Root      cgroups.Root
-	Jobs      job.Group
-	Lifecycle cell.Lifecycle
-	Ops       *reconcilers.Policy
-	Opened    mapsOpened
-	IPCache   ipcache.Map
-	Registry  prometheus.Registerer
+	Log        *slog.Logger
+	Config     Config
+	PinDir     bpffs.PinDir
+	Root       cgroups.Root
+	Jobs       job.Group
+	Lifecycle  cell.Lifecycle
+	Ops        *reconcilers.Policy
+	Opened     mapsOpened
+	IPCache    ipcache.Map
+	Registry   prometheus.Registerer
+	DB         *statedb.DB
+	Identities statedb.Table[*tables.Identity]
+	Endpoints  statedb.RWTable[*tables.EndpointPolicy]
+	Policies   statedb.Table[*tables.Policy]
+	Monitor    *Monitor
+	Counter    *selectors.VerdictCounter
 }
 
 func registerAttacher(p attacherParams) error {
 	a := &attacher{
 		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), root: p.Root, ops: p.Ops,
-		ipcache: p.IPCache, opened: p.Opened, retry: 5 * time.Second,
+		ipcache: p.IPCache, opened: p.Opened, retry: 5 * time.Second, attached: make(chan struct{}),
 	}
 	p.Jobs.Add(job.OneShot("attach", a.run))
+	verdicts := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: metrics.Namespace, Subsystem: "policy", Name: "verdicts_total",
+		Help: "Connections and flows the policy programs decided, by direction, verdict (audited: would have been denied) and the policy whose entry decided (empty: default deny or no policy); from the verdict events, so events lost are not counted",
+	}, []string{"direction", "verdict", "policy"})
+	if err := p.Registry.Register(verdicts); err != nil {
+		return err
+	}
+	r := &eventReader{
+		log: p.Log, db: p.DB, identities: p.Identities, endpoints: p.Endpoints, policies: p.Policies,
+		monitor: p.Monitor, counter: p.Counter, verdicts: verdicts, lost: a.lost,
+	}
+	p.Jobs.Add(job.OneShot("events", func(ctx context.Context, _ cell.Health) error {
+		if p.Config.EnablePolicy == ModeNever {
+			return nil
+		}
+		rd, err := a.eventsReader(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		return r.run(ctx, rd)
+	}))
 	// The links stay pinned (and attached); only this process's handles
 	// go.
 	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
@@ -229,11 +265,15 @@ func registerAttacher(p attacherParams) error {
 // registerMetrics exports the verdict counters of the datapath and the
 // policy map's writes.
 func registerMetrics(reg prometheus.Registerer, a *attacher, ops *reconcilers.Policy) error {
-	verdicts := prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "verdicts_total"),
-		"Connections and packets the policy programs decided, by direction and verdict (audited: would have been denied)",
+	decisions := prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "decisions_total"),
+		"Decisions of the policy programs (connections, and packets of flows not yet known), by direction and verdict (audited: would have been denied); counted in the datapath, exact",
 		[]string{"direction", "verdict"}, nil)
 	collectors := []prometheus.Collector{
-		&verdictCollector{desc: verdicts, a: a},
+		&verdictCollector{desc: decisions, a: a},
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Namespace: metrics.Namespace, Subsystem: "policy", Name: "events_lost_total",
+			Help: "Verdict events the policy programs could not hand to the agent (a full ring buffer)",
+		}, func() float64 { return float64(a.lost()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Namespace: metrics.Namespace, Subsystem: "policy", Name: "map_updates_total",
 			Help: "Entries written to the policy and policy_endpoints maps",

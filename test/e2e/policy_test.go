@@ -7,6 +7,7 @@ package e2e
 
 import (
 	"bufio"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -542,7 +543,7 @@ spec:
 		got := connectFrom(t, cgA, "127.0.1.42:8080", "")
 		return got == "ok: hello from 127.0.1.42:8080", got
 	})
-	if n, err := a.labelledMetric(`apiary_policy_verdicts_total{direction="egress",verdict="audited"}`); err != nil || n < 1 {
+	if n, err := a.labelledMetric(`apiary_policy_decisions_total{direction="egress",verdict="audited"}`); err != nil || n < 1 {
 		t.Errorf("audited egress verdicts: %v %v, want at least 1", n, err)
 	}
 
@@ -573,4 +574,117 @@ func (a *agent) labelledMetric(series string) (float64, error) {
 		}
 	}
 	return 0, fmt.Errorf("no series %s in /metrics", series)
+}
+
+// verdictPolicies let client-a reach 127.0.1.52:8080, and deny it
+// 127.0.1.53 in a policy that is only audited: that connection goes
+// through, reported as audited.
+const verdictPolicies = `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: egress-v, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egress:
+  - toCIDR: [127.0.1.52/32]
+    toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata:
+  name: try-deny
+  namespace: default
+  annotations: {apiary.io/audit: "true"}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egressDeny:
+  - toCIDR: [127.0.1.53/32]
+`
+
+// TestPolicyVerdicts: `apiary monitor -o json` shows each decided
+// connection of a pod, naming the endpoint, the destination, the verdict
+// and the policy (or default deny) that decided it; an audited policy lets
+// its deny through as audited; the metric and the policies table count
+// them per policy.
+func TestPolicyVerdicts(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	root := testenv.Cgroup(t)
+	cgA, _, _ := mkCgroups(t, root)
+	listen(t, "127.0.1.51:8080", "127.0.1.52:8080", "127.0.1.53:8080")
+
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), policyPods)
+	writeFile(t, filepath.Join(configDir, "policies.yaml"), verdictPolicies)
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{"--node-name=e2e-node", "--cgroup-root=" + root}})
+	a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny"})
+
+	mon := startProcess(t, "apiary monitor", nil, apiaryBin, "monitor", "-o", "json", "--server", "http://"+a.addr)
+	// The stream is open once the agent counts a subscriber... which it
+	// does not export; a verdict seen proves it, so connect until one is.
+	type verdict struct {
+		Endpoint, Direction, Src, Dst, Proto, Verdict, Policy, Reason string
+		RemoteIdentity                                                uint32
+	}
+	seen := func(dst, want string) (verdict, bool) {
+		for line := range strings.Lines(mon.log.String()) {
+			var v verdict
+			if json.Unmarshal([]byte(line), &v) == nil && v.Dst == dst && v.Verdict == want {
+				return v, true
+			}
+		}
+		return verdict{}, false
+	}
+	for _, tc := range []struct {
+		dst, outcome, verdict, policy, reason string
+	}{
+		{"127.0.1.51:8080", "EPERM", "denied", "", "default deny"},
+		{"127.0.1.52:8080", "ok", "allowed", "cnp/default/egress-v", "policy"},
+		{"127.0.1.53:8080", "ok", "audited", "cnp/default/try-deny", "policy"},
+	} {
+		var v verdict
+		testenv.Eventually(t, waitTimeout, "apiary monitor shows "+tc.dst+" "+tc.verdict, func() (bool, string) {
+			got := connectFrom(t, cgA, tc.dst, "")
+			if got != tc.outcome && !(tc.outcome == "ok" && strings.HasPrefix(got, "ok:")) {
+				t.Fatalf("connect to %s: %s, want %s", tc.dst, got, tc.outcome)
+			}
+			var ok bool
+			v, ok = seen(tc.dst, tc.verdict)
+			_, metrics, _ := httpGet(a.url("/metrics"))
+			var pm []string
+			for l := range strings.Lines(metrics) {
+				if strings.HasPrefix(l, "apiary_policy_") {
+					pm = append(pm, l)
+				}
+			}
+			return ok, mon.log.Tail(5) + "\n" + strings.Join(pm, "")
+		})
+		if v.Endpoint != "default/client-a" || v.Direction != "egress" || v.Proto != "TCP" ||
+			v.Policy != tc.policy || v.Reason != tc.reason || v.RemoteIdentity == 0 {
+			t.Errorf("verdict for %s: %+v, want endpoint default/client-a, egress, TCP, policy %q, reason %q",
+				tc.dst, v, tc.policy, tc.reason)
+		}
+	}
+
+	// Counted per policy: the metric and the policies table.
+	series := `apiary_policy_verdicts_total{direction="egress",policy="cnp/default/egress-v",verdict="allowed"}`
+	if n, err := a.labelledMetric(series); err != nil || n < 1 {
+		t.Errorf("%s: %v %v, want at least 1", series, n, err)
+	}
+	testenv.Eventually(t, waitTimeout, "the policies table counts the verdicts", func() (bool, string) {
+		var rows []struct {
+			Name     string
+			Verdicts struct{ Allowed, Denied, Audited uint64 }
+		}
+		if err := a.dump("policies", &rows); err != nil {
+			return false, err.Error()
+		}
+		ok := 0
+		for _, r := range rows {
+			if (r.Name == "cnp/default/egress-v" && r.Verdicts.Allowed > 0) ||
+				(r.Name == "cnp/default/try-deny" && r.Verdicts.Audited > 0) {
+				ok++
+			}
+		}
+		return ok == 2, fmt.Sprintf("%+v", rows)
+	})
 }

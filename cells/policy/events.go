@@ -1,0 +1,184 @@
+package policy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/cilium/ebpf/ringbuf"
+	"github.com/cilium/statedb"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/cells/selectors"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// eventsPoll is how often the reader looks for events the programs did
+// not wake it for: the latency of `apiary monitor` on a quiet node.
+const eventsPoll = 250 * time.Millisecond
+
+// eventReader turns the datapath's verdict events into Verdicts for the
+// monitor, the per-policy counts of the policies table and the
+// apiary_policy_verdicts_total metric.
+type eventReader struct {
+	log        *slog.Logger
+	db         *statedb.DB
+	identities statedb.Table[*tables.Identity]
+	endpoints  statedb.Table[*tables.EndpointPolicy]
+	policies   statedb.Table[*tables.Policy]
+	monitor    *Monitor
+	counter    *selectors.VerdictCounter
+	verdicts   *prometheus.CounterVec
+	// lost reads the datapath's count of events lost, which the monitor
+	// reports to its subscribers (refreshed at most once a second while
+	// events flow: events are lost only then).
+	lost     func() uint64
+	lostRead time.Time
+
+	// Caches rebuilt from the tables when an event names what they lack.
+	endpointNames map[uint32]string
+	policyNames   map[uint32]string
+	// monoToWall converts the events' CLOCK_MONOTONIC times.
+	monoToWall time.Duration
+}
+
+// run reads events from rd until ctx ends.
+func (r *eventReader) run(ctx context.Context, rd *ringbuf.Reader) error {
+	r.endpointNames, r.policyNames = map[uint32]string{}, map[uint32]string{}
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		return fmt.Errorf("read the monotonic clock: %w", err)
+	}
+	r.monoToWall = time.Duration(time.Now().UnixNano() - ts.Nano())
+	stop := context.AfterFunc(ctx, func() { rd.Close() })
+	defer stop()
+	for {
+		// The programs wake the reader only once the ring is an eighth
+		// full (a wake-up per event would cost every connection a
+		// syscall's worth of work): below that, it polls.
+		rd.SetDeadline(time.Now().Add(eventsPoll))
+		rec, err := rd.Read()
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			continue
+		}
+		if errors.Is(err, ringbuf.ErrClosed) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("read %s: %w", bpf.PolicyEventsMap, err)
+		}
+		ev, err := bpf.ParsePolicyEvent(rec.RawSample)
+		if err != nil {
+			r.log.Warn("Skipping a policy event", "error", err)
+			continue
+		}
+		r.handle(ev)
+	}
+}
+
+func (r *eventReader) handle(ev bpf.PolicyEvent) {
+	if now := time.Now(); now.Sub(r.lostRead) >= time.Second {
+		r.lostRead = now
+		r.monitor.lost.Store(r.lost())
+	}
+	v := r.verdict(ev)
+	r.monitor.Publish(v)
+	r.verdicts.WithLabelValues(v.Direction, v.Verdict, v.Policy).Inc()
+	if v.Policy == "" {
+		return
+	}
+	var c tables.VerdictCounts
+	switch v.Verdict {
+	case VerdictAllowed:
+		c.Allowed = 1
+	case VerdictDenied:
+		c.Denied = 1
+	default:
+		c.Audited = 1
+	}
+	r.counter.Add(v.Policy, c)
+}
+
+// verdict decodes ev.
+func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
+	v := Verdict{
+		Time:           time.Unix(0, int64(ev.TimeNs)+int64(r.monoToWall)).UTC(),
+		Endpoint:       r.endpointName(ev.EndpointID),
+		Direction:      tables.DirIngress,
+		Proto:          protoName(ev.Protocol),
+		RemoteIdentity: ev.RemoteIdentity,
+		RemoteLabels:   []string{},
+		Verdict:        VerdictAllowed,
+		Reason:         ReasonPolicy,
+	}
+	local := netip.AddrPortFrom(netip.AddrFrom4(ev.LocalAddr), ev.LocalPort.Uint16()).String()
+	remote := netip.AddrPortFrom(netip.AddrFrom4(ev.RemoteAddr), ev.RemotePort.Uint16()).String()
+	v.Src, v.Dst = remote, local
+	if ev.Direction == bpf.PolicyEgress {
+		v.Direction = tables.DirEgress
+		v.Src, v.Dst = local, remote
+	}
+	switch ev.Verdict {
+	case bpf.PolicyVerdictDenied:
+		v.Verdict = VerdictDenied
+	case bpf.PolicyVerdictAudited:
+		v.Verdict = VerdictAudited
+	}
+	switch ev.Reason {
+	case bpf.PolicyReasonDefaultDeny:
+		v.Reason = ReasonDefaultDeny
+	case bpf.PolicyReasonNoPolicy:
+		v.Reason = ReasonNoPolicy
+	default:
+		v.Policy = r.policyName(ev.Cookie)
+	}
+	if id, _, found := r.identities.Get(r.db.ReadTxn(), tables.IdentityIDIndex.Query(ev.RemoteIdentity)); found {
+		v.RemoteLabels = id.Labels
+	}
+	return v
+}
+
+func (r *eventReader) endpointName(id uint32) string {
+	if name, ok := r.endpointNames[id]; ok {
+		return name
+	}
+	clear(r.endpointNames)
+	for ep := range r.endpoints.All(r.db.ReadTxn()) {
+		if ep.ID != 0 {
+			r.endpointNames[ep.ID] = ep.Name
+		}
+	}
+	if name, ok := r.endpointNames[id]; ok {
+		return name
+	}
+	return "endpoint " + strconv.FormatUint(uint64(id), 10)
+}
+
+func (r *eventReader) policyName(cookie uint32) string {
+	if cookie == 0 {
+		return ""
+	}
+	if name, ok := r.policyNames[cookie]; ok {
+		return name
+	}
+	clear(r.policyNames)
+	for p := range r.policies.All(r.db.ReadTxn()) {
+		r.policyNames[policyCookie(p.Name)] = p.Name
+	}
+	return r.policyNames[cookie]
+}
+
+// protoName names the protocols policy knows, and ICMP.
+func protoName(p uint8) string {
+	if p == unix.IPPROTO_ICMP {
+		return "ICMP"
+	}
+	return bpf.ProtocolName(p)
+}
