@@ -10,10 +10,39 @@ import (
 	"io/fs"
 	"log/slog"
 	"os"
+	"path/filepath"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 )
+
+// Hook is a program of an object and the cgroup hook it attaches to.
+type Hook struct {
+	// Name is the hook's name, also the name of the link's pin.
+	Name string
+	// Program is the program's name in the object.
+	Program string
+	// Attach is the cgroup attach type.
+	Attach ebpf.AttachType
+}
+
+// DetachAll removes the pinned links of hooks in dir (see Detach) and
+// returns the names of those that were there.
+func DetachAll(dir string, hooks []Hook) ([]string, error) {
+	var gone []string
+	var errs []error
+	for _, h := range hooks {
+		ok, err := Detach(filepath.Join(dir, h.Name))
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if ok {
+			gone = append(gone, h.Name)
+		}
+	}
+	return gone, errors.Join(errs...)
+}
 
 // Attach returns a link of prog on hook attach of the cgroup at path (whose
 // ID is cgID), pinned as pin: a pinned link of the same cgroup and hook gets

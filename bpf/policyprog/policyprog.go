@@ -6,17 +6,8 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/cgrouplink"
 )
-
-// Hook is one of the programs and the cgroup hook it attaches to.
-type Hook struct {
-	// Name is the hook's name, also the name of the link's pin.
-	Name string
-	// Program is the program's name in the object.
-	Program string
-	// Attach is the cgroup attach type.
-	Attach ebpf.AttachType
-}
 
 // Hooks lists the programs in attach order. The programs that remember
 // flows come first: sockops (accepted connections), then connect4 and
@@ -29,7 +20,7 @@ type Hook struct {
 // cgroup: programs of one hook run in attach order, and connect4 and
 // sendmsg4 must see the backend the load balancer chose, the address the
 // packets will carry.
-var Hooks = []Hook{
+var Hooks = []cgrouplink.Hook{
 	{Name: "policy_sockops", Program: policyprogProgPolicySockops, Attach: ebpf.AttachCGroupSockOps},
 	{Name: "policy_connect4", Program: policyprogProgPolicyConnect4, Attach: ebpf.AttachCGroupInet4Connect},
 	{Name: "policy_sendmsg4", Program: policyprogProgPolicySendmsg4, Attach: ebpf.AttachCGroupUDP4Sendmsg},

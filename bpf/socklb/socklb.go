@@ -4,26 +4,17 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/cgrouplink"
 )
 
 // SockRevNatMap is the name (and pin name) of the map in which the programs
 // remember, per socket, which frontend a backend was chosen for.
 const SockRevNatMap = "lb4_sock_revnat"
 
-// Hook is one of the programs and the cgroup hook it attaches to.
-type Hook struct {
-	// Name is the hook's name, also the name of the link's pin.
-	Name string
-	// Program is the program's name in the object.
-	Program string
-	// Attach is the cgroup attach type.
-	Attach ebpf.AttachType
-}
-
 // Hooks lists the programs in attach order: the reverse translations come
 // before the forward ones, so that no socket is translated one way while
 // its replies cannot yet be translated back.
-var Hooks = []Hook{
+var Hooks = []cgrouplink.Hook{
 	{Name: "recvmsg4", Program: socklbProgSock4Recvmsg, Attach: ebpf.AttachCGroupUDP4Recvmsg},
 	{Name: "getpeername4", Program: socklbProgSock4Getpeername, Attach: ebpf.AttachCgroupInet4GetPeername},
 	{Name: "connect4", Program: socklbProgSock4Connect, Attach: ebpf.AttachCGroupInet4Connect},

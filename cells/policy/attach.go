@@ -222,15 +222,9 @@ func (a *attacher) keepLast() error {
 // detach removes the pinned links and the maps only the programs use.
 func (a *attacher) detach() (string, error) {
 	a.close()
-	var gone []string
-	for _, h := range policyprog.Hooks {
-		ok, err := cgrouplink.Detach(filepath.Join(a.linksDir(), h.Name))
-		if err != nil {
-			return "", err
-		}
-		if ok {
-			gone = append(gone, h.Name)
-		}
+	gone, err := cgrouplink.DetachAll(a.linksDir(), policyprog.Hooks)
+	if err != nil {
+		return "", err
 	}
 	for _, name := range []string{bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap} {
 		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {

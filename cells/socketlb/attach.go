@@ -143,16 +143,9 @@ func (a *attacher) attach() (string, error) {
 func (a *attacher) detach() (string, error) {
 	a.close()
 	var errs []error
-	var gone []string
-	for _, h := range socklb.Hooks {
-		ok, err := cgrouplink.Detach(filepath.Join(a.linksDir(), h.Name))
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		if ok {
-			gone = append(gone, h.Name)
-		}
+	gone, err := cgrouplink.DetachAll(a.linksDir(), socklb.Hooks)
+	if err != nil {
+		errs = append(errs, err)
 	}
 	if err := bpf.RemovePinnedMap(a.pinDir, socklb.SockRevNatMap); err != nil {
 		errs = append(errs, err)
