@@ -264,10 +264,23 @@ type endpointPolicyRow struct {
 	} `json:"status"`
 }
 
-// waitEndpointPolicy waits until each named endpoint's row reads "ingress
-// egress" as wanted, with its map entry written.
+// waitEndpointPolicy waits until the policy programs are attached and
+// each named endpoint's row reads "ingress egress" as wanted, with its map
+// entry written.
 func (a *agent) waitEndpointPolicy(t *testing.T, want map[string]string) {
 	t.Helper()
+	testenv.Eventually(t, waitTimeout, "the policy programs attached", func() (bool, string) {
+		var health []struct{ Scope, Message string }
+		if err := a.dump("health", &health); err != nil {
+			return false, err.Error()
+		}
+		for _, h := range health {
+			if h.Scope == "policy.job-attach" {
+				return strings.HasPrefix(h.Message, "Enforcing policy on cgroup"), h.Message
+			}
+		}
+		return false, "no policy.job-attach scope"
+	})
 	testenv.Eventually(t, waitTimeout, fmt.Sprintf("endpoint-policy %v", want), func() (bool, string) {
 		var rows []endpointPolicyRow
 		if err := a.dump("endpoint-policy", &rows); err != nil {
