@@ -36,7 +36,8 @@ var ControlPlane = cell.Group(
 
 // agentCells is the whole agent:
 //   - infra.Cell: statedb, health, jobs, metrics, the HTTP API, the
-//     node's config, bpffs and the input sources (Kubernetes, --config-dir);
+//     node's config, bpffs, the cgroup root and the input sources
+//     (Kubernetes, --config-dir);
 //   - the Kubernetes client (tests swap in a fake one);
 //   - the control plane.
 func agentCells(k8sClient cell.Cell) []cell.Cell {
