@@ -69,6 +69,7 @@ type ServiceFlags uint8
 // Service flags apiary sets.
 const (
 	SvcFlagExternalIPs  ServiceFlags = 1 << 0
+	SvcFlagNodePort     ServiceFlags = 1 << 1
 	SvcFlagLoadBalancer ServiceFlags = 1 << 5
 	// SvcFlagRoutable marks addresses that are reachable from outside the
 	// node (every type but ClusterIP).
@@ -82,6 +83,8 @@ func (f ServiceFlags) String() string {
 	switch {
 	case f&SvcFlagExternalIPs != 0:
 		parts = append(parts, "ExternalIP")
+	case f&SvcFlagNodePort != 0:
+		parts = append(parts, "NodePort")
 	case f&SvcFlagLoadBalancer != 0:
 		parts = append(parts, "LoadBalancer")
 	default:
@@ -90,7 +93,7 @@ func (f ServiceFlags) String() string {
 	if f&SvcFlagRoutable != 0 {
 		parts = append(parts, "routable")
 	}
-	if rest := f &^ (SvcFlagExternalIPs | SvcFlagLoadBalancer | SvcFlagRoutable); rest != 0 {
+	if rest := f &^ (SvcFlagExternalIPs | SvcFlagNodePort | SvcFlagLoadBalancer | SvcFlagRoutable); rest != 0 {
 		parts = append(parts, fmt.Sprintf("%#x", uint8(rest)))
 	}
 	return strings.Join(parts, "+")

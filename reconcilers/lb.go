@@ -349,6 +349,8 @@ func frontendFlags(t tables.FrontendType) bpf.ServiceFlags {
 		return bpf.SvcFlagExternalIPs | bpf.SvcFlagRoutable
 	case tables.FrontendLoadBalancer:
 		return bpf.SvcFlagLoadBalancer | bpf.SvcFlagRoutable
+	case tables.FrontendNodePort:
+		return bpf.SvcFlagNodePort | bpf.SvcFlagRoutable
 	}
 	return 0
 }

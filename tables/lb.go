@@ -148,7 +148,20 @@ type ServicePort struct {
 	Name     string `json:"name,omitempty" yaml:"name,omitempty"`
 	Port     uint16 `json:"port" yaml:"port"`
 	Protocol Proto  `json:"protocol" yaml:"protocol"`
+	// NodePort is the port opened on each of the node's addresses
+	// (services of type NodePort and LoadBalancer); 0 when none.
+	NodePort uint16 `json:"nodePort,omitempty" yaml:"nodePort,omitempty"`
 }
+
+// TrafficPolicy says which backends a frontend may use: all of them
+// (Cluster, also when empty) or only those on this node (Local).
+type TrafficPolicy string
+
+// Traffic policies, as Kubernetes names them.
+const (
+	TrafficPolicyCluster TrafficPolicy = "Cluster"
+	TrafficPolicyLocal   TrafficPolicy = "Local"
+)
 
 // MarshalText implements encoding.TextMarshaler, so that protocols read as
 // names in JSON and YAML.
@@ -167,12 +180,18 @@ type Service struct {
 	Name ServiceName `json:"name" yaml:"name"`
 	// Type is the Kubernetes service type (ClusterIP, LoadBalancer, ...).
 	Type string `json:"type" yaml:"type"`
-	// Headless services (clusterIP None) have no frontends.
+	// Headless services (clusterIP None, or the label
+	// service.kubernetes.io/headless) have no frontends.
 	Headless        bool          `json:"headless,omitempty" yaml:"headless,omitempty"`
 	ClusterIPs      []netip.Addr  `json:"clusterIPs,omitempty" yaml:"clusterIPs,omitempty"`
 	ExternalIPs     []netip.Addr  `json:"externalIPs,omitempty" yaml:"externalIPs,omitempty"`
 	LoadBalancerIPs []netip.Addr  `json:"loadBalancerIPs,omitempty" yaml:"loadBalancerIPs,omitempty"`
 	Ports           []ServicePort `json:"ports,omitempty" yaml:"ports,omitempty"`
+	// ExternalTrafficPolicy governs the NodePort, LoadBalancer and
+	// external IP frontends; InternalTrafficPolicy the ClusterIP ones.
+	// Local keeps only the backends on this node.
+	ExternalTrafficPolicy TrafficPolicy `json:"externalTrafficPolicy,omitempty" yaml:"externalTrafficPolicy,omitempty"`
+	InternalTrafficPolicy TrafficPolicy `json:"internalTrafficPolicy,omitempty" yaml:"internalTrafficPolicy,omitempty"`
 	// Errors lists what could not be turned into frontends: invalid
 	// fields, and addresses another service already claims. The rest of
 	// the service works.
@@ -191,7 +210,7 @@ func (s *Service) Clone() *Service {
 
 // TableHeader implements statedb.TableWritable.
 func (*Service) TableHeader() []string {
-	return []string{"Name", "Type", "Addresses", "Ports", "Problems"}
+	return []string{"Name", "Type", "Addresses", "Ports", "TrafficPolicy", "Problems"}
 }
 
 // TableRow implements statedb.TableWritable.
@@ -202,18 +221,32 @@ func (s *Service) TableRow() []string {
 			addrs = append(addrs, a.String())
 		}
 	}
-	if s.Headless {
+	switch {
+	case s.Headless && len(addrs) == 0:
 		addrs = append(addrs, "None")
+	case s.Headless:
+		addrs = append(addrs, "(headless)")
 	}
 	ports := make([]string, len(s.Ports))
 	for i, p := range s.Ports {
-		ports[i] = strconv.Itoa(int(p.Port)) + "/" + p.Protocol.String()
+		ports[i] = strconv.Itoa(int(p.Port))
+		if p.NodePort != 0 {
+			ports[i] += ":" + strconv.Itoa(int(p.NodePort))
+		}
+		ports[i] += "/" + p.Protocol.String()
 		if p.Name != "" {
 			ports[i] = p.Name + ":" + ports[i]
 		}
 	}
 	problems := append(slices.Clone(s.Errors), s.Conflicts...)
-	return []string{s.Name.String(), s.Type, strings.Join(addrs, ","), strings.Join(ports, ","), strings.Join(problems, "; ")}
+	policy := func(p TrafficPolicy) string {
+		if p == "" {
+			return string(TrafficPolicyCluster)
+		}
+		return string(p)
+	}
+	traffic := "Ext=" + policy(s.ExternalTrafficPolicy) + ",Int=" + policy(s.InternalTrafficPolicy)
+	return []string{s.Name.String(), s.Type, strings.Join(addrs, ","), strings.Join(ports, ","), traffic, strings.Join(problems, "; ")}
 }
 
 // FrontendType says where a frontend address comes from.
@@ -224,6 +257,9 @@ const (
 	FrontendClusterIP    FrontendType = "ClusterIP"
 	FrontendExternalIP   FrontendType = "ExternalIP"
 	FrontendLoadBalancer FrontendType = "LoadBalancer"
+	// FrontendNodePort is one of the node's own addresses times a
+	// service port's nodePort.
+	FrontendNodePort FrontendType = "NodePort"
 )
 
 // BackendState says whether a backend takes new connections.
@@ -276,7 +312,8 @@ type FrontendBackend struct {
 }
 
 // Frontend is one address, port and protocol of a service: a cluster IP,
-// external IP or load-balancer IP times a service port. The reconciler
+// external IP or load-balancer IP times a service port, or a node address
+// times a service port's nodePort. The reconciler
 // writes it into lb4_services (slot 0 and one slot per selectable backend),
 // lb4_backends and lb4_reverse_nat.
 type Frontend struct {

@@ -213,7 +213,7 @@ func writeTableRows(b *testing.B, svcs []*corev1.Service) *statedb.DB {
 			services.Insert(txn, svc)
 			addr := tables.L4Addr{Addr: netip.AddrFrom4([4]byte{10, byte(128 + i>>16), byte(i >> 8), byte(i)}), Port: 8080, Proto: tables.TCP}
 			backends.Insert(txn, &tables.Backend{Address: addr, Services: []tables.BackendInstance{{Service: svc.Name, Slice: "s"}}})
-			fe := desiredFrontends(svc)[0]
+			fe := desiredFrontends(svc, nil)[0]
 			fe.Backends = []tables.FrontendBackend{{Address: addr}}
 			fe.Status = reconciler.StatusPending()
 			frontends.Insert(txn, fe)

@@ -14,6 +14,7 @@ package lb
 import (
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -28,6 +29,7 @@ import (
 
 	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/cells/node"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -118,12 +120,14 @@ func newReflector(
 	backends statedb.RWTable[*tables.Backend],
 	svcs k8s.Resource[*corev1.Service],
 	slices k8s.Resource[*discoveryv1.EndpointSlice],
+	nodeCfg node.Config,
 ) *reflector {
 	r := &reflector{
 		log: log,
 		db:  db,
 		w: &writer{services: services, frontends: frontends, backends: backends,
-			conflicted: map[tables.ServiceName]struct{}{}, sliceRecords: map[tables.ServiceName][]sliceRecord{}},
+			conflicted: map[tables.ServiceName]struct{}{}, sliceRecords: map[tables.ServiceName][]sliceRecord{},
+			nodeName: nodeCfg.NodeName, nodeIPs: nodeIPv4s(nodeCfg.NodeIPs)},
 		services:     svcs,
 		slices:       slices,
 		sliceService: map[k8s.Key]tables.ServiceName{},
@@ -140,6 +144,18 @@ func newReflector(
 	}
 	txn.Commit()
 	return r
+}
+
+// nodeIPv4s returns the IPv4 addresses of ips: NodePort frontends are
+// IPv4 only, like the rest of the load balancer.
+func nodeIPv4s(ips []netip.Addr) []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range ips {
+		if ip = ip.Unmap(); ip.Is4() {
+			out = append(out, ip)
+		}
+	}
+	return out
 }
 
 func registerReflector(jobs job.Group, r *reflector) {

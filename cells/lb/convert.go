@@ -11,14 +11,24 @@ import (
 	"github.com/apiary-net/apiary/tables"
 )
 
+// headlessLabel marks a service as headless whatever its cluster IP, as
+// kube-proxy and Cilium honour it.
+const headlessLabel = corev1.IsHeadlessService
+
 // serviceFromK8s turns a Kubernetes Service into a services row. What is
 // invalid is listed in Errors and left out; the rest is kept. Only IPv4
 // addresses are load-balanced (there are no lb6 maps), so IPv6 ones are
-// left out without complaint.
+// left out without complaint. Load-balancer ingress addresses with ipMode
+// Proxy are left out: the load balancer forwards their traffic to the
+// nodes (to the nodePorts), so they are not addresses of this node.
 func serviceFromK8s(s *corev1.Service) *tables.Service {
 	svc := &tables.Service{
-		Name: tables.ServiceName{Namespace: s.Namespace, Name: s.Name},
-		Type: string(s.Spec.Type),
+		Name:                  tables.ServiceName{Namespace: s.Namespace, Name: s.Name},
+		Type:                  string(s.Spec.Type),
+		ExternalTrafficPolicy: tables.TrafficPolicy(s.Spec.ExternalTrafficPolicy),
+	}
+	if s.Spec.InternalTrafficPolicy != nil {
+		svc.InternalTrafficPolicy = tables.TrafficPolicy(*s.Spec.InternalTrafficPolicy)
 	}
 	if svc.Type == "" {
 		svc.Type = string(corev1.ServiceTypeClusterIP)
@@ -52,16 +62,36 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 		svc.Headless = true
 		clusterIPs = nil
 	}
+	if _, ok := s.Labels[headlessLabel]; ok {
+		svc.Headless = true
+	}
+	for _, p := range []struct {
+		field string
+		v     tables.TrafficPolicy
+	}{{"externalTrafficPolicy", svc.ExternalTrafficPolicy}, {"internalTrafficPolicy", svc.InternalTrafficPolicy}} {
+		if p.v != "" && p.v != tables.TrafficPolicyCluster && p.v != tables.TrafficPolicyLocal {
+			errorf("%s %q is not Cluster or Local; Cluster is used", p.field, p.v)
+		}
+	}
+	if svc.ExternalTrafficPolicy != tables.TrafficPolicyLocal {
+		svc.ExternalTrafficPolicy = ""
+	}
+	if svc.InternalTrafficPolicy != tables.TrafficPolicyLocal {
+		svc.InternalTrafficPolicy = ""
+	}
 	svc.ClusterIPs = parse("clusterIP", clusterIPs)
 	svc.ExternalIPs = parse("externalIP", s.Spec.ExternalIPs)
 	var lbIPs []string
 	for _, ing := range s.Status.LoadBalancer.Ingress {
-		if ing.IP != "" {
+		if ing.IP != "" && (ing.IPMode == nil || *ing.IPMode != corev1.LoadBalancerIPModeProxy) {
 			lbIPs = append(lbIPs, ing.IP)
 		}
 	}
 	svc.LoadBalancerIPs = parse("loadBalancer ingress IP", lbIPs)
 
+	// Only these types open node ports; a stale nodePort on another type
+	// is ignored, as the API server clears it.
+	nodePorts := s.Spec.Type == corev1.ServiceTypeNodePort || s.Spec.Type == corev1.ServiceTypeLoadBalancer
 	for _, p := range s.Spec.Ports {
 		proto, err := tables.ParseProto(string(p.Protocol))
 		switch {
@@ -70,7 +100,15 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 		case p.Port <= 0 || p.Port > 65535:
 			errorf("port %q: port %d is out of range 1-65535", portLabel(p.Name, p.Port), p.Port)
 		default:
-			svc.Ports = append(svc.Ports, tables.ServicePort{Name: p.Name, Port: uint16(p.Port), Protocol: proto})
+			sp := tables.ServicePort{Name: p.Name, Port: uint16(p.Port), Protocol: proto}
+			switch {
+			case !nodePorts || p.NodePort == 0:
+			case p.NodePort < 0 || p.NodePort > 65535:
+				errorf("port %q: nodePort %d is out of range 1-65535", portLabel(p.Name, p.Port), p.NodePort)
+			default:
+				sp.NodePort = uint16(p.NodePort)
+			}
+			svc.Ports = append(svc.Ports, sp)
 		}
 	}
 	return svc
@@ -84,17 +122,30 @@ func portLabel(name string, port int32) string {
 }
 
 // desiredFrontends lists the frontends a service asks for: each cluster IP,
-// external IP and load-balancer IP times each port. An address listed twice
-// makes one frontend, of the first type that lists it.
-func desiredFrontends(svc *tables.Service) []*tables.Frontend {
+// external IP and load-balancer IP times each port, then each of nodeIPs
+// (the node's own IPv4 addresses) times each port's nodePort. An address
+// listed twice makes one frontend, of the first type that lists it.
+func desiredFrontends(svc *tables.Service, nodeIPs []netip.Addr) []*tables.Frontend {
 	if svc == nil || svc.Headless {
 		return nil
 	}
-	out := make([]*tables.Frontend, 0, (len(svc.ClusterIPs)+len(svc.ExternalIPs)+len(svc.LoadBalancerIPs))*len(svc.Ports))
+	nodePorts := 0
+	for _, p := range svc.Ports {
+		if p.NodePort != 0 {
+			nodePorts++
+		}
+	}
+	out := make([]*tables.Frontend, 0, (len(svc.ClusterIPs)+len(svc.ExternalIPs)+len(svc.LoadBalancerIPs))*len(svc.Ports)+len(nodeIPs)*nodePorts)
 	add := func(t tables.FrontendType, ips []netip.Addr) {
 		for _, ip := range ips {
 			for _, p := range svc.Ports {
-				addr := tables.L4Addr{Addr: ip, Port: p.Port, Proto: p.Protocol}
+				port := p.Port
+				if t == tables.FrontendNodePort {
+					if port = p.NodePort; port == 0 {
+						continue
+					}
+				}
+				addr := tables.L4Addr{Addr: ip, Port: port, Proto: p.Protocol}
 				// A linear search: services have a handful of frontends.
 				if slices.ContainsFunc(out, func(f *tables.Frontend) bool { return f.Address == addr }) {
 					continue
@@ -106,7 +157,20 @@ func desiredFrontends(svc *tables.Service) []*tables.Frontend {
 	add(tables.FrontendClusterIP, svc.ClusterIPs)
 	add(tables.FrontendExternalIP, svc.ExternalIPs)
 	add(tables.FrontendLoadBalancer, svc.LoadBalancerIPs)
+	if nodePorts > 0 {
+		add(tables.FrontendNodePort, nodeIPs)
+	}
 	return out
+}
+
+// localOnly says whether a frontend of the service may use only the
+// backends on this node: its traffic policy (internal for ClusterIP
+// frontends, external for the others) is Local.
+func localOnly(svc *tables.Service, t tables.FrontendType) bool {
+	if t == tables.FrontendClusterIP {
+		return svc.InternalTrafficPolicy == tables.TrafficPolicyLocal
+	}
+	return svc.ExternalTrafficPolicy == tables.TrafficPolicyLocal
 }
 
 // serviceNameLabel names the service an EndpointSlice belongs to.
@@ -117,6 +181,9 @@ type sliceBackend struct {
 	addr     tables.L4Addr
 	portName string
 	state    tables.BackendState
+	// nodeName is the endpoint's node ("" when the slice does not say),
+	// which Local traffic policies select on.
+	nodeName string
 }
 
 // parsedSlice is what the load balancer takes from an EndpointSlice.
@@ -178,6 +245,10 @@ func sliceFromK8s(s *discoveryv1.EndpointSlice) (p parsedSlice, ok bool) {
 
 	for _, ep := range s.Endpoints {
 		state := endpointState(ep.Conditions)
+		nodeName := ""
+		if ep.NodeName != nil {
+			nodeName = *ep.NodeName
+		}
 		for _, raw := range ep.Addresses {
 			ip, err := netip.ParseAddr(raw)
 			if err != nil || !ip.Unmap().Is4() {
@@ -189,6 +260,7 @@ func sliceFromK8s(s *discoveryv1.EndpointSlice) (p parsedSlice, ok bool) {
 					addr:     tables.L4Addr{Addr: ip.Unmap(), Port: pt.num, Proto: pt.proto},
 					portName: pt.name,
 					state:    state,
+					nodeName: nodeName,
 				})
 			}
 		}
@@ -197,9 +269,11 @@ func sliceFromK8s(s *discoveryv1.EndpointSlice) (p parsedSlice, ok bool) {
 }
 
 // endpointState maps EndpointSlice conditions to a backend state: ready is
-// active; terminating and still serving is terminating; anything else takes
-// no new connections. As the API says, an unset ready means ready, and an
-// unset serving means the same as ready.
+// active, also while terminating (a service with publishNotReadyAddresses
+// keeps its terminating endpoints ready, and Kubernetes uses them as
+// such); not ready but terminating and still serving is terminating;
+// anything else takes no new connections. As the API says, an unset ready
+// means ready, and an unset serving means the same as ready.
 func endpointState(c discoveryv1.EndpointConditions) tables.BackendState {
 	ready := c.Ready == nil || *c.Ready
 	serving := ready
@@ -208,7 +282,7 @@ func endpointState(c discoveryv1.EndpointConditions) tables.BackendState {
 	}
 	terminating := c.Terminating != nil && *c.Terminating
 	switch {
-	case ready && !terminating:
+	case ready:
 		return tables.BackendActive
 	case terminating && serving:
 		return tables.BackendTerminating

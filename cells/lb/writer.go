@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"fmt"
 	"maps"
+	"net/netip"
 	"slices"
 
 	"github.com/cilium/statedb"
@@ -36,6 +37,14 @@ type writer struct {
 	// backends table by service, which cost more than the rest of an
 	// insert together.
 	sliceRecords map[tables.ServiceName][]sliceRecord
+
+	// nodeName is this node's name: Local traffic policies keep the
+	// backends whose endpoint names it.
+	nodeName string
+	// nodeIPs are this node's own IPv4 addresses, where NodePort
+	// frontends listen. They come from the configuration and do not
+	// change while the agent runs.
+	nodeIPs []netip.Addr
 }
 
 // sliceRecord is what one EndpointSlice said about its service's backends.
@@ -242,7 +251,7 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 	hadProblems := before != nil && len(before.Errors)+len(before.Conflicts) > 0 ||
 		found && len(svc.Conflicts) > 0
 
-	want := desiredFrontends(svc)
+	want := desiredFrontends(svc, w.nodeIPs)
 	var backends []sliceBackend
 	if len(want) > 0 {
 		backends = w.serviceBackends(name)
@@ -254,7 +263,7 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 			conflicts = append(conflicts, fmt.Sprintf("frontend %s is already used by service %s", fe.Address, old.Service))
 			continue
 		}
-		fe.Backends = backendsFor(fe, backends)
+		fe.Backends = backendsFor(fe, backends, localOnly(svc, fe.Type), w.nodeName)
 		if exists && old.Type == fe.Type && old.PortName == fe.PortName && slices.Equal(old.Backends, fe.Backends) {
 			continue
 		}
@@ -268,7 +277,7 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 	// Frontends the service no longer asks for go, unless another
 	// service holds the address. Unchanged, it asks for the same ones.
 	if before != nil && before != svc {
-		for _, fe := range desiredFrontends(before) {
+		for _, fe := range desiredFrontends(before, w.nodeIPs) {
 			if slices.ContainsFunc(want, func(w *tables.Frontend) bool { return w.Address == fe.Address }) {
 				continue
 			}
@@ -319,10 +328,13 @@ func (w *writer) serviceBackends(name tables.ServiceName) []sliceBackend {
 
 // backendsFor selects the backends of a frontend: same protocol and address
 // family, and the slice port named like the service port, which is how
-// Kubernetes resolves (named) target ports.
-func backendsFor(fe *tables.Frontend, backends []sliceBackend) []tables.FrontendBackend {
+// Kubernetes resolves (named) target ports. With local set (a Local
+// traffic policy) only the backends on the node named nodeName are kept;
+// when there are none the frontend has no backend, as in Kubernetes.
+func backendsFor(fe *tables.Frontend, backends []sliceBackend, local bool, nodeName string) []tables.FrontendBackend {
 	selects := func(b sliceBackend) bool {
-		return b.portName == fe.PortName && b.addr.Proto == fe.Address.Proto && b.addr.Addr.Is4() == fe.Address.Addr.Is4()
+		return b.portName == fe.PortName && b.addr.Proto == fe.Address.Proto && b.addr.Addr.Is4() == fe.Address.Addr.Is4() &&
+			(!local || b.nodeName == nodeName)
 	}
 	// Counted first: frontends live long, and an exact slice holds no
 	// spare capacity.
