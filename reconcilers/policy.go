@@ -243,7 +243,8 @@ func (p *Policy) deleteEntryLocked(k bpf.PolicyKey) error {
 // PolicyEntryOps are the operations of the policy-entries table.
 type PolicyEntryOps struct {
 	*Policy
-	table statedb.Table[*tables.PolicyEntry]
+	table        statedb.Table[*tables.PolicyEntry]
+	endpointRows statedb.Table[*tables.EndpointPolicy]
 }
 
 var _ reconciler.Operations[*tables.PolicyEntry] = PolicyEntryOps{}
@@ -251,7 +252,7 @@ var _ reconciler.Operations[*tables.PolicyEntry] = PolicyEntryOps{}
 // EntryOps returns the operations of the policy-entries table, which
 // prune reads the revision of.
 func (p *Policy) EntryOps(table statedb.Table[*tables.PolicyEntry]) PolicyEntryOps {
-	return PolicyEntryOps{p, table}
+	return PolicyEntryOps{Policy: p, table: table}
 }
 
 // Update implements reconciler.Operations.
@@ -263,11 +264,29 @@ func (o PolicyEntryOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.R
 }
 
 // Delete implements reconciler.Operations.
-func (o PolicyEntryOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.PolicyEntry) error {
+func (o PolicyEntryOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, e *tables.PolicyEntry) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	// A policy that goes takes its entries and, often, the endpoint's
+	// enforcement with it: the endpoint's new flags go first, so that its
+	// traffic never meets a default deny without the entries meanwhile.
+	if o.endpointRows != nil && o.table != nil {
+		if row, _, found := o.endpointRows.Get(txn, tables.EndpointPolicyNameIndex.Query(e.Endpoint)); found &&
+			row.Status.Kind != reconciler.StatusKindDone {
+			// Its own reconciler retries what fails here.
+			_ = o.updateEndpointLocked(txn, o.table, row)
+		}
+	}
 	k, _ := PolicyKeyOf(e)
 	return o.deleteEntryLocked(k)
+}
+
+// OrderedBy returns the operations with the endpoint-policy table, so
+// that deleting an entry first applies its endpoint's pending row (see
+// Delete).
+func (o PolicyEntryOps) OrderedBy(endpoints statedb.Table[*tables.EndpointPolicy]) PolicyEntryOps {
+	o.endpointRows = endpoints
+	return o
 }
 
 // Prune implements reconciler.Operations: entries the table does not hold
@@ -342,16 +361,22 @@ func EndpointValue(e *tables.EndpointPolicy) bpf.PolicyEndpointValue {
 func (o EndpointPolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, e *tables.EndpointPolicy) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	return o.updateEndpointLocked(txn, o.Entries, e)
+}
+
+// updateEndpointLocked writes the entries of e that entries holds in txn,
+// then e's policy_endpoints entry.
+func (p *Policy) updateEndpointLocked(txn statedb.ReadTxn, entries statedb.Table[*tables.PolicyEntry], e *tables.EndpointPolicy) error {
 	if e.ID == 0 {
 		return nil
 	}
 	// Every entry of the endpoint first: see Policy.
 	var errs []error
-	rev := o.Entries.Revision(txn)
-	for entry := range o.Entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
+	rev := entries.Revision(txn)
+	for entry := range entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
 		k, v := PolicyKeyOf(entry)
-		o.written[k] = rev
-		if err := o.putEntryLocked(k, v); err != nil {
+		p.written[k] = rev
+		if err := p.putEntryLocked(k, v); err != nil {
 			errs = append(errs, err)
 			if len(errs) == 3 {
 				break
@@ -362,9 +387,9 @@ func (o EndpointPolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ stat
 		return fmt.Errorf("endpoint %s not enforced until its policy is in the map: %w", e.Name, err)
 	}
 	// A cgroup the endpoint no longer has loses its entry.
-	for cg, v := range o.cgroups {
+	for cg, v := range p.cgroups {
 		if v.EndpointID == e.ID && cg != e.CgroupID {
-			if err := o.deleteCgroupLocked(cg); err != nil {
+			if err := p.deleteCgroupLocked(cg); err != nil {
 				return err
 			}
 		}
@@ -373,17 +398,17 @@ func (o EndpointPolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ stat
 		return nil
 	}
 	v := EndpointValue(e)
-	if old, ok := o.cgroups[e.CgroupID]; ok && old == v {
+	if old, ok := p.cgroups[e.CgroupID]; ok && old == v {
 		return nil
 	}
-	if o.endpoints == nil {
+	if p.endpoints == nil {
 		return errors.New("policy_endpoints map not open")
 	}
-	if err := o.endpoints.Put(e.CgroupID, v); err != nil {
+	if err := p.endpoints.Put(e.CgroupID, v); err != nil {
 		return fmt.Errorf("write policy_endpoints entry of %s: %w", e.Name, err)
 	}
-	o.writes.Add(1)
-	o.cgroups[e.CgroupID] = v
+	p.writes.Add(1)
+	p.cgroups[e.CgroupID] = v
 	return nil
 }
 

@@ -726,3 +726,31 @@ func TestPolicyMapShrink(t *testing.T) {
 		t.Fatalf("the shrunk map holds %d entries, want the 256 that fit", n)
 	}
 }
+
+// TestPolicyOffBeforeEntriesGo: when a policy goes, its entries' deletion
+// first applies the endpoint's pending row (enforcement off), so that the
+// endpoint never meets a default deny without them.
+func TestPolicyOffBeforeEntriesGo(t *testing.T) {
+	f := newPolicyFixture(t, 1024)
+	web := polEndpoint(1, 1001, tables.EnforceOff, tables.EnforceDefaultDeny)
+	e := polEntry(1, 256, tables.DirEgress, 443)
+	f.insert(t, web, e)
+	if err := f.updateEndpoint(t, web.Name); err != nil {
+		t.Fatal(err)
+	}
+	// The policy goes: the entry is deleted and the endpoint turned off
+	// in one transaction; the entry reconciler gets there first.
+	f.remove(t, e)
+	f.insert(t, polEndpoint(1, 1001, tables.EnforceOff, tables.EnforceOff))
+	txn := f.db.ReadTxn()
+	ops := f.ops.EntryOps(f.entries).OrderedBy(f.endpoints)
+	if err := ops.Delete(context.Background(), txn, 0, e); err != nil {
+		t.Fatal(err)
+	}
+	if v := f.endpointsMap(t)[1001]; v.Flags&(bpf.PolicyEnforceEgress|bpf.PolicyEnforceIngress) != 0 {
+		t.Errorf("the entry went while the endpoint still enforced egress: flags %#x", v.Flags)
+	}
+	if k, _ := reconcilers.PolicyKeyOf(e); mapHas(f.policyMap(t), k) {
+		t.Errorf("the entry is still in the map")
+	}
+}

@@ -138,7 +138,7 @@ func registerReconcilers(p reconcilerParams) error {
 	// compare; nobody else writes the maps.
 	_, err := reconciler.Register(p.Params, p.Entries,
 		(*tables.PolicyEntry).Clone, (*tables.PolicyEntry).SetStatus, (*tables.PolicyEntry).GetStatus,
-		p.Ops.EntryOps(p.Entries), nil,
+		p.Ops.EntryOps(p.Entries).OrderedBy(p.Endpoints), nil,
 		reconciler.WithRefreshing(0, nil),
 		// The DNS proxy holds answers until their entries are in the map.
 		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),
