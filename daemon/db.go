@@ -142,6 +142,27 @@ func newDBCmd() *cobra.Command {
 // get fetches path from the agent. Any failure, including a non-200 answer
 // carrying the API's JSON error, comes back as one readable error.
 func (c *dbClient) get(ctx context.Context, path string) (*http.Response, error) {
+	return c.request(ctx, path, nil)
+}
+
+// apiError is a non-200 answer of the agent: its status and the API's
+// JSON error, when it sent one.
+type apiError struct {
+	status int
+	msg    string // the API's {"error": ...}; empty when there was none
+	what   string // "GET /path: 404 Not Found", for an answer without one
+}
+
+func (e *apiError) Error() string {
+	if e.msg != "" {
+		return e.msg
+	}
+	return e.what
+}
+
+// request GETs path with the query q from the agent. A non-200 answer is
+// an *apiError; any other failure a readable error naming the server.
+func (c *dbClient) request(ctx context.Context, path string, q url.Values) (*http.Response, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
@@ -149,7 +170,9 @@ func (c *dbClient) get(ctx context.Context, path string) (*http.Response, error)
 	if err != nil || base.Scheme == "" || base.Host == "" {
 		return nil, fmt.Errorf("--server %q: want a URL such as %s", c.server, defaultServer)
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base.JoinPath(path).String(), nil)
+	u := base.JoinPath(path)
+	u.RawQuery = q.Encode()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
 	if err != nil {
 		return nil, err
 	}
@@ -167,10 +190,11 @@ func (c *dbClient) get(ctx context.Context, path string) (*http.Response, error)
 		var apiErr struct {
 			Error string `json:"error"`
 		}
-		if json.Unmarshal(body, &apiErr) == nil && apiErr.Error != "" {
-			return nil, errors.New(apiErr.Error)
+		e := &apiError{status: resp.StatusCode, what: fmt.Sprintf("%s %s: %s", req.Method, req.URL.Path, resp.Status)}
+		if json.Unmarshal(body, &apiErr) == nil {
+			e.msg = apiErr.Error
 		}
-		return nil, fmt.Errorf("%s %s: %s", req.Method, req.URL.Path, resp.Status)
+		return nil, e
 	}
 	return resp, nil
 }

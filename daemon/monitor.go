@@ -139,39 +139,19 @@ func (c *monitorClient) run(ctx context.Context, stdout, stderr io.Writer) error
 // open requests the verdict stream. Any failure, including an error the
 // agent answers, comes back as one readable error.
 func (c *monitorClient) open(ctx context.Context, q url.Values) (*http.Response, error) {
-	base, err := url.Parse(c.server)
-	if err != nil || base.Scheme == "" || base.Host == "" {
-		return nil, fmt.Errorf("--server %q: want a URL such as %s", c.server, defaultServer)
-	}
-	u := base.JoinPath(policy.VerdictsPath)
-	u.RawQuery = q.Encode()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
-	if err != nil {
-		return nil, fmt.Errorf("request verdicts from %s: %w", c.server, err)
-	}
-	resp, err := c.http.Do(req)
-	if err != nil {
-		var uerr *url.Error
-		if errors.As(err, &uerr) {
-			err = uerr.Err
-		}
-		return nil, fmt.Errorf("cannot reach the agent at %s: %w (is `apiary agent` running? see --server)", c.server, err)
-	}
-	if resp.StatusCode == http.StatusOK {
+	resp, err := (&dbClient{server: c.server, http: c.http}).request(ctx, policy.VerdictsPath, q)
+	var apiErr *apiError
+	switch {
+	case err == nil:
 		return resp, nil
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode == http.StatusNotFound {
+	case !errors.As(err, &apiErr):
+		return nil, err
+	case apiErr.status == http.StatusNotFound:
 		return nil, fmt.Errorf("the agent at %s does not serve %s (an agent without policy verdicts?)", c.server, policy.VerdictsPath)
+	case apiErr.msg != "":
+		return nil, fmt.Errorf("the agent refused the verdict stream: %s", apiErr.msg)
 	}
-	body, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-	var apiErr struct {
-		Error string `json:"error"`
-	}
-	if json.Unmarshal(body, &apiErr) == nil && apiErr.Error != "" {
-		return nil, fmt.Errorf("the agent refused the verdict stream: %s", apiErr.Error)
-	}
-	return nil, fmt.Errorf("%s %s: %s", req.Method, req.URL.Path, resp.Status)
+	return nil, err
 }
 
 // monitorLine is any line of the verdict stream: a verdict, or a count of
