@@ -323,42 +323,12 @@ func PolicyEventsMapSpec(sizeBytes uint32) *ebpf.MapSpec {
 	}
 }
 
-// String formats a key for people: "ep 3 id 256 egress TCP/80-95".
+// String formats a key for error messages: "ep 3 id 256 egress proto 6
+// port 80/16" (the port's prefix bits after the slash).
 func (k PolicyKey) String() string {
 	dir := "ingress"
 	if k.Egress == PolicyEgress {
 		dir = "egress"
 	}
-	return fmt.Sprintf("ep %d id %d %s %s", k.EndpointID, k.Identity, dir, FormatPortPrefix(k.Protocol, k.Port.Uint16(), k.PortBits()))
-}
-
-// FormatPortPrefix formats a protocol and port prefix: "ANY", "TCP",
-// "TCP/80" or the range a partial prefix covers, "TCP/80-95".
-func FormatPortPrefix(protocol uint8, port uint16, bits int) string {
-	if protocol == 0 {
-		return "ANY"
-	}
-	name := ProtocolName(protocol)
-	switch {
-	case bits == 0:
-		return name
-	case bits == 16:
-		return fmt.Sprintf("%s/%d", name, port)
-	}
-	last := port | (^uint16(0) >> bits)
-	return fmt.Sprintf("%s/%d-%d", name, port, last)
-}
-
-// ProtocolName names an IANA protocol number: TCP, UDP, SCTP, or the
-// number.
-func ProtocolName(p uint8) string {
-	switch p {
-	case unix.IPPROTO_TCP:
-		return "TCP"
-	case unix.IPPROTO_UDP:
-		return "UDP"
-	case unix.IPPROTO_SCTP:
-		return "SCTP"
-	}
-	return fmt.Sprint(p)
+	return fmt.Sprintf("ep %d id %d %s proto %d port %d/%d", k.EndpointID, k.Identity, dir, k.Protocol, k.Port.Uint16(), k.PortBits())
 }

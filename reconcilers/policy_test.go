@@ -223,7 +223,7 @@ func (l policyLookup) String() string {
 	if l.egress {
 		dir = "egress"
 	}
-	return fmt.Sprintf("%s %s", dir, bpf.FormatPortPrefix(l.protocol, l.port, 16))
+	return fmt.Sprintf("%s %s", dir, tables.PortPrefixString(l.protocol, l.port, 16))
 }
 
 // TestPolicyEntryKeys writes entries of every shape and reads them back

@@ -79,17 +79,7 @@ func PortPrefixString(proto uint8, port uint16, bits uint8) string {
 	if proto == 0 {
 		return "ANY"
 	}
-	var name string
-	switch proto {
-	case 6:
-		name = ProtoTCP
-	case 17:
-		name = ProtoUDP
-	case 132:
-		name = ProtoSCTP
-	default:
-		name = strconv.Itoa(int(proto))
-	}
+	name := Proto(proto).String()
 	switch {
 	case bits == 0:
 		return name

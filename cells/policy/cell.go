@@ -13,7 +13,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
@@ -33,8 +32,8 @@ import (
 	"github.com/apiary-net/apiary/tables"
 )
 
-// Cell provides the read-only policy-entries and endpoint-policy tables
-// and Maps, and enforces the policy.
+// Cell provides the read-only policy-entries and endpoint-policy tables,
+// the verdict Monitor and the DNS proxy's gate, and enforces the policy.
 var Cell = cell.Module(
 	"policy",
 	"Policy enforcement per endpoint",
@@ -54,7 +53,6 @@ var Cell = cell.Module(
 	cell.Provide(
 		statedb.RWTable[*tables.PolicyEntry].ToTable,
 		statedb.RWTable[*tables.EndpointPolicy].ToTable,
-		func(ops *reconcilers.Policy) Maps { return ops },
 		newGate,
 	),
 	cell.Invoke(
@@ -108,13 +106,6 @@ func (c Config) validate() error {
 		return fmt.Errorf("--%s=%d: want %d to %d", MapMaxFlag, c.BPFPolicyMapMax, minPolicyMap, maxPolicyMap)
 	}
 	return nil
-}
-
-// Maps gives the datapath loader the policy maps the cell keeps pinned.
-type Maps interface {
-	// Maps calls fn with the open policy and policy_endpoints maps (an
-	// error until the cell has opened them); fn must not keep them.
-	Maps(fn func(policy, endpoints *ebpf.Map) error) error
 }
 
 func newOps(log *slog.Logger, cfg Config) (*reconcilers.Policy, error) {

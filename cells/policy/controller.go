@@ -2,6 +2,7 @@ package policy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -66,7 +67,7 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		defer endpoints.Close()
 	}
 	wtxn.Commit()
-	if err := firstErr(err, err2, err3); err != nil {
+	if err := errors.Join(err, err2, err3); err != nil {
 		return fmt.Errorf("watch tables: %w", err)
 	}
 
@@ -138,15 +139,6 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		case <-waitInit:
 		}
 	}
-}
-
-func firstErr(errs ...error) error {
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 func (c *controller) reportHealth(h cell.Health, eng *engine) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"maps"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/tables"
 )
 
 // Endpoint is one entry of policy_endpoints, decoded.
@@ -116,13 +118,7 @@ func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint3
 	if endpointID != 0 && len(byID) == 0 {
 		return fmt.Errorf("endpoint %d is not in the policy maps", endpointID)
 	}
-	ids := slices.Sorted(func(yield func(uint32) bool) {
-		for id := range byID {
-			if !yield(id) {
-				return
-			}
-		}
-	})
+	ids := slices.Sorted(maps.Keys(byID))
 	for _, id := range ids {
 		h, ok := heads[id]
 		if !ok {
@@ -155,7 +151,7 @@ func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint3
 				verdict = "deny"
 			}
 			if _, err := fmt.Fprintf(w, "  %s identity=%s %s %s\n", dir, peer,
-				bpf.FormatPortPrefix(e.Key.Protocol, e.Key.Port.Uint16(), e.Key.PortBits()), verdict); err != nil {
+				tables.PortPrefixString(e.Key.Protocol, e.Key.Port.Uint16(), uint8(e.Key.PortBits())), verdict); err != nil {
 				return err
 			}
 		}

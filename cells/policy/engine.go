@@ -604,7 +604,8 @@ func (e *engine) flush(out output) {
 	}
 	clear(e.gone)
 	// By name, so that new endpoints get their IDs in a stable order.
-	for _, name := range slices.Sorted(maps.Keys(e.endpoints)) {
+	names := slices.Sorted(maps.Keys(e.endpoints))
+	for _, name := range names {
 		if ep := e.endpoints[name]; ep != nil {
 			if _, ok := e.dirty[ep]; ok {
 				e.recompute(ep)
@@ -612,7 +613,7 @@ func (e *engine) flush(out output) {
 		}
 	}
 	clear(e.dirty)
-	for _, name := range slices.Sorted(maps.Keys(e.endpoints)) {
+	for _, name := range names {
 		ep := e.endpoints[name]
 		if len(ep.dirtyGroups) > 0 {
 			for gk := range ep.dirtyGroups {

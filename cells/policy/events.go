@@ -180,5 +180,5 @@ func protoName(p uint8) string {
 	if p == unix.IPPROTO_ICMP {
 		return "ICMP"
 	}
-	return bpf.ProtocolName(p)
+	return tables.Proto(p).String()
 }

@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"os/exec"
@@ -381,13 +382,7 @@ func TestPolicy(t *testing.T) {
 
 	check := func(t *testing.T, dir, bind string, want map[string]string) {
 		t.Helper()
-		for _, addr := range slices.Sorted(func(yield func(string) bool) {
-			for k := range want {
-				if !yield(k) {
-					return
-				}
-			}
-		}) {
+		for _, addr := range slices.Sorted(maps.Keys(want)) {
 			got := connectFrom(t, dir, addr, bind)
 			if w := want[addr]; got != w && !(w == "ok" && strings.HasPrefix(got, "ok:")) {
 				t.Errorf("from %s to %s: %s, want %s", filepath.Base(filepath.Dir(dir)), addr, got, w)
