@@ -9,8 +9,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Names of the IPv4 load-balancing maps, which are also their pins' file
-// names.
+// Names of the load-balancing maps the agent writes, which are also their
+// pins' file names.
 const (
 	// LB4ServicesMap maps (frontend address, port, protocol, slot) to the
 	// service entry (slot 0) or one of its backends (slots 1..).
@@ -20,10 +20,24 @@ const (
 	// LB4RevNatMap maps a rev-NAT index (a service ID) to the frontend
 	// address that replies are translated back to.
 	LB4RevNatMap = "lb4_reverse_nat"
+	// LB6ServicesMap, LB6BackendsMap and LB6RevNatMap are the IPv6 twins,
+	// with 16-byte addresses. Service and backend IDs are one space for
+	// both families.
+	LB6ServicesMap = "lb6_services"
+	LB6BackendsMap = "lb6_backends"
+	LB6RevNatMap   = "lb6_reverse_nat"
+	// LBAffinityMatchMap holds (backend ID, service ID) for each active
+	// backend of a service with session affinity: the datapath follows a
+	// client's remembered backend only while its entry is there.
+	LBAffinityMatchMap = "lb_affinity_match"
 )
 
-// LBMapNames lists the load-balancing maps.
-var LBMapNames = [...]string{LB4ServicesMap, LB4BackendsMap, LB4RevNatMap}
+// LBMapNames lists the load-balancing maps the agent writes.
+var LBMapNames = [...]string{
+	LB4ServicesMap, LB4BackendsMap, LB4RevNatMap,
+	LB6ServicesMap, LB6BackendsMap, LB6RevNatMap,
+	LBAffinityMatchMap,
+}
 
 // Byte sizes of the load-balancing keys and values, as the datapath's C
 // structs (struct lb4_key, lb4_service, lb4_backend, lb4_reverse_nat) lay
@@ -35,6 +49,16 @@ const (
 	LB4BackendValueSize = 12
 	LB4RevNatKeySize    = 2
 	LB4RevNatValueSize  = 6
+
+	LB6ServiceKeySize   = 24
+	LB6ServiceValueSize = 12
+	LB6BackendKeySize   = 4
+	LB6BackendValueSize = 24
+	LB6RevNatKeySize    = 2
+	LB6RevNatValueSize  = 18
+
+	LBAffinityMatchKeySize   = 8
+	LBAffinityMatchValueSize = 1
 )
 
 // LB4ServiceKey is the key of lb4_services (struct lb4_key). Slot 0 is the
@@ -62,15 +86,38 @@ type LB4ServiceValue struct {
 	QCount    uint16
 }
 
+// LB6ServiceKey is the key of lb6_services (struct lb6_key): LB4ServiceKey
+// with a 16-byte address.
+type LB6ServiceKey struct {
+	Address [16]byte
+	Port    Be16
+	Slot    uint16
+	Proto   uint8 // IANA protocol number, 0 for a wildcard
+	Scope   uint8
+	Pad     [2]byte
+}
+
+// LB6ServiceValue is the value of lb6_services (struct lb6_service), which
+// the datapath lays out as the IPv4 one.
+type LB6ServiceValue = LB4ServiceValue
+
+// AffinityTimeoutMask keeps the affinity timeout (seconds) in the
+// BackendID field of a service entry (slot 0); the top 8 bits are the LB
+// algorithm, 0 (random) here.
+const AffinityTimeoutMask = 0xFFFFFF
+
 // ServiceFlags are the low 8 bits of a service's flags (SVC_FLAG_* in the
 // datapath). A ClusterIP service has none of the type bits.
 type ServiceFlags uint8
 
 // Service flags apiary sets.
 const (
-	SvcFlagExternalIPs  ServiceFlags = 1 << 0
-	SvcFlagNodePort     ServiceFlags = 1 << 1
-	SvcFlagLoadBalancer ServiceFlags = 1 << 5
+	SvcFlagExternalIPs ServiceFlags = 1 << 0
+	SvcFlagNodePort    ServiceFlags = 1 << 1
+	// SvcFlagSessionAffinity: the low 24 bits of the service entry's
+	// BackendID are the ClientIP affinity timeout in seconds.
+	SvcFlagSessionAffinity ServiceFlags = 1 << 4
+	SvcFlagLoadBalancer    ServiceFlags = 1 << 5
 	// SvcFlagRoutable marks addresses that are reachable from outside the
 	// node (every type but ClusterIP).
 	SvcFlagRoutable ServiceFlags = 1 << 6
@@ -90,10 +137,13 @@ func (f ServiceFlags) String() string {
 	default:
 		parts = append(parts, "ClusterIP")
 	}
+	if f&SvcFlagSessionAffinity != 0 {
+		parts = append(parts, "sessionAffinity")
+	}
 	if f&SvcFlagRoutable != 0 {
 		parts = append(parts, "routable")
 	}
-	if rest := f &^ (SvcFlagExternalIPs | SvcFlagNodePort | SvcFlagLoadBalancer | SvcFlagRoutable); rest != 0 {
+	if rest := f &^ (SvcFlagExternalIPs | SvcFlagNodePort | SvcFlagLoadBalancer | SvcFlagSessionAffinity | SvcFlagRoutable); rest != 0 {
 		parts = append(parts, fmt.Sprintf("%#x", uint8(rest)))
 	}
 	return strings.Join(parts, "+")
@@ -103,6 +153,17 @@ func (f ServiceFlags) String() string {
 // is the backend ID, a host-order uint32.
 type LB4BackendValue struct {
 	Address   [4]byte
+	Port      Be16
+	Proto     uint8 // IANA protocol number
+	State     BackendState
+	ClusterID uint16
+	Zone      uint8
+	Pad       uint8
+}
+
+// LB6BackendValue is the value of lb6_backends (struct lb6_backend).
+type LB6BackendValue struct {
+	Address   [16]byte
 	Port      Be16
 	Proto     uint8 // IANA protocol number
 	State     BackendState
@@ -151,6 +212,21 @@ type LB4RevNatValue struct {
 	Port    Be16
 }
 
+// LB6RevNatValue is the value of lb6_reverse_nat (struct lb6_reverse_nat,
+// packed: 18 bytes); the key is the rev-NAT index in network order.
+type LB6RevNatValue struct {
+	Address [16]byte
+	Port    Be16
+}
+
+// LBAffinityMatchKey is the key of lb_affinity_match (struct
+// lb_affinity_match); the value is one byte, 0.
+type LBAffinityMatchKey struct {
+	BackendID uint32
+	RevNat    Be16
+	Pad       uint16
+}
+
 // LBMapSpec returns the spec of the load-balancing map called name with room
 // for maxEntries entries. The maps are hashes without preallocation, so an
 // empty map costs next to nothing whatever its size.
@@ -168,6 +244,14 @@ func LBMapSpec(name string, maxEntries uint32) (*ebpf.MapSpec, error) {
 		spec.KeySize, spec.ValueSize = LB4BackendKeySize, LB4BackendValueSize
 	case LB4RevNatMap:
 		spec.KeySize, spec.ValueSize = LB4RevNatKeySize, LB4RevNatValueSize
+	case LB6ServicesMap:
+		spec.KeySize, spec.ValueSize = LB6ServiceKeySize, LB6ServiceValueSize
+	case LB6BackendsMap:
+		spec.KeySize, spec.ValueSize = LB6BackendKeySize, LB6BackendValueSize
+	case LB6RevNatMap:
+		spec.KeySize, spec.ValueSize = LB6RevNatKeySize, LB6RevNatValueSize
+	case LBAffinityMatchMap:
+		spec.KeySize, spec.ValueSize = LBAffinityMatchKeySize, LBAffinityMatchValueSize
 	default:
 		return nil, fmt.Errorf("%q is not a load-balancing map (want one of %s)",
 			name, strings.Join(LBMapNames[:], ", "))
@@ -188,4 +272,58 @@ func (v LB4BackendValue) L4Addr() netip.AddrPort {
 // L4Addr returns the frontend address and port replies are translated to.
 func (v LB4RevNatValue) L4Addr() netip.AddrPort {
 	return netip.AddrPortFrom(netip.AddrFrom4(v.Address), v.Port.Uint16())
+}
+
+// L4Addr returns the address and port a service key stands for.
+func (k LB6ServiceKey) L4Addr() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom16(k.Address), k.Port.Uint16())
+}
+
+// L4Addr returns the backend's address and port.
+func (v LB6BackendValue) L4Addr() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom16(v.Address), v.Port.Uint16())
+}
+
+// L4Addr returns the frontend address and port replies are translated to.
+func (v LB6RevNatValue) L4Addr() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom16(v.Address), v.Port.Uint16())
+}
+
+// Names of the maps the socket LB programs write themselves (the agent
+// only pins them and removes what is stale).
+const (
+	// LB4AffinityMap and LB6AffinityMap remember, per client network
+	// namespace and service, the backend chosen last and when.
+	LB4AffinityMap = "lb4_affinity"
+	LB6AffinityMap = "lb6_affinity"
+)
+
+// LB4AffinityKey is the key of lb4_affinity (struct lb4_affinity_key). The
+// socket LB keys by network namespace cookie (NetnsCookie 1).
+type LB4AffinityKey struct {
+	ClientID    uint64
+	RevNat      Be16
+	NetnsCookie uint8
+	Pad1        uint8
+	Pad2        uint32
+}
+
+// LB6AffinityKey is the key of lb6_affinity (struct lb6_affinity_key):
+// the client ID has room for an IPv6 address; the socket LB puts the
+// network namespace cookie in its first 8 bytes.
+type LB6AffinityKey struct {
+	ClientID    [16]byte
+	RevNat      Be16
+	NetnsCookie uint8
+	Pad1        uint8
+	Pad2        uint32
+}
+
+// LBAffinityValue is the value of both affinity maps (struct
+// lb_affinity_val): when the client last used the backend (CLOCK_MONOTONIC,
+// nanoseconds, as bpf_ktime_get_ns) and which one.
+type LBAffinityValue struct {
+	LastUsed  uint64
+	BackendID uint32
+	Pad       uint32
 }

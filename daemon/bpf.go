@@ -59,8 +59,10 @@ func newBPFCmd() *cobra.Command {
 	lbCmd.AddCommand(&cobra.Command{
 		Use:   "list",
 		Short: "Print the load-balancing entries, one per line",
-		Long: "Print every entry of lb4_services (service entries by address, protocol and slot),\n" +
-			"lb4_backends and lb4_reverse_nat (by ID), one per line, addresses and protocols in text.",
+		Long: "Print every entry of lb4_services and lb6_services (service entries by address,\n" +
+			"protocol and slot), lb4_backends, lb6_backends, lb4_reverse_nat and lb6_reverse_nat\n" +
+			"(by ID) and lb_affinity_match (by service and backend ID), one per line, addresses\n" +
+			"and protocols in text.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return reconcilers.WritePinnedLB(cmd.OutOrStdout(), pinDir)

@@ -22,8 +22,8 @@ import (
 var ControlPlane = cell.Group(
 	ct.Cell,       // conntrack maps: sizing, resize keeping connections, GC
 	ipam.Cell,     // agent IPs (health, ingress) through the delegated CNI IPAM plugin
-	lb.Cell,       // load balancing: services, frontends, backends → lb4_* maps
-	socketlb.Cell, // socket LB: cgroup connect/sendmsg/recvmsg hooks on the lb4_* maps (--enable-socket-lb)
+	lb.Cell,       // load balancing: services, frontends, backends → lb4_*, lb6_* maps
+	socketlb.Cell, // socket LB: cgroup connect/sendmsg/recvmsg hooks of both families on the lb maps (--enable-socket-lb)
 	// --identity-management-mode: agent numbers, or the operator's Identities and temporary numbers
 	identitymode.Cell,
 	identity.Cell,  // security identities: allocator, checkpoint in --state-dir

@@ -190,13 +190,21 @@ func startUpstream(t *testing.T, addr string) string {
 		}
 		w.WriteMsg(resp)
 	})
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", pc.LocalAddr().String())
-	if err != nil {
-		t.Fatal(err)
+	// The TCP port must be the UDP one, which something else may hold:
+	// try other ports until both are free.
+	var pc net.PacketConn
+	var ln net.Listener
+	for attempt := 0; ln == nil; attempt++ {
+		var err error
+		if pc, err = net.ListenPacket("udp", "127.0.0.1:0"); err != nil {
+			t.Fatal(err)
+		}
+		if ln, err = net.Listen("tcp", pc.LocalAddr().String()); err != nil {
+			pc.Close()
+			if attempt == 20 {
+				t.Fatal(err)
+			}
+		}
 	}
 	for _, srv := range []*dns.Server{{PacketConn: pc, Handler: handler}, {Listener: ln, Handler: handler}} {
 		go srv.ActivateAndServe()

@@ -42,9 +42,14 @@ type LBConfig struct {
 	Preallocate bool
 }
 
-// LB converges the frontends table into lb4_services, lb4_backends and
-// lb4_reverse_nat. It implements reconciler.Operations and
-// reconciler.BatchOperations for *tables.Frontend.
+// LB converges the frontends table into the load-balancing maps: IPv4
+// frontends into lb4_services, lb4_backends and lb4_reverse_nat, IPv6 ones
+// into their lb6_* twins, and the backends of frontends with session
+// affinity into lb_affinity_match. Service and backend IDs are one space
+// for both families, as in the reference, so that an ID names one
+// frontend or backend whatever the map. It implements
+// reconciler.Operations and reconciler.BatchOperations for
+// *tables.Frontend.
 //
 // It keeps a mirror of what it wrote, restored from the pinned maps when it
 // first runs, so that every change writes only the entries that differ: a
@@ -58,12 +63,17 @@ type LB struct {
 	// Ops counts the map operations by map and kind.
 	Ops LBOpCounts
 
-	mu            sync.Mutex
-	maps          *lbMaps
-	frontends     map[addrKey]*feState
-	frontendByID  map[uint16]*feState
-	backendByAddr map[addrKey]*beState
-	backendByID   map[uint32]*beState
+	mu   sync.Mutex
+	maps *lbMaps
+	// The mirror is keyed by family: IPv4 addresses packed into a uint64
+	// (the common case, and the one benchmarked at 50,000 services),
+	// IPv6 ones by their L4Addr.
+	frontends4   map[addrKey]*feState
+	frontends6   map[tables.L4Addr]*feState
+	backends4    map[addrKey]*beState
+	backends6    map[tables.L4Addr]*beState
+	frontendByID map[uint16]*feState
+	backendByID  map[uint32]*beState
 	// orphans are backends no frontend uses whose deletion failed; the
 	// next operation tries again.
 	orphans       []*beState
@@ -74,12 +84,15 @@ type LB struct {
 // feState is what the maps hold for one frontend.
 type feState struct {
 	addr tables.L4Addr
-	id   uint16
-	// master is set when slot 0 exists; count, qcount and flags are its
-	// contents.
+	// id is the service ID; 0 for a wildcard frontend, which nothing
+	// translates back to.
+	id uint16
+	// master is set when slot 0 exists; count, qcount, flags and affinity
+	// (the timeout in its BackendID field) are its contents.
 	master        bool
 	count, qcount uint16
 	flags         bpf.ServiceFlags
+	affinity      uint32
 	// slots[i] is the backend ID in slot i+1, 0 if the slot is missing.
 	// Slots beyond count+qcount are left over from a crash and go at the
 	// next update.
@@ -90,8 +103,15 @@ type feState struct {
 	slotsFlags bpf.ServiceFlags
 	// held are the backend IDs this frontend counts a reference on, sorted.
 	held []uint32
+	// matched are the backend IDs that have an lb_affinity_match entry
+	// with this frontend's ID, sorted.
+	matched []uint32
 	// revNat is set when the reverse NAT entry for id holds addr.
 	revNat bool
+	// wildcard is set when this frontend counts a reference on its
+	// address's wildcard entry; refs counts them on a wildcard.
+	wildcard bool
+	refs     int32
 }
 
 // beState is what the maps hold for one backend.
@@ -100,7 +120,7 @@ type beState struct {
 	addr    tables.L4Addr
 	refs    int32
 	written bool
-	value   bpf.LB4BackendValue
+	state   bpf.BackendState
 	// pending is the write of this backend's entry that the run being
 	// planned holds, so that it goes out once however many frontends
 	// need it; execute clears it.
@@ -114,9 +134,11 @@ func NewLB(log *slog.Logger, cfg LBConfig, backends statedb.Table[*tables.Backen
 		log:           log,
 		cfg:           cfg,
 		backends:      backends,
-		frontends:     map[addrKey]*feState{},
+		frontends4:    map[addrKey]*feState{},
+		frontends6:    map[tables.L4Addr]*feState{},
+		backends4:     map[addrKey]*beState{},
+		backends6:     map[tables.L4Addr]*beState{},
 		frontendByID:  map[uint16]*feState{},
-		backendByAddr: map[addrKey]*beState{},
 		backendByID:   map[uint32]*beState{},
 		nextServiceID: 1,
 		nextBackendID: 1,
@@ -135,15 +157,27 @@ func (l *LB) Close() error {
 	return err
 }
 
+// LBMaps are the open load-balancing maps.
+type LBMaps struct {
+	Services4, Backends4, RevNat4 *ebpf.Map
+	Services6, Backends6, RevNat6 *ebpf.Map
+	AffinityMatch                 *ebpf.Map
+}
+
+// All returns the maps in the order of bpf.LBMapNames.
+func (m LBMaps) All() []*ebpf.Map {
+	return []*ebpf.Map{m.Services4, m.Backends4, m.RevNat4, m.Services6, m.Backends6, m.RevNat6, m.AffinityMatch}
+}
+
 // Maps calls fn with the open maps, opening and restoring them first if
 // this has not happened yet. fn must not keep them.
-func (l *LB) Maps(fn func(services, backends, revNat *ebpf.Map) error) error {
+func (l *LB) Maps(fn func(LBMaps) error) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if err := l.ensureOpen(); err != nil {
 		return err
 	}
-	return fn(l.maps.services, l.maps.backends, l.maps.revNat)
+	return fn(l.maps.public())
 }
 
 // Update implements reconciler.Operations.
@@ -178,6 +212,7 @@ func (l *LB) UpdateBatch(_ context.Context, txn statedb.ReadTxn, batch []reconci
 	for i := range batch {
 		plans[i] = l.planUpdate(run, txn, batch[i].Object)
 	}
+	l.planWildcardReleases(run)
 	l.execute(run)
 	for _, p := range plans {
 		if p.err == nil {
@@ -204,10 +239,11 @@ func (l *LB) DeleteBatch(_ context.Context, _ statedb.ReadTxn, batch []reconcile
 	run := newLBRun()
 	plans := make([]*lbPlan, 0, len(batch))
 	for i := range batch {
-		if fe := l.frontends[keyOf(batch[i].Object.Address)]; fe != nil {
+		if fe := l.frontend(batch[i].Object.Address); fe != nil {
 			plans = append(plans, l.planDelete(run, fe))
 		}
 	}
+	l.planWildcardReleases(run)
 	l.execute(run)
 	for _, p := range plans {
 		if p.err == nil {
@@ -238,6 +274,9 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 	used := map[tables.L4Addr]struct{}{}
 	for f := range desired {
 		want[f.Address] = struct{}{}
+		if wantsWildcard(f) {
+			want[wildcardOf(f.Address)] = struct{}{}
+		}
 		for _, b := range f.Backends {
 			used[b.Address] = struct{}{}
 		}
@@ -245,11 +284,28 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 
 	run := newLBRun()
 	var plans []*lbPlan
-	for _, fe := range l.frontends {
-		if _, ok := want[fe.addr]; !ok {
-			plans = append(plans, l.planDelete(run, fe))
+	for fe := range l.allFrontends() {
+		if _, ok := want[fe.addr]; ok {
+			continue
 		}
+		if isWildcard(fe.addr) {
+			// Its frontends are gone (or were never updated since a
+			// restart restored it): their deletion releases it, or
+			// this does.
+			if fe.refs == 0 {
+				run.wildcardReleases = append(run.wildcardReleases, fe)
+			}
+			continue
+		}
+		plans = append(plans, l.planDelete(run, fe))
 	}
+	// A wildcard a desired frontend wants stays, even if that frontend
+	// has not been updated since a restart and holds no reference yet.
+	run.wildcardReleases = slices.DeleteFunc(run.wildcardReleases, func(wc *feState) bool {
+		_, ok := want[wc.addr]
+		return ok
+	})
+	l.planWildcardReleases(run)
 	l.execute(run)
 	var errs []error
 	for _, p := range plans {
@@ -259,7 +315,7 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 		}
 		l.finishDelete(run, p)
 	}
-	for _, be := range l.backendByAddr {
+	for _, be := range l.backendByID {
 		if _, ok := used[be.addr]; !ok && be.refs == 0 && !slices.Contains(l.orphans, be) {
 			l.orphans = append(l.orphans, be)
 		}
@@ -323,7 +379,7 @@ func nextFreeID[T uint16 | uint32](next *T, maxID T, inUse int, used func(T) boo
 // backendFor returns the state of the backend at addr, giving it an ID if
 // it has none.
 func (l *LB) backendFor(addr tables.L4Addr) (*beState, error) {
-	if be := l.backendByAddr[keyOf(addr)]; be != nil {
+	if be := l.backend(addr); be != nil {
 		return be, nil
 	}
 	id, err := l.allocBackendID()
@@ -331,28 +387,122 @@ func (l *LB) backendFor(addr tables.L4Addr) (*beState, error) {
 		return nil, err
 	}
 	be := &beState{id: id, addr: addr}
-	l.backendByAddr[keyOf(addr)] = be
+	l.setBackend(be)
 	l.backendByID[id] = be
 	return be, nil
 }
 
 // forgetBackend drops a backend whose entry is gone from the map.
 func (l *LB) forgetBackend(be *beState) {
-	delete(l.backendByAddr, keyOf(be.addr))
+	if be.addr.Addr.Is4() {
+		delete(l.backends4, keyOf(be.addr))
+	} else {
+		delete(l.backends6, be.addr)
+	}
 	delete(l.backendByID, be.id)
 }
 
-// frontendFlags are the service flags of a frontend type.
-func frontendFlags(t tables.FrontendType) bpf.ServiceFlags {
-	switch t {
-	case tables.FrontendExternalIP:
-		return bpf.SvcFlagExternalIPs | bpf.SvcFlagRoutable
-	case tables.FrontendLoadBalancer:
-		return bpf.SvcFlagLoadBalancer | bpf.SvcFlagRoutable
-	case tables.FrontendNodePort:
-		return bpf.SvcFlagNodePort | bpf.SvcFlagRoutable
+// frontend returns the mirror of the frontend at a, or nil.
+func (l *LB) frontend(a tables.L4Addr) *feState {
+	if a.Addr.Is4() {
+		return l.frontends4[keyOf(a)]
 	}
-	return 0
+	return l.frontends6[a]
+}
+
+func (l *LB) setFrontend(fe *feState) {
+	if fe.addr.Addr.Is4() {
+		l.frontends4[keyOf(fe.addr)] = fe
+	} else {
+		l.frontends6[fe.addr] = fe
+	}
+}
+
+func (l *LB) forgetFrontend(fe *feState) {
+	if fe.addr.Addr.Is4() {
+		delete(l.frontends4, keyOf(fe.addr))
+	} else {
+		delete(l.frontends6, fe.addr)
+	}
+	if fe.id != 0 && l.frontendByID[fe.id] == fe {
+		delete(l.frontendByID, fe.id)
+	}
+}
+
+// allFrontends yields the mirror's frontends of both families.
+func (l *LB) allFrontends() iter.Seq[*feState] {
+	return func(yield func(*feState) bool) {
+		for _, fe := range l.frontends4 {
+			if !yield(fe) {
+				return
+			}
+		}
+		for _, fe := range l.frontends6 {
+			if !yield(fe) {
+				return
+			}
+		}
+	}
+}
+
+// backend returns the mirror of the backend at a, or nil.
+func (l *LB) backend(a tables.L4Addr) *beState {
+	if a.Addr.Is4() {
+		return l.backends4[keyOf(a)]
+	}
+	return l.backends6[a]
+}
+
+func (l *LB) setBackend(be *beState) {
+	if be.addr.Addr.Is4() {
+		l.backends4[keyOf(be.addr)] = be
+	} else {
+		l.backends6[be.addr] = be
+	}
+}
+
+// isWildcard says whether a is a wildcard entry's address (port 0,
+// protocol ANY): it only refuses, so it has no ID, slots or reverse NAT.
+func isWildcard(a tables.L4Addr) bool { return a.Port == 0 }
+
+// wildcardOf returns the address of the wildcard entry of a's IP.
+func wildcardOf(a tables.L4Addr) tables.L4Addr {
+	return tables.L4Addr{Addr: a.Addr, Proto: tables.AnyProto}
+}
+
+// wantsWildcard says whether f's address gets a wildcard entry, which
+// makes the socket LB refuse the ports of the address that no service
+// exposes. Only cluster IPs do: they are virtual, allocated from the
+// service range, so no host serves their other ports. External IPs, node
+// addresses and load-balancer IPs may be real addresses of hosts (k3s's
+// ServiceLB hands out node IPs), whose other ports must stay reachable.
+func wantsWildcard(f *tables.Frontend) bool { return f.Type == tables.FrontendClusterIP }
+
+// frontendFlags are the service flags of a frontend: its type and whether
+// it has session affinity.
+func frontendFlags(f *tables.Frontend) bpf.ServiceFlags {
+	var flags bpf.ServiceFlags
+	switch f.Type {
+	case tables.FrontendExternalIP:
+		flags = bpf.SvcFlagExternalIPs | bpf.SvcFlagRoutable
+	case tables.FrontendLoadBalancer:
+		flags = bpf.SvcFlagLoadBalancer | bpf.SvcFlagRoutable
+	case tables.FrontendNodePort:
+		flags = bpf.SvcFlagNodePort | bpf.SvcFlagRoutable
+	}
+	if affinityTimeout(f) != 0 {
+		flags |= bpf.SvcFlagSessionAffinity
+	}
+	return flags
+}
+
+// affinityTimeout is the affinity timeout a frontend's service entry
+// carries, within the 24 bits the datapath has for it.
+func affinityTimeout(f *tables.Frontend) uint32 {
+	if isWildcard(f.Address) {
+		return 0
+	}
+	return min(f.SessionAffinity, bpf.AffinityTimeoutMask)
 }
 
 // backendMapState is how the datapath encodes a backend state.
@@ -366,27 +516,9 @@ func backendMapState(s tables.BackendState) bpf.BackendState {
 	return bpf.BackendMaintenance
 }
 
-func serviceKey(addr tables.L4Addr, slot uint16) bpf.LB4ServiceKey {
-	return bpf.LB4ServiceKey{
-		Address: addr.Addr.As4(),
-		Port:    bpf.NewBe16(addr.Port),
-		Slot:    slot,
-		Proto:   uint8(addr.Proto),
-	}
-}
-
-func backendValue(addr tables.L4Addr, state tables.BackendState) bpf.LB4BackendValue {
-	return bpf.LB4BackendValue{
-		Address: addr.Addr.As4(),
-		Port:    bpf.NewBe16(addr.Port),
-		Proto:   uint8(addr.Proto),
-		State:   backendMapState(state),
-	}
-}
-
 // addrKey is an IPv4 address, port and protocol packed into the key of the
-// mirror's maps: a quarter of the size of a tables.L4Addr key, and cheaper
-// to hash. Only IPv4 addresses reach the maps.
+// mirror's IPv4 maps: a quarter of the size of a tables.L4Addr key, and
+// cheaper to hash.
 type addrKey uint64
 
 func keyOf(a tables.L4Addr) addrKey {
@@ -402,4 +534,12 @@ func insertSorted(s []uint32, id uint32) ([]uint32, bool) {
 		return s, false
 	}
 	return slices.Insert(s, i, id), true
+}
+
+// removeSorted removes id from the sorted set s.
+func removeSorted(s []uint32, id uint32) []uint32 {
+	if i, found := slices.BinarySearch(s, id); found {
+		return slices.Delete(s, i, i+1)
+	}
+	return s
 }

@@ -38,20 +38,59 @@ const (
 	numSteps
 )
 
-// lbMapKind names one of the three maps.
+// lbMapKind names one of the maps, in the order of bpf.LBMapNames.
 type lbMapKind uint8
 
 const (
-	lbServices lbMapKind = iota
-	lbBackends
-	lbRevNat
+	lb4Services lbMapKind = iota
+	lb4Backends
+	lb4RevNat
+	lb6Services
+	lb6Backends
+	lb6RevNat
+	lbAffinityMatch
 	numLBMaps
 )
 
-var lbMapNames = [numLBMaps]string{bpf.LB4ServicesMap, bpf.LB4BackendsMap, bpf.LB4RevNatMap}
+var lbMapNames = bpf.LBMapNames
 
-// lbOp is one map operation. Once it is done, apply records it in the
-// mirror.
+// lbRole is what a map holds, whatever the family.
+type lbRole uint8
+
+const (
+	roleServices lbRole = iota
+	roleBackends
+	roleRevNat
+	roleAffinityMatch
+)
+
+func (m lbMapKind) role() lbRole {
+	switch m {
+	case lb4Services, lb6Services:
+		return roleServices
+	case lb4Backends, lb6Backends:
+		return roleBackends
+	case lb4RevNat, lb6RevNat:
+		return roleRevNat
+	}
+	return roleAffinityMatch
+}
+
+// lbMapFor returns the map of role for the family of addr.
+func lbMapFor(r lbRole, addr tables.L4Addr) lbMapKind {
+	if r == roleAffinityMatch {
+		return lbAffinityMatch
+	}
+	m := lbMapKind(r) // lb4Services, lb4Backends, lb4RevNat
+	if !addr.Addr.Is4() {
+		m += lb6Services
+	}
+	return m
+}
+
+// lbOp is one map operation, in terms of the mirror; the maps' own key and
+// value types are made from it when it runs. Once it is done, apply
+// records it in the mirror.
 type lbOp struct {
 	m   lbMapKind
 	del bool
@@ -59,52 +98,73 @@ type lbOp struct {
 	// writes, which may serve several plans: those are owners.
 	owner  *lbPlan
 	owners []*lbPlan
-	be     *beState
+	// fe is the frontend whose entry a services, rev-NAT or affinity
+	// match operation writes (for a wildcard, not its owner's); be the
+	// backend of a backends operation.
+	fe *feState
+	be *beState
 
-	svcKey bpf.LB4ServiceKey
-	svcVal bpf.LB4ServiceValue
-	beID   uint32
-	beVal  bpf.LB4BackendValue
-	revKey bpf.Be16
-	revVal bpf.LB4RevNatValue
+	// addr is the frontend's address (services, rev-NAT) or the
+	// backend's (backends).
+	addr tables.L4Addr
+	// slot and svc are a services entry's slot and value.
+	slot uint16
+	svc  bpf.LB4ServiceValue
+	// id is the backend ID (backends, affinity match) or the service ID
+	// (rev-NAT); revNat the service ID of an affinity match.
+	id     uint32
+	revNat uint16
+	state  bpf.BackendState
 }
 
 // apply records a done operation in the mirror: what it changed follows
-// from the map, the kind and, for lb4_services, the slot.
+// from the map's role, the kind and, for services, the slot.
 func (l *LB) apply(op *lbOp) {
-	switch op.m {
-	case lbBackends:
+	switch op.m.role() {
+	case roleBackends:
 		if op.del {
 			op.be.written = false
 			l.forgetBackend(op.be)
 		} else {
-			op.be.written, op.be.value = true, op.beVal
+			op.be.written, op.be.state = true, op.state
 		}
-	case lbRevNat:
-		op.owner.fe.revNat = !op.del
-	case lbServices:
-		fe, slot := op.owner.fe, int(op.svcKey.Slot)
+	case roleRevNat:
+		op.fe.revNat = !op.del
+	case roleAffinityMatch:
+		fe := op.fe
+		if op.del {
+			fe.matched = removeSorted(fe.matched, op.id)
+		} else {
+			fe.matched, _ = insertSorted(fe.matched, op.id)
+		}
+	case roleServices:
+		fe, slot := op.fe, int(op.slot)
 		switch {
 		case slot == 0 && op.del:
 			fe.master = false
+			if isWildcard(fe.addr) && fe.refs == 0 {
+				l.forgetFrontend(fe)
+			}
 		case slot == 0:
-			fe.master, fe.count, fe.qcount, fe.flags = true, op.svcVal.Count, op.svcVal.QCount, op.svcVal.Flags
+			fe.master, fe.count, fe.qcount, fe.flags = true, op.svc.Count, op.svc.QCount, op.svc.Flags
+			fe.affinity = op.svc.BackendID & bpf.AffinityTimeoutMask
 		case op.del:
 			// Slots are trimmed from the last one.
 			fe.slots = fe.slots[:slot-1]
 		case slot <= len(fe.slots):
-			fe.slots[slot-1] = op.svcVal.BackendID
+			fe.slots[slot-1] = op.svc.BackendID
 		default:
 			// New slots are written in increasing order.
-			fe.slots = append(fe.slots, op.svcVal.BackendID)
+			fe.slots = append(fe.slots, op.svc.BackendID)
 		}
 	}
 }
 
 // lbPlan is what one frontend's update or delete does.
 type lbPlan struct {
-	fe    *feState
-	flags bpf.ServiceFlags
+	fe       *feState
+	flags    bpf.ServiceFlags
+	affinity uint32
 	// want are the backend IDs the frontend uses after the update.
 	want []uint32
 	err  error
@@ -114,6 +174,10 @@ type lbPlan struct {
 type lbRun struct {
 	steps    [numSteps][]*lbOp
 	releases []*beState
+	// wildcardWrites are the wildcard entries the run writes, by entry;
+	// wildcardReleases those that may have lost their last reference.
+	wildcardWrites   map[*feState]*lbOp
+	wildcardReleases []*feState
 	// slab is where new operations are carved from: one allocation for
 	// many, as a run plans several per frontend.
 	slab []lbOp
@@ -134,33 +198,33 @@ func (r *lbRun) add(step int, op *lbOp) { r.steps[step] = append(r.steps[step], 
 
 // writeBackend schedules the write of be's entry, once per run however many
 // plans need it.
-func (r *lbRun) writeBackend(be *beState, val bpf.LB4BackendValue, p *lbPlan) {
+func (r *lbRun) writeBackend(be *beState, state bpf.BackendState, p *lbPlan) {
 	if op := be.pending; op != nil {
-		op.beVal = val
+		op.state = state
 		op.owners = append(op.owners, p)
 		return
 	}
 	op := r.newOp()
-	*op = lbOp{m: lbBackends, be: be, beID: be.id, beVal: val, owners: []*lbPlan{p}}
+	*op = lbOp{m: lbMapFor(roleBackends, be.addr), be: be, addr: be.addr, id: be.id, state: state, owners: []*lbPlan{p}}
 	be.pending = op
 	r.add(stepBackends, op)
 }
 
 // planUpdate schedules what it takes to make the maps match f.
 func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lbPlan {
-	p := &lbPlan{flags: frontendFlags(f.Type)}
-	if !f.Address.Addr.Is4() {
-		p.err = fmt.Errorf("frontend %s: only IPv4 frontends are load-balanced", f.Address)
+	p := &lbPlan{flags: frontendFlags(f), affinity: affinityTimeout(f)}
+	if isWildcard(f.Address) {
+		p.err = fmt.Errorf("frontend %s: port 0 is the address's wildcard entry, which the load balancer writes itself", f.Address)
 		p.fe = &feState{addr: f.Address}
 		return p
 	}
-	fe := l.frontends[keyOf(f.Address)]
+	fe := l.frontend(f.Address)
 	if fe == nil {
 		fe = &feState{addr: f.Address}
-		l.frontends[keyOf(f.Address)] = fe
+		l.setFrontend(fe)
 	}
 	p.fe = fe
-	if fe.id == 0 {
+	if fe.id == 0 && !isWildcard(fe.addr) {
 		id, err := l.allocServiceID()
 		if err != nil {
 			p.err = fmt.Errorf("frontend %s: %w", f.Address, err)
@@ -173,8 +237,8 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 	var active, terminating []uint32
 	p.want = make([]uint32, 0, len(f.Backends))
 	for _, b := range f.Backends {
-		if !b.Address.Addr.Is4() {
-			continue
+		if b.Address.Addr.Is4() != fe.addr.Addr.Is4() || isWildcard(fe.addr) {
+			continue // the datapath translates within a family
 		}
 		be, err := l.backendFor(b.Address)
 		if err != nil {
@@ -188,8 +252,8 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 		if shared, _, ok := l.backends.Get(txn, tables.BackendAddressIndex.Query(b.Address)); ok {
 			state = shared.State
 		}
-		if val := backendValue(b.Address, state); !be.written || be.value != val {
-			run.writeBackend(be, val, p)
+		if st := backendMapState(state); !be.written || be.state != st {
+			run.writeBackend(be, st, p)
 		}
 		if held, added := insertSorted(fe.held, be.id); added {
 			fe.held = held
@@ -216,42 +280,123 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 		qi := min(fe.count+fe.qcount, n+q) - ni
 		if ni != fe.count || qi != fe.qcount {
 			count, qcount = ni, qi
-			l.addMaster(run, stepShrink, p, ni, qi, fe.flags)
+			l.addMaster(run, stepShrink, p, ni, qi, fe.flags, fe.affinity)
 		}
 	}
+	services := lbMapFor(roleServices, fe.addr)
 	for i, id := range slots {
 		if !rewrite && i < len(fe.slots) && fe.slots[i] == id {
 			continue
 		}
 		op := run.newOp()
-		*op = lbOp{m: lbServices, owner: p,
-			svcKey: serviceKey(fe.addr, uint16(i+1)),
-			svcVal: bpf.LB4ServiceValue{BackendID: id, RevNat: bpf.NewBe16(fe.id), Flags: p.flags},
+		*op = lbOp{m: services, owner: p, fe: fe, addr: fe.addr, slot: uint16(i + 1),
+			svc: bpf.LB4ServiceValue{BackendID: id, RevNat: bpf.NewBe16(fe.id), Flags: p.flags},
 		}
 		run.add(stepSlots, op)
 	}
-	if !fe.master || count != n || qcount != q || fe.flags != p.flags || rewrite {
-		l.addMaster(run, stepGrow, p, n, q, p.flags)
+	// A backend is chosen only once count covers its slot (stepGrow), so
+	// its affinity match, written with the slots, is there before any
+	// client can be pinned to it.
+	var match []uint32
+	if p.affinity != 0 {
+		match = slices.Clone(active)
+		slices.Sort(match)
+		match = slices.Compact(match)
 	}
-	if !fe.revNat {
+	l.addMatches(run, p, match)
+	if !fe.master || count != n || qcount != q || fe.flags != p.flags || fe.affinity != p.affinity || rewrite {
+		l.addMaster(run, stepGrow, p, n, q, p.flags, p.affinity)
+	}
+	if !fe.revNat && !isWildcard(fe.addr) {
 		op := run.newOp()
-		*op = lbOp{m: lbRevNat, owner: p,
-			revKey: bpf.NewBe16(fe.id),
-			revVal: bpf.LB4RevNatValue{Address: fe.addr.Addr.As4(), Port: bpf.NewBe16(fe.addr.Port)},
-		}
+		*op = lbOp{m: lbMapFor(roleRevNat, fe.addr), owner: p, fe: fe, addr: fe.addr, id: uint32(fe.id)}
 		run.add(stepGrow, op)
 	}
 	l.addTrim(run, p, int(n+q))
+	if wantsWildcard(f) {
+		// Also when held already but its write failed before.
+		if wc := l.frontend(wildcardOf(fe.addr)); !fe.wildcard || wc == nil || !wc.master {
+			l.holdWildcard(run, p)
+		}
+	} else if fe.wildcard {
+		l.releaseWildcard(run, fe)
+	}
 	return p
 }
 
+// holdWildcard makes p's frontend count a reference on the wildcard entry
+// of its IP, and schedules the entry's write if it is not in the map. The
+// frontends of one IP in one run share the write, and each fails with it.
+func (l *LB) holdWildcard(run *lbRun, p *lbPlan) {
+	fe := p.fe
+	wc := l.frontend(wildcardOf(fe.addr))
+	if wc == nil {
+		wc = &feState{addr: wildcardOf(fe.addr)}
+		l.setFrontend(wc)
+		fe.wildcard = false
+	}
+	if !fe.wildcard {
+		fe.wildcard = true
+		wc.refs++
+	}
+	if wc.master {
+		return
+	}
+	if op := run.wildcardWrites[wc]; op != nil {
+		op.owners = append(op.owners, p)
+		return
+	}
+	op := run.newOp()
+	*op = lbOp{m: lbMapFor(roleServices, wc.addr), fe: wc, addr: wc.addr, owners: []*lbPlan{p}}
+	if run.wildcardWrites == nil {
+		run.wildcardWrites = map[*feState]*lbOp{}
+	}
+	run.wildcardWrites[wc] = op
+	run.add(stepGrow, op)
+}
+
+// releaseWildcard drops fe's reference on its IP's wildcard entry. The
+// entry is deleted by planWildcardReleases once the whole run is planned,
+// so that a frontend of the same IP added in the same run keeps it.
+func (l *LB) releaseWildcard(run *lbRun, fe *feState) {
+	fe.wildcard = false
+	wc := l.frontend(wildcardOf(fe.addr))
+	if wc == nil {
+		return
+	}
+	wc.refs--
+	if wc.refs <= 0 {
+		wc.refs = 0
+		run.wildcardReleases = append(run.wildcardReleases, wc)
+	}
+}
+
+// planWildcardReleases schedules the deletion of the wildcard entries that
+// lost their last reference in run. The deletion has no plan to fail: one
+// that fails is retried by the next prune, which deletes what no frontend
+// explains.
+func (l *LB) planWildcardReleases(run *lbRun) {
+	for _, wc := range run.wildcardReleases {
+		if wc.refs > 0 {
+			continue
+		}
+		if !wc.master {
+			l.forgetFrontend(wc)
+			continue
+		}
+		op := run.newOp()
+		*op = lbOp{m: lbMapFor(roleServices, wc.addr), del: true, fe: wc, addr: wc.addr}
+		run.add(stepTrim, op)
+	}
+	run.wildcardReleases = nil
+}
+
 // addMaster schedules a write of fe's slot 0.
-func (l *LB) addMaster(run *lbRun, step int, p *lbPlan, count, qcount uint16, flags bpf.ServiceFlags) {
+func (l *LB) addMaster(run *lbRun, step int, p *lbPlan, count, qcount uint16, flags bpf.ServiceFlags, affinity uint32) {
 	fe := p.fe
 	op := run.newOp()
-	*op = lbOp{m: lbServices, owner: p,
-		svcKey: serviceKey(fe.addr, 0),
-		svcVal: bpf.LB4ServiceValue{Count: count, QCount: qcount, RevNat: bpf.NewBe16(fe.id), Flags: flags},
+	*op = lbOp{m: lbMapFor(roleServices, fe.addr), owner: p, fe: fe, addr: fe.addr,
+		svc: bpf.LB4ServiceValue{BackendID: affinity, Count: count, QCount: qcount, RevNat: bpf.NewBe16(fe.id), Flags: flags},
 	}
 	run.add(step, op)
 }
@@ -261,8 +406,29 @@ func (l *LB) addTrim(run *lbRun, p *lbPlan, end int) {
 	fe := p.fe
 	for pos := len(fe.slots); pos > end; pos-- {
 		op := run.newOp()
-		*op = lbOp{m: lbServices, del: true, owner: p, svcKey: serviceKey(fe.addr, uint16(pos))}
+		*op = lbOp{m: lbMapFor(roleServices, fe.addr), del: true, owner: p, fe: fe, addr: fe.addr, slot: uint16(pos)}
 		run.add(stepTrim, op)
+	}
+}
+
+// addMatches schedules the affinity match entries that make fe's matched
+// set want (sorted): new ones with the slots, stale ones with the trim,
+// after the datapath stopped choosing their backends.
+func (l *LB) addMatches(run *lbRun, p *lbPlan, want []uint32) {
+	fe := p.fe
+	for _, id := range want {
+		if _, ok := slices.BinarySearch(fe.matched, id); !ok {
+			op := run.newOp()
+			*op = lbOp{m: lbAffinityMatch, owner: p, fe: fe, id: id, revNat: fe.id}
+			run.add(stepSlots, op)
+		}
+	}
+	for _, id := range fe.matched {
+		if _, ok := slices.BinarySearch(want, id); !ok {
+			op := run.newOp()
+			*op = lbOp{m: lbAffinityMatch, del: true, owner: p, fe: fe, id: id, revNat: fe.id}
+			run.add(stepTrim, op)
+		}
 	}
 }
 
@@ -289,13 +455,17 @@ func (l *LB) planDelete(run *lbRun, fe *feState) *lbPlan {
 	p := &lbPlan{fe: fe}
 	if fe.master {
 		op := run.newOp()
-		*op = lbOp{m: lbServices, del: true, owner: p, svcKey: serviceKey(fe.addr, 0)}
+		*op = lbOp{m: lbMapFor(roleServices, fe.addr), del: true, owner: p, fe: fe, addr: fe.addr}
 		run.add(stepShrink, op)
 	}
 	l.addTrim(run, p, 0)
+	l.addMatches(run, p, nil)
+	if fe.wildcard {
+		l.releaseWildcard(run, fe)
+	}
 	if fe.revNat {
 		op := run.newOp()
-		*op = lbOp{m: lbRevNat, del: true, owner: p, revKey: bpf.NewBe16(fe.id)}
+		*op = lbOp{m: lbMapFor(roleRevNat, fe.addr), del: true, owner: p, fe: fe, addr: fe.addr, id: uint32(fe.id)}
 		run.add(stepTrim, op)
 	}
 	return p
@@ -304,10 +474,7 @@ func (l *LB) planDelete(run *lbRun, fe *feState) *lbPlan {
 // finishDelete forgets a deleted frontend, releases its ID and its backends.
 func (l *LB) finishDelete(run *lbRun, p *lbPlan) {
 	fe := p.fe
-	delete(l.frontends, keyOf(fe.addr))
-	if l.frontendByID[fe.id] == fe {
-		delete(l.frontendByID, fe.id)
-	}
+	l.forgetFrontend(fe)
 	for _, id := range fe.held {
 		l.unref(run, id)
 	}
@@ -367,10 +534,20 @@ func (l *LB) executeReleases(run *lbRun) {
 			continue
 		}
 		op := run.newOp()
-		*op = lbOp{m: lbBackends, del: true, be: be, beID: be.id}
+		*op = lbOp{m: lbMapFor(roleBackends, be.addr), del: true, be: be, addr: be.addr, id: be.id}
 		group = append(group, op)
 	}
-	failed := l.execGroup(run, group)
+	// Each group is one map.
+	slices.SortStableFunc(group, func(a, b *lbOp) int { return int(a.m) - int(b.m) })
+	var failed []*lbOp
+	for len(group) > 0 {
+		n := 1
+		for n < len(group) && group[n].m == group[0].m {
+			n++
+		}
+		failed = append(failed, l.execGroup(run, group[:n])...)
+		group = group[n:]
+	}
 	for _, op := range failed {
 		l.orphans = append(l.orphans, op.be)
 	}
@@ -409,10 +586,9 @@ func (l *LB) execGroup(run *lbRun, ops []*lbOp) (failed []*lbOp) {
 		failed = append(failed, op)
 		if op.owner != nil {
 			op.owner.err = err
-		} else if op.be != nil {
-			for _, p := range op.owners {
-				p.err = err
-			}
+		}
+		for _, p := range op.owners {
+			p.err = err
 		}
 	}
 	return failed
@@ -432,13 +608,15 @@ func (l *LB) opError(op *lbOp, err error) error {
 		verb = "delete"
 	}
 	var what string
-	switch op.m {
-	case lbServices:
-		what = fmt.Sprintf("%s slot %d", op.svcKey.L4Addr(), op.svcKey.Slot)
-	case lbBackends:
-		what = fmt.Sprintf("backend %d", op.beID)
-	case lbRevNat:
-		what = fmt.Sprintf("rev-NAT %d", op.revKey.Uint16())
+	switch op.m.role() {
+	case roleServices:
+		what = fmt.Sprintf("%s slot %d", op.addr, op.slot)
+	case roleBackends:
+		what = fmt.Sprintf("backend %d", op.id)
+	case roleRevNat:
+		what = fmt.Sprintf("rev-NAT %d", op.id)
+	case roleAffinityMatch:
+		what = fmt.Sprintf("backend %d of service %d", op.id, op.revNat)
 	}
 	return fmt.Errorf("%s %s %s: %w", verb, name, what, err)
 }

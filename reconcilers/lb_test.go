@@ -109,8 +109,8 @@ func TestRemoveOneOf1000(t *testing.T) {
 		t.Fatalf("removing one backend of 1000 took %d map operations, want at most 4", got)
 	}
 	var dump strings.Builder
-	if err := lb.Maps(func(services, backends, revNat *ebpf.Map) error {
-		return WriteLBMaps(&dump, services, backends, revNat)
+	if err := lb.Maps(func(m LBMaps) error {
+		return WriteLBMaps(&dump, m)
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -170,8 +170,8 @@ func TestReopenKeepsEntries(t *testing.T) {
 					t.Fatal(err)
 				}
 				var dump strings.Builder
-				if err := lb.Maps(func(services, backends, revNat *ebpf.Map) error {
-					for _, m := range []*ebpf.Map{services, backends, revNat} {
+				if err := lb.Maps(func(maps LBMaps) error {
+					for _, m := range maps.All() {
 						if m.MaxEntries() != cfg.MaxEntries {
 							t.Errorf("map has %d entries, want %d", m.MaxEntries(), cfg.MaxEntries)
 						}
@@ -179,7 +179,7 @@ func TestReopenKeepsEntries(t *testing.T) {
 							t.Errorf("map preallocated: %v, want %v", prealloc, cfg.Preallocate)
 						}
 					}
-					return WriteLBMaps(&dump, services, backends, revNat)
+					return WriteLBMaps(&dump, maps)
 				}); err != nil {
 					t.Fatal(err)
 				}
@@ -222,7 +222,7 @@ func TestOtherLayoutRefused(t *testing.T) {
 	}
 	lb := NewLB(slog.New(slog.DiscardHandler), LBConfig{PinDir: pinDir, MaxEntries: 64, MaxEntriesFlag: "bpf-lb-map-max"}, backends)
 	defer lb.Close()
-	err = lb.Maps(func(_, _, _ *ebpf.Map) error { return nil })
+	err = lb.Maps(func(LBMaps) error { return nil })
 	want := "open load-balancing maps: pinned map lb4_services has key size 8, want 12; value size 8, want 12: " +
 		"its entries cannot be converted; remove it (rm " + path + ") to have an empty one created, or use another pin directory"
 	if err == nil || err.Error() != want {
@@ -232,7 +232,7 @@ func TestOtherLayoutRefused(t *testing.T) {
 	if !errors.As(err, &layoutErr) {
 		t.Errorf("%v is no LayoutError", err)
 	}
-	if err := lb.Maps(func(_, _, _ *ebpf.Map) error { return nil }); err == nil || err.Error() != want {
+	if err := lb.Maps(func(LBMaps) error { return nil }); err == nil || err.Error() != want {
 		t.Errorf("second try: %v", err)
 	}
 
@@ -246,7 +246,7 @@ func TestOtherLayoutRefused(t *testing.T) {
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
 	}
-	if err := lb.Maps(func(_, _, _ *ebpf.Map) error { return nil }); err != nil {
+	if err := lb.Maps(func(LBMaps) error { return nil }); err != nil {
 		t.Fatalf("after removing the stale pin: %v", err)
 	}
 }

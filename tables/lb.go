@@ -26,14 +26,20 @@ type Proto uint8
 
 // Protocols a service port can have.
 const (
-	TCP  Proto = 6
-	UDP  Proto = 17
-	SCTP Proto = 132
+	// AnyProto is the protocol of a wildcard map entry (port 0): it stands
+	// for every port and protocol of its address that no service port
+	// names.
+	AnyProto Proto = 0
+	TCP      Proto = 6
+	UDP      Proto = 17
+	SCTP     Proto = 132
 )
 
-// String returns "TCP", "UDP", "SCTP" or "proto-N".
+// String returns "ANY", "TCP", "UDP", "SCTP" or "proto-N".
 func (p Proto) String() string {
 	switch p {
+	case AnyProto:
+		return "ANY"
 	case TCP:
 		return "TCP"
 	case UDP:
@@ -46,6 +52,7 @@ func (p Proto) String() string {
 
 // ParseProto parses a protocol as Kubernetes writes it ("TCP", "UDP",
 // "SCTP"; case-insensitive). Empty means TCP, the Kubernetes default.
+// A Service port cannot be ANY; only ParseL4Addr takes it.
 func ParseProto(s string) (Proto, error) {
 	switch strings.ToUpper(s) {
 	case "", "TCP":
@@ -71,7 +78,8 @@ func (a L4Addr) String() string {
 	return netip.AddrPortFrom(a.Addr, a.Port).String() + "/" + a.Proto.String()
 }
 
-// ParseL4Addr parses "IP:port/PROTO"; the protocol defaults to TCP.
+// ParseL4Addr parses "IP:port/PROTO"; the protocol defaults to TCP, and
+// may be ANY (a wildcard map entry).
 func ParseL4Addr(s string) (L4Addr, error) {
 	hostPort, proto, _ := strings.Cut(s, "/")
 	ap, err := netip.ParseAddrPort(hostPort)
@@ -79,6 +87,9 @@ func ParseL4Addr(s string) (L4Addr, error) {
 		return L4Addr{}, fmt.Errorf("parse address %q: %w", s, err)
 	}
 	p, err := ParseProto(proto)
+	if strings.EqualFold(proto, AnyProto.String()) {
+		p, err = AnyProto, nil
+	}
 	if err != nil {
 		return L4Addr{}, fmt.Errorf("parse address %q: %w", s, err)
 	}
@@ -187,6 +198,9 @@ type Service struct {
 	ExternalIPs     []netip.Addr  `json:"externalIPs,omitempty" yaml:"externalIPs,omitempty"`
 	LoadBalancerIPs []netip.Addr  `json:"loadBalancerIPs,omitempty" yaml:"loadBalancerIPs,omitempty"`
 	Ports           []ServicePort `json:"ports,omitempty" yaml:"ports,omitempty"`
+	// SessionAffinityTimeout is the timeout in seconds of
+	// sessionAffinity ClientIP; 0 means no affinity.
+	SessionAffinityTimeout uint32 `json:"sessionAffinityTimeout,omitempty" yaml:"sessionAffinityTimeout,omitempty"`
 	// ExternalTrafficPolicy governs the NodePort, LoadBalancer and
 	// external IP frontends; InternalTrafficPolicy the ClusterIP ones.
 	// Local keeps only the backends on this node.
@@ -246,6 +260,9 @@ func (s *Service) TableRow() []string {
 		return string(p)
 	}
 	traffic := "Ext=" + policy(s.ExternalTrafficPolicy) + ",Int=" + policy(s.InternalTrafficPolicy)
+	if s.SessionAffinityTimeout != 0 {
+		traffic += ",ClientIP=" + strconv.Itoa(int(s.SessionAffinityTimeout)) + "s"
+	}
 	return []string{s.Name.String(), s.Type, strings.Join(addrs, ","), strings.Join(ports, ","), traffic, strings.Join(problems, "; ")}
 }
 
@@ -313,14 +330,20 @@ type FrontendBackend struct {
 
 // Frontend is one address, port and protocol of a service: a cluster IP,
 // external IP or load-balancer IP times a service port, or a node address
-// times a service port's nodePort. The reconciler
-// writes it into lb4_services (slot 0 and one slot per selectable backend),
-// lb4_backends and lb4_reverse_nat.
+// times a service port's nodePort. The reconciler writes it into
+// lb4_services (slot 0 and one slot per selectable backend), lb4_backends
+// and lb4_reverse_nat, or their lb6_* twins for an IPv6 address, and
+// derives each cluster IP's wildcard entry (port 0, protocol ANY) from its
+// frontends.
 type Frontend struct {
 	Address  L4Addr       `json:"address" yaml:"address"`
 	Service  ServiceName  `json:"service" yaml:"service"`
 	Type     FrontendType `json:"type" yaml:"type"`
 	PortName string       `json:"portName,omitempty" yaml:"portName,omitempty"`
+	// SessionAffinity is the ClientIP affinity timeout in seconds, 0 for
+	// none: connections from one client (network namespace) go to the
+	// same backend while they come less than this far apart.
+	SessionAffinity uint32 `json:"sessionAffinity,omitempty" yaml:"sessionAffinity,omitempty"`
 	// Backends are the service's backends for this port, sorted by address.
 	Backends []FrontendBackend `json:"backends" yaml:"backends"`
 	// ID is the service ID (rev-NAT index) the reconciler gave the

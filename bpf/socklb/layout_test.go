@@ -12,8 +12,10 @@ import (
 )
 
 // TestLayout compares the C structs of the compiled object, through its BTF,
-// with the Go types the agent writes the maps with: same size, same number
-// of fields, each at the same offset with the same size.
+// with the Go types the agent writes and reads the maps with: same size,
+// same number of fields, each at the same offset with the same size. The
+// socket reverse-NAT maps, which only the programs read, are checked
+// against the types the tests read them with.
 func TestLayout(t *testing.T) {
 	spec, err := Spec()
 	if err != nil {
@@ -27,6 +29,18 @@ func TestLayout(t *testing.T) {
 		{"lb4_service", reflect.TypeFor[bpf.LB4ServiceValue]()},
 		{"lb4_backend", reflect.TypeFor[bpf.LB4BackendValue]()},
 		{"lb4_reverse_nat", reflect.TypeFor[bpf.LB4RevNatValue]()},
+		{"lb6_key", reflect.TypeFor[bpf.LB6ServiceKey]()},
+		{"lb6_service", reflect.TypeFor[bpf.LB6ServiceValue]()},
+		{"lb6_backend", reflect.TypeFor[bpf.LB6BackendValue]()},
+		{"lb6_reverse_nat", reflect.TypeFor[bpf.LB6RevNatValue]()},
+		{"lb_affinity_match", reflect.TypeFor[bpf.LBAffinityMatchKey]()},
+		{"lb4_affinity_key", reflect.TypeFor[bpf.LB4AffinityKey]()},
+		{"lb6_affinity_key", reflect.TypeFor[bpf.LB6AffinityKey]()},
+		{"lb_affinity_val", reflect.TypeFor[bpf.LBAffinityValue]()},
+		{"lb4_sock_key", reflect.TypeFor[sockRevNat4Key]()},
+		{"lb4_sock_value", reflect.TypeFor[sockRevNat4Value]()},
+		{"lb6_sock_key", reflect.TypeFor[sockRevNat6Key]()},
+		{"lb6_sock_value", reflect.TypeFor[sockRevNat6Value]()},
 	} {
 		t.Run(tc.cStruct, func(t *testing.T) {
 			var st *btf.Struct
@@ -70,15 +84,65 @@ func TestLayout(t *testing.T) {
 				name, got.Type, got.KeySize, got.ValueSize, got.Flags, want.Type, want.KeySize, want.ValueSize, want.Flags)
 		}
 	}
+
+	// The programs' own maps hold the types above.
+	for _, tc := range []struct {
+		name       string
+		key, value reflect.Type
+	}{
+		{SockRevNat4Map, reflect.TypeFor[sockRevNat4Key](), reflect.TypeFor[sockRevNat4Value]()},
+		{SockRevNat6Map, reflect.TypeFor[sockRevNat6Key](), reflect.TypeFor[sockRevNat6Value]()},
+		{bpf.LB4AffinityMap, reflect.TypeFor[bpf.LB4AffinityKey](), reflect.TypeFor[bpf.LBAffinityValue]()},
+		{bpf.LB6AffinityMap, reflect.TypeFor[bpf.LB6AffinityKey](), reflect.TypeFor[bpf.LBAffinityValue]()},
+	} {
+		ms, err := MapSpec(tc.name, 16)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ms.Type != ebpf.LRUHash || ms.KeySize != uint32(tc.key.Size()) || ms.ValueSize != uint32(tc.value.Size()) {
+			t.Errorf("map %s: %v key %d value %d, want an LRU hash of %s (%d) to %s (%d)",
+				tc.name, ms.Type, ms.KeySize, ms.ValueSize, tc.key, tc.key.Size(), tc.value, tc.value.Size())
+		}
+	}
+	if _, err := MapSpec(bpf.LB4ServicesMap, 16); err == nil {
+		t.Errorf("MapSpec gave a spec of the agent's %s", bpf.LB4ServicesMap)
+	}
 }
 
-// TestLoad loads the programs with the agent's pinned maps in place of the
-// object's, sized differently from the object's defaults, as the agent does.
+// The socket reverse-NAT maps' entries (struct lb4_sock_key, ...).
+type sockRevNat4Key struct {
+	Cookie  uint64
+	Address [4]byte
+	Port    bpf.Be16
+	Pad     uint16
+}
+
+type sockRevNat4Value struct {
+	Address [4]byte
+	Port    bpf.Be16
+	RevNat  bpf.Be16
+}
+
+type sockRevNat6Key struct {
+	Cookie  uint64
+	Address [16]byte
+	Port    bpf.Be16
+	Pad1    uint16
+	Pad2    uint32
+}
+
+type sockRevNat6Value struct {
+	Address [16]byte
+	Port    bpf.Be16
+	RevNat  bpf.Be16
+}
+
+// TestLoad loads the programs with pinned maps in place of the object's,
+// sized differently from the object's defaults, as the agent does.
 func TestLoad(t *testing.T) {
 	pinDir := testenv.BPFPinDir(t)
-	var m Maps
-	for _, name := range bpf.LBMapNames {
-		spec, err := bpf.LBMapSpec(name, 1024)
+	open := func(spec *ebpf.MapSpec, err error) *ebpf.Map {
+		t.Helper()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -87,24 +151,23 @@ func TestLoad(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { pm.Close() })
-		switch name {
-		case bpf.LB4ServicesMap:
-			m.Services = pm.Map
-		case bpf.LB4BackendsMap:
-			m.Backends = pm.Map
-		case bpf.LB4RevNatMap:
-			m.RevNat = pm.Map
-		}
+		return pm.Map
 	}
-	srn, err := SockRevNatSpec(4096)
-	if err != nil {
-		t.Fatal(err)
+	lbMap := func(name string) *ebpf.Map { return open(bpf.LBMapSpec(name, 1024)) }
+	ownMap := func(name string) *ebpf.Map { return open(MapSpec(name, 4096)) }
+	m := Maps{
+		Services4:     lbMap(bpf.LB4ServicesMap),
+		Backends4:     lbMap(bpf.LB4BackendsMap),
+		RevNat4:       lbMap(bpf.LB4RevNatMap),
+		Services6:     lbMap(bpf.LB6ServicesMap),
+		Backends6:     lbMap(bpf.LB6BackendsMap),
+		RevNat6:       lbMap(bpf.LB6RevNatMap),
+		AffinityMatch: lbMap(bpf.LBAffinityMatchMap),
+		SockRevNat4:   ownMap(SockRevNat4Map),
+		SockRevNat6:   ownMap(SockRevNat6Map),
+		Affinity4:     ownMap(bpf.LB4AffinityMap),
+		Affinity6:     ownMap(bpf.LB6AffinityMap),
 	}
-	m.SockRevNat, err = ebpf.NewMap(srn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.SockRevNat.Close()
 
 	progs, err := Load(m)
 	if err != nil {
@@ -122,9 +185,15 @@ func TestLoad(t *testing.T) {
 		t.Errorf("%d programs, %d hooks", len(progs), len(Hooks))
 	}
 
-	// A map of the wrong shape is refused.
-	m.RevNat = m.Backends
-	if _, err := Load(m); err == nil {
-		t.Error("Load accepted lb4_backends as lb4_reverse_nat")
+	// A map of the wrong shape is refused, and a missing one.
+	bad := m
+	bad.RevNat6 = m.Backends6
+	if _, err := Load(bad); err == nil {
+		t.Error("Load accepted lb6_backends as lb6_reverse_nat")
+	}
+	bad = m
+	bad.Affinity6 = nil
+	if _, err := Load(bad); err == nil {
+		t.Error("Load accepted no lb6_affinity")
 	}
 }

@@ -1,15 +1,31 @@
 package socklb
 
 import (
+	"fmt"
+	"slices"
+	"strings"
+
 	"github.com/cilium/ebpf"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/bpf/cgrouplink"
 )
 
-// SockRevNatMap is the name (and pin name) of the map in which the programs
-// remember, per socket, which frontend a backend was chosen for.
-const SockRevNatMap = "lb4_sock_revnat"
+// Names (and pin names) of the maps in which the programs remember, per
+// socket, which frontend a backend was chosen for, so that replies and
+// getpeername show the frontend. An IPv4-mapped frontend of an AF_INET6
+// socket is remembered in the IPv4 map.
+const (
+	SockRevNat4Map = "lb4_sock_revnat"
+	SockRevNat6Map = "lb6_sock_revnat"
+)
+
+// OwnMaps lists the maps the programs write themselves, as opposed to the
+// load balancer's (bpf.LBMapNames): the agent creates them with MapSpec and
+// pins them, so that what they remember survives a restart. The affinity
+// maps (bpf.LB4AffinityMap, bpf.LB6AffinityMap) remember, per network
+// namespace and service, the backend chosen last.
+var OwnMaps = [...]string{SockRevNat4Map, SockRevNat6Map, bpf.LB4AffinityMap, bpf.LB6AffinityMap}
 
 // Hooks lists the programs in attach order: the reverse translations come
 // before the forward ones, so that no socket is translated one way while
@@ -17,8 +33,12 @@ const SockRevNatMap = "lb4_sock_revnat"
 var Hooks = []cgrouplink.Hook{
 	{Name: "recvmsg4", Program: socklbProgSock4Recvmsg, Attach: ebpf.AttachCGroupUDP4Recvmsg},
 	{Name: "getpeername4", Program: socklbProgSock4Getpeername, Attach: ebpf.AttachCgroupInet4GetPeername},
+	{Name: "recvmsg6", Program: socklbProgSock6Recvmsg, Attach: ebpf.AttachCGroupUDP6Recvmsg},
+	{Name: "getpeername6", Program: socklbProgSock6Getpeername, Attach: ebpf.AttachCgroupInet6GetPeername},
 	{Name: "connect4", Program: socklbProgSock4Connect, Attach: ebpf.AttachCGroupInet4Connect},
 	{Name: "sendmsg4", Program: socklbProgSock4Sendmsg, Attach: ebpf.AttachCGroupUDP4Sendmsg},
+	{Name: "connect6", Program: socklbProgSock6Connect, Attach: ebpf.AttachCGroupInet6Connect},
+	{Name: "sendmsg6", Program: socklbProgSock6Sendmsg, Attach: ebpf.AttachCGroupUDP6Sendmsg},
 }
 
 // Spec returns the programs' collection spec, as compiled into the binary.
@@ -28,14 +48,22 @@ func Spec() (*ebpf.CollectionSpec, error) {
 
 // Maps are the maps the programs use, all owned (and pinned) by the agent.
 type Maps struct {
-	Services, Backends, RevNat, SockRevNat *ebpf.Map
+	// The load balancer's maps, which the agent writes (see
+	// bpf.LBMapNames).
+	Services4, Backends4, RevNat4 *ebpf.Map
+	Services6, Backends6, RevNat6 *ebpf.Map
+	AffinityMatch                 *ebpf.Map
+
+	// The programs' own maps (see OwnMaps, MapSpec).
+	SockRevNat4, SockRevNat6 *ebpf.Map
+	Affinity4, Affinity6     *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's own map
 // definitions, so that the programs read the maps the agent writes. The
 // object's map sizes are only defaults: each definition takes the size and
 // flags of the map that replaces it, which must otherwise agree (type, key
-// and value sizes) or loading fails.
+// and value sizes) or loading fails. Every map of m must be set.
 //
 // The caller owns the returned programs, keyed by program name.
 func Load(m Maps) (map[string]*ebpf.Program, error) {
@@ -44,23 +72,35 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 		return nil, err
 	}
 	repl := map[string]*ebpf.Map{
-		socklbMapLb4Services:   m.Services,
-		socklbMapLb4Backends:   m.Backends,
-		socklbMapLb4ReverseNat: m.RevNat,
-		socklbMapLb4SockRevnat: m.SockRevNat,
+		socklbMapLb4Services:     m.Services4,
+		socklbMapLb4Backends:     m.Backends4,
+		socklbMapLb4ReverseNat:   m.RevNat4,
+		socklbMapLb6Services:     m.Services6,
+		socklbMapLb6Backends:     m.Backends6,
+		socklbMapLb6ReverseNat:   m.RevNat6,
+		socklbMapLbAffinityMatch: m.AffinityMatch,
+		socklbMapLb4SockRevnat:   m.SockRevNat4,
+		socklbMapLb6SockRevnat:   m.SockRevNat6,
+		socklbMapLb4Affinity:     m.Affinity4,
+		socklbMapLb6Affinity:     m.Affinity6,
 	}
 	return bpf.LoadPrograms(spec, repl, "socket LB programs")
 }
 
-// SockRevNatSpec returns the spec of the socket reverse-NAT map, for the
-// agent to pin it (so that replies on existing sockets keep being
-// translated across restarts).
-func SockRevNatSpec(maxEntries uint32) (*ebpf.MapSpec, error) {
+// MapSpec returns the spec of the programs' own map called name (one of
+// OwnMaps) with room for maxEntries entries, for the agent to create and
+// pin it. They are LRU hashes: when one is full, the entries used least
+// recently make room.
+func MapSpec(name string, maxEntries uint32) (*ebpf.MapSpec, error) {
+	if !slices.Contains(OwnMaps[:], name) {
+		return nil, fmt.Errorf("%q is not a map of the socket LB programs (want one of %s)",
+			name, strings.Join(OwnMaps[:], ", "))
+	}
 	spec, err := Spec()
 	if err != nil {
 		return nil, err
 	}
-	ms := spec.Maps[socklbMapLb4SockRevnat].Copy()
+	ms := spec.Maps[name].Copy()
 	ms.MaxEntries = maxEntries
 	return ms, nil
 }

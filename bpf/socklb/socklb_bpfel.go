@@ -16,14 +16,25 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	socklbMapLb4Affinity       = "lb4_affinity"
 	socklbMapLb4Backends       = "lb4_backends"
 	socklbMapLb4ReverseNat     = "lb4_reverse_nat"
 	socklbMapLb4Services       = "lb4_services"
 	socklbMapLb4SockRevnat     = "lb4_sock_revnat"
+	socklbMapLb6Affinity       = "lb6_affinity"
+	socklbMapLb6Backends       = "lb6_backends"
+	socklbMapLb6ReverseNat     = "lb6_reverse_nat"
+	socklbMapLb6Services       = "lb6_services"
+	socklbMapLb6SockRevnat     = "lb6_sock_revnat"
+	socklbMapLbAffinityMatch   = "lb_affinity_match"
 	socklbProgSock4Connect     = "sock4_connect"
 	socklbProgSock4Getpeername = "sock4_getpeername"
 	socklbProgSock4Recvmsg     = "sock4_recvmsg"
 	socklbProgSock4Sendmsg     = "sock4_sendmsg"
+	socklbProgSock6Connect     = "sock6_connect"
+	socklbProgSock6Getpeername = "sock6_getpeername"
+	socklbProgSock6Recvmsg     = "sock6_recvmsg"
+	socklbProgSock6Sendmsg     = "sock6_sendmsg"
 )
 
 // loadSocklb returns the embedded CollectionSpec for socklb.
@@ -72,16 +83,27 @@ type socklbProgramSpecs struct {
 	Sock4Getpeername *ebpf.ProgramSpec `ebpf:"sock4_getpeername"`
 	Sock4Recvmsg     *ebpf.ProgramSpec `ebpf:"sock4_recvmsg"`
 	Sock4Sendmsg     *ebpf.ProgramSpec `ebpf:"sock4_sendmsg"`
+	Sock6Connect     *ebpf.ProgramSpec `ebpf:"sock6_connect"`
+	Sock6Getpeername *ebpf.ProgramSpec `ebpf:"sock6_getpeername"`
+	Sock6Recvmsg     *ebpf.ProgramSpec `ebpf:"sock6_recvmsg"`
+	Sock6Sendmsg     *ebpf.ProgramSpec `ebpf:"sock6_sendmsg"`
 }
 
 // socklbMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type socklbMapSpecs struct {
-	Lb4Backends   *ebpf.MapSpec `ebpf:"lb4_backends"`
-	Lb4ReverseNat *ebpf.MapSpec `ebpf:"lb4_reverse_nat"`
-	Lb4Services   *ebpf.MapSpec `ebpf:"lb4_services"`
-	Lb4SockRevnat *ebpf.MapSpec `ebpf:"lb4_sock_revnat"`
+	Lb4Affinity     *ebpf.MapSpec `ebpf:"lb4_affinity"`
+	Lb4Backends     *ebpf.MapSpec `ebpf:"lb4_backends"`
+	Lb4ReverseNat   *ebpf.MapSpec `ebpf:"lb4_reverse_nat"`
+	Lb4Services     *ebpf.MapSpec `ebpf:"lb4_services"`
+	Lb4SockRevnat   *ebpf.MapSpec `ebpf:"lb4_sock_revnat"`
+	Lb6Affinity     *ebpf.MapSpec `ebpf:"lb6_affinity"`
+	Lb6Backends     *ebpf.MapSpec `ebpf:"lb6_backends"`
+	Lb6ReverseNat   *ebpf.MapSpec `ebpf:"lb6_reverse_nat"`
+	Lb6Services     *ebpf.MapSpec `ebpf:"lb6_services"`
+	Lb6SockRevnat   *ebpf.MapSpec `ebpf:"lb6_sock_revnat"`
+	LbAffinityMatch *ebpf.MapSpec `ebpf:"lb_affinity_match"`
 }
 
 // socklbVariableSpecs contains global variables before they are loaded into the kernel.
@@ -110,18 +132,32 @@ func (o *socklbObjects) Close() error {
 //
 // It can be passed to loadSocklbObjects or ebpf.CollectionSpec.LoadAndAssign.
 type socklbMaps struct {
-	Lb4Backends   *ebpf.Map `ebpf:"lb4_backends"`
-	Lb4ReverseNat *ebpf.Map `ebpf:"lb4_reverse_nat"`
-	Lb4Services   *ebpf.Map `ebpf:"lb4_services"`
-	Lb4SockRevnat *ebpf.Map `ebpf:"lb4_sock_revnat"`
+	Lb4Affinity     *ebpf.Map `ebpf:"lb4_affinity"`
+	Lb4Backends     *ebpf.Map `ebpf:"lb4_backends"`
+	Lb4ReverseNat   *ebpf.Map `ebpf:"lb4_reverse_nat"`
+	Lb4Services     *ebpf.Map `ebpf:"lb4_services"`
+	Lb4SockRevnat   *ebpf.Map `ebpf:"lb4_sock_revnat"`
+	Lb6Affinity     *ebpf.Map `ebpf:"lb6_affinity"`
+	Lb6Backends     *ebpf.Map `ebpf:"lb6_backends"`
+	Lb6ReverseNat   *ebpf.Map `ebpf:"lb6_reverse_nat"`
+	Lb6Services     *ebpf.Map `ebpf:"lb6_services"`
+	Lb6SockRevnat   *ebpf.Map `ebpf:"lb6_sock_revnat"`
+	LbAffinityMatch *ebpf.Map `ebpf:"lb_affinity_match"`
 }
 
 func (m *socklbMaps) Close() error {
 	return _SocklbClose(
+		m.Lb4Affinity,
 		m.Lb4Backends,
 		m.Lb4ReverseNat,
 		m.Lb4Services,
 		m.Lb4SockRevnat,
+		m.Lb6Affinity,
+		m.Lb6Backends,
+		m.Lb6ReverseNat,
+		m.Lb6Services,
+		m.Lb6SockRevnat,
+		m.LbAffinityMatch,
 	)
 }
 
@@ -139,6 +175,10 @@ type socklbPrograms struct {
 	Sock4Getpeername *ebpf.Program `ebpf:"sock4_getpeername"`
 	Sock4Recvmsg     *ebpf.Program `ebpf:"sock4_recvmsg"`
 	Sock4Sendmsg     *ebpf.Program `ebpf:"sock4_sendmsg"`
+	Sock6Connect     *ebpf.Program `ebpf:"sock6_connect"`
+	Sock6Getpeername *ebpf.Program `ebpf:"sock6_getpeername"`
+	Sock6Recvmsg     *ebpf.Program `ebpf:"sock6_recvmsg"`
+	Sock6Sendmsg     *ebpf.Program `ebpf:"sock6_sendmsg"`
 }
 
 func (p *socklbPrograms) Close() error {
@@ -147,6 +187,10 @@ func (p *socklbPrograms) Close() error {
 		p.Sock4Getpeername,
 		p.Sock4Recvmsg,
 		p.Sock4Sendmsg,
+		p.Sock6Connect,
+		p.Sock6Getpeername,
+		p.Sock6Recvmsg,
+		p.Sock6Sendmsg,
 	)
 }
 

@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -52,11 +51,12 @@ import (
 // sees it under churn. Prealloc runs use --bpf-lb-preallocate.
 func BenchmarkServices(b *testing.B) {
 	for _, c := range []struct {
-		backends       int
-		warm, prealloc bool
+		backends             int
+		warm, prealloc, ipv6 bool
 	}{
-		{1, false, false}, {1, true, false}, {1, false, true}, {1, true, true},
-		{10, false, false},
+		{1, false, false, false}, {1, true, false, false}, {1, false, true, false}, {1, true, true, false},
+		{10, false, false, false},
+		{1, false, false, true}, {1, true, false, true}, {10, false, false, true},
 	} {
 		name := fmt.Sprintf("services=%d/backends=%d/cold", benchN, c.backends)
 		if c.warm {
@@ -67,9 +67,12 @@ func BenchmarkServices(b *testing.B) {
 			name += "/prealloc"
 			flags = append(flags, "--bpf-lb-preallocate")
 		}
+		if c.ipv6 {
+			name += "/ipv6"
+		}
 		b.Run(name, func(b *testing.B) {
 			for range b.N {
-				benchServices(b, benchN, c.backends, c.warm, flags...)
+				benchServices(b, benchN, c.backends, c.warm, c.ipv6, flags...)
 			}
 		})
 	}
@@ -78,7 +81,7 @@ func BenchmarkServices(b *testing.B) {
 // benchN is the number of services per run.
 var benchN = 50000
 
-func benchServices(b *testing.B, n, backendsPerService int, warm bool, flags ...string) {
+func benchServices(b *testing.B, n, backendsPerService int, warm, ipv6 bool, flags ...string) {
 	testenv.RequireRoot(b)
 	b.StopTimer()
 	svcs := newChanResource[*corev1.Service]()
@@ -91,7 +94,7 @@ func benchServices(b *testing.B, n, backendsPerService int, warm bool, flags ...
 	svcEvents := make([]k8s.Event[*corev1.Service], n)
 	sliceEvents := make([]k8s.Event[*discoveryv1.EndpointSlice], n)
 	for i := range n {
-		svc, slice := benchObjects(i, backendsPerService)
+		svc, slice := benchObjects(i, backendsPerService, ipv6)
 		svcEvents[i] = k8s.Event[*corev1.Service]{Kind: k8s.Upsert, Key: k8s.KeyOf(svc), Object: svc}
 		sliceEvents[i] = k8s.Event[*discoveryv1.EndpointSlice]{Kind: k8s.Upsert, Key: k8s.KeyOf(slice), Object: slice}
 	}
@@ -163,7 +166,7 @@ func BenchmarkTableRows(b *testing.B) {
 		b.Run(fmt.Sprintf("services=%d/%s", benchN, heap), func(b *testing.B) {
 			svcs := make([]*corev1.Service, benchN)
 			for i := range svcs {
-				svcs[i], _ = benchObjects(i, 1)
+				svcs[i], _ = benchObjects(i, 1, false)
 			}
 			if heap == "warm" {
 				writeTableRows(b, svcs)
@@ -298,8 +301,8 @@ func waitMapsEmpty(b testing.TB, ops *reconcilers.LB) {
 	deadline := time.Now().Add(2 * time.Minute)
 	for time.Now().Before(deadline) {
 		empty := true
-		err := ops.Maps(func(services, backends, revNat *ebpf.Map) error {
-			for _, m := range []*ebpf.Map{services, backends, revNat} {
+		err := ops.Maps(func(maps reconcilers.LBMaps) error {
+			for _, m := range maps.All() {
 				var k []byte = make([]byte, m.KeySize())
 				if err := m.NextKey(nil, &k); err == nil {
 					empty = false
@@ -327,10 +330,14 @@ func totalOps(ops *reconcilers.LB) uint64 {
 }
 
 // benchObjects returns the i-th service and its slice: cluster IP
-// 10.(96+i/65536).x.y, backends in 10.128.0.0/9.
-func benchObjects(i, backends int) (*corev1.Service, *discoveryv1.EndpointSlice) {
+// 10.(96+i/65536).x.y, backends in 10.128.0.0/9; with ipv6, cluster IP
+// fd00:96::i (i < 65536) and backends in fd01::/64.
+func benchObjects(i, backends int, ipv6 bool) (*corev1.Service, *discoveryv1.EndpointSlice) {
 	name := fmt.Sprintf("svc-%d", i)
 	ip := fmt.Sprintf("10.%d.%d.%d", 96+i>>16, (i>>8)&0xff, i&0xff)
+	if ipv6 {
+		ip = fmt.Sprintf("fd00:96::%x", i)
+	}
 	svc := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "bench", Name: name},
 		Spec: corev1.ServiceSpec{
@@ -344,11 +351,16 @@ func benchObjects(i, backends int) (*corev1.Service, *discoveryv1.EndpointSlice)
 		AddressType: discoveryv1.AddressTypeIPv4,
 		Ports:       []discoveryv1.EndpointPort{{Port: ptr.To[int32](8080)}},
 	}
+	if ipv6 {
+		slice.AddressType = discoveryv1.AddressTypeIPv6
+	}
 	for j := range backends {
 		k := i*backends + j
-		slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{
-			Addresses: []string{fmt.Sprintf("10.%d.%d.%d", 128+k>>16, (k>>8)&0xff, k&0xff)},
-		})
+		addr := fmt.Sprintf("10.%d.%d.%d", 128+k>>16, (k>>8)&0xff, k&0xff)
+		if ipv6 {
+			addr = fmt.Sprintf("fd01::%x:%x", k>>16, k&0xffff)
+		}
+		slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{Addresses: []string{addr}})
 	}
 	return svc, slice
 }

@@ -1,6 +1,7 @@
 // Package lb is the load balancer: it turns Services and EndpointSlices into
-// the services, frontends and backends tables, and keeps the lb4_services,
-// lb4_backends and lb4_reverse_nat maps in line with the frontends.
+// the services, frontends and backends tables, and keeps the lb4_* and lb6_*
+// maps (services, backends, reverse NAT) and lb_affinity_match in line with
+// the frontends.
 //
 // The reflector reads both kinds from the input sources (Kubernetes or
 // --config-dir) and writes the three tables through one writer, a batch of
@@ -17,7 +18,6 @@ import (
 	"net/netip"
 	"time"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
@@ -78,7 +78,7 @@ var defaultConfig = Config{BPFLBMapMax: 65536}
 // Flags implements cell.Flagger.
 func (def Config) Flags(fs *pflag.FlagSet) {
 	fs.Uint32(MapMaxFlag, def.BPFLBMapMax,
-		"Entries of each load-balancing map (lb4_services holds one per frontend plus one per backend of each frontend); a change resizes the maps keeping their entries")
+		"Entries of each load-balancing map (lb4_services and lb6_services hold one per frontend plus one per backend of each frontend and one per cluster IP); a change resizes the maps keeping their entries")
 	fs.Bool("bpf-lb-preallocate", def.BPFLBPreallocate,
 		"Allocate every entry of the load-balancing maps up front (about 80 B × --"+MapMaxFlag+" per map from the start) so that map updates allocate nothing and cost about 2.5 times less; a change re-creates the maps keeping their entries")
 }
@@ -87,7 +87,7 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 // balancer keeps pinned.
 type Maps interface {
 	// Maps calls fn with the open maps. fn must not keep them.
-	Maps(fn func(services, backends, revNat *ebpf.Map) error) error
+	Maps(fn func(reconcilers.LBMaps) error) error
 }
 
 func newLBOps(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, backends statedb.RWTable[*tables.Backend], lc cell.Lifecycle) (*reconcilers.LB, error) {
@@ -105,7 +105,7 @@ func newLBOps(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, backends stated
 		// pins the agent cannot use (another layout, see bpf.LayoutError)
 		// stop it with a clear error instead of degrading it for good.
 		OnStart: func(cell.HookContext) error {
-			return ops.Maps(func(_, _, _ *ebpf.Map) error { return nil })
+			return ops.Maps(func(reconcilers.LBMaps) error { return nil })
 		},
 		// The reconciler, a job, stops before this.
 		OnStop: func(cell.HookContext) error { return ops.Close() },
@@ -127,7 +127,7 @@ func newReflector(
 		db:  db,
 		w: &writer{services: services, frontends: frontends, backends: backends,
 			conflicted: map[tables.ServiceName]struct{}{}, sliceRecords: map[tables.ServiceName][]sliceRecord{},
-			nodeName: nodeCfg.NodeName, nodeIPs: nodeIPv4s(nodeCfg.NodeIPs)},
+			nodeName: nodeCfg.NodeName, nodeIPs: nodePortAddrs(nodeCfg.NodeIPs)},
 		services:     svcs,
 		slices:       slices,
 		sliceService: map[k8s.Key]tables.ServiceName{},
@@ -146,14 +146,21 @@ func newReflector(
 	return r
 }
 
-// nodeIPv4s returns the IPv4 addresses of ips: NodePort frontends are
-// IPv4 only, like the rest of the load balancer.
-func nodeIPv4s(ips []netip.Addr) []netip.Addr {
+// nodePortAddrs returns the addresses of ips that NodePort frontends
+// listen on: those of both families (node.Config has the IPv6 ones only
+// with --enable-ipv6), but not link-local ones. A link-local address means
+// something only with the interface (zone) it is on, which a frontend
+// cannot say, and it is not where services are reached; the addresses
+// found on the interfaces when --node-ips is empty are global unicast
+// already, so this matters for the flag's.
+func nodePortAddrs(ips []netip.Addr) []netip.Addr {
 	var out []netip.Addr
 	for _, ip := range ips {
-		if ip = ip.Unmap(); ip.Is4() {
-			out = append(out, ip)
+		ip = ip.Unmap()
+		if ip.IsLinkLocalUnicast() || ip.Zone() != "" {
+			continue
 		}
+		out = append(out, ip)
 	}
 	return out
 }

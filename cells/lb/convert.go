@@ -16,9 +16,10 @@ import (
 const headlessLabel = corev1.IsHeadlessService
 
 // serviceFromK8s turns a Kubernetes Service into a services row. What is
-// invalid is listed in Errors and left out; the rest is kept. Only IPv4
-// addresses are load-balanced (there are no lb6 maps), so IPv6 ones are
-// left out without complaint. Load-balancer ingress addresses with ipMode
+// invalid is listed in Errors and left out; the rest is kept. Addresses of
+// both families are kept: the cluster IPs (at most one per family, as
+// spec.clusterIPs and spec.ipFamilies list them), the external IPs and the
+// load-balancer ingress IPs. Load-balancer ingress addresses with ipMode
 // Proxy are left out: the load balancer forwards their traffic to the
 // nodes (to the nodePorts), so they are not addresses of this node.
 func serviceFromK8s(s *corev1.Service) *tables.Service {
@@ -36,15 +37,25 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 	errorf := func(format string, args ...any) {
 		svc.Errors = append(svc.Errors, fmt.Sprintf(format, args...))
 	}
+	parseIP := func(field, raw string) (netip.Addr, bool) {
+		ip, err := netip.ParseAddr(raw)
+		switch {
+		case err != nil:
+			errorf("%s %q is not an IP address", field, raw)
+			return netip.Addr{}, false
+		case ip.Zone() != "":
+			// A zone names an interface of the host that wrote it: it
+			// means nothing here, and the datapath would match the bare
+			// address on every interface.
+			errorf("%s %q has a zone: a service address cannot", field, raw)
+			return netip.Addr{}, false
+		}
+		return ip.Unmap(), true
+	}
 	parse := func(field string, ips []string) []netip.Addr {
 		var out []netip.Addr
 		for _, raw := range ips {
-			ip, err := netip.ParseAddr(raw)
-			if err != nil {
-				errorf("%s %q is not an IP address", field, raw)
-				continue
-			}
-			if ip = ip.Unmap(); ip.Is4() {
+			if ip, ok := parseIP(field, raw); ok {
 				out = append(out, ip)
 			}
 		}
@@ -79,7 +90,28 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 	if svc.InternalTrafficPolicy != tables.TrafficPolicyLocal {
 		svc.InternalTrafficPolicy = ""
 	}
-	svc.ClusterIPs = parse("clusterIP", clusterIPs)
+	svc.SessionAffinityTimeout = sessionAffinity(s, errorf)
+
+	// The API server keeps clusterIPs and ipFamilies in step, one address
+	// per family; a --config-dir file may not, and an address whose family
+	// disagrees, or a second one of a family, is left out rather than
+	// guessed at.
+	for i, raw := range clusterIPs {
+		ip, ok := parseIP("clusterIP", raw)
+		if !ok {
+			continue
+		}
+		fam := ipFamily(ip)
+		if i < len(s.Spec.IPFamilies) && s.Spec.IPFamilies[i] != fam {
+			errorf("clusterIP %s is %s but ipFamilies[%d] is %q", ip, fam, i, s.Spec.IPFamilies[i])
+			continue
+		}
+		if slices.ContainsFunc(svc.ClusterIPs, func(o netip.Addr) bool { return o.Is4() == ip.Is4() }) {
+			errorf("clusterIP %s is a second %s cluster IP: a service has at most one per family", ip, fam)
+			continue
+		}
+		svc.ClusterIPs = append(svc.ClusterIPs, ip)
+	}
 	svc.ExternalIPs = parse("externalIP", s.Spec.ExternalIPs)
 	var lbIPs []string
 	for _, ing := range s.Status.LoadBalancer.Ingress {
@@ -114,6 +146,45 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 	return svc
 }
 
+// maxAffinitySeconds is the longest ClientIP affinity timeout the API
+// server accepts (a day); k8s.io/api has no constant for it.
+const maxAffinitySeconds = 86400
+
+// sessionAffinity returns the ClientIP session affinity timeout of the
+// service in seconds, 0 for none. ClientIP without a timeout gets the
+// Kubernetes default (three hours); a timeout the API server would refuse
+// (outside 1-86400) is reported through errorf and the default is used, so
+// that the service keeps the affinity it asked for.
+func sessionAffinity(s *corev1.Service, errorf func(string, ...any)) uint32 {
+	switch s.Spec.SessionAffinity {
+	case "", corev1.ServiceAffinityNone:
+		return 0
+	case corev1.ServiceAffinityClientIP:
+	default:
+		errorf("sessionAffinity %q is not None or ClientIP; None is used", s.Spec.SessionAffinity)
+		return 0
+	}
+	cfg := s.Spec.SessionAffinityConfig
+	if cfg == nil || cfg.ClientIP == nil || cfg.ClientIP.TimeoutSeconds == nil {
+		return uint32(corev1.DefaultClientIPServiceAffinitySeconds)
+	}
+	t := *cfg.ClientIP.TimeoutSeconds
+	if t < 1 || t > maxAffinitySeconds {
+		errorf("sessionAffinityConfig.clientIP.timeoutSeconds %d is out of range 1-%d; %d is used",
+			t, maxAffinitySeconds, corev1.DefaultClientIPServiceAffinitySeconds)
+		return uint32(corev1.DefaultClientIPServiceAffinitySeconds)
+	}
+	return uint32(t)
+}
+
+// ipFamily returns the Kubernetes name of ip's family.
+func ipFamily(ip netip.Addr) corev1.IPFamily {
+	if ip.Is4() {
+		return corev1.IPv4Protocol
+	}
+	return corev1.IPv6Protocol
+}
+
 func portLabel(name string, port int32) string {
 	if name != "" {
 		return name
@@ -123,8 +194,16 @@ func portLabel(name string, port int32) string {
 
 // desiredFrontends lists the frontends a service asks for: each cluster IP,
 // external IP and load-balancer IP times each port, then each of nodeIPs
-// (the node's own IPv4 addresses) times each port's nodePort. An address
-// listed twice makes one frontend, of the first type that lists it.
+// (the node's own addresses) times each port's nodePort. An address
+// listed twice makes one frontend, of the first type that lists it. Every
+// frontend carries the service's session affinity.
+//
+// Node ports open only on the node addresses of the families the service
+// has a cluster IP of, as in kube-proxy: a service's backends are of its
+// families, so an IPv4 service would have none for an IPv6 node address.
+//
+// There are no wildcard frontends (port 0): the reconciler writes the
+// wildcard entry of each cluster IP itself, from the ClusterIP frontends.
 func desiredFrontends(svc *tables.Service, nodeIPs []netip.Addr) []*tables.Frontend {
 	if svc == nil || svc.Headless {
 		return nil
@@ -136,8 +215,17 @@ func desiredFrontends(svc *tables.Service, nodeIPs []netip.Addr) []*tables.Front
 		}
 	}
 	out := make([]*tables.Frontend, 0, (len(svc.ClusterIPs)+len(svc.ExternalIPs)+len(svc.LoadBalancerIPs))*len(svc.Ports)+len(nodeIPs)*nodePorts)
+	// A linear search: services have a handful of frontends.
+	listed := func(addr tables.L4Addr) bool {
+		return slices.ContainsFunc(out, func(f *tables.Frontend) bool { return f.Address == addr })
+	}
+	has4 := slices.ContainsFunc(svc.ClusterIPs, netip.Addr.Is4)
+	has6 := slices.ContainsFunc(svc.ClusterIPs, netip.Addr.Is6)
 	add := func(t tables.FrontendType, ips []netip.Addr) {
 		for _, ip := range ips {
+			if t == tables.FrontendNodePort && !(ip.Is4() && has4 || ip.Is6() && has6) {
+				continue
+			}
 			for _, p := range svc.Ports {
 				port := p.Port
 				if t == tables.FrontendNodePort {
@@ -146,11 +234,11 @@ func desiredFrontends(svc *tables.Service, nodeIPs []netip.Addr) []*tables.Front
 					}
 				}
 				addr := tables.L4Addr{Addr: ip, Port: port, Proto: p.Protocol}
-				// A linear search: services have a handful of frontends.
-				if slices.ContainsFunc(out, func(f *tables.Frontend) bool { return f.Address == addr }) {
+				if listed(addr) {
 					continue
 				}
-				out = append(out, &tables.Frontend{Address: addr, Service: svc.Name, Type: t, PortName: p.Name})
+				out = append(out, &tables.Frontend{Address: addr, Service: svc.Name, Type: t, PortName: p.Name,
+					SessionAffinity: svc.SessionAffinityTimeout})
 			}
 		}
 	}
@@ -196,8 +284,10 @@ type parsedSlice struct {
 
 // sliceFromK8s turns an EndpointSlice into backends: each endpoint address
 // times each port. ok is false when the slice names no service. Invalid
-// ports and addresses are listed in errs and left out. Only IPv4 slices are
-// used.
+// ports and addresses, including an address of the other family than the
+// slice's addressType, are listed in errs and left out. IPv4 and IPv6
+// slices are used; FQDN slices have no addresses to balance to and are
+// ignored.
 func sliceFromK8s(s *discoveryv1.EndpointSlice) (p parsedSlice, ok bool) {
 	p.name = s.Name
 	errorf := func(format string, args ...any) {
@@ -209,7 +299,13 @@ func sliceFromK8s(s *discoveryv1.EndpointSlice) (p parsedSlice, ok bool) {
 		return p, false
 	}
 	p.service = tables.ServiceName{Namespace: s.Namespace, Name: svcName}
-	if s.AddressType != discoveryv1.AddressTypeIPv4 {
+	var family func(netip.Addr) bool
+	switch s.AddressType {
+	case discoveryv1.AddressTypeIPv4:
+		family = netip.Addr.Is4
+	case discoveryv1.AddressTypeIPv6:
+		family = netip.Addr.Is6
+	default:
 		return p, true
 	}
 
@@ -251,13 +347,15 @@ func sliceFromK8s(s *discoveryv1.EndpointSlice) (p parsedSlice, ok bool) {
 		}
 		for _, raw := range ep.Addresses {
 			ip, err := netip.ParseAddr(raw)
-			if err != nil || !ip.Unmap().Is4() {
-				errorf("endpoint address %q is not an IPv4 address", raw)
+			// An IPv4-mapped address in an IPv6 slice is an IPv4 one:
+			// it must come in an IPv4 slice.
+			if ip = ip.Unmap(); err != nil || ip.Zone() != "" || !family(ip) {
+				errorf("endpoint address %q is not an %s address", raw, s.AddressType)
 				continue
 			}
 			for _, pt := range ports {
 				p.backends = append(p.backends, sliceBackend{
-					addr:     tables.L4Addr{Addr: ip.Unmap(), Port: pt.num, Proto: pt.proto},
+					addr:     tables.L4Addr{Addr: ip, Port: pt.num, Proto: pt.proto},
 					portName: pt.name,
 					state:    state,
 					nodeName: nodeName,

@@ -6,7 +6,6 @@ import (
 	"strings"
 	"sync"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/script"
 	"github.com/prometheus/client_golang/prometheus"
@@ -41,8 +40,8 @@ func dumpCmd(ops *reconcilers.LB) script.Cmd {
 				return nil, script.ErrUsage
 			}
 			var out strings.Builder
-			err := ops.Maps(func(services, backends, revNat *ebpf.Map) error {
-				return reconcilers.WriteLBMaps(&out, services, backends, revNat)
+			err := ops.Maps(func(m reconcilers.LBMaps) error {
+				return reconcilers.WriteLBMaps(&out, m)
 			})
 			if err != nil {
 				return nil, err

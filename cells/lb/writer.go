@@ -41,8 +41,8 @@ type writer struct {
 	// nodeName is this node's name: Local traffic policies keep the
 	// backends whose endpoint names it.
 	nodeName string
-	// nodeIPs are this node's own IPv4 addresses, where NodePort
-	// frontends listen. They come from the configuration and do not
+	// nodeIPs are this node's own addresses, of both families, where
+	// NodePort frontends listen. They come from the configuration and do not
 	// change while the agent runs.
 	nodeIPs []netip.Addr
 }
@@ -264,7 +264,8 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 			continue
 		}
 		fe.Backends = backendsFor(fe, backends, localOnly(svc, fe.Type), w.nodeName)
-		if exists && old.Type == fe.Type && old.PortName == fe.PortName && slices.Equal(old.Backends, fe.Backends) {
+		if exists && old.Type == fe.Type && old.PortName == fe.PortName && old.SessionAffinity == fe.SessionAffinity &&
+			slices.Equal(old.Backends, fe.Backends) {
 			continue
 		}
 		if exists {

@@ -20,15 +20,28 @@ import (
 	"github.com/apiary-net/apiary/bpf/socklb"
 	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/lb"
+	"github.com/apiary-net/apiary/reconcilers"
 )
 
 // LinksDir is the subdirectory of --bpf-pin-dir holding the pinned links,
 // one per hook, named after it (connect4, sendmsg4, ...).
 const LinksDir = "links"
 
-// SockRevNatMaxEntries sizes lb4_sock_revnat, an LRU: the oldest sockets'
-// entries go first when it is full.
+// SockRevNatMaxEntries sizes lb4_sock_revnat and lb6_sock_revnat, LRUs:
+// the oldest sockets' entries go first when one is full.
 const SockRevNatMaxEntries = 65536
+
+// AffinityMaxEntries sizes lb4_affinity and lb6_affinity, LRUs: one entry
+// per client network namespace and service with session affinity.
+const AffinityMaxEntries = 65536
+
+// ownMaxEntries sizes the programs' own maps (socklb.OwnMaps).
+var ownMaxEntries = map[string]uint32{
+	socklb.SockRevNat4Map: SockRevNatMaxEntries,
+	socklb.SockRevNat6Map: SockRevNatMaxEntries,
+	bpf.LB4AffinityMap:    AffinityMaxEntries,
+	bpf.LB6AffinityMap:    AffinityMaxEntries,
+}
 
 type attacher struct {
 	log    *slog.Logger
@@ -38,9 +51,12 @@ type attacher struct {
 	lbMaps lb.Maps
 	retry  time.Duration
 
-	mu     sync.Mutex
-	links  []link.Link
-	revNat *ebpf.Map
+	// attached is closed once the programs are attached.
+	attached chan struct{}
+
+	mu    sync.Mutex
+	links []link.Link
+	own   map[string]*ebpf.Map // the programs' own maps, by name
 }
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
@@ -59,6 +75,9 @@ func (a *attacher) run(ctx context.Context, health cell.Health) error {
 		if err == nil {
 			a.log.Info(msg)
 			health.OK(msg)
+			if a.cfg.EnableSocketLB {
+				close(a.attached)
+			}
 			break
 		}
 		a.log.Error("Socket load balancing", "error", err)
@@ -88,22 +107,25 @@ func (a *attacher) attach() (string, error) {
 		return "", err
 	}
 
-	spec, err := socklb.SockRevNatSpec(SockRevNatMaxEntries)
+	own, err := a.openOwnMaps()
 	if err != nil {
 		return "", err
 	}
-	revNat, err := bpf.OpenPinnedMap(a.log, spec, a.pinDir, nil)
-	if err != nil {
-		return "", err
-	}
-
 	var progs map[string]*ebpf.Program
-	err = a.lbMaps.Maps(func(services, backends, rn *ebpf.Map) error {
-		progs, err = socklb.Load(socklb.Maps{Services: services, Backends: backends, RevNat: rn, SockRevNat: revNat.Map})
+	err = a.lbMaps.Maps(func(lm reconcilers.LBMaps) error {
+		progs, err = socklb.Load(socklb.Maps{
+			Services4: lm.Services4, Backends4: lm.Backends4, RevNat4: lm.RevNat4,
+			Services6: lm.Services6, Backends6: lm.Backends6, RevNat6: lm.RevNat6,
+			AffinityMatch: lm.AffinityMatch,
+			SockRevNat4:   own[socklb.SockRevNat4Map],
+			SockRevNat6:   own[socklb.SockRevNat6Map],
+			Affinity4:     own[bpf.LB4AffinityMap],
+			Affinity6:     own[bpf.LB6AffinityMap],
+		})
 		return err
 	})
 	if err != nil {
-		revNat.Close()
+		closeMaps(own)
 		return "", err
 	}
 	// The links hold the programs (and the programs the maps).
@@ -114,7 +136,7 @@ func (a *attacher) attach() (string, error) {
 	}()
 
 	if err := os.MkdirAll(a.linksDir(), 0o750); err != nil {
-		revNat.Close()
+		closeMaps(own)
 		return "", fmt.Errorf("links directory: %w", err)
 	}
 	var links []link.Link
@@ -125,21 +147,54 @@ func (a *attacher) attach() (string, error) {
 			for _, l := range links {
 				l.Close()
 			}
-			revNat.Close()
+			closeMaps(own)
 			return "", fmt.Errorf("attach %s to %s: %w", h.Name, cgroup, err)
 		}
 		links = append(links, l)
 		done = append(done, h.Name+" "+how)
 	}
 	a.mu.Lock()
-	a.links, a.revNat = links, revNat.Map
+	a.links, a.own = links, own
 	a.mu.Unlock()
 	return fmt.Sprintf("Attached to cgroup %s: %s (links pinned in %s)",
 		cgroup, strings.Join(done, ", "), a.linksDir()), nil
 }
 
-// detach removes the pinned links (detaching the programs) and the socket
-// reverse-NAT map.
+// openOwnMaps opens the programs' own maps, pinned in the pin directory
+// so that replies on existing sockets keep being translated, and clients
+// keep their backends, across restarts. A pin of other attributes is
+// replaced empty: the programs rebuild what the maps remember.
+func (a *attacher) openOwnMaps() (map[string]*ebpf.Map, error) {
+	own := map[string]*ebpf.Map{}
+	open := func(name string) error {
+		spec, err := socklb.MapSpec(name, ownMaxEntries[name])
+		if err != nil {
+			return err
+		}
+		pm, err := bpf.OpenPinnedMap(a.log, spec, a.pinDir, nil)
+		if err != nil {
+			return err
+		}
+		own[name] = pm.Map
+		return nil
+	}
+	for _, name := range socklb.OwnMaps {
+		if err := open(name); err != nil {
+			closeMaps(own)
+			return nil, err
+		}
+	}
+	return own, nil
+}
+
+func closeMaps(maps map[string]*ebpf.Map) {
+	for _, m := range maps {
+		m.Close()
+	}
+}
+
+// detach removes the pinned links (detaching the programs) and the
+// programs' own maps.
 func (a *attacher) detach() (string, error) {
 	a.close()
 	var errs []error
@@ -147,8 +202,10 @@ func (a *attacher) detach() (string, error) {
 	if err != nil {
 		errs = append(errs, err)
 	}
-	if err := bpf.RemovePinnedMap(a.pinDir, socklb.SockRevNatMap); err != nil {
-		errs = append(errs, err)
+	for _, name := range socklb.OwnMaps {
+		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return "", err
@@ -167,8 +224,6 @@ func (a *attacher) close() {
 		l.Close()
 	}
 	a.links = nil
-	if a.revNat != nil {
-		a.revNat.Close()
-		a.revNat = nil
-	}
+	closeMaps(a.own)
+	a.own = nil
 }

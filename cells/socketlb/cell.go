@@ -25,15 +25,18 @@ import (
 )
 
 // Cell attaches (or, disabled, detaches) the socket load-balancing
-// programs. It needs lb.Maps and cgroups.Root, so lb.Cell and cgroups.Cell
-// (part of infra.Cell) must be part of the hive.
+// programs, and removes the session affinity entries that services which
+// went (or lost their affinity, or a backend) leave behind. It needs
+// lb.Maps, the frontends table and cgroups.Root, so lb.Cell and
+// cgroups.Cell (part of infra.Cell) must be part of the hive.
 var Cell = cell.Module(
 	"socketlb",
 	"Socket load balancing in cgroup hooks",
 
 	cell.Config(defaultConfig),
-	cell.ProvidePrivate(newAttacher),
-	cell.Invoke(registerJob),
+	cell.ProvidePrivate(newAttacher, newAffinityGC),
+	cell.Provide(scriptCommands),
+	cell.Invoke(registerJobs),
 )
 
 // EnableFlag names the flag that switches socket load balancing on. The
@@ -52,16 +55,20 @@ var defaultConfig = Config{}
 // Flags implements cell.Flagger.
 func (def Config) Flags(fs *pflag.FlagSet) {
 	fs.Bool(EnableFlag, def.EnableSocketLB,
-		"Load-balance connections to service frontends in cgroup socket hooks (connect, sendmsg, recvmsg, getpeername) of --"+cgroups.RootFlag+"; false detaches them")
+		"Load-balance connections to service frontends, IPv4 and IPv6, in cgroup socket hooks (connect, sendmsg, recvmsg, getpeername) of --"+cgroups.RootFlag+"; false detaches them")
 }
 
-func registerJob(jobs job.Group, a *attacher, lc cell.Lifecycle) {
+func registerJobs(jobs job.Group, a *attacher, gc *affinityGC, lc cell.Lifecycle) {
 	jobs.Add(job.OneShot("attach", a.run))
+	if a.cfg.EnableSocketLB {
+		jobs.Add(job.OneShot("affinity-gc", gc.run))
+	}
 	// The links stay pinned (and attached); only this process's handles
 	// go.
 	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
 }
 
 func newAttacher(log *slog.Logger, cfg Config, root cgroups.Root, pinDir bpffs.PinDir, maps lb.Maps) *attacher {
-	return &attacher{log: log, cfg: cfg, root: root, pinDir: string(pinDir), lbMaps: maps, retry: 5 * time.Second}
+	return &attacher{log: log, cfg: cfg, root: root, pinDir: string(pinDir), lbMaps: maps, retry: 5 * time.Second,
+		attached: make(chan struct{})}
 }

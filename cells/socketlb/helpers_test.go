@@ -16,11 +16,13 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf/link"
+	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/script"
 
 	"github.com/apiary-net/apiary/apiarytest"
 	"github.com/apiary-net/apiary/bpf/socklb"
+	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/infra"
 	"github.com/apiary-net/apiary/cells/lb"
 	"github.com/apiary-net/apiary/cells/socketlb"
@@ -80,7 +82,7 @@ func clientMain(args []string) int {
 func exchange(proto, addr string, timeout time.Duration) (reply, peer string, err error) {
 	switch proto {
 	case "tcp":
-		c, err := net.DialTimeout("tcp4", addr, timeout)
+		c, err := net.DialTimeout("tcp", addr, timeout)
 		if err != nil {
 			return "", "", err
 		}
@@ -93,12 +95,16 @@ func exchange(proto, addr string, timeout time.Duration) (reply, peer string, er
 		// RemoteAddr is what getpeername returned at connect time.
 		return strings.TrimSpace(line), c.RemoteAddr().String(), nil
 	case "udp":
-		raddr, err := net.ResolveUDPAddr("udp4", addr)
+		raddr, err := net.ResolveUDPAddr("udp", addr)
 		if err != nil {
 			return "", "", err
 		}
 		// Unconnected, so that sendmsg and recvmsg do the translation.
-		c, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+		laddr := &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)}
+		if raddr.IP.To4() == nil {
+			laddr = &net.UDPAddr{IP: net.IPv6loopback}
+		}
+		c, err := net.ListenUDP("udp", laddr)
 		if err != nil {
 			return "", "", err
 		}
@@ -121,8 +127,8 @@ func exchange(proto, addr string, timeout time.Duration) (reply, peer string, er
 // load balancer and the socket load balancer attached to a cgroup of the
 // test's own, with these extra commands:
 //
-//	serve tcp|udp ADDR       listen on ADDR; TCP answers every connection
-//	                         with ADDR, UDP every datagram
+//	serve tcp|udp ADDR       listen on ADDR (IPv4 or IPv6); TCP answers
+//	                         every connection with ADDR, UDP every datagram
 //	client [-outside] [-n N] [-timeout D] [-every D] tcp|udp ADDR
 //	                         run a client process in the cgroup (or, with
 //	                         -outside, out of it); see clientMain
@@ -130,6 +136,8 @@ func exchange(proto, addr string, timeout time.Duration) (reply, peer string, er
 //	                         read by the next hive (e.g. after restart)
 //	cgroup/progs             print how many programs each hook has on the
 //	                         cgroup
+//	bpf/pins                 print the names of the maps pinned in
+//	                         --bpf-pin-dir, sorted
 //
 // The hive's flags come from the environment (APIARY_ENABLE_SOCKET_LB,
 // APIARY_CGROUP_ROOT), so that agent-env and restart can change them.
@@ -231,8 +239,26 @@ func runScripts(t *testing.T, pattern string) {
 			return func(*script.State) (string, string, error) { return b.String(), "", nil }, nil
 		})
 
+	pins := cell.Provide(func(dir bpffs.PinDir) hive.ScriptCmdsOut {
+		return hive.NewScriptCmds(map[string]script.Cmd{"bpf/pins": script.Command(
+			script.CmdUsage{Summary: "List the maps pinned in --bpf-pin-dir"},
+			func(s *script.State, args ...string) (script.WaitFunc, error) {
+				entries, err := os.ReadDir(string(dir))
+				if err != nil {
+					return nil, err
+				}
+				var b strings.Builder
+				for _, e := range entries {
+					if !e.IsDir() {
+						fmt.Fprintln(&b, e.Name())
+					}
+				}
+				return func(*script.State) (string, string, error) { return b.String(), "", nil }, nil
+			})})
+	})
+
 	apiarytest.Run(t, pattern, func(fakeClient cell.Cell) []cell.Cell {
-		return []cell.Cell{infra.Cell, fakeClient, lb.Cell, socketlb.Cell}
+		return []cell.Cell{infra.Cell, fakeClient, lb.Cell, socketlb.Cell, pins}
 	},
 		apiarytest.WithCommand("serve", cmd(serve)),
 		apiarytest.WithCommand("client", cmd(client)),
@@ -241,12 +267,12 @@ func runScripts(t *testing.T, pattern string) {
 	)
 }
 
-// startServer listens on addr and answers with addr, until the returned
-// function is called.
+// startServer listens on addr (IPv4 or IPv6) and answers with addr, until
+// the returned function is called.
 func startServer(proto, addr string) (func(), error) {
 	switch proto {
 	case "tcp":
-		l, err := net.Listen("tcp4", addr)
+		l, err := net.Listen("tcp", addr)
 		if err != nil {
 			return nil, err
 		}
@@ -262,11 +288,11 @@ func startServer(proto, addr string) (func(), error) {
 		}()
 		return func() { l.Close() }, nil
 	case "udp":
-		ua, err := net.ResolveUDPAddr("udp4", addr)
+		ua, err := net.ResolveUDPAddr("udp", addr)
 		if err != nil {
 			return nil, err
 		}
-		c, err := net.ListenUDP("udp4", ua)
+		c, err := net.ListenUDP("udp", ua)
 		if err != nil {
 			return nil, err
 		}
@@ -283,4 +309,21 @@ func startServer(proto, addr string) (func(), error) {
 		return func() { c.Close() }, nil
 	}
 	return nil, fmt.Errorf("unknown protocol %q", proto)
+}
+
+// addLoopback adds the IPv6 addresses addrs to lo for the test, for
+// backends to listen on: ::1 is the only IPv6 loopback address.
+func addLoopback(t *testing.T, addrs ...string) {
+	ip := testenv.RequireProgram(t, "ip", "/sbin", "/usr/sbin")
+	for _, a := range addrs {
+		out, err := exec.Command(ip, "-6", "addr", "add", a+"/128", "dev", "lo", "nodad").CombinedOutput()
+		if err != nil {
+			t.Fatalf("add %s to lo: %s: %s", a, err, out)
+		}
+		t.Cleanup(func() {
+			if out, err := exec.Command(ip, "-6", "addr", "del", a+"/128", "dev", "lo").CombinedOutput(); err != nil {
+				t.Errorf("remove %s from lo: %s: %s", a, err, out)
+			}
+		})
+	}
 }

@@ -109,6 +109,7 @@ func TestCLI(t *testing.T) {
 		"BE 127.0.0.12:8080/TCP active",
 		"FE 10.96.0.10:80/TCP count=2 qcount=0 flags=ClusterIP backends=127.0.0.11:8080/TCP,127.0.0.12:8080/TCP",
 		"REV 10.96.0.10:80",
+		"WILDCARD 10.96.0.10",
 	}
 	a.waitLB(t, "docs/examples", []string{
 		"10.96.0.10:80/TCP default/web 127.0.0.11:8080/TCP/active,127.0.0.12:8080/TCP/active Done",
@@ -141,8 +142,8 @@ func TestCLI(t *testing.T) {
 	if err != nil {
 		t.Fatalf("with APIARY_BPF_PIN_DIR=%s and no --bpf-pin-dir: %v", a.pinDir, err)
 	}
-	if got := strings.Count(out, "\n"); got != 6 {
-		t.Errorf("with APIARY_BPF_PIN_DIR, apiary bpf lb list has %d lines, want 6 (3 SVC, 2 BE, 1 REV):\n%s", got, out)
+	if got := strings.Count(out, "\n"); got != 7 {
+		t.Errorf("with APIARY_BPF_PIN_DIR, apiary bpf lb list has %d lines, want 7 (4 SVC with the wildcard, 2 BE, 1 REV):\n%s", got, out)
 	}
 	// --server wins over the variable.
 	if _, err := runApiary([]string{"APIARY_API_ADDR=127.0.0.1:1"}, "db", "tables", "--server", "http://"+a.addr); err != nil {

@@ -59,6 +59,7 @@ endpoints:
 //	FE 10.96.0.10:80/TCP count=2 qcount=0 flags=ClusterIP backends=10.244.0.1:8080/TCP,10.244.0.2:8080/TCP
 //	BE 10.244.0.1:8080/TCP active
 //	REV 10.96.0.10:80
+//	WILDCARD 10.96.0.10
 //
 // It checks that slots 1..count+qcount (the active backends, then the
 // terminating ones) and no others name known backends, and that every
@@ -116,6 +117,14 @@ func (a *agent) lbMaps() ([]string, error) {
 	for addr, fe := range frontends {
 		if fe.slot0 == nil {
 			return nil, fmt.Errorf("apiary bpf lb list: %s has backend slots but no slot 0:\n%s", addr, out)
+		}
+		if strings.HasSuffix(addr, ":0/ANY") {
+			// A cluster IP's wildcard: no ID, no backends.
+			if fe.slot0["ID"] != "0" || fe.slot0["COUNT"] != "0" || fe.slot0["QCOUNT"] != "0" || len(fe.slots) > 0 {
+				return nil, fmt.Errorf("apiary bpf lb list: wildcard %s has an ID or backends:\n%s", addr, out)
+			}
+			lines = append(lines, "WILDCARD "+strings.TrimSuffix(addr, ":0/ANY"))
+			continue
 		}
 		count, _ := strconv.Atoi(fe.slot0["COUNT"])
 		qcount, _ := strconv.Atoi(fe.slot0["QCOUNT"])
@@ -210,6 +219,7 @@ func TestLoadBalancing(t *testing.T) {
 		"BE 10.244.0.2:8080/TCP active",
 		"FE 10.96.0.10:80/TCP count=2 qcount=0 flags=ClusterIP backends=10.244.0.1:8080/TCP,10.244.0.2:8080/TCP",
 		"REV 10.96.0.10:80",
+		"WILDCARD 10.96.0.10",
 	})
 
 	// One backend leaves, two come, one of them terminating; an external
@@ -227,6 +237,9 @@ func TestLoadBalancing(t *testing.T) {
 		"FE 192.0.2.100:80/TCP count=2 qcount=1 flags=ExternalIP+routable backends=10.244.0.2:8080/TCP,10.244.0.3:8080/TCP,10.244.0.4:8080/TCP",
 		"REV 10.96.0.10:80",
 		"REV 192.0.2.100:80",
+		// The cluster IP's other ports are refused; the external IP's
+		// are not (it may be a real address).
+		"WILDCARD 10.96.0.10",
 	})
 
 	// The file goes: so do the frontends and every map entry.

@@ -47,19 +47,25 @@ func runHelper() (int, bool) {
 	return 0, false
 }
 
-// connectOutcome connects to addr over TCP and returns "ok: <greeting>"
-// (or "ok" when the server says nothing), "EPERM" when connect() is
-// refused by a cgroup program, "timeout" when nothing answers, or the
-// error.
+// connectOutcome connects to addr over TCP (IPv6 when addr is "[IP]:port")
+// and returns "ok: <greeting>" (or "ok" when the server says nothing),
+// "EPERM" when connect() is refused by a cgroup program, "ECONNREFUSED",
+// "timeout" when nothing answers, or the error.
 func connectOutcome(addr, bind string) string {
 	d := net.Dialer{Timeout: 2 * time.Second}
 	if bind != "" {
 		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(bind)}
 	}
-	conn, err := d.Dial("tcp4", addr)
+	network := "tcp4"
+	if strings.HasPrefix(addr, "[") {
+		network = "tcp6"
+	}
+	conn, err := d.Dial(network, addr)
 	switch {
 	case errors.Is(err, syscall.EPERM):
 		return "EPERM"
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "ECONNREFUSED"
 	case err != nil && os.IsTimeout(err):
 		return "timeout"
 	case err != nil:
@@ -101,7 +107,11 @@ func serve(addr string) int {
 func listen(t *testing.T, addrs ...string) {
 	t.Helper()
 	for _, addr := range addrs {
-		ln, err := net.Listen("tcp4", addr)
+		network := "tcp4"
+		if strings.HasPrefix(addr, "[") {
+			network = "tcp6"
+		}
+		ln, err := net.Listen(network, addr)
 		if err != nil {
 			t.Fatalf("listen %s: %v", addr, err)
 		}
