@@ -2,13 +2,9 @@ package policyprog
 
 import (
 	"errors"
-	"fmt"
 	"net"
 	"net/netip"
 	"os"
-	"path/filepath"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -198,42 +194,7 @@ func (d *datapath) reportEvents(b *testing.B) func() {
 }
 
 // cgroupMover moves the whole process between cgroup v2 directories, and
-// back to where it was at first when the benchmark ends (before the
-// cgroups it made are removed, if it is made after them).
+// back to where it was at first when the benchmark ends.
 func cgroupMover(b *testing.B) (move func(dir string)) {
-	b.Helper()
-	mount, err := testenv.Cgroup2Mount()
-	if err != nil {
-		testenv.Skip(b, "no cgroup v2 mount: "+err.Error())
-	}
-	self, err := os.ReadFile("/proc/self/cgroup")
-	if err != nil {
-		b.Fatal(err)
-	}
-	var orig string
-	for line := range strings.SplitSeq(strings.TrimSpace(string(self)), "\n") {
-		if p, ok := strings.CutPrefix(line, "0::"); ok {
-			orig = filepath.Join(mount, p)
-		}
-	}
-	if orig == "" {
-		b.Fatal("the process's cgroup v2 path is unknown")
-	}
-	pid := []byte(strconv.Itoa(os.Getpid()))
-	write := func(dir string) error {
-		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), pid, 0); err != nil {
-			return fmt.Errorf("move the process to cgroup %s: %w", dir, err)
-		}
-		return nil
-	}
-	b.Cleanup(func() {
-		if err := write(orig); err != nil {
-			b.Error(err)
-		}
-	})
-	return func(dir string) {
-		if err := write(dir); err != nil {
-			b.Fatal(err)
-		}
-	}
+	return func(dir string) { testenv.EnterCgroup(b, dir) }
 }

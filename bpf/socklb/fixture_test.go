@@ -5,9 +5,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -198,40 +195,12 @@ func (l *lb) start() {
 }
 
 // enterCgroup moves the whole process into a new cgroup v2 directory, and
-// back where it was when the test ends: a socket belongs to the cgroup of
-// the process that creates it, and the programs are attached to this
+// back where it was when the test ends: the programs are attached to this
 // cgroup alone. Tests of this package must therefore not run in parallel.
 func enterCgroup(tb testing.TB) string {
 	tb.Helper()
 	dir := testenv.Cgroup(tb)
-	mount, err := testenv.Cgroup2Mount()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	self, err := os.ReadFile("/proc/self/cgroup")
-	if err != nil {
-		tb.Fatal(err)
-	}
-	var orig string
-	for line := range strings.SplitSeq(strings.TrimSpace(string(self)), "\n") {
-		if p, ok := strings.CutPrefix(line, "0::"); ok {
-			orig = filepath.Join(mount, p)
-		}
-	}
-	if orig == "" {
-		tb.Fatal("the process's cgroup v2 path is unknown")
-	}
-	pid := []byte(strconv.Itoa(os.Getpid()))
-	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), pid, 0); err != nil {
-		tb.Fatalf("enter cgroup %s: %s", dir, err)
-	}
-	// Registered after testenv.Cgroup's cleanup, so run before it removes
-	// the directory.
-	tb.Cleanup(func() {
-		if err := os.WriteFile(filepath.Join(orig, "cgroup.procs"), pid, 0); err != nil {
-			tb.Errorf("leave cgroup %s for %s: %s", dir, orig, err)
-		}
-	})
+	testenv.EnterCgroup(tb, dir)
 	return dir
 }
 

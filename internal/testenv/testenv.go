@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -109,6 +110,41 @@ func Cgroup(tb testing.TB) string {
 		}
 	})
 	return dir
+}
+
+// EnterCgroup moves the whole process into the cgroup v2 directory dir (a
+// socket belongs to the cgroup of the process that creates it), and back
+// to the cgroup it was in when the test ends. The way back is registered
+// now, so it runs before the removal of a dir made earlier by Cgroup.
+// Tests that use it must not run in parallel.
+func EnterCgroup(tb testing.TB, dir string) {
+	tb.Helper()
+	mount, err := Cgroup2Mount()
+	if err != nil {
+		Skip(tb, "no cgroup v2 mount: "+err.Error())
+	}
+	self, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var orig string
+	for line := range strings.SplitSeq(strings.TrimSpace(string(self)), "\n") {
+		if p, ok := strings.CutPrefix(line, "0::"); ok {
+			orig = filepath.Join(mount, p)
+		}
+	}
+	if orig == "" {
+		tb.Fatal("the process's cgroup v2 path is unknown")
+	}
+	pid := []byte(strconv.Itoa(os.Getpid()))
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), pid, 0); err != nil {
+		tb.Fatalf("move the process to cgroup %s: %s", dir, err)
+	}
+	tb.Cleanup(func() {
+		if err := os.WriteFile(filepath.Join(orig, "cgroup.procs"), pid, 0); err != nil {
+			tb.Errorf("move the process back from cgroup %s to %s: %s", dir, orig, err)
+		}
+	})
 }
 
 // Cgroup2Mount returns where cgroup v2 is mounted.
