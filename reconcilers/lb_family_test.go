@@ -5,6 +5,8 @@ import (
 	"errors"
 	"log/slog"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -283,5 +285,25 @@ func TestLBWildcard(t *testing.T) {
 	h.prune(external)
 	if n := wildcards(); n != 0 {
 		t.Fatalf("%d wildcard entries after the cluster IP's frontends went, want 0:\n%s", n, h.dump())
+	}
+}
+
+// TestLBListWithoutIPv6Pins: `apiary bpf lb list` on the pin directory of
+// an agent that made no lb6 maps (an older version) lists the IPv4 maps.
+func TestLBListWithoutIPv6Pins(t *testing.T) {
+	h := newLBHarness(t)
+	h.update(frontend("10.96.0.30:80/TCP", tables.FrontendExternalIP, 0, "10.1.0.1:80/TCP"))
+	h.lb.Close()
+	for _, name := range []string{bpf.LB6ServicesMap, bpf.LB6BackendsMap, bpf.LB6RevNatMap, bpf.LBAffinityMatchMap} {
+		if err := os.Remove(filepath.Join(h.pinDir, name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var out strings.Builder
+	if err := WritePinnedLB(&out, h.pinDir); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "SVC 10.96.0.30:80/TCP SLOT=1 ID=1 BEID=1\n") {
+		t.Errorf("apiary bpf lb list without the lb6 pins:\n%s", out.String())
 	}
 }
