@@ -499,9 +499,6 @@ func frontendFlags(f *tables.Frontend) bpf.ServiceFlags {
 // affinityTimeout is the affinity timeout a frontend's service entry
 // carries, within the 24 bits the datapath has for it.
 func affinityTimeout(f *tables.Frontend) uint32 {
-	if isWildcard(f.Address) {
-		return 0
-	}
 	return min(f.SessionAffinity, bpf.AffinityTimeoutMask)
 }
 

@@ -307,3 +307,25 @@ func TestLBListWithoutIPv6Pins(t *testing.T) {
 		t.Errorf("apiary bpf lb list without the lb6 pins:\n%s", out.String())
 	}
 }
+
+// TestLBRefusedRows: rows the datapath could not serve fail with a reason
+// and write nothing: a port-0 row (the wildcard is the reconciler's own)
+// and a backend of the other family.
+func TestLBRefusedRows(t *testing.T) {
+	h := newLBHarness(t)
+	for _, tc := range []struct {
+		f    *tables.Frontend
+		want string
+	}{
+		{frontend("10.96.0.40:0/ANY", tables.FrontendClusterIP, 0), "port 0 is the address's wildcard entry"},
+		{frontend("10.96.0.41:80/TCP", tables.FrontendClusterIP, 0, "[fd01::1]:80/TCP"), "backend [fd01::1]:80/TCP is of the other address family"},
+	} {
+		err := h.lb.Update(context.Background(), h.db.ReadTxn(), 0, tc.f)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("update %s: %v, want an error saying %q", tc.f.Address, err, tc.want)
+		}
+	}
+	if dump := h.dump(); dump != "" {
+		t.Errorf("refused rows wrote entries:\n%s", dump)
+	}
+}

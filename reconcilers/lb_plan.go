@@ -235,11 +235,16 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 	}
 
 	var active, terminating []uint32
+	// The datapath translates within a family; the writer gives a
+	// frontend only the backends of its own.
+	for _, b := range f.Backends {
+		if b.Address.Addr.Is4() != fe.addr.Addr.Is4() {
+			p.err = fmt.Errorf("frontend %s: backend %s is of the other address family", f.Address, b.Address)
+			return p
+		}
+	}
 	p.want = make([]uint32, 0, len(f.Backends))
 	for _, b := range f.Backends {
-		if b.Address.Addr.Is4() != fe.addr.Addr.Is4() || isWildcard(fe.addr) {
-			continue // the datapath translates within a family
-		}
 		be, err := l.backendFor(b.Address)
 		if err != nil {
 			p.err = fmt.Errorf("frontend %s: backend %s: %w", f.Address, b.Address, err)
