@@ -3,6 +3,7 @@ package bpf
 import (
 	"encoding/binary"
 	"fmt"
+	"net/netip"
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
@@ -17,9 +18,14 @@ const (
 	// PolicyEndpointsMap maps the cgroup ID of an endpoint (a pod's
 	// cgroup) to its endpoint ID and enforcement flags.
 	PolicyEndpointsMap = "policy_endpoints"
-	// PolicyFlowsMap remembers the allowed flows of sockets (by socket
-	// cookie and peer), so that replies pass whatever the other
-	// direction's policy says.
+	// PolicySockMap is the socket storage (BPF_MAP_TYPE_SK_STORAGE) in
+	// which each socket of an endpoint remembers its allowed flows, so
+	// that replies pass whatever the other direction's policy says. It
+	// is freed with the socket; no other socket's traffic can push a
+	// flow out of it.
+	PolicySockMap = "policy_sk"
+	// PolicyFlowsMap is the shared LRU of flows of earlier versions,
+	// which any endpoint's traffic could flush; the agent removes its pin.
 	PolicyFlowsMap = "policy_flows"
 	// PolicyStatsMap counts verdicts per direction, and events lost (per
 	// CPU).
@@ -36,9 +42,8 @@ const (
 	PolicyValueSize         = 8
 	PolicyEndpointKeySize   = 8
 	PolicyEndpointValueSize = 8
-	PolicyFlowKeySize       = 16
-	PolicyFlowValueSize     = 8
-	PolicyEventSize         = 40
+	PolicySockValueSize     = 168
+	PolicyEventSize         = 64
 )
 
 // PolicyStaticPrefixBits are the key bits every entry matches in full:
@@ -141,32 +146,21 @@ const (
 	PolicyAuditDefaultIngress uint32 = 1 << 3
 	// PolicyAuditDefaultEgress: the same for the egress default deny.
 	PolicyAuditDefaultEgress uint32 = 1 << 4
+	// PolicyPodTree marks the root of the kubelet's pod cgroups, not an
+	// endpoint: a process below it in no endpoint is unclassified, denied
+	// both ways until its pod is registered (EndpointID is 0).
+	PolicyPodTree uint32 = 1 << 5
 )
+
+// PolicyFlowSlots is how many flows (peers) a socket remembers; a socket
+// with more forgets its oldest, whose next packets are judged again.
+const PolicyFlowSlots = 8
 
 // PolicyEndpointValue is the value of policy_endpoints (struct
 // policy_endpoint); the key is the cgroup ID (u64).
 type PolicyEndpointValue struct {
 	EndpointID uint32
 	Flags      uint32
-}
-
-// PolicyFlowKey is the key of policy_flows (struct policy_flow_key).
-type PolicyFlowKey struct {
-	// Cookie is the socket's cookie.
-	Cookie uint64
-	// Peer and PeerPort are the remote address and port (network order).
-	Peer     [4]byte
-	PeerPort Be16
-	Protocol uint8
-	Pad      uint8
-}
-
-// PolicyFlowValue is the value of policy_flows (struct policy_flow).
-type PolicyFlowValue struct {
-	EndpointID uint32
-	// Egress is 1 when the endpoint opened the flow.
-	Egress uint8
-	Pad    [3]byte
 }
 
 // Verdict indexes of policy_stats: direction*PolicyVerdicts + verdict;
@@ -189,6 +183,9 @@ const (
 	PolicyReasonDefaultDeny uint8 = 1
 	// PolicyReasonNoPolicy: the endpoint does not enforce the direction.
 	PolicyReasonNoPolicy uint8 = 2
+	// PolicyReasonUnclassified: a process of a pod cgroup the agent has
+	// not registered (yet), under a PolicyPodTree cgroup.
+	PolicyReasonUnclassified uint8 = 3
 )
 
 // Programs that decide (PolicyEvent.Hook).
@@ -197,6 +194,8 @@ const (
 	PolicyHookSendmsg4 uint8 = 1
 	PolicyHookIngress  uint8 = 2
 	PolicyHookEgress   uint8 = 3
+	PolicyHookConnect6 uint8 = 4
+	PolicyHookSendmsg6 uint8 = 5
 )
 
 // PolicyEvent is a record of policy_events (struct policy_event): one
@@ -211,10 +210,11 @@ type PolicyEvent struct {
 	// else of the allowing entry, the peer's own before identity 0's.
 	Cookie uint32
 	// LocalAddr and LocalPort are the endpoint's side, RemoteAddr and
-	// RemotePort the peer's (network order). connect4 and sendmsg4 give
-	// the socket's address and port only if it is bound already, else 0.
-	LocalAddr  [4]byte
-	RemoteAddr [4]byte
+	// RemotePort the peer's: IPv6, or IPv4 as ::ffff:a.b.c.d (network
+	// order). connect and sendmsg give the socket's address and port
+	// only if it is bound already, else 0.
+	LocalAddr  [16]byte
+	RemoteAddr [16]byte
 	LocalPort  Be16
 	RemotePort Be16
 	Protocol   uint8
@@ -227,7 +227,20 @@ type PolicyEvent struct {
 	Reason uint8
 	// Hook is a PolicyHook*.
 	Hook uint8
-	Pad  [3]byte
+	// Family is 4 or 6: the family the peer was judged in (an
+	// IPv4-mapped address is judged as IPv4).
+	Family uint8
+	Pad    [2]byte
+}
+
+// Local returns the endpoint's address and port.
+func (e PolicyEvent) Local() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom16(e.LocalAddr).Unmap(), e.LocalPort.Uint16())
+}
+
+// Remote returns the peer's address and port.
+func (e PolicyEvent) Remote() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom16(e.RemoteAddr).Unmap(), e.RemotePort.Uint16())
 }
 
 // ParsePolicyEvent decodes a record of policy_events.
@@ -240,16 +253,17 @@ func ParsePolicyEvent(raw []byte) (PolicyEvent, error) {
 	e.EndpointID = binary.NativeEndian.Uint32(raw[8:])
 	e.RemoteIdentity = binary.NativeEndian.Uint32(raw[12:])
 	e.Cookie = binary.NativeEndian.Uint32(raw[16:])
-	e.LocalAddr = [4]byte(raw[20:24])
-	e.RemoteAddr = [4]byte(raw[24:28])
-	e.LocalPort = Be16(raw[28:30])
-	e.RemotePort = Be16(raw[30:32])
-	e.Protocol = raw[32]
-	e.Direction = raw[33]
-	e.Verdict = raw[34]
-	e.Reason = raw[35]
-	e.Hook = raw[36]
-	e.Pad = [3]byte(raw[37:40])
+	e.LocalAddr = [16]byte(raw[20:36])
+	e.RemoteAddr = [16]byte(raw[36:52])
+	e.LocalPort = Be16(raw[52:54])
+	e.RemotePort = Be16(raw[54:56])
+	e.Protocol = raw[56]
+	e.Direction = raw[57]
+	e.Verdict = raw[58]
+	e.Reason = raw[59]
+	e.Hook = raw[60]
+	e.Family = raw[61]
+	e.Pad = [2]byte(raw[62:64])
 	return e, nil
 }
 
@@ -280,17 +294,17 @@ func PolicyEndpointsMapSpec(maxEntries uint32) *ebpf.MapSpec {
 	}
 }
 
-// PolicyFlowsMapSpec returns the spec of policy_flows, an LRU: the oldest
-// flows go first when it is full.
-func PolicyFlowsMapSpec(maxEntries uint32) *ebpf.MapSpec {
-	return &ebpf.MapSpec{
-		Name:       PolicyFlowsMap,
-		Type:       ebpf.LRUHash,
-		KeySize:    PolicyFlowKeySize,
-		ValueSize:  PolicyFlowValueSize,
-		MaxEntries: maxEntries,
-		Pinning:    ebpf.PinByName,
+// PolicySockMapSpec returns the spec of policy_sk from the programs'
+// object (spec): socket storage needs the BTF of its value, which holds a
+// spin lock, so it is made from the object's definition.
+func PolicySockMapSpec(spec *ebpf.CollectionSpec) (*ebpf.MapSpec, error) {
+	ms := spec.Maps[PolicySockMap]
+	if ms == nil {
+		return nil, fmt.Errorf("the policy programs' object has no map %s", PolicySockMap)
 	}
+	ms = ms.Copy()
+	ms.Pinning = ebpf.PinByName
+	return ms, nil
 }
 
 // PolicyStatsMapSpec returns the spec of policy_stats.

@@ -167,7 +167,7 @@ spec:
 				t.Errorf("%s: no program attached (%v)", hook.Name, err)
 			}
 		}
-		for _, m := range []string{"policy", "policy_endpoints", "policy_flows", "policy_stats"} {
+		for _, m := range []string{"policy", "policy_endpoints", "policy_sk", "policy_stats"} {
 			if _, err := os.Stat(filepath.Join(pinDir, m)); err != nil {
 				t.Errorf("map %s is not pinned: %s", m, err)
 			}

@@ -1,15 +1,26 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 /*
- * Network policy enforcement for IPv4 at the cgroup level.
+ * Network policy enforcement at the cgroup level, IPv4 and IPv6.
  *
  * An endpoint is a pod's cgroup, registered in policy_endpoints; the
  * processes in it, or in any cgroup below it, are the endpoint. Their
  * connect() and sendmsg() are checked against the endpoint's egress policy
- * (cgroup/connect4, cgroup/sendmsg4), their packets against both
- * directions (cgroup_skb/ingress, cgroup_skb/egress). A flow that was
- * allowed one way is remembered in policy_flows (by socket cookie and
- * peer), so that its replies pass whatever the other direction says;
- * sockops remembers the TCP connections a listener accepts.
+ * (cgroup/connect4, connect6, sendmsg4, sendmsg6), their packets against
+ * both directions (cgroup_skb/ingress, cgroup_skb/egress). An IPv4-mapped
+ * address (::ffff:a.b.c.d) is judged as the IPv4 address it is.
+ *
+ * A flow that was allowed one way is remembered with its socket, in the
+ * socket's own storage (policy_sk, freed with the socket), so that its
+ * replies pass whatever the other direction says; sockops remembers the
+ * TCP connections a listener accepts. No endpoint's traffic can push out
+ * another's flows: each socket holds FLOW_SLOTS peers, and only its own
+ * traffic replaces them. A listener never uses what its socket remembered
+ * before listen().
+ *
+ * A cgroup marked EP_POD_TREE (the kubelet's kubepods tree) makes every
+ * process below it that is in no endpoint unclassified: denied both ways
+ * until the agent registers its pod. The programs and maps are pinned, so
+ * this holds while the agent is away.
  *
  * Each decision on a new connection or flow, never a packet of a known
  * one, is reported in policy_events, a ring buffer the agent reads: which
@@ -26,7 +37,9 @@
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
 #include <linux/in.h>
+#include <linux/in6.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
@@ -54,36 +67,45 @@ struct policy_value {
 /* policy_endpoints: cgroup id (u64) -> endpoint. */
 struct policy_endpoint {
 	__u32 endpoint_id;
-	__u32 flags; /* EP_ENFORCE_*, EP_AUDIT, EP_AUDIT_DEFAULT_* */
+	__u32 flags; /* EP_ENFORCE_*, EP_AUDIT, EP_AUDIT_DEFAULT_*, EP_POD_TREE */
 };
 
-/* policy_flows: an allowed flow of a socket, seen from the endpoint. */
-struct policy_flow_key {
-	__u64 cookie;
-	__be32 peer;
+/* An address: IPv6, or IPv4 as ::ffff:a.b.c.d (network order). */
+union addr {
+	__u8 b[16];
+	__be32 p[4];
+};
+
+/* policy_sk: a flow the socket may carry, seen from the endpoint. */
+struct flow_slot {
+	union addr peer;
 	__be16 peer_port;
 	__u8 protocol;
-	__u8 pad;
+	__u8 used;
 };
 
-struct policy_flow {
-	__u32 endpoint_id;
-	__u8 egress; /* 1: the endpoint opened it */
+#define FLOW_SLOTS 8
+
+/* policy_sk: what a socket remembers (socket storage, freed with it). */
+struct policy_sk {
+	struct bpf_spin_lock lock;
+	__u8 next; /* the slot the next new flow takes */
 	__u8 pad[3];
+	struct flow_slot slots[FLOW_SLOTS];
 };
 
 /*
- * policy_events: one decision, seen from the endpoint. Addresses and ports
- * are in network order; a connect4 or sendmsg4 event has the socket's own
- * address and port when it is bound already, else 0.
+ * policy_events: one decision, seen from the endpoint. Addresses are IPv6
+ * or IPv4-mapped, ports in network order; a connect or sendmsg event has
+ * the socket's own address and port when it is bound already, else 0.
  */
 struct policy_event {
 	__u64 time_ns; /* bpf_ktime_get_ns() */
 	__u32 endpoint_id;
 	__u32 remote_identity;
 	__u32 cookie; /* of the entry that decided, 0 when none did */
-	__be32 local_addr;
-	__be32 remote_addr;
+	union addr local_addr;
+	union addr remote_addr;
 	__be16 local_port;
 	__be16 remote_port;
 	__u8 protocol;
@@ -91,7 +113,8 @@ struct policy_event {
 	__u8 verdict;   /* enum verdict */
 	__u8 reason;    /* enum reason */
 	__u8 hook;      /* enum hook */
-	__u8 pad[3];
+	__u8 family;    /* 4 or 6: how the peer was judged */
+	__u8 pad[2];
 };
 
 /* ipcache: the agent's map from prefixes to security identities. */
@@ -128,11 +151,11 @@ struct {
 } policy_endpoints SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__type(key, struct policy_flow_key);
-	__type(value, struct policy_flow);
-	__uint(max_entries, 65536);
-} policy_flows SEC(".maps");
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__type(key, int);
+	__type(value, struct policy_sk);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} policy_sk SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -170,18 +193,29 @@ struct {
 /* The default deny of a direction only audits; deny entries still deny. */
 #define EP_AUDIT_DEFAULT_INGRESS 0x8
 #define EP_AUDIT_DEFAULT_EGRESS 0x10
+/* Not an endpoint: the root of the kubelet's pod cgroups. A process below
+ * it in no endpoint is unclassified. */
+#define EP_POD_TREE 0x20
+/* Never in the map: what endpoint_of says of an unclassified process. */
+#define EP_UNCLASSIFIED 0x80000000
 
 /* endpoint_id + identity + egress + protocol + port, all matched. */
 #define POLICY_LOOKUP_BITS 96
 /* cluster_id + pad + family precede the address in the ipcache key. */
 #define IPCACHE_STATIC_BITS 32
 #define IPCACHE_FAMILY_IPV4 1
+#define IPCACHE_FAMILY_IPV6 2
 /* reserved:world, the identity of any address the ipcache does not know. */
 #define IDENTITY_WORLD 2
 
 /* Deeper endpoint cgroups than this are not found; a pod's cgroup sits a
  * handful of levels down (kubepods/<qos>/<pod>), so this is plenty. */
 #define MAX_CGROUP_LEVEL 16
+
+#define IPPROTO_ICMPV6_ 58
+
+/* A read of a context field where the code says, by its own offset. */
+#define READ_CTX(field) (*(volatile typeof(field) *)&(field))
 
 enum direction {
 	DIR_INGRESS = 0,
@@ -205,6 +239,7 @@ enum reason {
 	REASON_ENTRY = 0,        /* an entry matched: its cookie is reported */
 	REASON_DEFAULT_DENY = 1, /* none did, in an enforced direction */
 	REASON_NO_POLICY = 2,    /* the direction is not enforced */
+	REASON_UNCLASSIFIED = 3, /* a pod cgroup the agent has not registered */
 };
 
 /* The program that decided, as policy_events says it. */
@@ -213,56 +248,114 @@ enum hook {
 	HOOK_SENDMSG4 = 1,
 	HOOK_INGRESS = 2,
 	HOOK_EGRESS = 3,
+	HOOK_CONNECT6 = 4,
+	HOOK_SENDMSG6 = 5,
+};
+
+/* The endpoint a process or packet belongs to. */
+struct ep_ref {
+	__u32 id;
+	__u32 flags;
 };
 
 /*
- * The ancestor walks go from the top (level 1) down to the cgroup itself
- * (below it, the helpers return 0): the shallowest registered cgroup is the
- * endpoint, so a pod's containers (cgroups below it) are the pod. The
- * level-based helpers are the only way to see a cgroup's ancestors; they
- * differ between program types, hence two walks.
+ * found_endpoint fills out from the policy_endpoints entry of one ancestor
+ * cgroup: 1 when it is the endpoint, 0 to keep walking (none, or a pod
+ * tree, which *tree then records).
  */
-static __always_inline struct policy_endpoint *endpoint_of_current(void)
+static __always_inline int found_endpoint(struct policy_endpoint *ep, struct ep_ref *out, __u32 *tree)
 {
+	if (!ep)
+		return 0;
+	if (ep->flags & EP_POD_TREE) {
+		*tree = ep->flags | EP_POD_TREE;
+		return 0;
+	}
+	out->id = ep->endpoint_id;
+	out->flags = ep->flags;
+	return 1;
+}
+
+/* unclassified fills out for a process of a pod tree in no endpoint:
+ * enforced both ways with nothing allowed, audited if the tree says so. */
+static __always_inline int unclassified(__u32 tree, struct ep_ref *out)
+{
+	if (!tree)
+		return 0;
+	out->id = 0;
+	out->flags = EP_ENFORCE_INGRESS | EP_ENFORCE_EGRESS | EP_UNCLASSIFIED | (tree & EP_AUDIT);
+	return 1;
+}
+
+/*
+ * The ancestor walks go from the top (level 1) down to the cgroup itself
+ * (below it, the helpers return 0): the shallowest registered cgroup that
+ * is not a pod tree is the endpoint, so a pod's containers (cgroups below
+ * it) are the pod. The level-based helpers are the only way to see a
+ * cgroup's ancestors; they differ between program types, hence two walks.
+ * Both return 0 when the process or packet is no endpoint's.
+ */
+static __always_inline int endpoint_of_current(struct ep_ref *out)
+{
+	__u32 tree = 0;
+
 	for (int level = 1; level <= MAX_CGROUP_LEVEL; level++) {
 		__u64 id = bpf_get_current_ancestor_cgroup_id(level);
-		struct policy_endpoint *ep;
 
 		if (!id)
-			return NULL;
-		ep = bpf_map_lookup_elem(&policy_endpoints, &id);
-		if (ep)
-			return ep;
+			break;
+		if (found_endpoint(bpf_map_lookup_elem(&policy_endpoints, &id), out, &tree))
+			return 1;
 	}
-	return NULL;
+	return unclassified(tree, out);
 }
 
 /* The same for the packet's socket, which may belong to no process that
  * is running now (softirq) or to another process than the current one. */
-static __always_inline struct policy_endpoint *endpoint_of_skb(struct __sk_buff *skb)
+static __always_inline int endpoint_of_skb(struct __sk_buff *skb, struct ep_ref *out)
 {
+	__u32 tree = 0;
+
 	for (int level = 1; level <= MAX_CGROUP_LEVEL; level++) {
 		__u64 id = bpf_skb_ancestor_cgroup_id(skb, level);
-		struct policy_endpoint *ep;
 
 		if (!id)
-			return NULL;
-		ep = bpf_map_lookup_elem(&policy_endpoints, &id);
-		if (ep)
-			return ep;
+			break;
+		if (found_endpoint(bpf_map_lookup_elem(&policy_endpoints, &id), out, &tree))
+			return 1;
 	}
-	return NULL;
+	return unclassified(tree, out);
 }
 
-static __always_inline __u32 identity_of(__be32 addr)
+static __always_inline int is_v4mapped(const union addr *a)
 {
-	struct ipcache_key key = {
-		.prefixlen = IPCACHE_STATIC_BITS + 32,
-		.family = IPCACHE_FAMILY_IPV4,
-	};
+	return a->p[0] == 0 && a->p[1] == 0 && a->p[2] == bpf_htonl(0xffff);
+}
+
+static __always_inline void set_v4(union addr *a, __be32 v4)
+{
+	a->p[0] = 0;
+	a->p[1] = 0;
+	a->p[2] = bpf_htonl(0xffff);
+	a->p[3] = v4;
+}
+
+/* identity_of returns the identity of a peer's address: IPv4 (mapped) in
+ * the ipcache's IPv4 family, anything else in its IPv6 family. */
+static __always_inline __u32 identity_of(const union addr *a)
+{
+	struct ipcache_key key = {};
 	struct remote_endpoint_info *info;
 
-	__builtin_memcpy(key.addr, &addr, sizeof(addr));
+	if (is_v4mapped(a)) {
+		key.prefixlen = IPCACHE_STATIC_BITS + 32;
+		key.family = IPCACHE_FAMILY_IPV4;
+		__builtin_memcpy(key.addr, &a->p[3], 4);
+	} else {
+		key.prefixlen = IPCACHE_STATIC_BITS + 128;
+		key.family = IPCACHE_FAMILY_IPV6;
+		__builtin_memcpy(key.addr, a->b, 16);
+	}
 	info = bpf_map_lookup_elem(&ipcache, &key);
 	return info ? info->sec_identity : IDENTITY_WORLD;
 }
@@ -355,10 +448,10 @@ static __always_inline void count(enum direction dir, enum verdict v)
 	count_at((__u32)dir * VERDICTS + (__u32)v);
 }
 
-/* A connection or packet, seen from the endpoint (network order). */
-struct conn4 {
-	__be32 local_addr;
-	__be32 remote_addr;
+/* A connection or packet, seen from the endpoint. */
+struct conn {
+	union addr local_addr;
+	union addr remote_addr;
 	__be16 local_port;
 	__be16 remote_port;
 	__u8 protocol;
@@ -368,30 +461,34 @@ struct conn4 {
  * decide applies the endpoint's policy in direction dir to c, and counts
  * the decision. A denial is audited instead when the endpoint audits
  * everything, or when it is a default deny that the endpoint audits in
- * that direction.
+ * that direction. An unclassified process is denied whatever the entries.
  */
-static __always_inline struct decision decide(__u32 endpoint_id, __u32 ep_flags,
-					      const struct conn4 *c, enum direction dir)
+static __always_inline struct decision decide(const struct ep_ref *ep, const struct conn *c,
+					      enum direction dir)
 {
 	__u32 audit_default = dir == DIR_EGRESS ? EP_AUDIT_DEFAULT_EGRESS : EP_AUDIT_DEFAULT_INGRESS;
 	__be16 dport = dir == DIR_EGRESS ? c->remote_port : c->local_port;
-	__u32 identity = identity_of(c->remote_addr);
-	struct decision d = lookup_verdict(endpoint_id, identity, dir, c->protocol, dport);
+	__u32 identity = identity_of(&c->remote_addr);
+	struct decision d;
 
+	if (ep->flags & EP_UNCLASSIFIED)
+		d = (struct decision){ .verdict = VERDICT_DENIED, .reason = REASON_UNCLASSIFIED };
+	else
+		d = lookup_verdict(ep->id, identity, dir, c->protocol, dport);
 	d.identity = identity;
 	if (d.verdict == VERDICT_DENIED &&
-	    ((ep_flags & EP_AUDIT) ||
-	     (d.reason == REASON_DEFAULT_DENY && (ep_flags & audit_default))))
+	    ((ep->flags & EP_AUDIT) ||
+	     (d.reason == REASON_DEFAULT_DENY && (ep->flags & audit_default))))
 		d.verdict = VERDICT_AUDITED;
 	count(dir, d.verdict);
 	return d;
 }
 
 /* The decision of a direction the endpoint does not enforce; not counted. */
-static __always_inline struct decision no_policy(const struct conn4 *c)
+static __always_inline struct decision no_policy(const struct conn *c)
 {
 	return (struct decision){
-		.identity = identity_of(c->remote_addr),
+		.identity = identity_of(&c->remote_addr),
 		.verdict = VERDICT_ALLOWED,
 		.reason = REASON_NO_POLICY,
 	};
@@ -427,12 +524,12 @@ static __noinline void emit(const struct policy_event *ev)
 }
 
 /* report puts the decision d on c into policy_events. */
-static __always_inline void report(__u32 endpoint_id, const struct decision *d,
-				   const struct conn4 *c, enum direction dir, enum hook hook)
+static __always_inline void report(const struct ep_ref *ep, const struct decision *d,
+				   const struct conn *c, enum direction dir, enum hook hook)
 {
 	struct policy_event ev = {
 		.time_ns = bpf_ktime_get_ns(),
-		.endpoint_id = endpoint_id,
+		.endpoint_id = ep->id,
 		.remote_identity = d->identity,
 		.cookie = d->cookie,
 		.local_addr = c->local_addr,
@@ -444,98 +541,161 @@ static __always_inline void report(__u32 endpoint_id, const struct decision *d,
 		.verdict = d->verdict,
 		.reason = d->reason,
 		.hook = (__u8)hook,
+		.family = is_v4mapped(&c->remote_addr) ? 4 : 6,
 	};
 
 	emit(&ev);
 }
 
-static __always_inline int flow_known(__u64 cookie, __be32 peer, __be16 port, __u8 protocol)
+static __always_inline int slot_matches(const struct flow_slot *s, const union addr *peer,
+					__be16 port, __u8 protocol)
 {
-	struct policy_flow_key key = {
-		.cookie = cookie,
-		.peer = peer,
-		.peer_port = port,
-		.protocol = protocol,
-	};
-
-	return bpf_map_lookup_elem(&policy_flows, &key) != NULL;
+	return s->used && s->peer_port == port && s->protocol == protocol && s->peer.p[0] == peer->p[0] &&
+	       s->peer.p[1] == peer->p[1] && s->peer.p[2] == peer->p[2] && s->peer.p[3] == peer->p[3];
 }
 
-/* A full LRU evicts its oldest flow, so the update cannot fail for room;
- * if it failed anyway, only the flow's replies would be checked by policy. */
-static __always_inline void remember_flow(__u64 cookie, __be32 peer, __be16 port, __u8 protocol,
-					  __u32 endpoint_id, enum direction dir)
+/* flow_known tells whether the socket sk (a full socket, or NULL) carries
+ * an allowed flow with the peer. */
+static __always_inline int flow_known(struct bpf_sock *sk, const union addr *peer, __be16 port,
+				      __u8 protocol)
 {
-	struct policy_flow_key key = {
-		.cookie = cookie,
-		.peer = peer,
-		.peer_port = port,
-		.protocol = protocol,
-	};
-	struct policy_flow val = {
-		.endpoint_id = endpoint_id,
-		.egress = (__u8)dir,
-	};
+	struct policy_sk *st;
+	int found = 0;
 
-	bpf_map_update_elem(&policy_flows, &key, &val, BPF_ANY);
+	if (!sk)
+		return 0;
+	st = bpf_sk_storage_get(&policy_sk, sk, 0, 0);
+	if (!st)
+		return 0;
+	bpf_spin_lock(&st->lock);
+	for (int i = 0; i < FLOW_SLOTS; i++) {
+		if (slot_matches(&st->slots[i], peer, port, protocol)) {
+			found = 1;
+			break;
+		}
+	}
+	bpf_spin_unlock(&st->lock);
+	return found;
 }
 
 /*
- * sock4_egress checks a connect() or an unconnected sendmsg() of a process
- * in an endpoint. It runs after the socket load balancer, so the
- * destination is the backend, the address the packets will carry. src is
- * the source a sendmsg() asks for, 0 for none.
+ * remember_flow records an allowed flow of the socket sk with the peer.
+ * A socket with more peers than FLOW_SLOTS (an unconnected UDP socket)
+ * forgets its oldest: that flow's next packets are judged again, by the
+ * same policy. Without memory for the storage, the flow is not
+ * remembered, with the same effect.
  */
-static __always_inline int sock4_egress(struct bpf_sock_addr *ctx, enum hook hook, __be32 src)
+static __always_inline void remember_flow(struct bpf_sock *sk, const union addr *peer, __be16 port,
+					  __u8 protocol)
 {
-	struct conn4 c = {
-		.remote_addr = ctx->user_ip4,
-		.remote_port = (__be16)ctx->user_port,
-		.protocol = (__u8)ctx->protocol,
-	};
-	struct policy_endpoint *ep;
-	struct bpf_sock *sk;
+	struct policy_sk *st;
+	__u32 slot;
+
+	if (!sk)
+		return;
+	st = bpf_sk_storage_get(&policy_sk, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return;
+	bpf_spin_lock(&st->lock);
+	for (int i = 0; i < FLOW_SLOTS; i++) {
+		if (slot_matches(&st->slots[i], peer, port, protocol)) {
+			bpf_spin_unlock(&st->lock);
+			return;
+		}
+	}
+	slot = st->next % FLOW_SLOTS;
+	st->next = (__u8)(slot + 1);
+	st->slots[slot].peer = *peer;
+	st->slots[slot].peer_port = port;
+	st->slots[slot].protocol = protocol;
+	st->slots[slot].used = 1;
+	bpf_spin_unlock(&st->lock);
+}
+
+/*
+ * sock_egress checks a connect() or an unconnected sendmsg() of a process
+ * in an endpoint to c's remote address. It runs after the socket load
+ * balancer, so the destination is the backend, the address the packets
+ * will carry.
+ */
+static __always_inline int sock_egress(struct bpf_sock_addr *ctx, struct conn *c, enum hook hook)
+{
+	struct bpf_sock *sk = ctx->sk;
 	struct decision d;
-	__u32 ep_id, flags;
-	__u64 cookie;
+	struct ep_ref ep;
 
-	if (c.protocol != IPPROTO_TCP && c.protocol != IPPROTO_UDP)
+	if (c->protocol != IPPROTO_TCP && c->protocol != IPPROTO_UDP)
 		return 1;
-	ep = endpoint_of_current();
-	if (!ep)
+	if (!endpoint_of_current(&ep))
 		return 1;
-	ep_id = ep->endpoint_id;
-	flags = ep->flags;
-
-	cookie = bpf_get_socket_cookie(ctx);
 	/* A known flow: a UDP socket sending again to the same peer, or a
 	 * server's reply to a datagram its ingress policy let in. */
-	if (flow_known(cookie, c.remote_addr, c.remote_port, c.protocol))
+	if (flow_known(sk, &c->remote_addr, c->remote_port, c->protocol))
 		return 1;
-	/* The socket's own address and port, if bound already (an unbound
-	 * one gets them after this program). */
-	sk = ctx->sk;
-	c.local_addr = src ? src : sk->src_ip4;
-	c.local_port = bpf_htons((__u16)sk->src_port);
+	c->local_port = bpf_htons((__u16)sk->src_port);
 
-	if (flags & EP_ENFORCE_EGRESS) {
-		d = decide(ep_id, flags, &c, DIR_EGRESS);
-		report(ep_id, &d, &c, DIR_EGRESS, hook);
+	if (ep.flags & EP_ENFORCE_EGRESS) {
+		d = decide(&ep, c, DIR_EGRESS);
+		report(&ep, &d, c, DIR_EGRESS, hook);
 		if (d.verdict == VERDICT_DENIED)
 			return 0; /* connect() and sendmsg() fail with EPERM */
 	} else {
-		d = no_policy(&c);
-		report(ep_id, &d, &c, DIR_EGRESS, hook);
+		d = no_policy(c);
+		report(&ep, &d, c, DIR_EGRESS, hook);
 		/* Each connect() is reported; a connection of an endpoint
 		 * that enforces nothing needs no flow. */
-		if (hook == HOOK_CONNECT4 && !(flags & EP_ENFORCE_INGRESS))
+		if ((hook == HOOK_CONNECT4 || hook == HOOK_CONNECT6) && !(ep.flags & EP_ENFORCE_INGRESS))
 			return 1;
 	}
 	/* Also with egress not enforced: the replies need the flow to pass
 	 * an enforced ingress, and the next datagrams to the peer are not
 	 * reported again. */
-	remember_flow(cookie, c.remote_addr, c.remote_port, c.protocol, ep_id, DIR_EGRESS);
+	remember_flow(sk, &c->remote_addr, c->remote_port, c->protocol);
 	return 1;
+}
+
+/* sock4_egress: an AF_INET socket; src is the source a sendmsg() asks
+ * for, 0 for none. */
+static __always_inline int sock4_egress(struct bpf_sock_addr *ctx, enum hook hook, __be32 src)
+{
+	struct conn c = {
+		.remote_port = (__be16)ctx->user_port,
+		.protocol = (__u8)ctx->protocol,
+	};
+
+	set_v4(&c.remote_addr, ctx->user_ip4);
+	set_v4(&c.local_addr, src ? src : ctx->sk->src_ip4);
+	return sock_egress(ctx, &c, hook);
+}
+
+/* sock6_egress: an AF_INET6 socket, to an IPv6 or IPv4-mapped address
+ * (judged as IPv4); src is whether a sendmsg() asks for a source. */
+static __always_inline int sock6_egress(struct bpf_sock_addr *ctx, enum hook hook, int src)
+{
+	struct conn c = {
+		.remote_port = (__be16)ctx->user_port,
+		.protocol = (__u8)ctx->protocol,
+	};
+
+	c.remote_addr.p[0] = ctx->user_ip6[0];
+	c.remote_addr.p[1] = ctx->user_ip6[1];
+	c.remote_addr.p[2] = ctx->user_ip6[2];
+	c.remote_addr.p[3] = ctx->user_ip6[3];
+	if (src) {
+		c.local_addr.p[0] = ctx->msg_src_ip6[0];
+		c.local_addr.p[1] = ctx->msg_src_ip6[1];
+		c.local_addr.p[2] = ctx->msg_src_ip6[2];
+		c.local_addr.p[3] = ctx->msg_src_ip6[3];
+	}
+	if (!(c.local_addr.p[0] | c.local_addr.p[1] | c.local_addr.p[2] | c.local_addr.p[3])) {
+		struct bpf_sock *sk = ctx->sk;
+
+		c.local_addr.p[0] = sk->src_ip6[0];
+		c.local_addr.p[1] = sk->src_ip6[1];
+		c.local_addr.p[2] = sk->src_ip6[2];
+		c.local_addr.p[3] = sk->src_ip6[3];
+	}
+	return sock_egress(ctx, &c, hook);
 }
 
 SEC("cgroup/connect4")
@@ -551,14 +711,27 @@ int policy_sendmsg4(struct bpf_sock_addr *ctx)
 	return sock4_egress(ctx, HOOK_SENDMSG4, ctx->msg_src_ip4);
 }
 
-/* What the skb programs need of an IPv4 packet. */
-struct pkt4 {
-	__be32 saddr;
-	__be32 daddr;
+SEC("cgroup/connect6")
+int policy_connect6(struct bpf_sock_addr *ctx)
+{
+	return sock6_egress(ctx, HOOK_CONNECT6, 0);
+}
+
+SEC("cgroup/sendmsg6")
+int policy_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return sock6_egress(ctx, HOOK_SENDMSG6, 1);
+}
+
+/* What the skb programs need of a packet. */
+struct pkt {
+	union addr saddr;
+	union addr daddr;
 	__be16 sport;
 	__be16 dport;
 	__u8 protocol;
-	__u8 l4_off; /* where the TCP, UDP or SCTP header starts */
+	__u8 icmp_type; /* of ICMPv6 */
+	__u16 l4_off;   /* where the TCP, UDP or SCTP header starts */
 };
 
 #define IP_FRAG_OFFSET 0x1fff
@@ -566,48 +739,147 @@ struct pkt4 {
 #define TCP_FLAGS_OFF 13
 #define TCP_FLAG_SYN 0x02
 
-/*
- * parse4 reads the addresses, protocol and (TCP, UDP, SCTP) ports of the
- * packet; the data of a cgroup_skb program starts at the IP header.
- * Other protocols, and fragments after the first, have port 0. Returns
- * -1 when not even the IP header can be read.
- */
-static __always_inline int parse4(struct __sk_buff *skb, struct pkt4 *p)
+/* read_ports reads the ports of TCP, UDP and SCTP (the three start with
+ * source and destination port); other protocols have port 0. */
+static __always_inline void read_ports(struct __sk_buff *skb, struct pkt *p)
 {
-	struct iphdr iph;
 	__be16 ports[2];
 
-	if (bpf_skb_load_bytes(skb, 0, &iph, sizeof(iph)) < 0)
-		return -1;
-	p->saddr = iph.saddr;
-	p->daddr = iph.daddr;
-	p->protocol = iph.protocol;
-	p->sport = 0;
-	p->dport = 0;
-	p->l4_off = iph.ihl * 4;
-	if (iph.frag_off & bpf_htons(IP_FRAG_OFFSET))
-		return 0;
-	switch (iph.protocol) {
+	switch (p->protocol) {
 	case IPPROTO_TCP:
 	case IPPROTO_UDP:
 	case IPPROTO_SCTP:
-		/* The three start with source and destination port. */
 		if (bpf_skb_load_bytes(skb, p->l4_off, ports, sizeof(ports)) < 0)
-			return 0;
+			return;
 		p->sport = ports[0];
 		p->dport = ports[1];
+	}
+}
+
+/*
+ * parse4 reads the addresses, protocol and ports of an IPv4 packet; the
+ * data of a cgroup_skb program starts at the IP header. Fragments after
+ * the first have port 0. Returns -1 when not even the IP header can be
+ * read.
+ */
+static __always_inline int parse4(struct __sk_buff *skb, struct pkt *p)
+{
+	struct iphdr iph;
+
+	if (bpf_skb_load_bytes(skb, 0, &iph, sizeof(iph)) < 0)
+		return -1;
+	set_v4(&p->saddr, iph.saddr);
+	set_v4(&p->daddr, iph.daddr);
+	p->protocol = iph.protocol;
+	p->l4_off = iph.ihl * 4;
+	if (!(iph.frag_off & bpf_htons(IP_FRAG_OFFSET)))
+		read_ports(skb, p);
+	return 0;
+}
+
+/* Extension headers parse6 steps over; more are judged as protocol of
+ * the last one read. */
+#define IPV6_MAX_EXT 6
+
+/*
+ * parse6 is parse4 for IPv6: it steps over the extension headers to the
+ * upper-layer protocol, and reads the ports (or the ICMPv6 type) of a
+ * packet that is not a later fragment.
+ */
+static __always_inline int parse6(struct __sk_buff *skb, struct pkt *p)
+{
+	struct ipv6hdr ip6;
+	__u32 off = sizeof(ip6);
+	__u8 nexthdr;
+
+	if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)) < 0)
+		return -1;
+	__builtin_memcpy(p->saddr.b, &ip6.saddr, 16);
+	__builtin_memcpy(p->daddr.b, &ip6.daddr, 16);
+	nexthdr = ip6.nexthdr;
+	for (int i = 0; i < IPV6_MAX_EXT; i++) {
+		__u8 hdr[8];
+
+		switch (nexthdr) {
+		case IPPROTO_HOPOPTS:
+		case IPPROTO_ROUTING:
+		case IPPROTO_DSTOPTS:
+			if (bpf_skb_load_bytes(skb, off, hdr, 2) < 0)
+				goto done;
+			nexthdr = hdr[0];
+			off += ((__u32)hdr[1] + 1) * 8;
+			continue;
+		case IPPROTO_AH:
+			if (bpf_skb_load_bytes(skb, off, hdr, 2) < 0)
+				goto done;
+			nexthdr = hdr[0];
+			off += ((__u32)hdr[1] + 2) * 4;
+			continue;
+		case IPPROTO_FRAGMENT:
+			if (bpf_skb_load_bytes(skb, off, hdr, 8) < 0)
+				goto done;
+			nexthdr = hdr[0];
+			off += 8;
+			/* A later fragment: no upper-layer header. */
+			if ((((__u16)hdr[2] << 8) | hdr[3]) & 0xfff8) {
+				p->protocol = nexthdr;
+				return 0;
+			}
+			continue;
+		}
+		break;
+	}
+done:
+	p->protocol = nexthdr;
+	p->l4_off = (__u16)off;
+	if (nexthdr == IPPROTO_ICMPV6_) {
+		if (bpf_skb_load_bytes(skb, off, &p->icmp_type, 1) < 0)
+			p->icmp_type = 0;
+		return 0;
+	}
+	read_ports(skb, p);
+	return 0;
+}
+
+/*
+ * ICMPv6 the node's network needs whatever the policy: neighbour and
+ * router discovery (133-137) and multicast listener messages (130-132,
+ * 143). They reach no further than the link.
+ */
+static __always_inline int link_control(const struct pkt *p)
+{
+	if (p->protocol != IPPROTO_ICMPV6_)
+		return 0;
+	switch (p->icmp_type) {
+	case 130 ... 137:
+	case 143:
+		return 1;
 	}
 	return 0;
 }
 
-/* on_listener tells whether the packet's socket is a TCP listener. */
-static __always_inline int on_listener(struct __sk_buff *skb)
+/* parse reads the packet of either family; -1 for anything else (ARP
+ * never reaches a cgroup program), which passes. */
+static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
+{
+	__builtin_memset(p, 0, sizeof(*p));
+	if (skb->protocol == bpf_htons(ETH_P_IP))
+		return parse4(skb, p);
+	if (skb->protocol == bpf_htons(ETH_P_IPV6))
+		return parse6(skb, p);
+	return -1;
+}
+
+/* full_sock returns the packet's socket if it is a full one. */
+static __always_inline struct bpf_sock *full_sock(struct __sk_buff *skb)
 {
 	struct bpf_sock *sk = skb->sk;
 
-	if (!sk)
-		return 0;
-	sk = bpf_sk_fullsock(sk);
+	return sk ? bpf_sk_fullsock(sk) : NULL;
+}
+
+static __always_inline int is_listener(struct bpf_sock *sk)
+{
 	return sk && sk->state == BPF_TCP_LISTEN;
 }
 
@@ -616,11 +888,11 @@ static __always_inline int on_listener(struct __sk_buff *skb)
  * flow. Every one does but a TCP packet without SYN to a listener: the
  * last ACK of a handshake (its SYN was judged, and reported, already).
  */
-static __always_inline int opens_flow(struct __sk_buff *skb, const struct pkt4 *p)
+static __always_inline int opens_flow(struct __sk_buff *skb, struct bpf_sock *sk, const struct pkt *p)
 {
 	__u8 tcp_flags;
 
-	if (p->protocol != IPPROTO_TCP || !on_listener(skb))
+	if (p->protocol != IPPROTO_TCP || !is_listener(sk))
 		return 1;
 	if (bpf_skb_load_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &tcp_flags, 1) < 0)
 		return 1;
@@ -630,141 +902,144 @@ static __always_inline int opens_flow(struct __sk_buff *skb, const struct pkt4 *
 SEC("cgroup_skb/ingress")
 int policy_ingress(struct __sk_buff *skb)
 {
-	struct policy_endpoint *ep;
+	struct bpf_sock *sk;
 	struct decision d;
-	struct conn4 c;
-	__u32 ep_id, flags;
-	struct pkt4 p;
-	__u64 cookie;
+	struct ep_ref ep;
+	struct conn c;
+	struct pkt p;
 
-	if (skb->protocol != bpf_htons(ETH_P_IP))
+	if (!endpoint_of_skb(skb, &ep))
 		return 1;
-	ep = endpoint_of_skb(skb);
-	if (!ep)
-		return 1;
-	ep_id = ep->endpoint_id;
-	flags = ep->flags;
-	if (!(flags & (EP_ENFORCE_INGRESS | EP_ENFORCE_EGRESS)))
+	if (!(ep.flags & (EP_ENFORCE_INGRESS | EP_ENFORCE_EGRESS)))
 		return 1;
 	/* The kernel checked the IP header before any socket saw it. */
-	if (parse4(skb, &p) < 0)
+	if (parse(skb, &p) < 0 || link_control(&p))
 		return 1;
 	/* With only egress enforced, ingress is here for the UDP flows its
 	 * replies need. */
-	if (!(flags & EP_ENFORCE_INGRESS) && p.protocol != IPPROTO_UDP)
+	if (!(ep.flags & EP_ENFORCE_INGRESS) && p.protocol != IPPROTO_UDP)
 		return 1;
 
-	cookie = bpf_get_socket_cookie(skb);
-	/* A reply of a flow the endpoint opened, or more of one let in. */
-	if (flow_known(cookie, p.saddr, p.sport, p.protocol))
+	sk = full_sock(skb);
+	/* A reply of a flow the endpoint opened, or more of one let in; a
+	 * listener carries no flow, whatever its socket did before listen(). */
+	if (!is_listener(sk) && flow_known(sk, &p.saddr, p.sport, p.protocol))
 		return 1;
-	if (flags & EP_ENFORCE_INGRESS) {
-		c = (struct conn4){
+	if (ep.flags & EP_ENFORCE_INGRESS) {
+		c = (struct conn){
 			.local_addr = p.daddr,
 			.remote_addr = p.saddr,
 			.local_port = p.dport,
 			.remote_port = p.sport,
 			.protocol = p.protocol,
 		};
-		d = decide(ep_id, flags, &c, DIR_INGRESS);
+		d = decide(&ep, &c, DIR_INGRESS);
 		/* The handshake's last ACK is judged again, but a TCP
 		 * connection is one decision, its SYN's: only a denial of
 		 * it is reported. */
-		if (d.verdict == VERDICT_DENIED || opens_flow(skb, &p))
-			report(ep_id, &d, &c, DIR_INGRESS, HOOK_INGRESS);
+		if (d.verdict == VERDICT_DENIED || opens_flow(skb, sk, &p))
+			report(&ep, &d, &c, DIR_INGRESS, HOOK_INGRESS);
 		if (d.verdict == VERDICT_DENIED)
 			return 0;
 	}
 	/* TCP is remembered by sockops once accepted (the SYN arrives on the
-	 * listener, whose cookie is not the connection's); a UDP socket's
-	 * replies go out on the socket that received, so remember it here. */
+	 * listener, not the connection's socket); a UDP socket's replies go
+	 * out on the socket that received, so remember it here. */
 	if (p.protocol == IPPROTO_UDP)
-		remember_flow(cookie, p.saddr, p.sport, p.protocol, ep_id, DIR_INGRESS);
+		remember_flow(sk, &p.saddr, p.sport, p.protocol);
 	return 1;
 }
 
 SEC("cgroup_skb/egress")
 int policy_egress(struct __sk_buff *skb)
 {
-	struct policy_endpoint *ep;
+	struct bpf_sock *sk;
 	struct decision d;
-	struct conn4 c;
-	__u32 ep_id, flags;
-	struct pkt4 p;
-	__u64 cookie;
+	struct ep_ref ep;
+	struct conn c;
+	struct pkt p;
 
-	if (skb->protocol != bpf_htons(ETH_P_IP))
+	if (!endpoint_of_skb(skb, &ep))
 		return 1;
-	ep = endpoint_of_skb(skb);
-	if (!ep)
+	if (!(ep.flags & EP_ENFORCE_EGRESS))
 		return 1;
-	ep_id = ep->endpoint_id;
-	flags = ep->flags;
-	if (!(flags & EP_ENFORCE_EGRESS))
-		return 1;
-	if (parse4(skb, &p) < 0)
+	if (parse(skb, &p) < 0 || link_control(&p))
 		return 1;
 
-	cookie = bpf_get_socket_cookie(skb);
-	if (flow_known(cookie, p.daddr, p.dport, p.protocol))
-		return 1;
+	sk = full_sock(skb);
 	/* A SYN-ACK leaves on the listener (its request socket is not a full
 	 * socket, so the kernel runs the hook with the listener): it answers
-	 * a SYN that ingress already judged. */
-	if (p.protocol == IPPROTO_TCP && on_listener(skb))
+	 * a SYN that ingress already judged. A listener carries no flow. */
+	if (is_listener(sk)) {
+		if (p.protocol == IPPROTO_TCP && !(ep.flags & EP_UNCLASSIFIED))
+			return 1;
+	} else if (flow_known(sk, &p.daddr, p.dport, p.protocol)) {
 		return 1;
-	c = (struct conn4){
+	}
+	c = (struct conn){
 		.local_addr = p.saddr,
 		.remote_addr = p.daddr,
 		.local_port = p.sport,
 		.remote_port = p.dport,
 		.protocol = p.protocol,
 	};
-	d = decide(ep_id, flags, &c, DIR_EGRESS);
-	report(ep_id, &d, &c, DIR_EGRESS, HOOK_EGRESS);
+	d = decide(&ep, &c, DIR_EGRESS);
+	report(&ep, &d, &c, DIR_EGRESS, HOOK_EGRESS);
 	if (d.verdict == VERDICT_DENIED)
 		return 0;
-	remember_flow(cookie, p.daddr, p.dport, p.protocol, ep_id, DIR_EGRESS);
+	remember_flow(sk, &p.daddr, p.dport, p.protocol);
 	return 1;
 }
 
 /*
- * policy_sockops remembers every TCP connection a listener accepts: its
- * SYN and final ACK passed ingress on the listener, and from now on both
- * directions of the connection are its flow (the server's replies pass
- * its egress policy, the client's next packets skip the policy lookup).
+ * policy_sockops remembers every TCP connection a listener accepts, in the
+ * new connection's own storage: its SYN and final ACK passed ingress on
+ * the listener, and from now on both directions of the connection are its
+ * flow (the server's replies pass its egress policy, the client's next
+ * packets skip the policy lookup).
  *
  * Sockops has no helper that gives a socket's cgroup (the ancestor helpers
  * are refused, and the current task is whoever the softirq interrupted),
- * so the endpoint is not known here: the flow says endpoint 0, and
- * connections accepted outside any endpoint are remembered too (one LRU
- * update per accepted connection).
+ * so connections accepted outside any endpoint are remembered too: one
+ * storage update per accepted connection.
  */
 SEC("sockops")
 int policy_sockops(struct bpf_sock_ops *ctx)
 {
+	struct bpf_sock *sk;
+	union addr peer;
+
+	__u32 family, v4;
+
 	if (ctx->op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
 		return 1;
-	switch (ctx->family) {
+	/* Every field is read up front, each by its own fixed offset
+	 * (volatile): clang would otherwise move the reads after the switch
+	 * through one pointer into the context, which the verifier refuses. */
+	family = READ_CTX(ctx->family);
+	v4 = READ_CTX(ctx->remote_ip4);
+	peer.p[0] = READ_CTX(ctx->remote_ip6[0]);
+	peer.p[1] = READ_CTX(ctx->remote_ip6[1]);
+	peer.p[2] = READ_CTX(ctx->remote_ip6[2]);
+	peer.p[3] = READ_CTX(ctx->remote_ip6[3]);
+	switch (family) {
 	case AF_INET:
+		set_v4(&peer, v4);
 		break;
 	case AF_INET6:
-		/* An IPv4 client of a dual-stack listener (an IPv6 wildcard,
-		 * as most servers open) has a mapped address, ::ffff:a.b.c.d,
-		 * and IPv4 packets; remote_ip4 holds its address as for any
-		 * IPv4 socket. */
-		if (ctx->remote_ip6[0] == 0 && ctx->remote_ip6[1] == 0 &&
-		    ctx->remote_ip6[2] == bpf_htonl(0xffff))
-			break;
-		return 1;
+		/* An IPv4 client of a dual-stack listener has a mapped
+		 * address, as the packets' flows are written. */
+		break;
 	default:
 		return 1;
 	}
+	sk = ctx->sk;
+	if (!sk)
+		return 1;
 	/* remote_port holds the port in network order in its upper 16 bits:
 	 * the kernel loads sk_dport and shifts it left by 16 (little endian;
 	 * the object is only built for bpfel). */
-	remember_flow(bpf_get_socket_cookie(ctx), ctx->remote_ip4, (__be16)(ctx->remote_port >> 16),
-		      IPPROTO_TCP, 0, DIR_INGRESS);
+	remember_flow(sk, &peer, (__be16)(ctx->remote_port >> 16), IPPROTO_TCP);
 	return 1;
 }
 

@@ -196,19 +196,6 @@ func TestEgress(t *testing.T) {
 				}
 			}
 
-			// The flow of the first connection, as connect4 remembered it.
-			found := false
-			for k, v := range d.flows() {
-				if netip.AddrFrom4(k.Peer).String() == peerA && k.PeerPort.Uint16() == 8080 && k.Protocol == tcp {
-					found = true
-					if v.EndpointID != testEndpoint || v.Egress != 1 {
-						t.Errorf("flow to %s:8080: %+v, want endpoint %d egress", peerA, v, testEndpoint)
-					}
-				}
-			}
-			if !found {
-				t.Errorf("no flow to %s:8080/TCP in %v", peerA, d.flows())
-			}
 		})
 	}
 }
@@ -314,31 +301,7 @@ func testIngress(t *testing.T, flags uint32) {
 
 	// sockops remembered the accepted connections with the client's port
 	// (read from the upper half of remote_port), ingress the datagram's
-	// peer: that is how the server's answers got out.
-	flows := d.flows()
-	for _, want := range []struct {
-		peer  netip.AddrPort
-		proto uint8
-		ep    uint32
-	}{
-		{tcpClient, tcp, 0}, // sockops cannot tell the endpoint
-		{dualClient, tcp, 0},
-		{udpClient, udp, testEndpoint},
-	} {
-		found := false
-		for k, v := range flows {
-			if netip.AddrPortFrom(netip.AddrFrom4(k.Peer), k.PeerPort.Uint16()) == want.peer && k.Protocol == want.proto {
-				found = true
-				if v.Egress != 0 || v.EndpointID != want.ep {
-					t.Errorf("flow from %s/%d: %+v, want ingress of endpoint %d", want.peer, want.proto, v, want.ep)
-				}
-			}
-		}
-		if !found {
-			t.Errorf("no flow from %s/%d in %v", want.peer, want.proto, flows)
-		}
-	}
-
+	// peer: that is how the server's answers got out, unjudged (below).
 	s := d.stats()
 	if got := stat(s, bpf.PolicyEgress, bpf.PolicyVerdictDenied); got != 0 {
 		t.Errorf("egress denied %d packets: a SYN-ACK or a reply was judged by policy", got)
@@ -471,13 +434,10 @@ func TestNoPolicy(t *testing.T) {
 	for _, mode := range []struct {
 		name  string
 		flags uint32
-		flows int
 	}{
-		// Only the sendmsg() flow is remembered: nothing needs the
-		// others.
-		{"nothing enforced", 0, 1},
+		{"nothing enforced", 0},
 		// The replies of every flow need it to pass ingress.
-		{"ingress", bpf.PolicyEnforceIngress, 4},
+		{"ingress", bpf.PolicyEnforceIngress},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
 			d := newDatapath(t)
@@ -499,9 +459,6 @@ func TestNoPolicy(t *testing.T) {
 				t.Errorf("UDP connect: %s, want ok", got)
 			}
 			d.expectEvents("UDP connect", np(bpf.PolicyHookConnect4, "", peerC+":5353", udp))
-			if flows := d.flows(); len(flows) != mode.flows {
-				t.Errorf("%d flows, want %d: %v", len(flows), mode.flows, flows)
-			}
 
 			if mode.flags == 0 {
 				// A ping (cgroup_skb/egress) and a connection

@@ -67,7 +67,7 @@ func newDatapathEvents(t testing.TB, eventsSize uint32) *datapath {
 	d := &datapath{t: t, maps: Maps{
 		Policy:    newMap(bpf.PolicyMapSpec(1024)),
 		Endpoints: newMap(bpf.PolicyEndpointsMapSpec(64)),
-		Flows:     newMap(bpf.PolicyFlowsMapSpec(1024)),
+		Sock:      newMap(sockSpec(t)),
 		Stats:     newMap(bpf.PolicyStatsMapSpec()),
 		IPCache:   newMap(bpf.IPCacheMapSpec(1024)),
 		Events:    newMap(bpf.PolicyEventsMapSpec(eventsSize)),
@@ -212,20 +212,18 @@ func stat(s [bpf.PolicyStatsEntries]uint64, dir uint8, verdict int) uint64 {
 	return s[int(dir)*bpf.PolicyVerdicts+verdict]
 }
 
-// flows returns the flows the programs remembered.
-func (d *datapath) flows() map[bpf.PolicyFlowKey]bpf.PolicyFlowValue {
-	d.t.Helper()
-	out := map[bpf.PolicyFlowKey]bpf.PolicyFlowValue{}
-	var k bpf.PolicyFlowKey
-	var v bpf.PolicyFlowValue
-	it := d.maps.Flows.Iterate()
-	for it.Next(&k, &v) {
-		out[k] = v
+// sockSpec is the spec of policy_sk, from the object.
+func sockSpec(t testing.TB) *ebpf.MapSpec {
+	t.Helper()
+	spec, err := Spec()
+	if err != nil {
+		t.Fatal(err)
 	}
-	if err := it.Err(); err != nil {
-		d.t.Fatal(err)
+	ms, err := bpf.PolicySockMapSpec(spec)
+	if err != nil {
+		t.Fatal(err)
 	}
-	return out
+	return ms
 }
 
 // servers answer pings (see serve) on each "proto addr:port" until the
@@ -335,32 +333,46 @@ func (w event) policyEvent() bpf.PolicyEvent {
 		Verdict:        w.verdict,
 		Reason:         w.reason,
 		Hook:           w.hook,
+		Family:         4,
 	}
 	if w.hook == bpf.PolicyHookIngress {
 		e.Direction = bpf.PolicyIngress
 	}
-	e.LocalAddr, e.LocalPort = addrPort(w.local)
-	e.RemoteAddr, e.RemotePort = addrPort(w.remote)
+	e.LocalAddr, e.LocalPort = addrPort(w.local, w.remote)
+	e.RemoteAddr, e.RemotePort = addrPort(w.remote, w.local)
+	if r, _ := netip.ParseAddrPort(w.remote); r.Addr().Is6() && !r.Addr().Is4In6() {
+		e.Family = 6
+	} else if a, err := netip.ParseAddr(w.remote); err == nil && a.Is6() {
+		e.Family = 6
+	}
 	return e
 }
 
-func addrPort(s string) ([4]byte, bpf.Be16) {
+// addrPort returns the address and port of s as an event holds them: IPv6
+// as is, IPv4 mapped. An empty s is the unspecified address of the other
+// side's family.
+func addrPort(s, other string) ([16]byte, bpf.Be16) {
 	if s == "" {
-		return [4]byte{}, bpf.Be16{}
+		if a, err := netip.ParseAddr(other); err == nil && a.Is6() {
+			return [16]byte{}, bpf.Be16{}
+		}
+		if ap, err := netip.ParseAddrPort(other); err == nil && ap.Addr().Is6() {
+			return [16]byte{}, bpf.Be16{}
+		}
+		return netip.IPv4Unspecified().As16(), bpf.Be16{}
 	}
 	if a, err := netip.ParseAddr(s); err == nil {
-		return a.As4(), bpf.Be16{}
+		return a.As16(), bpf.Be16{}
 	}
 	ap := netip.MustParseAddrPort(s)
-	return ap.Addr().As4(), bpf.NewBe16(ap.Port())
+	return ap.Addr().As16(), bpf.NewBe16(ap.Port())
 }
 
 // fmtEvent formats an event for failures.
 func fmtEvent(e bpf.PolicyEvent) string {
-	return fmt.Sprintf("hook %d dir %d ep %d %s:%d -> %s:%d proto %d identity %d verdict %d reason %d cookie %d pad %v",
-		e.Hook, e.Direction, e.EndpointID,
-		netip.AddrFrom4(e.LocalAddr), e.LocalPort.Uint16(), netip.AddrFrom4(e.RemoteAddr), e.RemotePort.Uint16(),
-		e.Protocol, e.RemoteIdentity, e.Verdict, e.Reason, e.Cookie, e.Pad)
+	return fmt.Sprintf("hook %d dir %d ep %d %s -> %s proto %d identity %d verdict %d reason %d cookie %d family %d pad %v",
+		e.Hook, e.Direction, e.EndpointID, e.Local(), e.Remote(),
+		e.Protocol, e.RemoteIdentity, e.Verdict, e.Reason, e.Cookie, e.Family, e.Pad)
 }
 
 // monotonicNow is bpf_ktime_get_ns() of now.

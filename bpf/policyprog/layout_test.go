@@ -2,6 +2,7 @@ package policyprog
 
 import (
 	"encoding/binary"
+	"net/netip"
 	"reflect"
 	"strings"
 	"testing"
@@ -28,8 +29,6 @@ func TestLayout(t *testing.T) {
 		{"policy_key", reflect.TypeFor[bpf.PolicyKey]()},
 		{"policy_value", reflect.TypeFor[bpf.PolicyValue]()},
 		{"policy_endpoint", reflect.TypeFor[bpf.PolicyEndpointValue]()},
-		{"policy_flow_key", reflect.TypeFor[bpf.PolicyFlowKey]()},
-		{"policy_flow", reflect.TypeFor[bpf.PolicyFlowValue]()},
 		{"policy_event", reflect.TypeFor[bpf.PolicyEvent]()},
 		{"ipcache_key", reflect.TypeFor[bpf.IPCacheKey]()},
 		{"remote_endpoint_info", reflect.TypeFor[bpf.IPCacheValue]()},
@@ -65,7 +64,6 @@ func TestLayout(t *testing.T) {
 	for _, want := range []*ebpf.MapSpec{
 		bpf.PolicyMapSpec(16),
 		bpf.PolicyEndpointsMapSpec(16),
-		bpf.PolicyFlowsMapSpec(16),
 		bpf.PolicyStatsMapSpec(),
 		bpf.IPCacheMapSpec(16),
 		bpf.PolicyEventsMapSpec(4096),
@@ -78,6 +76,19 @@ func TestLayout(t *testing.T) {
 		if got.Type != want.Type || got.KeySize != want.KeySize || got.ValueSize != want.ValueSize || got.Flags != want.Flags {
 			t.Errorf("map %s: object says %v key %d value %d flags %#x, the agent %v key %d value %d flags %#x",
 				want.Name, got.Type, got.KeySize, got.ValueSize, got.Flags, want.Type, want.KeySize, want.ValueSize, want.Flags)
+		}
+	}
+	// A socket's flows: the size the agent documents, and its slots.
+	if got := spec.Maps[bpf.PolicySockMap]; got == nil || got.Type != ebpf.SkStorage || got.ValueSize != bpf.PolicySockValueSize {
+		t.Errorf("map %s: %+v, want socket storage of %d bytes", bpf.PolicySockMap, got, bpf.PolicySockValueSize)
+	}
+	var sk *btf.Struct
+	if err := spec.Types.TypeByName("policy_sk", &sk); err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range sk.Members {
+		if arr, ok := m.Type.(*btf.Array); ok && m.Name == "slots" && arr.Nelems != bpf.PolicyFlowSlots {
+			t.Errorf("policy_sk has %d slots, the agent says %d", arr.Nelems, bpf.PolicyFlowSlots)
 		}
 	}
 	// Stats are indexed by direction and verdict: the object must have
@@ -96,10 +107,10 @@ func TestLayout(t *testing.T) {
 func TestParsePolicyEvent(t *testing.T) {
 	want := bpf.PolicyEvent{
 		TimeNs: 0x0102030405060708, EndpointID: 9, RemoteIdentity: 0x10203, Cookie: 0xa0b0c0d,
-		LocalAddr: [4]byte{10, 0, 0, 1}, RemoteAddr: [4]byte{192, 0, 2, 7},
+		LocalAddr: netip.MustParseAddr("10.0.0.1").As16(), RemoteAddr: netip.MustParseAddr("2001:db8::7").As16(),
 		LocalPort: bpf.NewBe16(8080), RemotePort: bpf.NewBe16(40000),
 		Protocol: 6, Direction: bpf.PolicyEgress, Verdict: bpf.PolicyVerdictAudited,
-		Reason: bpf.PolicyReasonDefaultDeny, Hook: bpf.PolicyHookSendmsg4, Pad: [3]byte{1, 2, 3},
+		Reason: bpf.PolicyReasonDefaultDeny, Hook: bpf.PolicyHookSendmsg6, Family: 6, Pad: [2]byte{1, 2},
 	}
 	raw, err := binary.Append(nil, binary.NativeEndian, want)
 	if err != nil {
@@ -132,7 +143,7 @@ func TestLoad(t *testing.T) {
 	m := Maps{
 		Policy:    open(bpf.PolicyMapSpec(1024)),
 		Endpoints: open(bpf.PolicyEndpointsMapSpec(128)),
-		Flows:     open(bpf.PolicyFlowsMapSpec(4096)),
+		Sock:      open(sockSpec(t)),
 		Stats:     open(bpf.PolicyStatsMapSpec()),
 		IPCache:   open(bpf.IPCacheMapSpec(1024)),
 		Events:    open(bpf.PolicyEventsMapSpec(1 << 16)),

@@ -10,22 +10,37 @@ import (
 )
 
 // Hooks lists the programs in attach order. The programs that remember
-// flows come first: sockops (accepted connections), then connect4 and
-// sendmsg4 (the endpoint's own), so that a connection made while the
-// packet filters arrive already has the flow its replies need to pass
-// them. Of the packet filters, ingress comes before egress because it
-// remembers the UDP flows that egress then lets out as replies.
+// flows come first: sockops (accepted connections), then connect and
+// sendmsg of both families (the endpoint's own), so that a connection
+// made while the packet filters arrive already has the flow its replies
+// need to pass them. Of the packet filters, ingress comes before egress
+// because it remembers the UDP flows that egress then lets out as
+// replies.
 //
 // Attach these after the socket load balancer's programs on the same
-// cgroup: programs of one hook run in attach order, and connect4 and
-// sendmsg4 must see the backend the load balancer chose, the address the
-// packets will carry.
+// cgroup: programs of one hook run in attach order, and connect and
+// sendmsg must see the backend the load balancer chose, the address the
+// packets will carry (SockAddrHooks are those that must run last).
 var Hooks = []cgrouplink.Hook{
 	{Name: "policy_sockops", Program: policyprogProgPolicySockops, Attach: ebpf.AttachCGroupSockOps},
 	{Name: "policy_connect4", Program: policyprogProgPolicyConnect4, Attach: ebpf.AttachCGroupInet4Connect},
 	{Name: "policy_sendmsg4", Program: policyprogProgPolicySendmsg4, Attach: ebpf.AttachCGroupUDP4Sendmsg},
+	{Name: "policy_connect6", Program: policyprogProgPolicyConnect6, Attach: ebpf.AttachCGroupInet6Connect},
+	{Name: "policy_sendmsg6", Program: policyprogProgPolicySendmsg6, Attach: ebpf.AttachCGroupUDP6Sendmsg},
 	{Name: "policy_ingress", Program: policyprogProgPolicyIngress, Attach: ebpf.AttachCGroupInetIngress},
 	{Name: "policy_egress", Program: policyprogProgPolicyEgress, Attach: ebpf.AttachCGroupInetEgress},
+}
+
+// RunsLast reports whether the program of attach type t must run after
+// every other program of its hook on the cgroup: the connect and sendmsg
+// programs, which judge the address the socket load balancer chose.
+func RunsLast(t ebpf.AttachType) bool {
+	switch t {
+	case ebpf.AttachCGroupInet4Connect, ebpf.AttachCGroupUDP4Sendmsg,
+		ebpf.AttachCGroupInet6Connect, ebpf.AttachCGroupUDP6Sendmsg:
+		return true
+	}
+	return false
 }
 
 // Spec returns the programs' collection spec, as compiled into the binary.
@@ -39,8 +54,9 @@ type Maps struct {
 	Policy *ebpf.Map
 	// Endpoints maps pod cgroup IDs to endpoints (bpf.PolicyEndpointsMapSpec).
 	Endpoints *ebpf.Map
-	// Flows is the LRU of allowed flows (bpf.PolicyFlowsMapSpec).
-	Flows *ebpf.Map
+	// Sock is the sockets' storage of allowed flows
+	// (bpf.PolicySockMapSpec).
+	Sock *ebpf.Map
 	// Stats counts verdicts and lost events (bpf.PolicyStatsMapSpec).
 	Stats *ebpf.Map
 	// IPCache gives peers' identities (bpf.IPCacheMapSpec).
@@ -70,7 +86,7 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 	repl := map[string]*ebpf.Map{
 		policyprogMapPolicy:          m.Policy,
 		policyprogMapPolicyEndpoints: m.Endpoints,
-		policyprogMapPolicyFlows:     m.Flows,
+		policyprogMapPolicySk:        m.Sock,
 		policyprogMapPolicyStats:     m.Stats,
 		policyprogMapIpcache:         m.IPCache,
 		policyprogMapPolicyEvents:    m.Events,

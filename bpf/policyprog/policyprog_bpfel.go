@@ -20,12 +20,14 @@ const (
 	policyprogMapPolicy          = "policy"
 	policyprogMapPolicyEndpoints = "policy_endpoints"
 	policyprogMapPolicyEvents    = "policy_events"
-	policyprogMapPolicyFlows     = "policy_flows"
+	policyprogMapPolicySk        = "policy_sk"
 	policyprogMapPolicyStats     = "policy_stats"
 	policyprogProgPolicyConnect4 = "policy_connect4"
+	policyprogProgPolicyConnect6 = "policy_connect6"
 	policyprogProgPolicyEgress   = "policy_egress"
 	policyprogProgPolicyIngress  = "policy_ingress"
 	policyprogProgPolicySendmsg4 = "policy_sendmsg4"
+	policyprogProgPolicySendmsg6 = "policy_sendmsg6"
 	policyprogProgPolicySockops  = "policy_sockops"
 )
 
@@ -72,9 +74,11 @@ type policyprogSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type policyprogProgramSpecs struct {
 	PolicyConnect4 *ebpf.ProgramSpec `ebpf:"policy_connect4"`
+	PolicyConnect6 *ebpf.ProgramSpec `ebpf:"policy_connect6"`
 	PolicyEgress   *ebpf.ProgramSpec `ebpf:"policy_egress"`
 	PolicyIngress  *ebpf.ProgramSpec `ebpf:"policy_ingress"`
 	PolicySendmsg4 *ebpf.ProgramSpec `ebpf:"policy_sendmsg4"`
+	PolicySendmsg6 *ebpf.ProgramSpec `ebpf:"policy_sendmsg6"`
 	PolicySockops  *ebpf.ProgramSpec `ebpf:"policy_sockops"`
 }
 
@@ -86,7 +90,7 @@ type policyprogMapSpecs struct {
 	Policy          *ebpf.MapSpec `ebpf:"policy"`
 	PolicyEndpoints *ebpf.MapSpec `ebpf:"policy_endpoints"`
 	PolicyEvents    *ebpf.MapSpec `ebpf:"policy_events"`
-	PolicyFlows     *ebpf.MapSpec `ebpf:"policy_flows"`
+	PolicySk        *ebpf.MapSpec `ebpf:"policy_sk"`
 	PolicyStats     *ebpf.MapSpec `ebpf:"policy_stats"`
 }
 
@@ -120,7 +124,7 @@ type policyprogMaps struct {
 	Policy          *ebpf.Map `ebpf:"policy"`
 	PolicyEndpoints *ebpf.Map `ebpf:"policy_endpoints"`
 	PolicyEvents    *ebpf.Map `ebpf:"policy_events"`
-	PolicyFlows     *ebpf.Map `ebpf:"policy_flows"`
+	PolicySk        *ebpf.Map `ebpf:"policy_sk"`
 	PolicyStats     *ebpf.Map `ebpf:"policy_stats"`
 }
 
@@ -130,7 +134,7 @@ func (m *policyprogMaps) Close() error {
 		m.Policy,
 		m.PolicyEndpoints,
 		m.PolicyEvents,
-		m.PolicyFlows,
+		m.PolicySk,
 		m.PolicyStats,
 	)
 }
@@ -146,18 +150,22 @@ type policyprogVariables struct {
 // It can be passed to loadPolicyprogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type policyprogPrograms struct {
 	PolicyConnect4 *ebpf.Program `ebpf:"policy_connect4"`
+	PolicyConnect6 *ebpf.Program `ebpf:"policy_connect6"`
 	PolicyEgress   *ebpf.Program `ebpf:"policy_egress"`
 	PolicyIngress  *ebpf.Program `ebpf:"policy_ingress"`
 	PolicySendmsg4 *ebpf.Program `ebpf:"policy_sendmsg4"`
+	PolicySendmsg6 *ebpf.Program `ebpf:"policy_sendmsg6"`
 	PolicySockops  *ebpf.Program `ebpf:"policy_sockops"`
 }
 
 func (p *policyprogPrograms) Close() error {
 	return _PolicyprogClose(
 		p.PolicyConnect4,
+		p.PolicyConnect6,
 		p.PolicyEgress,
 		p.PolicyIngress,
 		p.PolicySendmsg4,
+		p.PolicySendmsg6,
 		p.PolicySockops,
 	)
 }

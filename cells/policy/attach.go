@@ -118,7 +118,15 @@ func (a *attacher) attach() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	flows, err := bpf.OpenPinnedMap(a.log, bpf.PolicyFlowsMapSpec(flowsMapMax), a.pinDir, nil)
+	spec, err := policyprog.Spec()
+	if err != nil {
+		return "", err
+	}
+	sockSpec, err := bpf.PolicySockMapSpec(spec)
+	if err != nil {
+		return "", err
+	}
+	flows, err := bpf.OpenPinnedMap(a.log, sockSpec, a.pinDir, nil)
 	if err != nil {
 		return "", err
 	}
@@ -142,7 +150,7 @@ func (a *attacher) attach() (string, error) {
 	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
 		return a.ipcache.WithMap(func(ipc *ebpf.Map) error {
 			progs, err = policyprog.Load(policyprog.Maps{
-				Policy: policy, Endpoints: endpoints, Flows: flows.Map, Stats: stats.Map, IPCache: ipc, Events: events.Map,
+				Policy: policy, Endpoints: endpoints, Sock: flows.Map, Stats: stats.Map, IPCache: ipc, Events: events.Map,
 			})
 			return err
 		})
@@ -174,6 +182,10 @@ func (a *attacher) attach() (string, error) {
 	a.mu.Lock()
 	a.links, a.progs, a.flows, a.stats, a.events = links, progs, flows.Map, stats.Map, events.Map
 	a.mu.Unlock()
+	// The shared flow LRU of earlier versions: no program uses it now.
+	if err := bpf.RemovePinnedMap(a.pinDir, bpf.PolicyFlowsMap); err != nil {
+		a.log.Warn("Could not remove the old flows map", "error", err)
+	}
 	select {
 	case <-a.attached:
 	default:
@@ -194,7 +206,7 @@ func (a *attacher) keepLast() error {
 	defer a.mu.Unlock()
 	cgroup := a.root.Path()
 	for _, h := range policyprog.Hooks {
-		if h.Attach != ebpf.AttachCGroupInet4Connect && h.Attach != ebpf.AttachCGroupUDP4Sendmsg {
+		if !policyprog.RunsLast(h.Attach) {
 			continue
 		}
 		l := a.links[h.Name]
@@ -226,7 +238,7 @@ func (a *attacher) detach() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	for _, name := range []string{bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap} {
+	for _, name := range []string{bpf.PolicySockMap, bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap} {
 		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {
 			return "", err
 		}

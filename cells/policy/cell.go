@@ -70,7 +70,6 @@ const (
 	minPolicyMap = 256
 	maxPolicyMap = 16 << 20
 	endpointsMax = 65536
-	flowsMapMax  = 65536
 )
 
 // Config is the policy cell's configuration.

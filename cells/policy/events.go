@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/netip"
 	"os"
 	"strconv"
 	"time"
@@ -118,8 +117,7 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 		Verdict:        VerdictAllowed,
 		Reason:         ReasonPolicy,
 	}
-	local := netip.AddrPortFrom(netip.AddrFrom4(ev.LocalAddr), ev.LocalPort.Uint16()).String()
-	remote := netip.AddrPortFrom(netip.AddrFrom4(ev.RemoteAddr), ev.RemotePort.Uint16()).String()
+	local, remote := ev.Local().String(), ev.Remote().String()
 	v.Src, v.Dst = remote, local
 	if ev.Direction == bpf.PolicyEgress {
 		v.Direction = tables.DirEgress
@@ -136,6 +134,8 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 		v.Reason = ReasonDefaultDeny
 	case bpf.PolicyReasonNoPolicy:
 		v.Reason = ReasonNoPolicy
+	case bpf.PolicyReasonUnclassified:
+		v.Reason = ReasonUnclassified
 	default:
 		v.Policy = r.policyName(ev.Cookie)
 	}

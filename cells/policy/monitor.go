@@ -43,6 +43,10 @@ const (
 	ReasonPolicy      = "policy"
 	ReasonDefaultDeny = "default deny"
 	ReasonNoPolicy    = "no policy"
+	// ReasonUnclassified: a process of a pod cgroup under the kubelet's
+	// tree that the agent has not registered (yet); see
+	// --unclassified-pods.
+	ReasonUnclassified = "unclassified pod"
 )
 
 // Monitor hands the datapath's verdicts to subscribers (the API's
