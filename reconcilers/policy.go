@@ -96,7 +96,9 @@ func (p *Policy) Open(pinDir string, maxEntries, maxEndpoints uint32) (map[uint6
 	err = bpf.Walk(eps.Map, 1024, func(keys []uint64, values []bpf.PolicyEndpointValue) error {
 		for i, k := range keys {
 			cgroups[k] = values[i]
-			restored[k] = values[i].EndpointID
+			if values[i].Flags&bpf.PolicyPodTree == 0 {
+				restored[k] = values[i].EndpointID
+			}
 		}
 		return nil
 	})
@@ -354,6 +356,9 @@ func EndpointValue(e *tables.EndpointPolicy) bpf.PolicyEndpointValue {
 	if e.AuditDefaultEgress {
 		v.Flags |= bpf.PolicyAuditDefaultEgress
 	}
+	if e.PodTree {
+		v.Flags |= bpf.PolicyPodTree
+	}
 	return v
 }
 
@@ -367,6 +372,9 @@ func (o EndpointPolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ stat
 // updateEndpointLocked writes the entries of e that entries holds in txn,
 // then e's policy_endpoints entry.
 func (p *Policy) updateEndpointLocked(txn statedb.ReadTxn, entries statedb.Table[*tables.PolicyEntry], e *tables.EndpointPolicy) error {
+	if e.PodTree {
+		return p.putCgroupLocked(e)
+	}
 	if e.ID == 0 {
 		return nil
 	}
@@ -394,6 +402,11 @@ func (p *Policy) updateEndpointLocked(txn statedb.ReadTxn, entries statedb.Table
 			}
 		}
 	}
+	return p.putCgroupLocked(e)
+}
+
+// putCgroupLocked writes the policy_endpoints entry of e's cgroup.
+func (p *Policy) putCgroupLocked(e *tables.EndpointPolicy) error {
 	if e.CgroupID == 0 {
 		return nil
 	}
@@ -446,7 +459,7 @@ func (o EndpointPolicyOps) Delete(_ context.Context, _ statedb.ReadTxn, _ stated
 func (o EndpointPolicyOps) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*tables.EndpointPolicy, statedb.Revision]) error {
 	want := map[uint64]struct{}{}
 	for e := range objs {
-		if e.ID != 0 && e.CgroupID != 0 {
+		if (e.ID != 0 || e.PodTree) && e.CgroupID != 0 {
 			want[e.CgroupID] = struct{}{}
 		}
 	}

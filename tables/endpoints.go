@@ -38,6 +38,10 @@ type Endpoint struct {
 	Cgroup string `json:"cgroup,omitempty" yaml:"cgroup,omitempty"`
 	// CgroupID is the cgroup's ID (its inode number), 0 until it appears.
 	CgroupID uint64 `json:"cgroupId,omitempty" yaml:"cgroupId,omitempty"`
+	// HostNetwork is set for a pod in the host's network namespace: it
+	// is the host (no IPs, no identity, no policy of its own), listed so
+	// that its cgroup is known.
+	HostNetwork bool `json:"hostNetwork,omitempty" yaml:"hostNetwork,omitempty"`
 }
 
 // NamedPort is a named container port of a pod.

@@ -184,6 +184,15 @@ type EndpointPolicy struct {
 	Entries int `json:"entries" yaml:"entries"`
 	// Policies are the policies that select the endpoint.
 	Policies []string `json:"policies" yaml:"policies"`
+	// Reason says why the endpoint is enforced other than its policies
+	// say, or not at all: it waits for its identity (denied meanwhile),
+	// it is a host-network pod, it has no cgroup.
+	Reason string `json:"reason,omitempty" yaml:"reason,omitempty"`
+	// PodTree marks a row that is no endpoint but a root of the kubelet's
+	// pod cgroups (Name "pod-tree:<cgroup>"): a process below it in no
+	// endpoint is unclassified, denied by the programs until its pod is
+	// registered (--unclassified-pods=deny).
+	PodTree bool `json:"podTree,omitempty" yaml:"podTree,omitempty"`
 	// Status is the reconciliation status of the endpoint's map entry,
 	// which is written once all its policy entries are in the map.
 	Status reconciler.Status `json:"status" yaml:"status"`
@@ -206,7 +215,7 @@ func (e *EndpointPolicy) SetStatus(s reconciler.Status) *EndpointPolicy {
 
 // TableHeader implements statedb.TableWritable.
 func (*EndpointPolicy) TableHeader() []string {
-	return []string{"Name", "ID", "Cgroup", "Ingress", "Egress", "Entries", "Policies", "Status"}
+	return []string{"Name", "ID", "Cgroup", "Ingress", "Egress", "Entries", "Policies", "Reason", "Status"}
 }
 
 // TableRow implements statedb.TableWritable.
@@ -220,9 +229,13 @@ func (e *EndpointPolicy) TableRow() []string {
 	}
 	return []string{
 		e.Name, formatUint(e.ID), e.Cgroup, ingress, egress, strconv.Itoa(e.Entries),
-		strings.Join(e.Policies, ", "), StatusText(e.Status),
+		strings.Join(e.Policies, ", "), e.Reason, StatusText(e.Status),
 	}
 }
+
+// PodTreeRowPrefix begins the names of EndpointPolicy rows that are pod
+// trees.
+const PodTreeRowPrefix = "pod-tree:"
 
 // EndpointPolicyNameIndex is the primary index of the endpoint-policy
 // table.

@@ -221,6 +221,9 @@ func owner(key k8s.Key) string {
 
 const ownerPrefix = "pod/"
 
+// hostIdentity is reserved:host's, the identity of a host-network pod.
+const hostIdentity = 1
+
 // ownerKey is the inverse of owner.
 func ownerKey(o string) (k8s.Key, bool) {
 	rest, ok := strings.CutPrefix(o, ownerPrefix)
@@ -431,7 +434,7 @@ func (c *controller) writeEndpoints() error {
 	for key := range c.dirty {
 		s := c.pods[key]
 		old, _, found := c.Endpoints.Get(wtxn, tables.EndpointNameIndex.Query(key.String()))
-		if !c.isLocal(s) || s.pod.Spec.HostNetwork { // host-network pods are the host
+		if !c.isLocal(s) {
 			if found {
 				if _, _, err := c.Endpoints.Delete(wtxn, old); err != nil {
 					return err
@@ -453,13 +456,26 @@ func (c *controller) writeEndpoints() error {
 }
 
 // endpoint returns the endpoint of the local pod s with the identity its
-// first IP resolved to.
+// first IP resolved to. Until the pod has an IP (the kubelet reports it
+// after the pod's containers have started), the identity is that of its
+// label set if one exists already (another pod of the workload has it),
+// so that the pod is enforced from its first packet; else it waits, and
+// policy keeps the pod denied meanwhile. A host-network pod is the host:
+// it has no identity of its own.
 func (c *controller) endpoint(txn statedb.ReadTxn, key k8s.Key, s *podState) *tables.Endpoint {
 	e := &tables.Endpoint{
 		Name: key.String(), IPs: append([]netip.Addr{}, s.ips...), Labels: s.labels,
 		UID: s.uid, NamedPorts: slices.Clone(s.ports), Cgroup: s.cgroup.path, CgroupID: s.cgroup.id,
+		HostNetwork: s.pod.Spec.HostNetwork,
+	}
+	if e.HostNetwork {
+		e.Identity, e.IdentitySource = hostIdentity, tables.SourceReserved
+		return e
 	}
 	if len(s.ips) == 0 {
+		if id, _, ok := c.Identities.Get(txn, tables.IdentityLabelsIndex.Query(s.labels.Key())); ok {
+			e.Identity, e.IdentitySource = id.ID, id.Source
+		}
 		return e
 	}
 	entry, _, found := c.IPCache.Get(txn, tables.IPCachePrefixIndex.Query(tables.HostPrefix(s.ips[0])))
@@ -481,5 +497,6 @@ func (c *controller) endpoint(txn statedb.ReadTxn, key k8s.Key, s *podState) *ta
 func sameEndpoint(a, b *tables.Endpoint) bool {
 	return a.Name == b.Name && slices.Equal(a.IPs, b.IPs) && a.Labels.Equal(b.Labels) &&
 		a.Identity == b.Identity && a.IdentitySource == b.IdentitySource && a.Error == b.Error &&
-		a.UID == b.UID && slices.Equal(a.NamedPorts, b.NamedPorts) && a.Cgroup == b.Cgroup && a.CgroupID == b.CgroupID
+		a.UID == b.UID && slices.Equal(a.NamedPorts, b.NamedPorts) && a.Cgroup == b.Cgroup && a.CgroupID == b.CgroupID &&
+		a.HostNetwork == b.HostNetwork
 }

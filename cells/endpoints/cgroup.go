@@ -129,12 +129,13 @@ func namedPorts(pod *corev1.Pod) []tables.NamedPort {
 }
 
 // mayHaveCgroup says whether the controller looks for the cgroup of the
-// local pod s: host-network pods are no endpoints, a terminated pod's
-// cgroup is gone (or going), and a pod without a usable UID has none it
-// could find.
+// local pod s: a terminated pod's cgroup is gone (or going), and a pod
+// without a usable UID has none it could find. Host-network pods have one
+// too: policy registers it as classified (and not enforced), or the pod
+// would be an unclassified one under the kubelet's tree.
 func mayHaveCgroup(s *podState) bool {
 	phase := s.pod.Status.Phase
-	return !s.pod.Spec.HostNetwork && phase != corev1.PodSucceeded && phase != corev1.PodFailed && validUID(s.uid)
+	return phase != corev1.PodSucceeded && phase != corev1.PodFailed && validUID(s.uid)
 }
 
 // cgroupTracker holds the controller's cgroup state.

@@ -252,12 +252,9 @@ func TestRecheck(t *testing.T) {
 		c.podChanged(k8s.Event[*corev1.Pod]{Kind: k8s.Upsert, Key: k8s.KeyOf(p), Object: p})
 	}
 	a, b := testPod("a", "here", uidA), testPod("b", "here", uidB)
-	hostNet := testPod("host", "here", "cccccccc-0000-4000-8000-000000000003")
-	hostNet.Spec.HostNetwork = true
 	upsert(a)
 	upsert(b)
 	upsert(testPod("remote", "elsewhere", "dddddddd-0000-4000-8000-000000000004"))
-	upsert(hostNet)
 
 	keyA, keyB := k8s.KeyOf(a), k8s.KeyOf(b)
 	check := func(step string, wantDirty []k8s.Key, wantCgroups map[k8s.Key]string, wantNext time.Duration, wantTimer bool) {
@@ -282,9 +279,7 @@ func TestRecheck(t *testing.T) {
 			t.Errorf("%s: next recheck at t0+%s (%v), want t0+%s (%v)", step, next.Sub(t0), ok, wantNext, wantTimer)
 		}
 	}
-	// The host-network pod is dirty too (it is no endpoint: writeEndpoints
-	// removes any it had), but has no cgroup to look for.
-	check("pods added", keyList{keyA, keyB, k8s.KeyOf(hostNet)}.sorted(), map[k8s.Key]string{keyA: candsA[1], keyB: ""}, time.Second, true)
+	check("pods added", keyList{keyA, keyB}.sorted(), map[k8s.Key]string{keyA: candsA[1], keyB: ""}, time.Second, true)
 
 	// B's cgroup appears; it is found at the next second, not before.
 	mkdirs(t, root, candsB[5])

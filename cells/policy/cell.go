@@ -64,12 +64,16 @@ var Cell = cell.Module(
 
 // Flag names.
 const (
-	EnableFlag   = "enable-policy"
-	AuditFlag    = "policy-audit-mode"
-	MapMaxFlag   = "bpf-policy-map-max"
-	minPolicyMap = 256
-	maxPolicyMap = 16 << 20
-	endpointsMax = 65536
+	EnableFlag = "enable-policy"
+	// UnclassifiedFlag says what happens to a pod cgroup under the
+	// kubelet's tree that the agent has not registered, or whose
+	// identity is not known yet.
+	UnclassifiedFlag = "unclassified-pods"
+	AuditFlag        = "policy-audit-mode"
+	MapMaxFlag       = "bpf-policy-map-max"
+	minPolicyMap     = 256
+	maxPolicyMap     = 16 << 20
+	endpointsMax     = 65536
 )
 
 // Config is the policy cell's configuration.
@@ -81,9 +85,24 @@ type Config struct {
 	// BPFPolicyMapMax is the capacity of the policy map, shared by every
 	// endpoint of the node.
 	BPFPolicyMapMax uint32
+	// UnclassifiedPods is UnclassifiedDeny or UnclassifiedAllow.
+	UnclassifiedPods string
 }
 
-var defaultConfig = Config{EnablePolicy: ModeDefault, BPFPolicyMapMax: bpf.DefaultPolicyMapMaxEntries}
+// --unclassified-pods values.
+const (
+	// UnclassifiedDeny: a pod cgroup under the kubelet's tree that the
+	// agent has not registered, or whose identity is not known yet, is
+	// denied both ways, also while the agent is not running.
+	UnclassifiedDeny = "deny"
+	// UnclassifiedAllow: such a pod runs unenforced until it is
+	// classified.
+	UnclassifiedAllow = "allow"
+)
+
+var defaultConfig = Config{
+	EnablePolicy: ModeDefault, BPFPolicyMapMax: bpf.DefaultPolicyMapMaxEntries, UnclassifiedPods: UnclassifiedDeny,
+}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(fs *pflag.FlagSet) {
@@ -91,6 +110,8 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Policy enforcement: default (an endpoint is enforced in a direction once a policy with rules there selects it), always (every endpoint, deny unless allowed), never (nothing is enforced or attached)")
 	fs.Bool(AuditFlag, def.PolicyAuditMode,
 		"Deny nothing: what policy would deny is allowed and counted as audited")
+	fs.String(UnclassifiedFlag, def.UnclassifiedPods,
+		"Pods under the kubelet's cgroup tree (kubepods, kubepods.slice under --cgroup-root) that the agent has not classified yet: deny (both ways, until their pod and identity are known; the pinned programs keep denying while the agent is down) or allow (they run unenforced meanwhile)")
 	fs.Uint32(MapMaxFlag, def.BPFPolicyMapMax,
 		"Capacity of the policy map in entries, shared by every endpoint of the node; a full map is an error on the endpoints whose entries do not fit")
 }
@@ -100,6 +121,11 @@ func (c Config) validate() error {
 	case ModeDefault, ModeAlways, ModeNever:
 	default:
 		return fmt.Errorf("--%s=%q: want default, always or never", EnableFlag, c.EnablePolicy)
+	}
+	switch c.UnclassifiedPods {
+	case UnclassifiedDeny, UnclassifiedAllow:
+	default:
+		return fmt.Errorf("--%s=%q: want deny or allow", UnclassifiedFlag, c.UnclassifiedPods)
 	}
 	if c.BPFPolicyMapMax < minPolicyMap || c.BPFPolicyMapMax > maxPolicyMap {
 		return fmt.Errorf("--%s=%d: want %d to %d", MapMaxFlag, c.BPFPolicyMapMax, minPolicyMap, maxPolicyMap)
@@ -156,6 +182,7 @@ type controllerParams struct {
 	DB             *statedb.DB
 	Jobs           job.Group
 	PinDir         bpffs.PinDir
+	Root           cgroups.Root
 	Lifecycle      cell.Lifecycle
 	Ops            *reconcilers.Policy
 	Entries        statedb.RWTable[*tables.PolicyEntry]

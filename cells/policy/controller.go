@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
@@ -52,6 +53,8 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		c.Log.Info("Read the old policy maps", "endpoints", len(restored), "entries", c.Ops.Entries())
 	}
 	eng := newEngine(c.Config.EnablePolicy, c.Config.PolicyAuditMode, restored)
+	eng.denyPending = c.Config.UnclassifiedPods == UnclassifiedDeny
+	trees := newPodTrees(c)
 
 	wtxn := c.DB.WriteTxn(c.Policies, c.Selectors, c.Endpoints)
 	policies, err := c.Policies.Changes(wtxn)
@@ -113,6 +116,9 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 			initDone = waitInit == nil || c.Config.EnablePolicy == ModeNever
 		}
 		if initDone {
+			if err := trees.sync(); err != nil {
+				return fmt.Errorf("write pod tree rows: %w", err)
+			}
 			w := &writer{c: c}
 			eng.flush(w)
 			if err := w.commit(); err != nil {
@@ -137,6 +143,7 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		case <-selWatch:
 		case <-epWatch:
 		case <-waitInit:
+		case <-time.After(podTreeRecheck):
 		}
 	}
 }

@@ -92,6 +92,14 @@ func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint3
 	}
 	heads := map[uint32]string{}
 	for _, ep := range eps {
+		if ep.Value.Flags&bpf.PolicyPodTree != 0 {
+			if endpointID == 0 {
+				if _, err := fmt.Fprintf(w, "pod tree cgroup %d denies the pods below it in no endpoint\n", ep.CgroupID); err != nil {
+					return err
+				}
+			}
+			continue
+		}
 		id := ep.Value.EndpointID
 		if endpointID != 0 && id != endpointID {
 			continue

@@ -89,12 +89,14 @@ type endpoint struct {
 	// from audited policies.
 	auditIngress, auditEgress bool
 	usesNamedEgress           bool
-	contribs                  map[entryKey]map[contrib]int
-	groups                    map[groupKey]map[portKey]struct{} // keys with contributions
-	dirtyGroups               map[groupKey]struct{}
-	emitted                   map[groupKey]map[portKey]entryValue
-	emittedCount              int
-	lastRow                   *tables.EndpointPolicy
+	// reason says why the endpoint is not enforced as its policies say.
+	reason       string
+	contribs     map[entryKey]map[contrib]int
+	groups       map[groupKey]map[portKey]struct{} // keys with contributions
+	dirtyGroups  map[groupKey]struct{}
+	emitted      map[groupKey]map[portKey]entryValue
+	emittedCount int
+	lastRow      *tables.EndpointPolicy
 }
 
 // engine computes the policy entries of every local endpoint from the
@@ -109,6 +111,10 @@ type endpoint struct {
 type engine struct {
 	mode  string
 	audit bool
+	// denyPending denies, in both directions, an endpoint whose identity
+	// is not known yet (--unclassified-pods=deny), instead of letting it
+	// run unenforced.
+	denyPending bool
 
 	specs     map[string][]tables.PolicySpec // by policy
 	audited   map[string]bool                // policies whose denies are audited
@@ -353,11 +359,26 @@ func (e *engine) recompute(ep *endpoint) {
 	ep.policies, ep.usesNamedEgress = nil, false
 	ep.ingress, ep.egress = tables.EnforceOff, tables.EnforceOff
 	ep.auditIngress, ep.auditEgress = false, false
+	ep.reason = ""
 	if e.mode == ModeNever {
 		return
 	}
 	if ep.id == 0 && ep.row.CgroupID != 0 {
 		ep.id = e.allocateID(ep)
+	}
+	switch {
+	case ep.row.HostNetwork:
+		// Registered, so that its cgroup is not unclassified, and
+		// never enforced: policy applies to it as the host.
+		ep.reason = reasonHostNetwork
+		return
+	case ep.row.Identity == 0 && e.denyPending:
+		ep.ingress, ep.egress = tables.EnforceDefaultDeny, tables.EnforceDefaultDeny
+		ep.reason = reasonPending
+		if ep.row.Error != "" {
+			ep.reason += ": " + ep.row.Error
+		}
+		return
 	}
 
 	var selected []struct {
@@ -642,7 +663,7 @@ func (e *engine) flush(out output) {
 			Name: name, ID: ep.id, Cgroup: ep.row.Cgroup, CgroupID: ep.row.CgroupID,
 			Ingress: ep.ingress, Egress: ep.egress, Audit: e.audit && ep.id != 0,
 			AuditDefaultIngress: ep.auditIngress, AuditDefaultEgress: ep.auditEgress,
-			Entries: ep.emittedCount, Policies: ep.policies,
+			Entries: ep.emittedCount, Policies: ep.policies, Reason: ep.reason,
 		}
 		if row.Policies == nil {
 			row.Policies = []string{}
@@ -658,8 +679,14 @@ func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
 	return a.Name == b.Name && a.ID == b.ID && a.Cgroup == b.Cgroup && a.CgroupID == b.CgroupID &&
 		a.Ingress == b.Ingress && a.Egress == b.Egress && a.Audit == b.Audit && a.Entries == b.Entries &&
 		a.AuditDefaultIngress == b.AuditDefaultIngress && a.AuditDefaultEgress == b.AuditDefaultEgress &&
-		slices.Equal(a.Policies, b.Policies)
+		slices.Equal(a.Policies, b.Policies) && a.Reason == b.Reason
 }
+
+// Reasons of endpoint rows not enforced as their policies say.
+const (
+	reasonHostNetwork = "host-network pod: the host's policy applies, not a pod's"
+	reasonPending     = "no identity yet: denied both ways until it resolves (--" + UnclassifiedFlag + "=deny)"
+)
 
 // entry returns the table row of an entry of ep.
 func (ep *endpoint) entry(name string, gk groupKey, pk portKey, v entryValue) *tables.PolicyEntry {

@@ -146,6 +146,9 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 }
 
 func (r *eventReader) endpointName(id uint32) string {
+	if id == 0 {
+		return "unclassified"
+	}
 	if name, ok := r.endpointNames[id]; ok {
 		return name
 	}

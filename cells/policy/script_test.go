@@ -106,7 +106,7 @@ func cgroupMkdirCmd(root cgroups.Root) script.Cmd {
 		})
 }
 
-var cgroupIDRE = regexp.MustCompile(`^(endpoint \d+ cgroup )(\d+)( .*)$`)
+var cgroupIDRE = regexp.MustCompile(`^((?:endpoint \d+|pod tree) cgroup )(\d+)( .*)$`)
 
 func policyMapsCmd(root cgroups.Root, pinDir bpffs.PinDir) script.Cmd {
 	return script.Command(
