@@ -306,15 +306,6 @@ func (a *agent) waitEndpointPolicy(t *testing.T, want map[string]string) {
 			got[r.Name] = r.Ingress + " " + r.Egress
 			ok = ok && r.Status.Kind == "Done" && r.ID != 0 && r.Cgroup != ""
 		}
-		var entries []struct {
-			Status struct{ Kind string } `json:"status"`
-		}
-		if err := a.dump("policy-entries", &entries); err != nil {
-			return false, err.Error()
-		}
-		for _, e := range entries {
-			ok = ok && e.Status.Kind == "Done"
-		}
 		return ok && fmt.Sprint(got) == fmt.Sprint(want), fmt.Sprintf("%+v", rows)
 	})
 }
