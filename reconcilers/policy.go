@@ -57,6 +57,10 @@ type Policy struct {
 	idOwner     map[uint32]string
 	cgroupOwner map[uint64]string
 
+	// drift, if set, makes Prune a resync: the maps are read and what
+	// differs from the copy is repaired and reported to it.
+	drift *Drift
+
 	writes, deletes atomic.Uint64
 }
 
@@ -457,13 +461,35 @@ func (p *Policy) deleteCgroupLocked(cg uint64) error {
 	return nil
 }
 
-// Prune implements reconciler.Operations: what the maps hold that no row
-// asks for (left by an earlier run) is deleted. What a row not applied
+// ResyncWith makes every Prune first compare the maps with what the
+// operations wrote and repair them, reporting to d (nil: no resync).
+func (p *Policy) ResyncWith(d *Drift) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.drift = d
+}
+
+// resyncLocked repairs drift of both maps (see resyncMap).
+func (p *Policy) resyncLocked() error {
+	if p.drift == nil || p.policy == nil || p.endpoints == nil {
+		return nil
+	}
+	c, err := resyncMap(p.policy, p.entries)
+	errs := []error{err, p.drift.Report(bpf.PolicyMap, c)}
+	c, err = resyncMap(p.endpoints, p.cgroups)
+	errs = append(errs, err, p.drift.Report(bpf.PolicyEndpointsMap, c))
+	return errors.Join(errs...)
+}
+
+// Prune implements reconciler.Operations: it repairs drift of the maps
+// (ResyncWith), then what the maps hold that no row asks for (left by an
+// earlier run) is deleted. What a row not applied
 // yet (pending, or failed and to be retried) had applied stays: its
 // Update replaces it in order.
 func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*tables.EndpointPolicy, statedb.Revision]) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	resyncErr := o.resyncLocked()
 	wantEntries := map[bpf.PolicyKey]struct{}{}
 	wantCgroups := map[uint64]struct{}{}
 	keepIDs := map[uint32]struct{}{}
@@ -504,7 +530,7 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 			errs = append(errs, o.deleteEntryLocked(k))
 		}
 	}
-	return errors.Join(errs...)
+	return errors.Join(append(errs, resyncErr)...)
 }
 
 // DumpPolicy calls fn with the policy map's entries, read from the kernel.

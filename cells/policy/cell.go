@@ -120,10 +120,14 @@ type reconcilerParams struct {
 	Entries   statedb.RWTable[*tables.PolicyEntry]
 	Endpoints statedb.RWTable[*tables.EndpointPolicy]
 	Ops       *reconcilers.Policy
+	Resync    bpffs.Resync
 }
 
 func registerReconcilers(p reconcilerParams) error {
-	_, err := reconcilers.RegisterPolicy(p.Params, p.Ops, p.Entries, p.Endpoints)
+	// Prune resyncs the maps (--bpf-map-resync-interval).
+	p.Ops.ResyncWith(p.Resync.DriftReport())
+	_, err := reconcilers.RegisterPolicy(p.Params, p.Ops, p.Entries, p.Endpoints,
+		reconciler.WithPruning(p.Resync.PruneInterval()))
 	return err
 }
 
