@@ -13,23 +13,30 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 	"golang.org/x/sys/unix"
+	"golang.org/x/time/rate"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/tables"
 )
 
-// Policy converges the policy-entries table into the policy map and the
-// endpoint-policy table into policy_endpoints.
+// Policy converges the endpoint-policy table, with the policy-entries
+// table's entries of each endpoint, into the policy and policy_endpoints
+// maps. One reconciler, on the endpoint-policy table, owns both maps: the
+// policy controller marks an endpoint's row pending whenever it changes
+// the endpoint's entries, and applying a row takes one order:
 //
-// An endpoint's policy_endpoints entry, which switches enforcement on for
-// its cgroup, is written only once every policy entry the table holds for
-// the endpoint is in the policy map: the endpoint operations write those
-// entries first (the entry operations then find them there and write
-// nothing), so a new endpoint or a newly enforced direction never runs on a
-// partial policy.
+//  1. the endpoint's entries the table holds are written (or rewritten);
+//  2. its policy_endpoints entry is written, and the entries of cgroups it
+//     no longer has are deleted;
+//  3. the entries the map holds for the endpoint that the table no longer
+//     has (or that belong to an endpoint ID it no longer has) are deleted.
 //
-// Like IPCache, it keeps a copy of what each map holds, read when the maps
-// are opened, so that a restart with unchanged desired state writes nothing.
+// So a new endpoint, a newly enforced direction or a replaced pod never
+// runs on a partial policy, and a policy that goes turns enforcement off
+// before its entries go.
+//
+// It keeps a copy of what each map holds, read when the maps are opened,
+// so that a restart with unchanged desired state writes nothing.
 type Policy struct {
 	log      *slog.Logger
 	maxFlag  string
@@ -39,15 +46,27 @@ type Policy struct {
 	policy    *ebpf.Map
 	endpoints *ebpf.Map
 	entries   map[bpf.PolicyKey]bpf.PolicyValue
+	// byID are the keys of entries by endpoint ID.
+	byID map[uint32]map[bpf.PolicyKey]struct{}
 	// cgroups is what policy_endpoints holds: cgroup ID → value.
 	cgroups map[uint64]bpf.PolicyEndpointValue
-	// written are the entries the endpoint operations wrote, with the
-	// policy-entries table's revision they saw: the entry reconciler's
-	// prune may run on an older view of the table, which does not have
-	// them yet, and must not delete them under an enforced endpoint.
-	written map[bpf.PolicyKey]statedb.Revision
+	// applied is what each row applied last, by endpoint name; idOwner and
+	// cgroupOwner name the endpoint that applied an ID or a cgroup, so
+	// that a pod gone does not take away what a newer pod reuses.
+	applied     map[string]appliedEndpoint
+	idOwner     map[uint32]string
+	cgroupOwner map[uint64]string
+
+	// drift, if set, makes Prune a resync: the maps are read and what
+	// differs from the copy is repaired and reported to it.
+	drift *Drift
 
 	writes, deletes atomic.Uint64
+}
+
+type appliedEndpoint struct {
+	id     uint32
+	cgroup uint64
 }
 
 // NewPolicy returns operations on no maps yet; call Open before the
@@ -59,8 +78,9 @@ func NewPolicy(log *slog.Logger, maxFlag string) *Policy {
 	}
 	return &Policy{
 		log: log, maxFlag: maxFlag,
-		entries: map[bpf.PolicyKey]bpf.PolicyValue{}, cgroups: map[uint64]bpf.PolicyEndpointValue{},
-		written: map[bpf.PolicyKey]statedb.Revision{},
+		entries: map[bpf.PolicyKey]bpf.PolicyValue{}, byID: map[uint32]map[bpf.PolicyKey]struct{}{},
+		cgroups: map[uint64]bpf.PolicyEndpointValue{}, applied: map[string]appliedEndpoint{},
+		idOwner: map[uint32]string{}, cgroupOwner: map[uint64]string{},
 	}
 }
 
@@ -107,8 +127,15 @@ func (p *Policy) Open(pinDir string, maxEntries, maxEndpoints uint32) (map[uint6
 		eps.Close()
 		return nil, fmt.Errorf("read %s: %w", eps.Path, err)
 	}
+	byID := map[uint32]map[bpf.PolicyKey]struct{}{}
+	for k := range entries {
+		addKey(byID, k)
+	}
 	p.mu.Lock()
-	p.policy, p.endpoints, p.entries, p.cgroups, p.maxCount = pol.Map, eps.Map, entries, cgroups, maxEntries
+	p.policy, p.endpoints, p.entries, p.byID, p.cgroups, p.maxCount = pol.Map, eps.Map, entries, byID, cgroups, maxEntries
+	clear(p.applied)
+	clear(p.idOwner)
+	clear(p.cgroupOwner)
 	p.mu.Unlock()
 	return restored, nil
 }
@@ -224,7 +251,15 @@ func (p *Policy) putEntryLocked(k bpf.PolicyKey, v bpf.PolicyValue) error {
 	}
 	p.writes.Add(1)
 	p.entries[k] = v
+	addKey(p.byID, k)
 	return nil
+}
+
+func addKey(byID map[uint32]map[bpf.PolicyKey]struct{}, k bpf.PolicyKey) {
+	if byID[k.EndpointID] == nil {
+		byID[k.EndpointID] = map[bpf.PolicyKey]struct{}{}
+	}
+	byID[k.EndpointID][k] = struct{}{}
 }
 
 func (p *Policy) deleteEntryLocked(k bpf.PolicyKey) error {
@@ -239,103 +274,28 @@ func (p *Policy) deleteEntryLocked(k bpf.PolicyKey) error {
 	}
 	p.deletes.Add(1)
 	delete(p.entries, k)
+	if keys := p.byID[k.EndpointID]; keys != nil {
+		delete(keys, k)
+		if len(keys) == 0 {
+			delete(p.byID, k.EndpointID)
+		}
+	}
 	return nil
 }
 
-// PolicyEntryOps are the operations of the policy-entries table.
-type PolicyEntryOps struct {
-	*Policy
-	table        statedb.Table[*tables.PolicyEntry]
-	endpointRows statedb.Table[*tables.EndpointPolicy]
-}
-
-var _ reconciler.Operations[*tables.PolicyEntry] = PolicyEntryOps{}
-
-// EntryOps returns the operations of the policy-entries table, which
-// prune reads the revision of.
-func (p *Policy) EntryOps(table statedb.Table[*tables.PolicyEntry]) PolicyEntryOps {
-	return PolicyEntryOps{Policy: p, table: table}
-}
-
-// Update implements reconciler.Operations.
-func (o PolicyEntryOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.PolicyEntry) error {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	k, v := PolicyKeyOf(e)
-	return o.putEntryLocked(k, v)
-}
-
-// Delete implements reconciler.Operations.
-func (o PolicyEntryOps) Delete(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, e *tables.PolicyEntry) error {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	// A policy that goes takes its entries and, often, the endpoint's
-	// enforcement with it: the endpoint's new flags go first, so that its
-	// traffic never meets a default deny without the entries meanwhile.
-	if o.endpointRows != nil && o.table != nil {
-		if row, _, found := o.endpointRows.Get(txn, tables.EndpointPolicyNameIndex.Query(e.Endpoint)); found &&
-			row.Status.Kind != reconciler.StatusKindDone {
-			// Its own reconciler retries what fails here.
-			_ = o.updateEndpointLocked(txn, o.table, row)
-		}
-	}
-	k, _ := PolicyKeyOf(e)
-	return o.deleteEntryLocked(k)
-}
-
-// OrderedBy returns the operations with the endpoint-policy table, so
-// that deleting an entry first applies its endpoint's pending row (see
-// Delete).
-func (o PolicyEntryOps) OrderedBy(endpoints statedb.Table[*tables.EndpointPolicy]) PolicyEntryOps {
-	o.endpointRows = endpoints
-	return o
-}
-
-// Prune implements reconciler.Operations: entries the table does not hold
-// (left by an earlier run) are deleted, except those the endpoint
-// operations wrote from a newer view of the table than txn.
-func (o PolicyEntryOps) Prune(_ context.Context, txn statedb.ReadTxn, objs iter.Seq2[*tables.PolicyEntry, statedb.Revision]) error {
-	want := map[bpf.PolicyKey]struct{}{}
-	for e := range objs {
-		k, _ := PolicyKeyOf(e)
-		want[k] = struct{}{}
-	}
-	var seen statedb.Revision
-	if o.table != nil {
-		seen = o.table.Revision(txn)
-	}
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	var errs []error
-	for k := range o.entries {
-		if _, ok := want[k]; ok {
-			continue
-		}
-		if rev, ok := o.written[k]; ok && rev > seen {
-			continue
-		}
-		errs = append(errs, o.deleteEntryLocked(k))
-	}
-	for k, rev := range o.written {
-		if rev <= seen {
-			delete(o.written, k)
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// EndpointPolicyOps are the operations of the endpoint-policy table. They
-// read the policy-entries table, so they need it.
-type EndpointPolicyOps struct {
+// PolicyOps are the operations of the endpoint-policy table's reconciler,
+// which owns the policy and policy_endpoints maps. They read an
+// endpoint's entries from the policy-entries table.
+type PolicyOps struct {
 	*Policy
 	Entries statedb.Table[*tables.PolicyEntry]
 }
 
-var _ reconciler.Operations[*tables.EndpointPolicy] = EndpointPolicyOps{}
+var _ reconciler.Operations[*tables.EndpointPolicy] = PolicyOps{}
 
-// EndpointOps returns the operations of the endpoint-policy table.
-func (p *Policy) EndpointOps(entries statedb.Table[*tables.PolicyEntry]) EndpointPolicyOps {
-	return EndpointPolicyOps{p, entries}
+// Ops returns the operations of the endpoint-policy table.
+func (p *Policy) Ops(entries statedb.Table[*tables.PolicyEntry]) PolicyOps {
+	return PolicyOps{p, entries}
 }
 
 // EndpointValue returns the policy_endpoints value of a row.
@@ -362,29 +322,31 @@ func EndpointValue(e *tables.EndpointPolicy) bpf.PolicyEndpointValue {
 	return v
 }
 
-// Update implements reconciler.Operations.
-func (o EndpointPolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, e *tables.EndpointPolicy) error {
+// Update implements reconciler.Operations: it applies the row in the
+// order Policy describes.
+func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, e *tables.EndpointPolicy) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	return o.updateEndpointLocked(txn, o.Entries, e)
-}
-
-// updateEndpointLocked writes the entries of e that entries holds in txn,
-// then e's policy_endpoints entry.
-func (p *Policy) updateEndpointLocked(txn statedb.ReadTxn, entries statedb.Table[*tables.PolicyEntry], e *tables.EndpointPolicy) error {
 	if e.PodTree {
-		return p.putCgroupLocked(e)
+		return o.putTreeLocked(e)
 	}
 	if e.ID == 0 {
-		return nil
+		// No cgroup known yet: nothing to enforce on, and nothing an
+		// earlier row of the endpoint applied stays.
+		return o.withdrawLocked(e)
 	}
-	// Every entry of the endpoint first: see Policy.
+	prev, hadPrev := o.applied[e.Name]
+
+	// 1. Every entry of the endpoint first.
+	want := map[bpf.PolicyKey]struct{}{}
 	var errs []error
-	rev := entries.Revision(txn)
-	for entry := range entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
+	for entry := range o.Entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
+		if entry.EndpointID != e.ID {
+			continue // written with the row that replaces this one
+		}
 		k, v := PolicyKeyOf(entry)
-		p.written[k] = rev
-		if err := p.putEntryLocked(k, v); err != nil {
+		want[k] = struct{}{}
+		if err := o.putEntryLocked(k, v); err != nil {
 			errs = append(errs, err)
 			if len(errs) == 3 {
 				break
@@ -394,39 +356,130 @@ func (p *Policy) updateEndpointLocked(txn statedb.ReadTxn, entries statedb.Table
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("endpoint %s not enforced until its policy is in the map: %w", e.Name, err)
 	}
-	// A cgroup the endpoint no longer has loses its entry.
-	for cg, v := range p.cgroups {
-		if v.EndpointID == e.ID && cg != e.CgroupID {
-			if err := p.deleteCgroupLocked(cg); err != nil {
+	o.applied[e.Name] = appliedEndpoint{id: e.ID, cgroup: e.CgroupID}
+	o.idOwner[e.ID] = e.Name
+
+	// 2. Its cgroup's entry; the cgroups it no longer has lose theirs.
+	if e.CgroupID != 0 {
+		v := EndpointValue(e)
+		if old, ok := o.cgroups[e.CgroupID]; !ok || old != v {
+			if o.endpoints == nil {
+				return errors.New("policy_endpoints map not open")
+			}
+			if err := o.endpoints.Put(e.CgroupID, v); err != nil {
+				return fmt.Errorf("write policy_endpoints entry of %s: %w", e.Name, err)
+			}
+			o.writes.Add(1)
+			o.cgroups[e.CgroupID] = v
+		}
+		o.cgroupOwner[e.CgroupID] = e.Name
+	}
+	for cg, v := range o.cgroups {
+		if cg == e.CgroupID || (v.EndpointID != e.ID && !(hadPrev && cg == prev.cgroup)) {
+			continue
+		}
+		if owner, ok := o.cgroupOwner[cg]; ok && owner != e.Name {
+			continue // another endpoint's now
+		}
+		if err := o.deleteCgroupLocked(cg); err != nil {
+			return err
+		}
+	}
+
+	// 3. The entries it no longer has.
+	for k := range o.byID[e.ID] {
+		if _, ok := want[k]; !ok {
+			if err := o.deleteEntryLocked(k); err != nil {
 				return err
 			}
 		}
 	}
-	return p.putCgroupLocked(e)
+	if hadPrev && prev.id != e.ID {
+		if err := o.deleteEndpointEntriesLocked(prev.id, e.Name); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
-// putCgroupLocked writes the policy_endpoints entry of e's cgroup.
-func (p *Policy) putCgroupLocked(e *tables.EndpointPolicy) error {
-	if e.CgroupID == 0 {
-		return nil
-	}
+// putTreeLocked writes the policy_endpoints entry of a pod tree's row
+// (no endpoint, no entries), and deletes the one of the cgroup the tree had
+// before (the kubelet made it anew).
+func (p *Policy) putTreeLocked(e *tables.EndpointPolicy) error {
 	v := EndpointValue(e)
-	if old, ok := p.cgroups[e.CgroupID]; ok && old == v {
+	if old, ok := p.cgroups[e.CgroupID]; !ok || old != v {
+		if p.endpoints == nil {
+			return errors.New("policy_endpoints map not open")
+		}
+		if err := p.endpoints.Put(e.CgroupID, v); err != nil {
+			return fmt.Errorf("write policy_endpoints entry of %s: %w", e.Name, err)
+		}
+		p.writes.Add(1)
+		p.cgroups[e.CgroupID] = v
+	}
+	p.cgroupOwner[e.CgroupID] = e.Name
+	if prev, ok := p.applied[e.Name]; ok && prev.cgroup != e.CgroupID && p.cgroupOwner[prev.cgroup] == e.Name {
+		if err := p.deleteCgroupLocked(prev.cgroup); err != nil {
+			return err
+		}
+	}
+	p.applied[e.Name] = appliedEndpoint{cgroup: e.CgroupID}
+	return nil
+}
+
+// Delete implements reconciler.Operations: enforcement goes, then the
+// entries.
+func (o PolicyOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.EndpointPolicy) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.withdrawLocked(e)
+}
+
+// withdrawLocked deletes the policy_endpoints entry and the entries that
+// e's endpoint applied (or, not applied by this process, that e names),
+// except those another endpoint has taken over since.
+func (p *Policy) withdrawLocked(e *tables.EndpointPolicy) error {
+	prev, ok := p.applied[e.Name]
+	if !ok {
+		prev = appliedEndpoint{id: e.ID, cgroup: e.CgroupID}
+	}
+	for _, cg := range []uint64{prev.cgroup, e.CgroupID} {
+		if owner, taken := p.cgroupOwner[cg]; cg == 0 || (taken && owner != e.Name) {
+			continue
+		}
+		if err := p.deleteCgroupLocked(cg); err != nil {
+			return err
+		}
+	}
+	for _, id := range []uint32{prev.id, e.ID} {
+		if id != 0 {
+			if err := p.deleteEndpointEntriesLocked(id, e.Name); err != nil {
+				return err
+			}
+		}
+	}
+	delete(p.applied, e.Name)
+	return nil
+}
+
+// deleteEndpointEntriesLocked deletes the entries of endpoint ID id,
+// unless an endpoint other than name has taken the ID.
+func (p *Policy) deleteEndpointEntriesLocked(id uint32, name string) error {
+	if owner, ok := p.idOwner[id]; ok && owner != name {
 		return nil
 	}
-	if p.endpoints == nil {
-		return errors.New("policy_endpoints map not open")
+	for k := range p.byID[id] {
+		if err := p.deleteEntryLocked(k); err != nil {
+			return err
+		}
 	}
-	if err := p.endpoints.Put(e.CgroupID, v); err != nil {
-		return fmt.Errorf("write policy_endpoints entry of %s: %w", e.Name, err)
-	}
-	p.writes.Add(1)
-	p.cgroups[e.CgroupID] = v
+	delete(p.idOwner, id)
 	return nil
 }
 
 func (p *Policy) deleteCgroupLocked(cg uint64) error {
 	if _, ok := p.cgroups[cg]; !ok {
+		delete(p.cgroupOwner, cg)
 		return nil
 	}
 	if p.endpoints == nil {
@@ -437,41 +490,84 @@ func (p *Policy) deleteCgroupLocked(cg uint64) error {
 	}
 	p.deletes.Add(1)
 	delete(p.cgroups, cg)
+	delete(p.cgroupOwner, cg)
 	return nil
 }
 
-// Delete implements reconciler.Operations.
-func (o EndpointPolicyOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.EndpointPolicy) error {
+// ResyncWith makes every Prune first compare the maps with what the
+// operations wrote and repair them, reporting to d (nil: no resync).
+func (p *Policy) ResyncWith(d *Drift) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.drift = d
+}
+
+// resyncLocked repairs drift of both maps (see resyncMap).
+func (p *Policy) resyncLocked() error {
+	if p.drift == nil || p.policy == nil || p.endpoints == nil {
+		return nil
+	}
+	c, err := resyncMap(p.policy, p.entries)
+	errs := []error{err, p.drift.Report(bpf.PolicyMap, c)}
+	c, err = resyncMap(p.endpoints, p.cgroups)
+	errs = append(errs, err, p.drift.Report(bpf.PolicyEndpointsMap, c))
+	return errors.Join(errs...)
+}
+
+// Prune implements reconciler.Operations: it repairs drift of the maps
+// (ResyncWith), then what the maps hold that no row asks for (left by an
+// earlier run) is deleted. What a row not applied
+// yet (pending, or failed and to be retried) had applied stays: its
+// Update replaces it in order.
+func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[*tables.EndpointPolicy, statedb.Revision]) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	for cg, v := range o.cgroups {
-		if (e.ID != 0 && v.EndpointID == e.ID) || (e.CgroupID != 0 && cg == e.CgroupID) {
-			if err := o.deleteCgroupLocked(cg); err != nil {
-				return err
+	resyncErr := o.resyncLocked()
+	wantEntries := map[bpf.PolicyKey]struct{}{}
+	wantCgroups := map[uint64]struct{}{}
+	keepIDs := map[uint32]struct{}{}
+	for e := range rows {
+		if e.Status.Kind != reconciler.StatusKindDone {
+			for _, id := range []uint32{e.ID, o.applied[e.Name].id} {
+				keepIDs[id] = struct{}{}
+			}
+			for _, cg := range []uint64{e.CgroupID, o.applied[e.Name].cgroup} {
+				wantCgroups[cg] = struct{}{}
+			}
+			continue
+		}
+		if e.PodTree {
+			wantCgroups[e.CgroupID] = struct{}{}
+			continue
+		}
+		if e.ID == 0 {
+			continue
+		}
+		if e.CgroupID != 0 {
+			wantCgroups[e.CgroupID] = struct{}{}
+		}
+		for entry := range o.Entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
+			if entry.EndpointID == e.ID {
+				k, _ := PolicyKeyOf(entry)
+				wantEntries[k] = struct{}{}
 			}
 		}
 	}
-	return nil
-}
-
-// Prune implements reconciler.Operations: cgroups no row names lose their
-// entry.
-func (o EndpointPolicyOps) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*tables.EndpointPolicy, statedb.Revision]) error {
-	want := map[uint64]struct{}{}
-	for e := range objs {
-		if (e.ID != 0 || e.PodTree) && e.CgroupID != 0 {
-			want[e.CgroupID] = struct{}{}
-		}
-	}
-	o.mu.Lock()
-	defer o.mu.Unlock()
 	var errs []error
 	for cg := range o.cgroups {
-		if _, ok := want[cg]; !ok {
+		if _, ok := wantCgroups[cg]; !ok {
 			errs = append(errs, o.deleteCgroupLocked(cg))
 		}
 	}
-	return errors.Join(errs...)
+	for k := range o.entries {
+		if _, ok := keepIDs[k.EndpointID]; ok {
+			continue
+		}
+		if _, ok := wantEntries[k]; !ok {
+			errs = append(errs, o.deleteEntryLocked(k))
+		}
+	}
+	return errors.Join(append(errs, resyncErr)...)
 }
 
 // DumpPolicy calls fn with the policy map's entries, read from the kernel.
@@ -487,4 +583,26 @@ func (p *Policy) DumpPolicy(fn func(bpf.PolicyKey, bpf.PolicyValue)) error {
 		}
 		return nil
 	})
+}
+
+// RegisterPolicy registers the reconciler of the endpoint-policy table,
+// which writes the policy and policy_endpoints maps with ops (see Policy),
+// reading the endpoints' entries from entries.
+func RegisterPolicy(params reconciler.Params, ops *Policy, entries statedb.Table[*tables.PolicyEntry],
+	endpoints statedb.RWTable[*tables.EndpointPolicy], opts ...reconciler.Option,
+) (reconciler.Reconciler[*tables.EndpointPolicy], error) {
+	opts = append([]reconciler.Option{
+		// Update writes only what differs from the copy of the maps, so
+		// a refresh would only compare.
+		reconciler.WithRefreshing(0, nil),
+		// The DNS proxy holds answers until the entries are in the map.
+		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),
+	}, opts...)
+	r, err := reconciler.Register(params, endpoints,
+		(*tables.EndpointPolicy).Clone, (*tables.EndpointPolicy).SetStatus, (*tables.EndpointPolicy).GetStatus,
+		ops.Ops(entries), nil, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("register endpoint-policy reconciler: %w", err)
+	}
+	return r, nil
 }

@@ -82,7 +82,6 @@ func (f *policyFixture) insert(t *testing.T, rows ...any) {
 		var err error
 		switch r := row.(type) {
 		case *tables.PolicyEntry:
-			r.Status = reconciler.StatusPending()
 			_, _, err = f.entries.Insert(wtxn, r)
 		case *tables.EndpointPolicy:
 			r.Status = reconciler.StatusPending()
@@ -119,22 +118,8 @@ func (f *policyFixture) remove(t *testing.T, rows ...any) {
 	wtxn.Commit()
 }
 
-// updateEntries runs the entry operations' Update on every row of the
-// policy-entries table, as its reconciler does, and returns the errors by
-// row key.
-func (f *policyFixture) updateEntries(t *testing.T) map[string]error {
-	t.Helper()
-	errs := map[string]error{}
-	txn := f.db.ReadTxn()
-	for e, rev := range f.entries.All(txn) {
-		if err := f.ops.EntryOps(f.entries).Update(context.Background(), txn, rev, e); err != nil {
-			errs[e.Key()] = err
-		}
-	}
-	return errs
-}
-
-// updateEndpoint runs the endpoint operations' Update on the row name.
+// updateEndpoint runs Update on the row name, as the reconciler does, and
+// records the outcome in the row's status.
 func (f *policyFixture) updateEndpoint(t *testing.T, name string) error {
 	t.Helper()
 	txn := f.db.ReadTxn()
@@ -142,22 +127,22 @@ func (f *policyFixture) updateEndpoint(t *testing.T, name string) error {
 	if !found {
 		t.Fatalf("no endpoint-policy row %s", name)
 	}
-	return f.ops.EndpointOps(f.entries).Update(context.Background(), txn, rev, row)
-}
-
-// pruneEntries and pruneEndpoints run Prune with what the tables hold.
-func (f *policyFixture) pruneEntries(t *testing.T) {
-	t.Helper()
-	txn := f.db.ReadTxn()
-	if err := f.ops.EntryOps(f.entries).Prune(context.Background(), txn, f.entries.All(txn)); err != nil {
-		t.Fatal(err)
+	err := f.ops.Ops(f.entries).Update(context.Background(), txn, rev, row)
+	status := reconciler.StatusDone()
+	if err != nil {
+		status = reconciler.StatusError(err)
 	}
+	wtxn := f.db.WriteTxn(f.endpoints)
+	f.endpoints.Insert(wtxn, row.Clone().SetStatus(status))
+	wtxn.Commit()
+	return err
 }
 
-func (f *policyFixture) pruneEndpoints(t *testing.T) {
+// prune runs Prune with what the tables hold.
+func (f *policyFixture) prune(t *testing.T) {
 	t.Helper()
 	txn := f.db.ReadTxn()
-	if err := f.ops.EndpointOps(f.entries).Prune(context.Background(), txn, f.endpoints.All(txn)); err != nil {
+	if err := f.ops.Ops(f.entries).Prune(context.Background(), txn, f.endpoints.All(txn)); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -303,7 +288,9 @@ func TestPolicyEntryKeys(t *testing.T) {
 		e := tc.entry
 		e.EndpointID = uint32(i + 1)
 		e.Endpoint = fmt.Sprintf("default/ep%d", e.EndpointID)
-		if err := f.ops.EntryOps(f.entries).Update(context.Background(), f.db.ReadTxn(), 0, &e); err != nil {
+		// A row without a cgroup: the entries only.
+		f.insert(t, &e, polEndpoint(e.EndpointID, 0, tables.EnforceOff, tables.EnforceOff))
+		if err := f.updateEndpoint(t, e.Endpoint); err != nil {
 			t.Fatalf("%s: %v", tc.name, err)
 		}
 		k := tc.key
@@ -376,9 +363,6 @@ func TestPolicyRestart(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if errs := f.updateEntries(t); len(errs) > 0 {
-			t.Fatal(errs)
-		}
 	}
 	apply()
 	if u, d := f.ops.Writes(); u != 7 || d != 0 {
@@ -401,8 +385,7 @@ func TestPolicyRestart(t *testing.T) {
 			t.Errorf("size %d: %d entries read, want 5", size, n)
 		}
 		apply()
-		f.pruneEntries(t)
-		f.pruneEndpoints(t)
+		f.prune(t)
 		if u, d := f.ops.Writes(); u != 0 || d != 0 {
 			t.Errorf("size %d: %d writes, %d deletes for rows the maps held", size, u, d)
 		}
@@ -414,7 +397,7 @@ func TestPolicyRestart(t *testing.T) {
 	goneKey, _ := reconcilers.PolicyKeyOf(gone)
 	f.open(t, 2048)
 	f.remove(t, gone, db, dbEntries[0], dbEntries[1])
-	f.pruneEntries(t)
+	f.prune(t)
 	got := f.policyMap(t)
 	if _, ok := got[goneKey]; ok {
 		t.Errorf("pruned entry %s is still in the map", goneKey)
@@ -428,7 +411,6 @@ func TestPolicyRestart(t *testing.T) {
 	if len(got) != 2 {
 		t.Errorf("%d entries after the prune, want 2: %v", len(got), got)
 	}
-	f.pruneEndpoints(t)
 	delete(wantCgroups, 1002)
 	if got := f.endpointsMap(t); !maps.Equal(got, wantCgroups) {
 		t.Errorf("after the prune policy_endpoints is %v, want %v", got, wantCgroups)
@@ -439,11 +421,10 @@ func TestPolicyRestart(t *testing.T) {
 }
 
 // TestPolicyMapFull fills a policy map of the smallest size (256) with 300
-// entries: those beyond its capacity fail with an error that says the map
-// is full and names the flag that sizes it, the others are in the map; an
-// endpoint whose entries do not all fit is not switched on (no
-// policy_endpoints entry, an error naming it), an endpoint whose entries
-// fit is, and the first is once room is made.
+// entries: an endpoint whose entries do not all fit is not switched on (no
+// policy_endpoints entry, an error naming it, the full map and the flag
+// that sizes it), an endpoint whose entries fit is, and the first is once
+// room is made.
 func TestPolicyMapFull(t *testing.T) {
 	const size = 256
 	f := newPolicyFixture(t, size)
@@ -463,47 +444,16 @@ func TestPolicyMapFull(t *testing.T) {
 	}
 	f.insert(t, rows...)
 
-	isFull := func(err error) bool {
-		return err != nil && strings.Contains(err.Error(), fmt.Sprintf("policy map is full (%d entries)", size)) &&
-			strings.Contains(err.Error(), "--"+policyMaxFlag)
-	}
-	// The entries' reconciler first: it goes through the table in key
-	// order, so the entries of default/ep1 and the first 56 of
-	// default/ep2 fit.
-	errs := f.updateEntries(t)
-	if len(errs) != 300-size {
-		t.Fatalf("%d entries failed, want %d", len(errs), 300-size)
-	}
-	for key, err := range errs {
-		if !isFull(err) {
-			t.Fatalf("entry %s: %v; want the map full and --%s named", key, err, policyMaxFlag)
-		}
-	}
-	got := f.policyMap(t)
-	if len(got) != size {
-		t.Fatalf("%d entries in the map, want %d", len(got), size)
-	}
-	for e := range f.entries.All(f.db.ReadTxn()) {
-		k, v := reconcilers.PolicyKeyOf(e)
-		_, failed := errs[e.Key()]
-		if mv, ok := got[k]; ok == failed || (ok && mv != v) {
-			t.Errorf("entry %s: in the map %v (%+v), its update failed %v", e.Key(), ok, mv, failed)
-		}
-	}
-	for _, e := range fitsEntries {
-		if _, failed := errs[e.Key()]; failed {
-			t.Errorf("entry %s of the endpoint that fits failed", e.Key())
-		}
-	}
-
-	// The endpoint rows: only the one whose entries are all in the map
-	// is switched on.
 	if err := f.updateEndpoint(t, fits.Name); err != nil {
 		t.Fatalf("endpoint %s: %v", fits.Name, err)
 	}
 	err := f.updateEndpoint(t, overflows.Name)
-	if !isFull(err) || !strings.Contains(err.Error(), "endpoint "+overflows.Name+" not enforced") {
+	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("policy map is full (%d entries)", size)) ||
+		!strings.Contains(err.Error(), "--"+policyMaxFlag) || !strings.Contains(err.Error(), "endpoint "+overflows.Name+" not enforced") {
 		t.Fatalf("endpoint %s: %v; want an error naming it, the full map and --%s", overflows.Name, err, policyMaxFlag)
+	}
+	if n := len(f.policyMap(t)); n != size {
+		t.Fatalf("%d entries in the map, want %d", n, size)
 	}
 	wantCgroups := map[uint64]bpf.PolicyEndpointValue{2001: {EndpointID: 1, Flags: bpf.PolicyEnforceEgress}}
 	if got := f.endpointsMap(t); !maps.Equal(got, wantCgroups) {
@@ -515,11 +465,11 @@ func TestPolicyMapFull(t *testing.T) {
 	var dropped []any
 	for _, e := range fitsEntries[150:] {
 		dropped = append(dropped, e)
-		if err := f.ops.EntryOps(f.entries).Delete(context.Background(), f.db.ReadTxn(), 0, e); err != nil {
-			t.Fatal(err)
-		}
 	}
 	f.remove(t, dropped...)
+	if err := f.updateEndpoint(t, fits.Name); err != nil {
+		t.Fatal(err)
+	}
 	if err := f.updateEndpoint(t, overflows.Name); err != nil {
 		t.Fatalf("endpoint %s once there is room: %v", overflows.Name, err)
 	}
@@ -527,14 +477,14 @@ func TestPolicyMapFull(t *testing.T) {
 	if got := f.endpointsMap(t); !maps.Equal(got, wantCgroups) {
 		t.Fatalf("policy_endpoints %v, want %v", got, wantCgroups)
 	}
-	got = f.policyMap(t)
-	for _, e := range overflowsEntries {
+	got := f.policyMap(t)
+	for _, e := range slices.Concat(fitsEntries[:150], overflowsEntries) {
 		if k, _ := reconcilers.PolicyKeyOf(e); !mapHas(got, k) {
-			t.Errorf("entry %s of the switched-on endpoint is not in the map", k)
+			t.Errorf("entry %s of a switched-on endpoint is not in the map", k)
 		}
 	}
-	if errs := f.updateEntries(t); len(errs) > 0 {
-		t.Errorf("entries failing once there is room: %v", errs)
+	if len(got) != 250 {
+		t.Errorf("%d entries in the map, want 250", len(got))
 	}
 }
 
@@ -544,7 +494,7 @@ func mapHas[K comparable, V any](m map[K]V, k K) bool {
 }
 
 // TestPolicyEndpointFlags: an endpoint row's Update writes the endpoint's
-// entries (the entry operations never ran) and then its cgroup, with the
+// entries and then its cgroup, with the
 // flags of its directions' enforcement and of audit mode.
 func TestPolicyEndpointFlags(t *testing.T) {
 	tests := []struct {
@@ -579,14 +529,6 @@ func TestPolicyEndpointFlags(t *testing.T) {
 			want := map[uint64]bpf.PolicyEndpointValue{3001: {EndpointID: 7, Flags: tc.want}}
 			if got := f.endpointsMap(t); !maps.Equal(got, want) {
 				t.Errorf("policy_endpoints %v, want %v", got, want)
-			}
-			// The entry operations then find their entries there.
-			before, _ := f.ops.Writes()
-			if errs := f.updateEntries(t); len(errs) > 0 {
-				t.Fatal(errs)
-			}
-			if after, _ := f.ops.Writes(); after != before {
-				t.Errorf("the entry operations wrote %d entries the endpoint's update had written", after-before)
 			}
 		})
 	}
@@ -633,7 +575,7 @@ func TestPolicyEndpointCgroup(t *testing.T) {
 		if step.change == nil {
 			txn := f.db.ReadTxn()
 			f.remove(t, row)
-			err = f.ops.EndpointOps(f.entries).Delete(context.Background(), txn, 0, row)
+			err = f.ops.Ops(f.entries).Delete(context.Background(), txn, 0, row)
 		} else {
 			row = row.Clone()
 			step.change(row)
@@ -647,9 +589,9 @@ func TestPolicyEndpointCgroup(t *testing.T) {
 			t.Fatalf("%s: policy_endpoints %v, want %v", step.name, got, step.want)
 		}
 	}
-	// The endpoint's entries are the entry operations' to delete.
-	if k, _ := reconcilers.PolicyKeyOf(entry); !mapHas(f.policyMap(t), k) {
-		t.Errorf("deleting the endpoint row deleted its entry %s", k)
+	// Its entries went with it.
+	if k, _ := reconcilers.PolicyKeyOf(entry); mapHas(f.policyMap(t), k) {
+		t.Errorf("deleting the endpoint row left its entry %s", k)
 	}
 
 	// No endpoint ID yet (its cgroup unknown so far): nothing written.
@@ -670,40 +612,42 @@ func TestPolicyEndpointCgroup(t *testing.T) {
 	if err := f.updateEndpoint(t, db.Name); err != nil {
 		t.Fatal(err)
 	}
-	f.pruneEndpoints(t)
+	f.prune(t)
 	want := map[uint64]bpf.PolicyEndpointValue{1005: {EndpointID: 2, Flags: bpf.PolicyEnforceIngress}}
 	if got := f.endpointsMap(t); !maps.Equal(got, want) {
 		t.Fatalf("after the prune policy_endpoints %v, want %v", got, want)
 	}
 }
 
-// TestPolicyPruneStaleView: the entry reconciler's prune may run on a view
-// of the table older than the one an endpoint's Update wrote the
-// endpoint's entries from; it must not delete them under the enforced
-// endpoint, and deletes them once its own view no longer has them.
-func TestPolicyPruneStaleView(t *testing.T) {
+// TestPolicyPruneKeepsPending: Prune leaves what a row not applied yet
+// (pending, or failed and to be retried) had applied, which its Update
+// replaces in order; once applied, what the row no longer has goes.
+func TestPolicyPruneKeepsPending(t *testing.T) {
 	f := newPolicyFixture(t, 1024)
 	web := polEndpoint(1, 1001, tables.EnforceOff, tables.EnforceDefaultDeny)
-	f.insert(t, web)
-	stale := f.db.ReadTxn() // the entry reconciler's round starts here
 	e := polEntry(1, 256, tables.DirEgress, 443)
-	f.insert(t, e)
+	f.insert(t, web, e)
 	if err := f.updateEndpoint(t, web.Name); err != nil {
 		t.Fatal(err)
 	}
+	// The policy changes (another port); the row is pending.
+	next := polEntry(1, 256, tables.DirEgress, 8443)
+	f.remove(t, e)
+	f.insert(t, next, web.Clone())
+	f.prune(t)
 	k, _ := reconcilers.PolicyKeyOf(e)
-	if err := f.ops.EntryOps(f.entries).Prune(context.Background(), stale, f.entries.All(stale)); err != nil {
+	if !mapHas(f.policyMap(t), k) {
+		t.Fatalf("prune deleted %s under an enforced endpoint whose row is pending", k)
+	}
+	if !mapHas(f.endpointsMap(t), 1001) {
+		t.Fatalf("prune deleted the cgroup of a pending row")
+	}
+	if err := f.updateEndpoint(t, web.Name); err != nil {
 		t.Fatal(err)
 	}
-	if !mapHas(f.policyMap(t), k) {
-		t.Fatalf("prune on a stale view deleted %s under an enforced endpoint", k)
-	}
-
-	// Gone from the table: a prune that sees that deletes it.
-	f.remove(t, e)
-	f.pruneEntries(t)
-	if mapHas(f.policyMap(t), k) {
-		t.Fatalf("%s stays after the table lost it", k)
+	nk, _ := reconcilers.PolicyKeyOf(next)
+	if got := f.policyMap(t); mapHas(got, k) || !mapHas(got, nk) {
+		t.Fatalf("after the update the map holds %v; want %s and not %s", got, nk, k)
 	}
 }
 
@@ -715,11 +659,10 @@ func TestPolicyMapShrink(t *testing.T) {
 	for i := range 300 {
 		rows = append(rows, polEntry(1, uint32(1000+i), tables.DirEgress, 443))
 	}
+	rows = append(rows, polEndpoint(1, 0, tables.EnforceOff, tables.EnforceOff))
 	f.insert(t, rows...)
-	for key, err := range f.updateEntries(t) {
-		if err != nil {
-			t.Fatalf("%s: %v", key, err)
-		}
+	if err := f.updateEndpoint(t, "default/ep1"); err != nil {
+		t.Fatal(err)
 	}
 	f.open(t, 256)
 	if n := len(f.policyMap(t)); n != 256 {
@@ -727,9 +670,9 @@ func TestPolicyMapShrink(t *testing.T) {
 	}
 }
 
-// TestPolicyOffBeforeEntriesGo: when a policy goes, its entries' deletion
-// first applies the endpoint's pending row (enforcement off), so that the
-// endpoint never meets a default deny without them.
+// TestPolicyOffBeforeEntriesGo: when a policy goes, its entries are
+// deleted and the endpoint turned off in one transaction; the update
+// applies both (enforcement first, see Policy).
 func TestPolicyOffBeforeEntriesGo(t *testing.T) {
 	f := newPolicyFixture(t, 1024)
 	web := polEndpoint(1, 1001, tables.EnforceOff, tables.EnforceDefaultDeny)
@@ -738,17 +681,13 @@ func TestPolicyOffBeforeEntriesGo(t *testing.T) {
 	if err := f.updateEndpoint(t, web.Name); err != nil {
 		t.Fatal(err)
 	}
-	// The policy goes: the entry is deleted and the endpoint turned off
-	// in one transaction; the entry reconciler gets there first.
 	f.remove(t, e)
 	f.insert(t, polEndpoint(1, 1001, tables.EnforceOff, tables.EnforceOff))
-	txn := f.db.ReadTxn()
-	ops := f.ops.EntryOps(f.entries).OrderedBy(f.endpoints)
-	if err := ops.Delete(context.Background(), txn, 0, e); err != nil {
+	if err := f.updateEndpoint(t, web.Name); err != nil {
 		t.Fatal(err)
 	}
 	if v := f.endpointsMap(t)[1001]; v.Flags&(bpf.PolicyEnforceEgress|bpf.PolicyEnforceIngress) != 0 {
-		t.Errorf("the entry went while the endpoint still enforced egress: flags %#x", v.Flags)
+		t.Errorf("the endpoint still enforces: flags %#x", v.Flags)
 	}
 	if k, _ := reconcilers.PolicyKeyOf(e); mapHas(f.policyMap(t), k) {
 		t.Errorf("the entry is still in the map")

@@ -43,23 +43,12 @@ type PolicyEntry struct {
 	Policies []string `json:"policies" yaml:"policies"`
 	// Cookie names the first of Policies in the datapath's verdicts.
 	Cookie uint32 `json:"cookie" yaml:"cookie"`
-	// Status is the reconciliation status of the map entry.
-	Status reconciler.Status `json:"status" yaml:"status"`
 }
 
 // Clone returns a shallow copy.
 func (e *PolicyEntry) Clone() *PolicyEntry {
 	c := *e
 	return &c
-}
-
-// GetStatus returns the reconciliation status.
-func (e *PolicyEntry) GetStatus() reconciler.Status { return e.Status }
-
-// SetStatus sets the reconciliation status and returns the entry.
-func (e *PolicyEntry) SetStatus(s reconciler.Status) *PolicyEntry {
-	e.Status = s
-	return e
 }
 
 // Key is the entry's primary key: endpoint, identity, direction,
@@ -92,7 +81,7 @@ func PortPrefixString(proto uint8, port uint16, bits uint8) string {
 
 // TableHeader implements statedb.TableWritable.
 func (*PolicyEntry) TableHeader() []string {
-	return []string{"Endpoint", "Identity", "Direction", "Port", "Verdict", "Policies", "Status"}
+	return []string{"Endpoint", "Identity", "Direction", "Port", "Verdict", "Policies"}
 }
 
 // TableRow implements statedb.TableWritable.
@@ -110,7 +99,7 @@ func (e *PolicyEntry) TableRow() []string {
 	}
 	return []string{
 		e.Endpoint, id, e.Direction, PortPrefixString(e.Protocol, e.Port, e.PortBits), verdict,
-		strings.Join(e.Policies, ", "), StatusText(e.Status),
+		strings.Join(e.Policies, ", "),
 	}
 }
 

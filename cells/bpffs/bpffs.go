@@ -9,12 +9,15 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/cilium/hive/cell"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/dirlock"
+	"github.com/apiary-net/apiary/reconcilers"
 )
 
 // Cell provides PinDir. It mounts bpffs at /sys/fs/bpf when the pin directory
@@ -25,8 +28,8 @@ var Cell = cell.Module(
 	"bpffs",
 	"BPF filesystem and pin directory",
 
-	cell.Config(Config{PinDir: DefaultPinDir}),
-	cell.Provide(newPinDir),
+	cell.Config(Config{PinDir: DefaultPinDir, BPFMapResyncInterval: time.Minute}),
+	cell.Provide(newPinDir, newResync),
 	// Checked even before any feature pins a map, so a bad --bpf-pin-dir or
 	// a missing privilege is reported at start.
 	cell.Invoke(func(PinDir) {}),
@@ -39,16 +42,61 @@ const DefaultPinDir = "/sys/fs/bpf/apiary"
 type Config struct {
 	// PinDir is the directory for the agent's pinned maps and links.
 	PinDir string `mapstructure:"bpf-pin-dir"`
+	// BPFMapResyncInterval is how often the reconcilers compare their maps
+	// with what they wrote and repair them; 0 turns it off.
+	BPFMapResyncInterval time.Duration
 }
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(fs *pflag.FlagSet) {
 	fs.String("bpf-pin-dir", def.PinDir, "Directory on bpffs where the agent pins its BPF maps (kept across restarts)")
+	fs.Duration(ResyncFlag, def.BPFMapResyncInterval,
+		"How often the maps the agent owns are compared with what it wrote and repaired (missing entries written, changed ones rewritten, strays deleted); 0 turns it off")
 }
 
 // PinDir is an existing directory on bpffs, ready for pins, that this agent
 // alone uses.
 type PinDir string
+
+// ResyncFlag is the flag that sets Resync.Interval.
+const ResyncFlag = "bpf-map-resync-interval"
+
+// Resync is how the reconcilers repair drift of their maps: every
+// Interval (0: never), reporting to Drift.
+type Resync struct {
+	Interval time.Duration
+	Drift    *reconcilers.Drift
+}
+
+// PruneInterval is the interval of a reconciler's prune, which resyncs:
+// the interval, or (resync off) statedb's default of an hour, so that
+// strays left by an earlier run still go.
+func (r Resync) PruneInterval() time.Duration {
+	if r.Interval <= 0 {
+		return time.Hour
+	}
+	return r.Interval
+}
+
+// DriftReport is where a reconciler reports drift: nil when resync is
+// off.
+func (r Resync) DriftReport() *reconcilers.Drift {
+	if r.Interval <= 0 {
+		return nil
+	}
+	return r.Drift
+}
+
+func newResync(cfg Config, log *slog.Logger, reg prometheus.Registerer) (Resync, error) {
+	if cfg.BPFMapResyncInterval < 0 {
+		return Resync{}, fmt.Errorf("--%s=%s: want 0 (off) or a positive duration", ResyncFlag, cfg.BPFMapResyncInterval)
+	}
+	d, err := reconcilers.NewDrift(log, reg)
+	if err != nil {
+		return Resync{}, err
+	}
+	return Resync{Interval: cfg.BPFMapResyncInterval, Drift: d}, nil
+}
 
 func newPinDir(cfg Config, log *slog.Logger, lc cell.Lifecycle) (PinDir, error) {
 	dir, err := Prepare(cfg.PinDir)

@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/testenv"
@@ -135,29 +137,54 @@ func BenchmarkIdentitySelected(b *testing.B) {
 	}
 }
 
-// mapOutput writes the engine's entries into the policy map through the
-// reconciler's operations, as the agent's reconciler does.
+// mapOutput writes the engine's output into the policy tables with the
+// controller's writer, and the rows it marks pending into the pinned maps
+// with the reconciler's operations, as the agent does.
 type mapOutput struct {
-	ops    reconcilers.PolicyEntryOps
-	err    error
-	writes int
+	*writer
+	db        *statedb.DB
+	entries   statedb.RWTable[*tables.PolicyEntry]
+	endpoints statedb.RWTable[*tables.EndpointPolicy]
+	ops       reconcilers.PolicyOps
+	writes    int
 }
 
-func (o *mapOutput) upsertEntry(e *tables.PolicyEntry) {
-	o.writes++
-	if err := o.ops.Update(context.Background(), nil, 0, e); err != nil && o.err == nil {
-		o.err = err
+func newMapOutput(tb testing.TB, ops *reconcilers.Policy) *mapOutput {
+	db := statedb.New()
+	entries, err := tables.NewPolicyEntriesTable(db)
+	if err != nil {
+		tb.Fatal(err)
 	}
+	endpoints, err := tables.NewEndpointPolicyTable(db)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	c := &controller{controllerParams: controllerParams{DB: db, Entries: entries, EndpointPolicy: endpoints}}
+	return &mapOutput{writer: &writer{c: c}, db: db, entries: entries, endpoints: endpoints, ops: ops.Ops(entries)}
 }
 
-func (o *mapOutput) deleteEntry(e *tables.PolicyEntry) {
-	o.writes++
-	if err := o.ops.Delete(context.Background(), nil, 0, e); err != nil && o.err == nil {
-		o.err = err
+func (o *mapOutput) upsertEntry(e *tables.PolicyEntry) { o.writes++; o.writer.upsertEntry(e) }
+func (o *mapOutput) deleteEntry(e *tables.PolicyEntry) { o.writes++; o.writer.deleteEntry(e) }
+
+// apply commits the output and applies every pending row.
+func (o *mapOutput) apply() error {
+	if err := o.commit(); err != nil {
+		return err
 	}
+	txn := o.db.ReadTxn()
+	wtxn := o.db.WriteTxn(o.endpoints)
+	defer wtxn.Commit()
+	for row, rev := range o.endpoints.All(txn) {
+		if row.Status.Kind == reconciler.StatusKindDone {
+			continue
+		}
+		if err := o.ops.Update(context.Background(), txn, rev, row); err != nil {
+			return err
+		}
+		o.endpoints.Insert(wtxn, row.Clone().SetStatus(reconciler.StatusDone()))
+	}
+	return nil
 }
-func (o *mapOutput) upsertEndpoint(*tables.EndpointPolicy) {}
-func (o *mapOutput) deleteEndpoint(string)                 {}
 
 // BenchmarkIdentityToMap: a new identity selected by 100 selectors, each
 // named by the policy of 100 endpoints, computed and written into the
@@ -182,8 +209,11 @@ func BenchmarkIdentityToMap(b *testing.B) {
 		name := fmt.Sprintf("default/web-%d", i)
 		e.setEndpoint(name, endpointRow(name, 256, uint64(100+i)))
 	}
-	out := &mapOutput{ops: ops.EntryOps(nil)}
+	out := newMapOutput(b, ops)
 	e.flush(out)
+	if err := out.apply(); err != nil {
+		b.Fatal(err)
+	}
 	b.ResetTimer()
 	for i := range b.N {
 		id := uint32(0x01000000 + i)
@@ -191,8 +221,8 @@ func BenchmarkIdentityToMap(b *testing.B) {
 			e.setSelector(fmt.Sprintf("fqdn:s%d", s), []uint32{id})
 		}
 		e.flush(out)
-		if out.err != nil {
-			b.Fatal(out.err)
+		if err := out.apply(); err != nil {
+			b.Fatal(err)
 		}
 	}
 	b.ReportMetric(float64(out.writes)/float64(b.N), "map-ops/op")

@@ -19,7 +19,6 @@ import (
 	"github.com/cilium/statedb/reconciler"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
-	"golang.org/x/time/rate"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/cells/bpffs"
@@ -147,31 +146,15 @@ type reconcilerParams struct {
 	Entries   statedb.RWTable[*tables.PolicyEntry]
 	Endpoints statedb.RWTable[*tables.EndpointPolicy]
 	Ops       *reconcilers.Policy
+	Resync    bpffs.Resync
 }
 
 func registerReconcilers(p reconcilerParams) error {
-	// Update skips entries the map already holds, so a refresh would only
-	// compare; nobody else writes the maps.
-	_, err := reconciler.Register(p.Params, p.Entries,
-		(*tables.PolicyEntry).Clone, (*tables.PolicyEntry).SetStatus, (*tables.PolicyEntry).GetStatus,
-		p.Ops.EntryOps(p.Entries).OrderedBy(p.Endpoints), nil,
-		reconciler.WithRefreshing(0, nil),
-		// The DNS proxy holds answers until their entries are in the map.
-		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),
-	)
-	if err != nil {
-		return fmt.Errorf("register policy-entries reconciler: %w", err)
-	}
-	_, err = reconciler.Register(p.Params, p.Endpoints,
-		(*tables.EndpointPolicy).Clone, (*tables.EndpointPolicy).SetStatus, (*tables.EndpointPolicy).GetStatus,
-		p.Ops.EndpointOps(p.Entries), nil,
-		reconciler.WithRefreshing(0, nil),
-		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),
-	)
-	if err != nil {
-		return fmt.Errorf("register endpoint-policy reconciler: %w", err)
-	}
-	return nil
+	// Prune resyncs the maps (--bpf-map-resync-interval).
+	p.Ops.ResyncWith(p.Resync.DriftReport())
+	_, err := reconcilers.RegisterPolicy(p.Params, p.Ops, p.Entries, p.Endpoints,
+		reconciler.WithPruning(p.Resync.PruneInterval()))
+	return err
 }
 
 type controllerParams struct {
@@ -212,13 +195,14 @@ type gateParams struct {
 	Identities statedb.Table[*tables.Identity]
 	Selectors  statedb.Table[*tables.Selector]
 	Entries    statedb.RWTable[*tables.PolicyEntry]
+	Endpoints  statedb.RWTable[*tables.EndpointPolicy]
 	Progress   *progress
 }
 
 func newGate(p gateParams) fqdn.Gate {
 	return &gate{
 		db: p.DB, ipcache: p.IPCache, identities: p.Identities, selectors: p.Selectors,
-		entries: p.Entries, progress: p.Progress, mode: p.Config.EnablePolicy,
+		entries: p.Entries, endpoints: p.Endpoints, progress: p.Progress, mode: p.Config.EnablePolicy,
 	}
 }
 

@@ -161,14 +161,18 @@ func (c *controller) reportHealth(h cell.Health, eng *engine) {
 }
 
 // writer applies the engine's output in transactions of about writeChunk
-// rows, each ending after an endpoint's row.
+// rows, each ending after an endpoint's row. The endpoint-policy row of
+// every endpoint whose entries change is marked pending in the same
+// transaction: the reconciler of that table writes the entries too.
 type writer struct {
 	c       *controller
 	pending []func(statedb.WriteTxn) error
+	// touched are the endpoints whose entries the pending changes write.
+	touched map[string]struct{}
 }
 
 func (w *writer) upsertEntry(e *tables.PolicyEntry) {
-	e.Status = reconciler.StatusPending()
+	w.touch(e.Endpoint)
 	w.pending = append(w.pending, func(txn statedb.WriteTxn) error {
 		_, _, err := w.c.Entries.Insert(txn, e)
 		return err
@@ -176,10 +180,18 @@ func (w *writer) upsertEntry(e *tables.PolicyEntry) {
 }
 
 func (w *writer) deleteEntry(e *tables.PolicyEntry) {
+	w.touch(e.Endpoint)
 	w.pending = append(w.pending, func(txn statedb.WriteTxn) error {
 		_, _, err := w.c.Entries.Delete(txn, e)
 		return err
 	})
+}
+
+func (w *writer) touch(endpoint string) {
+	if w.touched == nil {
+		w.touched = map[string]struct{}{}
+	}
+	w.touched[endpoint] = struct{}{}
 }
 
 func (w *writer) upsertEndpoint(e *tables.EndpointPolicy) {
@@ -221,7 +233,17 @@ func (w *writer) commit() error {
 			return fmt.Errorf("write policy tables: %w", err)
 		}
 	}
+	for name := range w.touched {
+		row, _, found := w.c.EndpointPolicy.Get(wtxn, tables.EndpointPolicyNameIndex.Query(name))
+		if !found || row.Status.Kind == reconciler.StatusKindPending {
+			continue
+		}
+		if _, _, err := w.c.EndpointPolicy.Insert(wtxn, row.Clone().SetStatus(reconciler.StatusPending())); err != nil {
+			return fmt.Errorf("write policy tables: %w", err)
+		}
+	}
 	wtxn.Commit()
 	w.pending = slices.Delete(w.pending, 0, len(w.pending))
+	clear(w.touched)
 	return nil
 }

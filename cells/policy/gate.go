@@ -49,6 +49,7 @@ type gate struct {
 	identities statedb.Table[*tables.Identity]
 	selectors  statedb.Table[*tables.Selector]
 	entries    statedb.Table[*tables.PolicyEntry]
+	endpoints  statedb.Table[*tables.EndpointPolicy]
 	progress   *progress
 	mode       string
 }
@@ -107,10 +108,12 @@ func (g *gate) pending(rtxn statedb.ReadTxn, ips []netip.Addr) (<-chan struct{},
 	if rev, changed := g.progress.get(); rev < g.selectors.Revision(rtxn) {
 		return changed, "entries not computed yet"
 	}
+	// An endpoint's row is pending from the change of any of its entries
+	// until the reconciler has written them all.
 	for id := range ids {
-		entries, watch := g.entries.ListWatch(rtxn, tables.PolicyEntryIdentityIndex.Query(id))
-		for e := range entries {
-			if e.Status.Kind != reconciler.StatusKindDone {
+		for e := range g.entries.List(rtxn, tables.PolicyEntryIdentityIndex.Query(id)) {
+			row, _, watch, found := g.endpoints.GetWatch(rtxn, tables.EndpointPolicyNameIndex.Query(e.Endpoint))
+			if found && row.Status.Kind != reconciler.StatusKindDone {
 				return watch, fmt.Sprintf("entry %s not in the map yet", e.Key())
 			}
 		}

@@ -15,14 +15,15 @@ import (
 // TestGate: a DNS answer is held while its address's identity is not yet
 // selected by the FQDN selector of its labels, while the engine has not
 // computed the selectors table's latest state, and while an entry of the
-// identity is not in the map; it is released once all three hold.
+// identity is not in the map (its endpoint's row is not reconciled); it is released once all three hold.
 func TestGate(t *testing.T) {
 	db := statedb.New()
 	ipc, err1 := tables.NewIPCacheTable(db)
 	ids, err2 := tables.NewIdentitiesTable(db)
 	sels, err3 := tables.NewSelectorsTable(db)
 	entries, err4 := tables.NewPolicyEntriesTable(db)
-	for _, err := range []error{err1, err2, err3, err4} {
+	eps, err5 := tables.NewEndpointPolicyTable(db)
+	for _, err := range []error{err1, err2, err3, err4, err5} {
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -30,14 +31,16 @@ func TestGate(t *testing.T) {
 	const id = 0x01000002
 	ip := netip.MustParseAddr("192.0.2.10")
 	label := "fqdn:*.example.com"
-	g := &gate{db: db, ipcache: ipc, identities: ids, selectors: sels, entries: entries, progress: newProgress(), mode: ModeDefault}
+	g := &gate{db: db, ipcache: ipc, identities: ids, selectors: sels, entries: entries, endpoints: eps, progress: newProgress(), mode: ModeDefault}
 	write := func(f func(statedb.WriteTxn)) {
-		wtxn := db.WriteTxn(ipc, ids, sels, entries)
+		wtxn := db.WriteTxn(ipc, ids, sels, entries, eps)
 		f(wtxn)
 		wtxn.Commit()
 	}
 	entry := &tables.PolicyEntry{Endpoint: "default/web", EndpointID: 1, Identity: id, Direction: tables.DirEgress,
-		Protocol: 6, Port: 443, PortBits: 16, Policies: []string{"cnp/default/p"}, Status: reconciler.StatusPending()}
+		Protocol: 6, Port: 443, PortBits: 16, Policies: []string{"cnp/default/p"}}
+	row := &tables.EndpointPolicy{Name: "default/web", ID: 1, CgroupID: 1001, Ingress: tables.EnforceOff,
+		Egress: tables.EnforceDefaultDeny, Status: reconciler.StatusPending()}
 	write(func(txn statedb.WriteTxn) {
 		ipc.Insert(txn, &tables.IPCacheEntry{Prefix: tables.HostPrefix(ip), Identity: id})
 		ids.Insert(txn, &tables.Identity{ID: id, Labels: tables.NewLabels(label, tables.LabelWorld)})
@@ -54,6 +57,7 @@ func TestGate(t *testing.T) {
 			write(func(txn statedb.WriteTxn) {
 				sels.Insert(txn, &tables.Selector{Selector: label, Identities: []uint32{0x01000001, id}})
 				entries.Insert(txn, entry)
+				eps.Insert(txn, row)
 			})
 		}},
 		{"the engine computed it", func() { g.progress.set(sels.Revision(db.ReadTxn())) }},
@@ -68,9 +72,7 @@ func TestGate(t *testing.T) {
 		t.Fatal("released before the entry is in the map")
 	}
 	write(func(txn statedb.WriteTxn) {
-		done := *entry
-		done.Status = reconciler.StatusDone()
-		entries.Insert(txn, &done)
+		eps.Insert(txn, row.Clone().SetStatus(reconciler.StatusDone()))
 	})
 	select {
 	case err := <-released:
