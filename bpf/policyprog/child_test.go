@@ -10,10 +10,12 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -50,8 +52,16 @@ func TestMain(m *testing.M) {
 //	icmp DST                     an echo request; answers its outcome
 //	serve tcp|udp ADDR           serve ADDR (see serve); answers "ok" and
 //	                             the address it listens on
+//	reuse DST LOCAL              connect from LOCAL to DST and exchange,
+//	                             disconnect (AF_UNSPEC) and listen on
+//	                             LOCAL with the same socket, serving it
+//	hold DST                     connect to DST and keep the connection
+//	use                          exchange on the held connection again
+//	flood N BASE                 send N datagrams from one socket, each to
+//	                             a peer of its own: 127.B.x.y, port 1000+
 func childMain(in io.Reader, out io.Writer) int {
 	sc := bufio.NewScanner(in)
+	var held net.Conn
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
 		withLocal := len(f) > 0 && f[0] == "local"
@@ -60,6 +70,19 @@ func childMain(in io.Reader, out io.Writer) int {
 		}
 		var answer string
 		switch {
+		case len(f) == 3 && f[0] == "reuse":
+			answer = outcome(reuseAsListener(f[1], f[2]))
+		case len(f) == 2 && f[0] == "hold":
+			var err error
+			held, err = net.DialTimeout("tcp", f[1], dialTimeout)
+			if err == nil {
+				err = pingPong(held)
+			}
+			answer = outcome(err)
+		case len(f) == 1 && f[0] == "use":
+			answer = outcome(pingPong(held))
+		case len(f) == 3 && f[0] == "flood":
+			answer = outcome(flood(f[1], f[2]))
 		case len(f) == 3 && f[0] == "serve":
 			addr, err := serve(f[1], f[2])
 			answer = outcome(err)
@@ -140,6 +163,20 @@ func exchange(kind, dst, src string) (netip.AddrPort, error) {
 			d.LocalAddr = net.TCPAddrFromAddrPort(local)
 		}
 		c, err = d.Dial("tcp4", dst)
+	case "tcp6":
+		d := net.Dialer{Timeout: dialTimeout}
+		if local.IsValid() {
+			d.LocalAddr = net.TCPAddrFromAddrPort(local)
+		}
+		c, err = d.Dial("tcp6", dst)
+	case "tcpmapped":
+		// An AF_INET6 socket to the IPv4 address as ::ffff:a.b.c.d, as a
+		// dual-stack client connects (Go would use AF_INET).
+		c, err = dialMapped(raddr)
+	case "udp6":
+		return udpUnconnected6(raddr)
+	case "icmp6":
+		return local, ping6(raddr.Addr())
 	case "udp":
 		return udpUnconnected(local, raddr, 1, netip.Addr{})
 	case "udp2":
@@ -230,6 +267,194 @@ func udpUnconnected(local, raddr netip.AddrPort, times int, src netip.Addr) (net
 		}
 	}
 	return local, nil
+}
+
+// pingPong sends "ping" on c and waits for "pong".
+func pingPong(c net.Conn) error {
+	if c == nil {
+		return errors.New("no connection held")
+	}
+	c.SetDeadline(time.Now().Add(ioTimeout))
+	if _, err := io.WriteString(c, "ping\n"); err != nil {
+		return err
+	}
+	buf := make([]byte, 5)
+	if _, err := io.ReadFull(c, buf); err != nil {
+		return err
+	}
+	if string(buf) != "pong\n" {
+		return fmt.Errorf("answer %q, want pong", buf)
+	}
+	return nil
+}
+
+// reuseAsListener connects a TCP socket bound to local to dst, exchanges,
+// then turns the same socket into a listener on local (connect with
+// AF_UNSPEC disconnects it) that answers each connection's ping.
+func reuseAsListener(dst, local string) error {
+	d, l := netip.MustParseAddrPort(dst), netip.MustParseAddrPort(local)
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: l.Addr().As4(), Port: int(l.Port())}); err != nil {
+		unix.Close(fd)
+		return err
+	}
+	if err := unix.Connect(fd, &unix.SockaddrInet4{Addr: d.Addr().As4(), Port: int(d.Port())}); err != nil {
+		unix.Close(fd)
+		return err
+	}
+	f := os.NewFile(uintptr(fd), "reuse")
+	c, err := net.FileConn(f)
+	if err != nil {
+		f.Close()
+		return err
+	}
+	if err := pingPong(c); err != nil {
+		return err
+	}
+	c.Close()            // the duplicate; fd stays
+	unspec := [16]byte{} // struct sockaddr with sa_family AF_UNSPEC
+	if _, _, errno := unix.Syscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&unspec[0])), uintptr(len(unspec))); errno != 0 {
+		f.Close()
+		return fmt.Errorf("disconnect: %w", errno)
+	}
+	if err := unix.Listen(fd, 8); err != nil {
+		f.Close()
+		return err
+	}
+	ln, err := net.FileListener(f)
+	f.Close()
+	if err != nil {
+		return err
+	}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				c.SetDeadline(time.Now().Add(2 * time.Second))
+				if line, err := bufio.NewReader(c).ReadString('\n'); err == nil && line == "ping\n" {
+					io.WriteString(c, "pong\n")
+				}
+			}()
+		}
+	}()
+	return nil
+}
+
+// flood sends n datagrams from one unconnected socket, each to a peer of
+// its own (127.base.x.y:1000+i%50000), as fast as it can.
+func flood(n, base string) error {
+	count, err := strconv.Atoi(n)
+	if err != nil {
+		return err
+	}
+	b, err := strconv.Atoi(base)
+	if err != nil {
+		return err
+	}
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	msg := []byte("x")
+	for i := range count {
+		sa := &unix.SockaddrInet4{Addr: [4]byte{127, byte(b), byte(i >> 8), byte(i)}, Port: 1000 + i%50000}
+		if err := unix.Sendto(fd, msg, 0, sa); err != nil && !errors.Is(err, unix.ECONNREFUSED) {
+			return fmt.Errorf("datagram %d: %w", i, err)
+		}
+	}
+	return nil
+}
+
+// dialMapped connects an AF_INET6 TCP socket to the IPv4 address of dst
+// as an IPv4-mapped IPv6 address.
+func dialMapped(dst netip.AddrPort) (net.Conn, error) {
+	fd, err := unix.Socket(unix.AF_INET6, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	tv := unix.NsecToTimeval(dialTimeout.Nanoseconds())
+	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv); err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	sa := &unix.SockaddrInet6{Port: int(dst.Port()), Addr: netip.AddrFrom16(dst.Addr().As16()).As16()}
+	if err := unix.Connect(fd, sa); err != nil {
+		unix.Close(fd)
+		if errors.Is(err, unix.EINPROGRESS) || errors.Is(err, unix.EAGAIN) {
+			return nil, os.ErrDeadlineExceeded
+		}
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), "mapped")
+	defer f.Close()
+	return net.FileConn(f)
+}
+
+// udpUnconnected6 sends a ping from an unconnected AF_INET6 socket.
+func udpUnconnected6(raddr netip.AddrPort) (netip.AddrPort, error) {
+	c, err := net.ListenUDP("udp6", nil)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	defer c.Close()
+	local := c.LocalAddr().(*net.UDPAddr).AddrPort()
+	c.SetDeadline(time.Now().Add(ioTimeout))
+	if _, err := c.WriteToUDPAddrPort([]byte("ping\n"), raddr); err != nil {
+		return local, err
+	}
+	buf := make([]byte, 64)
+	n, _, err := c.ReadFromUDPAddrPort(buf)
+	if err != nil {
+		return local, err
+	}
+	if string(buf[:n]) != "pong\n" {
+		return local, fmt.Errorf("answer %q, want pong", buf[:n])
+	}
+	return local, nil
+}
+
+// ping6 sends an ICMPv6 echo request on a raw socket and waits for the
+// reply (the kernel computes the checksum of ICMPv6 raw sockets).
+func ping6(dst netip.Addr) error {
+	fd, err := unix.Socket(unix.AF_INET6, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMPV6)
+	if err != nil {
+		return fmt.Errorf("raw socket: %w", err)
+	}
+	defer unix.Close(fd)
+	tv := unix.NsecToTimeval(ioTimeout.Nanoseconds())
+	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
+		return err
+	}
+	id, seq := uint16(os.Getpid()), uint16(time.Now().UnixNano())
+	req := []byte{128, 0, 0, 0, byte(id >> 8), byte(id), byte(seq >> 8), byte(seq), 'p', 'i', 'n', 'g'}
+	if err := unix.Sendto(fd, req, 0, &unix.SockaddrInet6{Addr: dst.As16()}); err != nil {
+		return fmt.Errorf("send echo request: %w", err)
+	}
+	deadline := time.Now().Add(ioTimeout)
+	buf := make([]byte, 512)
+	for time.Now().Before(deadline) {
+		n, from, err := unix.Recvfrom(fd, buf, 0)
+		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("receive echo reply: %w", err)
+		}
+		sa, ok := from.(*unix.SockaddrInet6)
+		if n >= 8 && buf[0] == 129 && ok && netip.AddrFrom16(sa.Addr) == dst &&
+			binary.BigEndian.Uint16(buf[4:]) == id && binary.BigEndian.Uint16(buf[6:]) == seq {
+			return nil
+		}
+	}
+	return os.ErrDeadlineExceeded
 }
 
 // ping sends an ICMP echo request on a raw socket and waits for the reply.

@@ -151,7 +151,8 @@ func (d *datapath) endpoint(flags uint32) {
 // identity gives addr the identity id in the ipcache.
 func (d *datapath) identity(addr string, id uint32) {
 	d.t.Helper()
-	k := bpf.NewIPCacheKey(netip.PrefixFrom(netip.MustParseAddr(addr), 32))
+	a := netip.MustParseAddr(addr)
+	k := bpf.NewIPCacheKey(netip.PrefixFrom(a, a.BitLen()))
 	if err := d.maps.IPCache.Put(k, bpf.IPCacheValue{Identity: id}); err != nil {
 		d.t.Fatal(err)
 	}
