@@ -10,8 +10,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"maps"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -60,7 +62,13 @@ func connectOutcome(addr, bind string) string {
 	if strings.HasPrefix(addr, "[") {
 		network = "tcp6"
 	}
-	conn, err := d.Dial(network, addr)
+	var conn net.Conn
+	var err error
+	if strings.HasPrefix(addr, "[::ffff:") {
+		conn, err = dialMapped(addr)
+	} else {
+		conn, err = d.Dial(network, addr)
+	}
 	switch {
 	case errors.Is(err, syscall.EPERM):
 		return "EPERM"
@@ -81,6 +89,31 @@ func connectOutcome(addr, bind string) string {
 		return "ok"
 	}
 	return "ok: " + strings.TrimSpace(line)
+}
+
+// dialMapped connects an AF_INET6 socket to addr, an IPv4-mapped IPv6
+// address and port, as a dual-stack client does (Go would use AF_INET).
+func dialMapped(addr string) (net.Conn, error) {
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return nil, err
+	}
+	fd, err := unix.Socket(unix.AF_INET6, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	tv := unix.NsecToTimeval((2 * time.Second).Nanoseconds())
+	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv)
+	if err := unix.Connect(fd, &unix.SockaddrInet6{Addr: ap.Addr().As16(), Port: int(ap.Port())}); err != nil {
+		unix.Close(fd)
+		if errors.Is(err, unix.EINPROGRESS) {
+			return nil, os.ErrDeadlineExceeded
+		}
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), addr)
+	defer f.Close()
+	return net.FileConn(f)
 }
 
 // serve listens on addr and greets every connection with "hello from
