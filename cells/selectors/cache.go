@@ -289,7 +289,7 @@ func (c *selectorCache) candidateIdentities(s *selectorState, yield func(uint32)
 // without one (matched against every identity, like an unknown kind).
 func (c *selectorCache) entitySels(sel *EntitySelector) map[*selectorState]struct{} {
 	switch sel.Entity {
-	case EntityWorld:
+	case EntityWorld, EntityWorldIPv4, EntityWorldIPv6:
 		return c.worldSels
 	case EntityHost:
 		return c.hostSels
@@ -300,10 +300,13 @@ func (c *selectorCache) entitySels(sel *EntitySelector) map[*selectorState]struc
 }
 
 // entityIDs is the index of the identities sel may select: exactly those
-// it selects, as Matches tests the same flags the index was built from.
+// it selects for world, host and cluster, as Matches tests the same flags
+// the index was built from; the world of each family is a subset of the
+// world's.
 func (c *selectorCache) entityIDs(sel *EntitySelector) map[uint32]struct{} {
 	switch sel.Entity {
-	case EntityWorld:
+	case EntityWorld, EntityWorldIPv4, EntityWorldIPv6:
+		// A superset for the family entities: Matches narrows it.
 		return c.worldIDs
 	case EntityHost:
 		return c.hostIDs

@@ -113,7 +113,7 @@ func TestSelectorCacheMatchesBruteForce(t *testing.T) {
 			}
 			return s
 		case 4:
-			s, _, err := ParseEntity(pick([]string{EntityWorld, EntityHost, EntityCluster}))
+			s, _, err := ParseEntity(pick([]string{EntityWorld, EntityWorldIPv4, EntityWorldIPv6, EntityHost, EntityCluster}))
 			if err != nil {
 				t.Fatal(err)
 			}

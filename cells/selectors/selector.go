@@ -336,6 +336,12 @@ const (
 	// with a world label (reserved 2, 9, 10 and every CIDR and FQDN
 	// identity).
 	EntityWorld = "world"
+	// EntityWorldIPv4 and EntityWorldIPv6 are the world of one family:
+	// the identities labelled world-ipv4 (world-ipv6), or world where
+	// the agent is not dual-stack, less those of a CIDR of the other
+	// family.
+	EntityWorldIPv4 = "world-ipv4"
+	EntityWorldIPv6 = "world-ipv6"
 	// EntityHost is the local node: identity 1.
 	EntityHost = "host"
 	// EntityCluster is everything inside the cluster: workloads and the
@@ -359,14 +365,14 @@ type EntitySelector struct {
 // an entity selector, or tables.AnyPeer for "all" (nil selector).
 func ParseEntity(name string) (*EntitySelector, string, error) {
 	switch name {
-	case EntityWorld, EntityHost, EntityCluster:
+	case EntityWorld, EntityWorldIPv4, EntityWorldIPv6, EntityHost, EntityCluster:
 		s := &EntitySelector{Entity: name}
 		return s, s.String(), nil
 	case EntityAll:
 		return nil, tables.AnyPeer, nil
 	}
-	return nil, "", fmt.Errorf("unknown entity %q (apiary supports %s, %s, %s and %s)",
-		name, EntityWorld, EntityHost, EntityCluster, EntityAll)
+	return nil, "", fmt.Errorf("unknown entity %q (apiary supports %s, %s, %s, %s, %s and %s)",
+		name, EntityWorld, EntityWorldIPv4, EntityWorldIPv6, EntityHost, EntityCluster, EntityAll)
 }
 
 // String implements Selector.
@@ -377,10 +383,24 @@ func (s *EntitySelector) Matches(l tables.Labels) bool {
 	switch s.Entity {
 	case EntityWorld:
 		return hasWorld(l)
+	case EntityWorldIPv4:
+		return l.Has(tables.LabelWorldIPv4) || l.Has(tables.LabelWorld) && !hasCIDROf(l, false)
+	case EntityWorldIPv6:
+		return l.Has(tables.LabelWorldIPv6) || l.Has(tables.LabelWorld) && !hasCIDROf(l, true)
 	case EntityHost:
 		return l.Has(tables.LabelHost)
 	case EntityCluster:
 		return !outsideCluster(l)
+	}
+	return false
+}
+
+// hasCIDROf reports whether l holds a cidr: label of IPv4 (ipv4) or IPv6.
+func hasCIDROf(l tables.Labels, ipv4 bool) bool {
+	for _, label := range l {
+		if p, ok := tables.ParseCIDRLabel(label); ok && p.Addr().Is4() == ipv4 {
+			return true
+		}
 	}
 	return false
 }

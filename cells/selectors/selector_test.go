@@ -162,9 +162,11 @@ func entityTestIdentities() map[uint32]tables.Labels {
 
 // entitySelections are what each entity selects of entityTestIdentities.
 var entitySelections = map[string][]uint32{
-	EntityWorld:   {2, 9, 10, 16777217, 16777218, 16777219, 16777220, 16777221},
-	EntityHost:    {1},
-	EntityCluster: {1, 3, 4, 5, 6, 7, 8, 256, 257},
+	EntityWorld:     {2, 9, 10, 16777217, 16777218, 16777219, 16777220, 16777221},
+	EntityWorldIPv4: {2, 9, 16777217, 16777218, 16777220, 16777221},
+	EntityWorldIPv6: {2, 10, 16777219, 16777220},
+	EntityHost:      {1},
+	EntityCluster:   {1, 3, 4, 5, 6, 7, 8, 256, 257},
 }
 
 func TestEntitySelector(t *testing.T) {
@@ -174,6 +176,8 @@ func TestEntitySelector(t *testing.T) {
 		text   string
 	}{
 		{EntityWorld, "entity:world"},
+		{EntityWorldIPv4, "entity:world-ipv4"},
+		{EntityWorldIPv6, "entity:world-ipv6"},
 		{EntityHost, "entity:host"},
 		{EntityCluster, "entity:cluster"},
 	} {
