@@ -1,11 +1,22 @@
 package e2e
 
 import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/internal/testenv"
 )
@@ -17,7 +28,10 @@ const (
 	uidHost    = "0d0d0d0d-0000-4000-8000-00000000000d"
 	uidStray   = "01010101-0000-4000-8000-000000000001"
 	uidOffline = "02020202-0000-4000-8000-000000000002"
+	uidFlood   = "03030303-0000-4000-8000-000000000003"
+	uidReuse   = "04040404-0000-4000-8000-000000000004"
 	ipEsc      = "127.0.1.61"
+	ipReuse    = "127.0.1.63"
 	// Peers: the policy allows v4Allowed and v6Allowed on port 8080.
 	v4Allowed = "127.0.1.71"
 	v4Denied  = "127.0.1.72"
@@ -34,6 +48,18 @@ kind: Pod
 metadata: {name: esc, namespace: default, uid: ` + uidEsc + `, labels: {app: esc}}
 spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
 status: {phase: Running, podIP: ` + ipEsc + `, podIPs: [{ip: ` + ipEsc + `}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: flood, namespace: default, uid: ` + uidFlood + `, labels: {app: flood}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
+status: {phase: Running, podIP: 127.0.1.62, podIPs: [{ip: 127.0.1.62}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: reuse, namespace: default, uid: ` + uidReuse + `, labels: {app: reuse}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
+status: {phase: Running, podIP: ` + ipReuse + `, podIPs: [{ip: ` + ipReuse + `}]}
 ---
 apiVersion: v1
 kind: Pod
@@ -60,6 +86,17 @@ spec:
   egress:
   - toCIDR: [` + v4Allowed + `/32, "` + v6Allowed + `/128"]
     toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: reuse, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: reuse}}
+  egress:
+  - toCIDR: [` + v4Allowed + `/32]
+    toPorts: [{ports: [{port: "8090", protocol: TCP}]}]
+  ingress:
+  - fromCIDR: [192.0.2.1/32]
 `
 
 // addLoopback6 puts IPv6 addresses on lo until the test ends.
@@ -100,13 +137,17 @@ func TestPolicyNoWayAround(t *testing.T) {
 		return dir
 	}
 	cgEsc, cgHost, cgStray := mk(uidEsc), mk(uidHost), mk(uidStray)
+	cgFlood, cgReuse := mk(uidFlood), mk(uidReuse)
 	listen(t, v4Allowed+":8080", v4Denied+":8080", "["+v6Allowed+"]:8080", "["+v6Denied+"]:8080", "[::1]:8089")
 
 	configDir := t.TempDir()
 	writeFile(t, filepath.Join(configDir, "pods.yaml"), escapePods)
 	writeFile(t, filepath.Join(configDir, "policy.yaml"), escapePolicy)
 	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{"--node-name=e2e-node", "--cgroup-root=" + root}})
-	a.waitEndpointPolicy(t, map[string]string{"default/esc": "off default-deny", "default/host": "off off"})
+	a.waitEndpointPolicy(t, map[string]string{
+		"default/esc": "off default-deny", "default/host": "off off", "default/flood": "off off",
+		"default/reuse": "default-deny default-deny",
+	})
 
 	check := func(t *testing.T, who, dir string, want map[string]string) {
 		t.Helper()
@@ -128,6 +169,80 @@ func TestPolicyNoWayAround(t *testing.T) {
 			"[::ffff:" + v4Denied + "]:8080":  "EPERM",
 			"[::ffff:" + v4Allowed + "]:8080": "ok",
 		})
+	})
+
+	t.Run("one pod's flood leaves another's connection working", func(t *testing.T) {
+		// esc serves; its replies pass its egress default deny only as
+		// the accepted connection's flow.
+		cmd := helperIn(t, cgEsc, echoEnv+"="+ipEsc+":9091")
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		if line, err := bufio.NewReader(out).ReadString('\n'); err != nil || line != "listening\n" {
+			t.Fatalf("echo server in esc: %q %v", line, err)
+		}
+		conn, err := net.DialTimeout("tcp4", ipEsc+":9091", 2*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		r := bufio.NewReader(conn)
+		pingPong := func(when string) {
+			t.Helper()
+			conn.SetDeadline(time.Now().Add(2 * time.Second))
+			io.WriteString(conn, "ping\n")
+			if line, err := r.ReadString('\n'); err != nil || line != "pong\n" {
+				t.Errorf("%s: %q %v, want pong", when, line, err)
+			}
+		}
+		pingPong("before the flood")
+		if out, err := helperIn(t, cgFlood, floodEnv+"=200000").Output(); err != nil || string(out) != "sent\n" {
+			t.Fatalf("flood: %q %v", out, err)
+		}
+		pingPong("after 200,000 datagrams from another pod")
+	})
+
+	t.Run("a listener does not inherit its socket's flow", func(t *testing.T) {
+		peer := v4Allowed + ":8090"
+		ln, err := net.Listen("tcp4", peer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			if c, err := ln.Accept(); err == nil {
+				io.WriteString(c, "hello\n")
+				c.Close()
+			}
+		}()
+		local := ipReuse + ":9092"
+		cmd := helperIn(t, cgReuse, reuseEnv+"="+peer, bindEnv+"="+local)
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		if line, err := bufio.NewReader(out).ReadString('\n'); err != nil || line != "listening\n" {
+			t.Fatalf("connect, then listen on the same socket: %q %v", line, err)
+		}
+		ln.Close()
+		// The peer the socket had a flow with, from the port it had.
+		d := net.Dialer{Timeout: 2 * time.Second, LocalAddr: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(peer))}
+		c, err := d.Dial("tcp4", local)
+		if err == nil {
+			c.Close()
+			t.Fatalf("the old peer reached the reused listener; want it denied by ingress")
+		}
+		if !os.IsTimeout(err) {
+			t.Errorf("the old peer into the reused listener: %v, want a timeout (dropped by ingress)", err)
+		}
 	})
 
 	t.Run("a host-network pod is the host's", func(t *testing.T) {
@@ -167,4 +282,115 @@ func TestPolicyNoWayAround(t *testing.T) {
 		a.waitEndpointPolicy(t, map[string]string{"default/offline": "off default-deny"})
 		check(t, "the pod once the agent is back", cgOffline, map[string]string{v4Allowed + ":8080": "ok", v4Denied + ":8080": "EPERM"})
 	})
+}
+
+// Environment variables of the helpers of TestPolicyNoWayAround.
+const (
+	// echoEnv: listen on the address and answer every line with "pong".
+	echoEnv = "E2E_ECHO"
+	// floodEnv: send that many datagrams, each to a peer of its own.
+	floodEnv = "E2E_FLOOD"
+	// reuseEnv: connect from E2E_BIND (address:port) to the address,
+	// read its greeting, disconnect the socket (AF_UNSPEC) and listen on
+	// it, greeting whoever connects.
+	reuseEnv = "E2E_REUSE"
+)
+
+// runEscapeHelper runs the helper the environment asks for, if any.
+func runEscapeHelper() (int, bool) {
+	if addr := os.Getenv(echoEnv); addr != "" {
+		return echo(addr), true
+	}
+	if n := os.Getenv(floodEnv); n != "" {
+		return flood(n), true
+	}
+	if addr := os.Getenv(reuseEnv); addr != "" {
+		return reuse(addr, os.Getenv(bindEnv)), true
+	}
+	return 0, false
+}
+
+func echo(addr string) int {
+	ln, err := net.Listen("tcp4", addr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fmt.Println("listening")
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return 1
+		}
+		go func() {
+			defer c.Close()
+			r := bufio.NewReader(c)
+			for {
+				if _, err := r.ReadString('\n'); err != nil {
+					return
+				}
+				io.WriteString(c, "pong\n")
+			}
+		}()
+	}
+}
+
+// flood sends n datagrams from one socket to 127.3.x.y, ports 1000 and up,
+// a different peer each.
+func flood(n string) int {
+	count, err := strconv.Atoi(n)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer unix.Close(fd)
+	for i := range count {
+		sa := &unix.SockaddrInet4{Addr: [4]byte{127, 3, byte(i >> 8), byte(i)}, Port: 1000 + i%50000}
+		if err := unix.Sendto(fd, []byte("x"), 0, sa); err != nil && !errors.Is(err, unix.ECONNREFUSED) {
+			fmt.Fprintf(os.Stderr, "datagram %d: %v\n", i, err)
+			return 1
+		}
+	}
+	fmt.Println("sent")
+	return 0
+}
+
+func reuse(dst, local string) int {
+	fail := func(err error) int { fmt.Println("error:", err); return 1 }
+	d, l := netip.MustParseAddrPort(dst), netip.MustParseAddrPort(local)
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fail(err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: l.Addr().As4(), Port: int(l.Port())}); err != nil {
+		return fail(err)
+	}
+	if err := unix.Connect(fd, &unix.SockaddrInet4{Addr: d.Addr().As4(), Port: int(d.Port())}); err != nil {
+		return fail(err)
+	}
+	buf := make([]byte, 64)
+	if _, err := unix.Read(fd, buf); err != nil {
+		return fail(err)
+	}
+	unspec := [16]byte{} // struct sockaddr with sa_family AF_UNSPEC
+	if _, _, errno := unix.Syscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&unspec[0])), uintptr(len(unspec))); errno != 0 {
+		return fail(fmt.Errorf("disconnect: %w", errno))
+	}
+	if err := unix.Listen(fd, 8); err != nil {
+		return fail(err)
+	}
+	fmt.Println("listening")
+	for {
+		c, _, err := unix.Accept(fd)
+		if err != nil {
+			return 1
+		}
+		unix.Write(c, []byte("hello from the reused socket\n"))
+		unix.Close(c)
+	}
 }

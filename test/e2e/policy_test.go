@@ -10,7 +10,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"golang.org/x/sys/unix"
 	"maps"
 	"net"
 	"net/netip"
@@ -23,6 +22,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/internal/testenv"
 )
@@ -41,6 +42,9 @@ const (
 func runHelper() (int, bool) {
 	if addr := os.Getenv(serveEnv); addr != "" {
 		return serve(addr), true
+	}
+	if code, ok := runEscapeHelper(); ok {
+		return code, true
 	}
 	if addr := os.Getenv(connectEnv); addr != "" {
 		fmt.Println(connectOutcome(addr, os.Getenv(bindEnv)))
