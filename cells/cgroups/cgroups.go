@@ -62,6 +62,15 @@ type Root struct {
 	// Any other directory is the operator's to provide.
 	mountAt string
 	mu      *sync.Mutex
+	// onAttach are the functions Attached runs, shared by the copies.
+	onAttach *attachHooks
+}
+
+// attachHooks are the functions that run when a feature has attached
+// programs to the root.
+type attachHooks struct {
+	mu  sync.Mutex
+	fns []func()
 }
 
 func newRoot(cfg Config) (Root, error) {
@@ -78,7 +87,34 @@ func NewRoot(dir string) (Root, error) {
 	if err != nil {
 		return Root{}, fmt.Errorf("--%s %s: %w", RootFlag, dir, err)
 	}
-	return Root{path: abs, mountAt: DefaultRoot, mu: &sync.Mutex{}}, nil
+	return Root{path: abs, mountAt: DefaultRoot, mu: &sync.Mutex{}, onAttach: &attachHooks{}}, nil
+}
+
+// OnAttach registers fn to run each time a feature reports, with Attached,
+// that it attached programs to the root: the features whose programs must
+// run in a given order relative to others' (policy after the socket load
+// balancer) put themselves back in place at once, not at their next check.
+func (r Root) OnAttach(fn func()) {
+	if r.onAttach == nil {
+		return
+	}
+	r.onAttach.mu.Lock()
+	defer r.onAttach.mu.Unlock()
+	r.onAttach.fns = append(r.onAttach.fns, fn)
+}
+
+// Attached reports that the caller has attached programs to the root; the
+// functions registered with OnAttach have run when it returns.
+func (r Root) Attached() {
+	if r.onAttach == nil {
+		return
+	}
+	r.onAttach.mu.Lock()
+	fns := append([]func(){}, r.onAttach.fns...)
+	r.onAttach.mu.Unlock()
+	for _, fn := range fns {
+		fn()
+	}
 }
 
 // Path returns the absolute path of the root, whether or not it is usable

@@ -29,11 +29,13 @@ import (
 // it).
 const LinksDir = "links"
 
-// orderCheckInterval is how often the attacher checks that its
-// connect4/sendmsg4 programs still run after every other program of their
-// hooks (the socket load balancer's, which may be attached after them):
-// policy must see the backend, not the service address.
-const orderCheckInterval = 5 * time.Second
+// orderCheckInterval is how often the attacher checks, besides at once
+// when another feature attaches to the root (cgroups.Root.Attached), that
+// its connect and sendmsg programs still run after every other program of
+// their hooks (the socket load balancer's, which may be attached after
+// them): policy must see the backend, not the service address. The
+// periodic check catches programs attached by another process.
+const orderCheckInterval = time.Minute
 
 // attacher loads the enforcement programs on the agent's maps and keeps
 // them attached to the cgroup root through pinned links.

@@ -233,6 +233,14 @@ func registerAttacher(p attacherParams) error {
 		ipcache: p.IPCache, opened: p.Opened, retry: 5 * time.Second, attached: make(chan struct{}),
 	}
 	p.Jobs.Add(job.OneShot("attach", a.run))
+	// The socket LB attached after the policy programs: back behind it at
+	// once, before its first connection can be judged on a service
+	// address.
+	p.Root.OnAttach(func() {
+		if err := a.keepLast(); err != nil {
+			a.log.Error("Policy programs may run before the socket load balancer", "error", err)
+		}
+	})
 	verdicts := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: metrics.Namespace, Subsystem: "policy", Name: "verdicts_total",
 		Help: "Connections and flows the policy programs decided, by direction, verdict (audited: would have been denied) and the policy whose entry decided (empty: default deny or no policy); from the verdict events, so events lost are not counted",

@@ -77,6 +77,9 @@ func (a *attacher) run(ctx context.Context, health cell.Health) error {
 			health.OK(msg)
 			if a.cfg.EnableSocketLB {
 				close(a.attached)
+				// Programs that must run after these (policy) move
+				// behind them now.
+				a.root.Attached()
 			}
 			break
 		}

@@ -30,11 +30,11 @@ const (
 	uidOffline = "02020202-0000-4000-8000-000000000002"
 	uidFlood   = "03030303-0000-4000-8000-000000000003"
 	uidReuse   = "04040404-0000-4000-8000-000000000004"
-	ipEsc      = "127.0.1.61"
-	ipReuse    = "127.0.1.63"
+	ipEsc      = "127.0.4.11"
+	ipReuse    = "127.0.4.13"
 	// Peers: the policy allows v4Allowed and v6Allowed on port 8080.
-	v4Allowed = "127.0.1.71"
-	v4Denied  = "127.0.1.72"
+	v4Allowed = "127.0.4.21"
+	v4Denied  = "127.0.4.22"
 	v6Allowed = "fd00:e2::71"
 	v6Denied  = "fd00:e2::72"
 )
@@ -53,7 +53,7 @@ apiVersion: v1
 kind: Pod
 metadata: {name: flood, namespace: default, uid: ` + uidFlood + `, labels: {app: flood}}
 spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
-status: {phase: Running, podIP: 127.0.1.62, podIPs: [{ip: 127.0.1.62}]}
+status: {phase: Running, podIP: 127.0.4.12, podIPs: [{ip: 127.0.4.12}]}
 ---
 apiVersion: v1
 kind: Pod

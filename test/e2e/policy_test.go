@@ -324,7 +324,7 @@ func (a *agent) waitEndpointPolicy(t *testing.T, want map[string]string) {
 		}
 		for _, h := range health {
 			if h.Scope == "policy.job-attach" {
-				return strings.HasPrefix(h.Message, "Enforcing policy on cgroup"), h.Message
+				return strings.HasPrefix(h.Message, "Enforcing policy"), h.Message
 			}
 		}
 		return false, "no policy.job-attach scope"
@@ -585,6 +585,8 @@ spec:
 	}
 
 	a.restart(t, "--enable-socket-lb", "--policy-audit-mode")
+	// The counts are the attached programs' (read once they are).
+	a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny"})
 	testenv.Eventually(t, waitTimeout, "audit mode: what policy denies goes through", func() (bool, string) {
 		got := connectFrom(t, cgA, "127.0.1.42:8080", "")
 		return got == "ok: hello from 127.0.1.42:8080", got
