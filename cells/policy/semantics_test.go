@@ -94,8 +94,11 @@ type agentModel struct {
 	cgroups    map[string]uint64
 	podIDs     map[string]uint32 // pod key → identity
 	warnings   map[string][]string
-	lastFilter []string
+	// byGroup indexes the entries by endpoint, identity and direction.
+	byGroup map[string][]*tables.PolicyEntry
 }
+
+func groupOf(ep string, id uint32, dir string) string { return fmt.Sprintf("%s %d %s", ep, id, dir) }
 
 func newAgentModel(t testing.TB, localhost string) *agentModel {
 	m := &agentModel{
@@ -196,6 +199,11 @@ func (m *agentModel) apply(c cluster) {
 	m.endpoints = eps
 	m.eng.flush(m.out)
 	m.warnings = m.eng.warnings()
+	m.byGroup = map[string][]*tables.PolicyEntry{}
+	for _, e := range m.out.entries {
+		g := groupOf(e.Endpoint, e.Identity, e.Direction)
+		m.byGroup[g] = append(m.byGroup[g], e)
+	}
 }
 
 // peerID returns the identity of a probe's peer: "host", "world",
@@ -231,10 +239,7 @@ func (m *agentModel) verdict(ep, dir string, peer uint32, proto uint8, port uint
 	lookup := func(id uint32) *tables.PolicyEntry {
 		var best *tables.PolicyEntry
 		bestLen := -1
-		for _, e := range m.out.entries {
-			if e.Endpoint != ep || e.Identity != id || e.Direction != dir {
-				continue
-			}
+		for _, e := range m.byGroup[groupOf(ep, id, dir)] {
 			l := 0
 			if e.Protocol != 0 {
 				if e.Protocol != proto {
