@@ -82,18 +82,18 @@ func decodePolicy(t testing.TB, doc string) (string, selectors.Parsed, error) {
 // agentModel runs the engine on a cluster, change after change, as the
 // controller feeds it from the tables.
 type agentModel struct {
-	t          testing.TB
-	eng        *engine
-	out        *tableOutput
-	ids        map[string]uint32 // label set key → identity
-	labels     map[uint32]tables.Labels
-	next       uint32
-	selectors  map[string]selectors.Selector
-	policies   map[string]bool
-	endpoints  map[string]bool
-	cgroups    map[string]uint64
-	podIDs     map[string]uint32 // pod key → identity
-	warnings   map[string][]string
+	t         testing.TB
+	eng       *engine
+	out       *tableOutput
+	ids       map[string]uint32 // label set key → identity
+	labels    map[uint32]tables.Labels
+	next      uint32
+	selectors map[string]selectors.Selector
+	policies  map[string]bool
+	endpoints map[string]bool
+	cgroups   map[string]uint64
+	podIDs    map[string]uint32 // pod key → identity
+	warnings  map[string][]string
 	// byGroup indexes the entries by endpoint, identity and direction.
 	byGroup map[string][]*tables.PolicyEntry
 }
