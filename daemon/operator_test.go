@@ -25,7 +25,7 @@ func TestOperatorCommand(t *testing.T) {
 	for _, want := range []string{
 		"--identity-gc-interval duration", "(default 10m0s)",
 		"--identity-gc-grace-period duration", "(default 1m0s)",
-		"--identity-ignored-labels strings", "pod-template-hash",
+		"--identity-labels strings", "default identity label filter",
 		"--leader-election-namespace string", `(default "kube-system")`,
 		"--kubeconfig string", "--api-addr string",
 	} {

@@ -404,10 +404,10 @@ func TestOperatorDeployment(t *testing.T) {
 	}
 }
 
-// TestIgnoredLabelsShared checks that the agents and the operator read the
-// ignored label keys from one config map key, set to the defaults: were
-// they to disagree, agents would never find the operator's Identities.
-func TestIgnoredLabelsShared(t *testing.T) {
+// TestIdentityLabelsShared checks that the agents and the operator read the
+// identity label patterns from one config map key, empty (the defaults):
+// were they to disagree, agents would never find the operator's Identities.
+func TestIdentityLabelsShared(t *testing.T) {
 	m := load(t)
 	readers := map[string]bool{}
 	for who, spec := range map[string]corev1.PodSpec{
@@ -415,19 +415,19 @@ func TestIgnoredLabelsShared(t *testing.T) {
 		"operator": m.deployments[0].Spec.Template.Spec,
 	} {
 		for _, e := range spec.Containers[0].Env {
-			if ref := e.ValueFrom; ref != nil && ref.ConfigMapKeyRef != nil && ref.ConfigMapKeyRef.Key == endpoints.IgnoredLabelsFlag {
+			if ref := e.ValueFrom; ref != nil && ref.ConfigMapKeyRef != nil && ref.ConfigMapKeyRef.Key == endpoints.IdentityLabelsFlag {
 				readers[who] = true
 			}
 		}
 	}
 	if !readers["agent"] || !readers["operator"] {
-		t.Errorf("%s is read by %v; want the agent and the operator", endpoints.IgnoredLabelsFlag, readers)
+		t.Errorf("%s is read by %v; want the agent and the operator", endpoints.IdentityLabelsFlag, readers)
 	}
 	cm := m.configMaps[ns+"/apiary-config"]
 	if cm == nil {
 		t.Fatal("config map apiary-config missing")
 	}
-	if got, want := cm.Data[endpoints.IgnoredLabelsFlag], strings.Join(endpoints.IgnoredPodLabels(), ","); got != want {
-		t.Errorf("config map %s = %q, want the defaults %q", endpoints.IgnoredLabelsFlag, got, want)
+	if got, ok := cm.Data[endpoints.IdentityLabelsFlag]; !ok || got != "" {
+		t.Errorf("config map %s = %q (present %v), want it empty: the defaults", endpoints.IdentityLabelsFlag, got, ok)
 	}
 }

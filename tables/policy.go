@@ -41,6 +41,10 @@ type Policy struct {
 	// Error says what is wrong with an invalid policy; the valid rules of
 	// the other policies keep working.
 	Error string `json:"error,omitempty" yaml:"error,omitempty"`
+	// Warnings say what policy enforcement found wrong with a valid
+	// policy on this node, such as a port name that stands for two
+	// numbers (the rule then uses neither).
+	Warnings []string `json:"warnings,omitempty" yaml:"warnings,omitempty"`
 }
 
 // VerdictCounts are counts of decisions by verdict.
@@ -63,7 +67,7 @@ const (
 
 // TableHeader implements statedb.TableWritable.
 func (*Policy) TableHeader() []string {
-	return []string{"Name", "Subjects", "Peers", "CIDRs", "Rules", "Allowed", "Denied", "Audited", "Status", "Error"}
+	return []string{"Name", "Subjects", "Peers", "CIDRs", "Rules", "Allowed", "Denied", "Audited", "Status", "Error", "Warnings"}
 }
 
 // TableRow implements statedb.TableWritable. Rules is the number of rules
@@ -86,7 +90,7 @@ func (p *Policy) TableRow() []string {
 		p.Name, strings.Join(p.Subjects, "; "), strings.Join(p.Peers, "; "),
 		strings.Join(p.CIDRs, ", "), rules,
 		strconv.FormatUint(p.Verdicts.Allowed, 10), strconv.FormatUint(p.Verdicts.Denied, 10),
-		strconv.FormatUint(p.Verdicts.Audited, 10), status, p.Error,
+		strconv.FormatUint(p.Verdicts.Audited, 10), status, p.Error, strings.Join(p.Warnings, "; "),
 	}
 }
 

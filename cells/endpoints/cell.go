@@ -3,10 +3,10 @@
 // Pod it hears of (on any node) with the Pod's security labels, so that
 // they resolve to workload identities in the ipcache.
 //
-// A Pod's security labels are its labels as k8s:<key>=<value> (less the
-// per-pod ones, --identity-ignored-labels), its namespace as
-// k8s:io.kubernetes.pod.namespace=<ns>, and its namespace's labels as
-// k8s:io.cilium.k8s.namespace.labels.<key>=<value>.
+// A Pod's security labels are its labels as k8s:<key>=<value>, its
+// namespace as k8s:io.kubernetes.pod.namespace=<ns>, and its namespace's
+// labels as k8s:io.cilium.k8s.namespace.labels.<key>=<value>, less those
+// the identity label filter leaves out (LabelFilter, --identity-labels).
 //
 // A local pod's endpoint also carries the pod's UID, its named container
 // ports and its kubelet cgroup under --cgroup-root (see cgroup.go), which
@@ -53,71 +53,36 @@ const (
 	NamespaceLabelPrefix = "io.cilium.k8s.namespace.labels."
 )
 
-// IgnoredLabelsFlag names the flag, of the agent and of the operator alike,
-// that lists the pod label keys left out of label sets. Both must use the
-// same list: the agents look up the Identities the operator creates by
-// label set.
-const IgnoredLabelsFlag = "identity-ignored-labels"
-
 // Config is the endpoints cell's configuration.
 type Config struct {
-	// IdentityIgnoredLabels are the pod label keys left out of label sets.
-	IdentityIgnoredLabels []string
+	// IdentityLabels are patterns added to the identity label filter
+	// (see LabelFilter).
+	IdentityLabels []string
 }
 
-var defaultConfig = Config{IdentityIgnoredLabels: IgnoredPodLabels()}
+var defaultConfig = Config{IdentityLabels: []string{}}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(fs *pflag.FlagSet) {
-	fs.StringSlice(IgnoredLabelsFlag, def.IdentityIgnoredLabels, IgnoredLabelsHelp)
-}
-
-// IgnoredLabelsHelp is the help text of IgnoredLabelsFlag.
-const IgnoredLabelsHelp = "Pod label keys that differ between the pods of one workload and are left out of label sets (so out of identities); the agents and the operator must use the same list"
-
-// ValidateIgnoredLabels checks a list of ignored label keys.
-func ValidateIgnoredLabels(keys []string) error {
-	for _, k := range keys {
-		if k == "" || strings.ContainsAny(k, "= \t") {
-			return fmt.Errorf("--%s: %q is not a label key", IgnoredLabelsFlag, k)
-		}
-	}
-	return nil
-}
-
-// ignoredPodLabels differ between the pods of one workload (hashes,
-// indexes, names); as security labels they would give every pod an identity
-// of its own.
-var ignoredPodLabels = []string{
-	"pod-template-hash",
-	"controller-revision-hash",
-	"pod-template-generation",
-	"statefulset.kubernetes.io/pod-name",
-	"apps.kubernetes.io/pod-index",
-	"controller-uid",
-	"batch.kubernetes.io/controller-uid",
-}
-
-// IgnoredPodLabels returns the pod label keys left out of security labels
-// by default. The operator computes the same label sets as the agents from
-// this list, so that agents find the Identities it creates.
-func IgnoredPodLabels() []string {
-	return slices.Clone(ignoredPodLabels)
+	fs.StringSlice(IdentityLabelsFlag, def.IdentityLabels, IdentityLabelsHelp)
 }
 
 // SecurityLabels returns the security labels of pod in a namespace with
-// the labels nsLabels, leaving out the pod label keys ignored.
-func SecurityLabels(pod *corev1.Pod, nsLabels map[string]string, ignored []string) tables.Labels {
+// the labels nsLabels: those filter keeps.
+func SecurityLabels(pod *corev1.Pod, nsLabels map[string]string, filter *LabelFilter) tables.Labels {
 	out := make([]string, 0, len(pod.Labels)+len(nsLabels)+1)
-	for k, v := range pod.Labels {
-		if !slices.Contains(ignored, k) {
-			out = append(out, tables.SourceK8s+":"+k+"="+v)
+	add := func(key, value string) {
+		if filter.Keep(tables.SourceK8s, key) {
+			out = append(out, tables.SourceK8s+":"+key+"="+value)
 		}
 	}
-	for k, v := range nsLabels {
-		out = append(out, tables.SourceK8s+":"+NamespaceLabelPrefix+k+"="+v)
+	for k, v := range pod.Labels {
+		add(k, v)
 	}
-	out = append(out, tables.SourceK8s+":"+NamespaceLabel+"="+pod.Namespace)
+	for k, v := range nsLabels {
+		add(NamespaceLabelPrefix+k, v)
+	}
+	add(NamespaceLabel, pod.Namespace)
 	return tables.NewLabels(out...)
 }
 
@@ -171,6 +136,9 @@ type podState struct {
 type controller struct {
 	controllerParams
 
+	// filter decides which labels make identities (--identity-labels).
+	filter *LabelFilter
+
 	// markInitialized marks the endpoints table initialized.
 	markInitialized func(statedb.WriteTxn)
 
@@ -193,7 +161,7 @@ type controller struct {
 }
 
 func registerController(p controllerParams) error {
-	if err := ValidateIgnoredLabels(p.Config.IdentityIgnoredLabels); err != nil {
+	if _, err := NewLabelFilter(p.Config.IdentityLabels); err != nil {
 		return err
 	}
 	c := newController(p)
@@ -207,9 +175,15 @@ func registerController(p controllerParams) error {
 	return nil
 }
 
+// newController returns the controller of p, whose --identity-labels
+// registerController has checked.
 func newController(p controllerParams) *controller {
+	filter, err := NewLabelFilter(p.Config.IdentityLabels)
+	if err != nil {
+		panic(err) // checked before
+	}
 	return &controller{
-		controllerParams: p, pods: map[k8s.Key]*podState{}, nsLabels: map[string]map[string]string{},
+		controllerParams: p, filter: filter, pods: map[k8s.Key]*podState{}, nsLabels: map[string]map[string]string{},
 		dirty: map[k8s.Key]struct{}{}, cg: newCgroupTracker(), now: time.Now,
 	}
 }
@@ -342,7 +316,7 @@ func (c *controller) podChanged(ev k8s.Event[*corev1.Pod]) {
 	}
 	s := &podState{
 		pod: ev.Object, ips: podIPs(ev.Object),
-		labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace], c.Config.IdentityIgnoredLabels),
+		labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace], c.filter),
 		uid:    string(ev.Object.UID),
 	}
 	c.pods[ev.Key] = s
@@ -368,7 +342,7 @@ func (c *controller) namespaceChanged(ev k8s.Event[*corev1.Namespace]) {
 			continue
 		}
 		s := *old
-		s.labels = SecurityLabels(old.pod, c.nsLabels[ns], c.Config.IdentityIgnoredLabels)
+		s.labels = SecurityLabels(old.pod, c.nsLabels[ns], c.filter)
 		c.pods[key] = &s
 		if c.isLocal(&s) {
 			c.dirty[key] = struct{}{}

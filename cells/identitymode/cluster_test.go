@@ -244,14 +244,15 @@ func TestOperatorAndAgents(t *testing.T) {
 	}
 }
 
-// TestIgnoredLabelsShared sets --identity-ignored-labels on the operator and
-// an agent alike: pods that differ only in an ignored label share one
-// Identity, and the agent finds it (no endpoint stays temporary).
-func TestIgnoredLabelsShared(t *testing.T) {
+// TestIdentityLabelsShared sets --identity-labels on the operator and an
+// agent alike: pods that differ only in a label it leaves out (and one the
+// default filter leaves out) share one Identity, and the agent finds it
+// (no endpoint stays temporary).
+func TestIdentityLabelsShared(t *testing.T) {
 	pinRoot := testenv.BPFPinDir(t)
 	f := fake.NewSimpleClientset()
 	ctx := context.Background()
-	const ignored = "--identity-ignored-labels=pod-template-hash,rollout"
+	const ignored = "--identity-labels=!rollout"
 	for i, rollout := range []string{"r1", "r2"} {
 		p := &corev1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "api-" + rollout,

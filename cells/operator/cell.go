@@ -50,8 +50,9 @@ type Config struct {
 	// IdentityGCGracePeriod is how long an Identity must have been unused
 	// before it is collected.
 	IdentityGCGracePeriod time.Duration
-	// IdentityIgnoredLabels are pod label keys left out of label sets.
-	IdentityIgnoredLabels []string
+	// IdentityLabels are patterns added to the identity label filter
+	// (endpoints.LabelFilter); the agents' must be the same.
+	IdentityLabels []string
 	// LeaderElectionNamespace and LeaderElectionLease name the Lease.
 	LeaderElectionNamespace string
 	LeaderElectionLease     string
@@ -66,7 +67,7 @@ type Config struct {
 var defaultConfig = Config{
 	IdentityGCInterval:          10 * time.Minute,
 	IdentityGCGracePeriod:       time.Minute,
-	IdentityIgnoredLabels:       endpoints.IgnoredPodLabels(),
+	IdentityLabels:              []string{},
 	LeaderElectionNamespace:     "kube-system",
 	LeaderElectionLease:         "apiary-operator",
 	LeaderElectionLeaseDuration: 15 * time.Second,
@@ -80,7 +81,7 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"How often Identities no pod uses are collected and every label set is reconciled")
 	fs.Duration("identity-gc-grace-period", def.IdentityGCGracePeriod,
 		"How long an Identity must have been unused before it is collected")
-	fs.StringSlice(endpoints.IgnoredLabelsFlag, def.IdentityIgnoredLabels, endpoints.IgnoredLabelsHelp)
+	fs.StringSlice(endpoints.IdentityLabelsFlag, def.IdentityLabels, endpoints.IdentityLabelsHelp)
 	fs.String("leader-election-namespace", def.LeaderElectionNamespace, "Namespace of the leader election Lease")
 	fs.String("leader-election-lease", def.LeaderElectionLease, "Name of the leader election Lease")
 	fs.String("leader-election-identity", def.LeaderElectionIdentity, "Name of this replica in the Lease; empty: hostname, process id and a random suffix")
@@ -90,7 +91,7 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 }
 
 func (c Config) validate() error {
-	if err := endpoints.ValidateIgnoredLabels(c.IdentityIgnoredLabels); err != nil {
+	if _, err := endpoints.NewLabelFilter(c.IdentityLabels); err != nil {
 		return err
 	}
 	switch {

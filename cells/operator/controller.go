@@ -39,6 +39,8 @@ type controller struct {
 	client  *v1alpha1.Client
 	metrics *metrics
 	now     func() time.Time
+	// filter decides which labels make identities, as the agents'.
+	filter *endpoints.LabelFilter
 
 	pods     map[k8s.Key]string // pod -> key of its label set ("" for none)
 	nsLabels map[string]map[string]string
@@ -60,8 +62,12 @@ type controller struct {
 }
 
 func newController(p params, client *v1alpha1.Client, m *metrics) *controller {
+	filter, err := endpoints.NewLabelFilter(p.Config.IdentityLabels)
+	if err != nil {
+		panic(err) // Config.validate checked it
+	}
 	return &controller{
-		params: p, client: client, metrics: m, now: time.Now,
+		params: p, client: client, metrics: m, now: time.Now, filter: filter,
 		pods: map[k8s.Key]string{}, nsLabels: map[string]map[string]string{}, podsByNS: map[string]map[k8s.Key]*corev1.Pod{},
 		users: map[string]int{}, labels: map[string]tables.Labels{}, unusedSince: map[string]time.Time{},
 		ids: map[uint32]*idState{}, byLabels: map[string]map[uint32]struct{}{}, taken: map[uint32]struct{}{},
@@ -177,7 +183,7 @@ func (c *controller) use(old, new string) {
 func (c *controller) setPod(key k8s.Key, pod *corev1.Pod) {
 	newKey := ""
 	if pod != nil && wantsIdentity(pod) {
-		l := endpoints.SecurityLabels(pod, c.nsLabels[key.Namespace], c.Config.IdentityIgnoredLabels)
+		l := endpoints.SecurityLabels(pod, c.nsLabels[key.Namespace], c.filter)
 		newKey = l.Key()
 		c.labels[newKey] = l
 	}

@@ -70,6 +70,7 @@ const (
 	UnclassifiedFlag = "unclassified-pods"
 	AuditFlag        = "policy-audit-mode"
 	MapMaxFlag       = "bpf-policy-map-max"
+	LocalhostFlag    = "allow-localhost"
 	minPolicyMap     = 256
 	maxPolicyMap     = 16 << 20
 	endpointsMax     = 65536
@@ -86,6 +87,8 @@ type Config struct {
 	BPFPolicyMapMax uint32
 	// UnclassifiedPods is UnclassifiedDeny or UnclassifiedAllow.
 	UnclassifiedPods string
+	// AllowLocalhost is LocalhostAlways or LocalhostPolicy.
+	AllowLocalhost string
 }
 
 // --unclassified-pods values.
@@ -99,8 +102,20 @@ const (
 	UnclassifiedAllow = "allow"
 )
 
+// Values of --allow-localhost.
+const (
+	// LocalhostAlways lets the node (the reserved:host identity) reach
+	// its pods whatever their ingress policy says, unless a policy denies
+	// the host: as the reference does in Kubernetes, where kubelet's
+	// probes come from the node.
+	LocalhostAlways = "always"
+	// LocalhostPolicy treats the node as any other peer.
+	LocalhostPolicy = "policy"
+)
+
 var defaultConfig = Config{
 	EnablePolicy: ModeDefault, BPFPolicyMapMax: bpf.DefaultPolicyMapMaxEntries, UnclassifiedPods: UnclassifiedDeny,
+	AllowLocalhost: LocalhostAlways,
 }
 
 // Flags implements cell.Flagger.
@@ -113,6 +128,8 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Pods under the kubelet's cgroup tree (kubepods, kubepods.slice under --cgroup-root) that the agent has not classified yet: deny (both ways, until their pod and identity are known; the pinned programs keep denying while the agent is down) or allow (they run unenforced meanwhile)")
 	fs.Uint32(MapMaxFlag, def.BPFPolicyMapMax,
 		"Capacity of the policy map in entries, shared by every endpoint of the node; a full map is an error on the endpoints whose entries do not fit")
+	fs.String(LocalhostFlag, def.AllowLocalhost,
+		"Traffic from the node to its pods: always (allowed whatever the pods' ingress policy, unless a policy denies the host; kubelet's probes keep working) or policy (the node is a peer like any other)")
 }
 
 func (c Config) validate() error {
@@ -125,6 +142,11 @@ func (c Config) validate() error {
 	case UnclassifiedDeny, UnclassifiedAllow:
 	default:
 		return fmt.Errorf("--%s=%q: want deny or allow", UnclassifiedFlag, c.UnclassifiedPods)
+	}
+	switch c.AllowLocalhost {
+	case LocalhostAlways, LocalhostPolicy:
+	default:
+		return fmt.Errorf("--%s=%q: want always or policy", LocalhostFlag, c.AllowLocalhost)
 	}
 	if c.BPFPolicyMapMax < minPolicyMap || c.BPFPolicyMapMax > maxPolicyMap {
 		return fmt.Errorf("--%s=%d: want %d to %d", MapMaxFlag, c.BPFPolicyMapMax, minPolicyMap, maxPolicyMap)
@@ -176,6 +198,7 @@ type controllerParams struct {
 	IPCache        statedb.Table[*tables.IPCacheEntry]
 	Progress       *progress
 	Opened         mapsOpened
+	Warnings       *selectors.PolicyWarnings
 }
 
 func registerController(p controllerParams) {

@@ -55,6 +55,7 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 	eng := newEngine(c.Config.EnablePolicy, c.Config.PolicyAuditMode, restored)
 	eng.denyPending = c.Config.UnclassifiedPods == UnclassifiedDeny
 	trees := newPodTrees(c)
+	eng.allowLocalhost = c.Config.AllowLocalhost == LocalhostAlways
 
 	wtxn := c.DB.WriteTxn(c.Policies, c.Selectors, c.Endpoints)
 	policies, err := c.Policies.Changes(wtxn)
@@ -124,6 +125,7 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 			if err := w.commit(); err != nil {
 				return err
 			}
+			c.Warnings.Set(eng.warnings())
 			c.Progress.set(c.Selectors.Revision(rtxn))
 			if !marked {
 				marked = true

@@ -5,6 +5,7 @@ import (
 	"reflect"
 	"slices"
 
+	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -19,6 +20,10 @@ const (
 	// ModeNever enforces nothing: no entries, no programs.
 	ModeNever = "never"
 )
+
+// LocalhostEntryPolicy names, in entries and verdicts, the allow of the
+// node's traffic to its pods (--allow-localhost=always).
+const LocalhostEntryPolicy = "allow-localhost"
 
 // Map directions, as in the policy map key.
 const (
@@ -90,7 +95,10 @@ type endpoint struct {
 	auditIngress, auditEgress bool
 	usesNamedEgress           bool
 	// reason says why the endpoint is not enforced as its policies say.
-	reason       string
+	reason string
+	// ambiguous are the port names of the rules that stand for several
+	// numbers (see portKeys), by policy.
+	ambiguous    []policyWarning
 	contribs     map[entryKey]map[contrib]int
 	groups       map[groupKey]map[portKey]struct{} // keys with contributions
 	dirtyGroups  map[groupKey]struct{}
@@ -115,6 +123,9 @@ type engine struct {
 	// is not known yet (--unclassified-pods=deny), instead of letting it
 	// run unenforced.
 	denyPending bool
+	// allowLocalhost: the host may reach every endpoint in ingress
+	// (--allow-localhost=always).
+	allowLocalhost bool
 
 	specs     map[string][]tables.PolicySpec // by policy
 	audited   map[string]bool                // policies whose denies are audited
@@ -347,6 +358,29 @@ func (e *engine) namedPorts(ep *endpoint, dir uint8) func(string) []tables.Named
 	}
 }
 
+// policyWarning is something wrong with a policy that does not make it
+// invalid.
+type policyWarning struct {
+	policy, text string
+}
+
+// warnings returns what is wrong with each policy on this node's
+// endpoints: the port names that stand for several numbers.
+func (e *engine) warnings() map[string][]string {
+	out := map[string][]string{}
+	for _, ep := range e.endpoints {
+		for _, w := range ep.ambiguous {
+			if !slices.Contains(out[w.policy], w.text) {
+				out[w.policy] = append(out[w.policy], w.text)
+			}
+		}
+	}
+	for _, ws := range out {
+		slices.Sort(ws)
+	}
+	return out
+}
+
 // recompute rebuilds the rules and contributions of ep.
 func (e *engine) recompute(ep *endpoint) {
 	e.unindex(ep)
@@ -356,7 +390,7 @@ func (e *engine) recompute(ep *endpoint) {
 	for gk := range ep.emitted {
 		ep.dirtyGroups[gk] = struct{}{}
 	}
-	ep.policies, ep.usesNamedEgress = nil, false
+	ep.policies, ep.usesNamedEgress, ep.ambiguous = nil, false, nil
 	ep.ingress, ep.egress = tables.EnforceOff, tables.EnforceOff
 	ep.auditIngress, ep.auditEgress = false, false
 	ep.reason = ""
@@ -437,6 +471,11 @@ func (e *engine) recompute(ep *endpoint) {
 	if ep.id == 0 {
 		return // no cgroup yet: nothing to enforce on
 	}
+	if e.allowLocalhost && inOn && inDeny {
+		// The node reaches its pods whatever the policy (kubelet's
+		// probes); a deny of the host still wins over this allow.
+		ep.add(entryKey{identity: identity.IDHost, dir: dirIngress, port: anyPort}, contrib{policy: LocalhostEntryPolicy}, 1)
+	}
 	if inOn && !inDeny {
 		for _, p := range allowIn {
 			ep.add(entryKey{dir: dirIngress, port: anyPort}, contrib{policy: p}, 1)
@@ -457,10 +496,15 @@ func (e *engine) recompute(ep *endpoint) {
 			if (dir == dirIngress && !inOn) || (dir == dirEgress && !outOn) {
 				continue
 			}
-			r := &rule{
-				ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: pr.Peers,
-				ports: portKeys(pr.Ports, e.namedPorts(ep, dir)),
+			ports, ambiguous := portKeys(pr.Ports, e.namedPorts(ep, dir))
+			for _, a := range ambiguous {
+				where := "egress, among the pods of this node"
+				if dir == dirIngress {
+					where = "ingress of " + ep.row.Name
+				}
+				ep.ambiguous = append(ep.ambiguous, policyWarning{s.policy, where + ": " + a})
 			}
+			r := &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: pr.Peers, ports: ports}
 			if len(r.ports) == 0 {
 				continue
 			}

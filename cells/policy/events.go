@@ -172,6 +172,7 @@ func (r *eventReader) policyName(cookie uint32) string {
 		return name
 	}
 	clear(r.policyNames)
+	r.policyNames[policyCookie(LocalhostEntryPolicy)] = LocalhostEntryPolicy
 	for p := range r.policies.All(r.db.ReadTxn()) {
 		r.policyNames[policyCookie(p.Name)] = p.Name
 	}

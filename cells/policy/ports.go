@@ -1,8 +1,12 @@
 package policy
 
 import (
+	"fmt"
+	"maps"
 	"math/bits"
 	"slices"
+	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -82,21 +86,35 @@ func protocolNumber(p string) uint8 {
 
 // portKeys returns the entry keys of a rule's ports: anyPort for a rule
 // without ports. Named ports are looked up in named; a name it does not
-// have contributes nothing, as a port that does not exist.
-func portKeys(ports []tables.PortRule, named func(name string) []tables.NamedPort) []portKey {
+// have contributes nothing, as a port that does not exist. A name that
+// stands for more than one number of a protocol contributes nothing for
+// that protocol either, as in the reference (which cannot tell which
+// number is meant): it is returned in ambiguous, to be reported.
+func portKeys(ports []tables.PortRule, named func(name string) []tables.NamedPort) (out []portKey, ambiguous []string) {
 	if len(ports) == 0 {
-		return []portKey{anyPort}
+		return []portKey{anyPort}, nil
 	}
-	var out []portKey
 	for _, pr := range ports {
 		switch {
 		case pr.Name != "":
+			byProto := map[uint8][]uint16{}
 			for _, np := range named(pr.Name) {
 				proto := protocolNumber(np.Protocol)
 				if pr.Protocol != tables.ProtoAny && pr.Protocol != "" && !slices.Contains(protocols(pr.Protocol), proto) {
 					continue
 				}
-				out = append(out, portKey{proto: proto, port: np.Port, bits: 16})
+				if !slices.Contains(byProto[proto], np.Port) {
+					byProto[proto] = append(byProto[proto], np.Port)
+				}
+			}
+			for _, proto := range slices.Sorted(maps.Keys(byProto)) {
+				numbers := byProto[proto]
+				if len(numbers) > 1 {
+					slices.Sort(numbers)
+					ambiguous = append(ambiguous, ambiguousName(pr.Name, proto, numbers))
+					continue
+				}
+				out = append(out, portKey{proto: proto, port: numbers[0], bits: 16})
 			}
 		case pr.Port == 0 && (pr.Protocol == tables.ProtoAny || pr.Protocol == ""):
 			out = append(out, anyPort)
@@ -114,5 +132,15 @@ func portKeys(ports []tables.PortRule, named func(name string) []tables.NamedPor
 			}
 		}
 	}
-	return out
+	return out, ambiguous
+}
+
+// ambiguousName is the warning about a port name of several numbers.
+func ambiguousName(name string, proto uint8, numbers []uint16) string {
+	nums := make([]string, len(numbers))
+	for i, n := range numbers {
+		nums[i] = strconv.Itoa(int(n))
+	}
+	return fmt.Sprintf("port name %q is %s %s: ambiguous, the rule uses none of them",
+		name, tables.Proto(proto), strings.Join(nums, " and "))
 }

@@ -45,8 +45,8 @@ var Cell = cell.Module(
 			return k8s.NewResource(p, CCNPKind)
 		},
 	),
-	cell.Provide(newVerdictCounter),
-	cell.Invoke(registerController, registerVerdicts),
+	cell.Provide(newVerdictCounter, newPolicyWarnings),
+	cell.Invoke(registerController, registerVerdicts, registerWarnings),
 )
 
 // OwnerPolicy owns the prefixes named by policies.
@@ -66,6 +66,7 @@ type controllerParams struct {
 	Prefixes   ipcache.Prefixes
 	CNPs       k8s.Resource[*CiliumNetworkPolicy]
 	CCNPs      k8s.Resource[*CiliumClusterwideNetworkPolicy]
+	Warnings   *PolicyWarnings
 }
 
 type controller struct {
@@ -409,9 +410,13 @@ func (c *controller) writeRows(writes []rowWrite) error {
 		var err error
 		switch {
 		case w.policy != nil:
-			// The verdict counts (see VerdictCounter) stay.
+			// The verdict counts (see VerdictCounter) stay; the warnings
+			// are policy enforcement's latest.
 			if old, _, found := c.Policies.Get(wtxn, tables.PolicyNameIndex.Query(w.policy.Name)); found {
 				w.policy.Verdicts = old.Verdicts
+			}
+			if w.policy.Status == tables.PolicyOK {
+				w.policy.Warnings = c.Warnings.get(w.policy.Name)
 			}
 			_, _, err = c.Policies.Insert(wtxn, w.policy)
 		case w.selector != nil:

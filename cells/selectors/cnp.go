@@ -90,23 +90,27 @@ type LabelSelectorRequirement struct {
 }
 
 // IngressRule lists peers allowed in (or, in ingressDeny, denied), on
-// ToPorts or every port.
+// ToPorts or every port. An absent peer list and an empty one differ: a
+// rule without peers applies to every peer, a rule with an empty list
+// (fromEndpoints: []) to none, as in the reference. The lists are tagged
+// omitzero so that copies through JSON keep the difference.
 type IngressRule struct {
-	FromEndpoints []EndpointSelector `json:"fromEndpoints,omitempty"`
-	FromCIDR      []string           `json:"fromCIDR,omitempty"`
-	FromCIDRSet   []CIDRRule         `json:"fromCIDRSet,omitempty"`
-	FromEntities  []string           `json:"fromEntities,omitempty"`
+	FromEndpoints []EndpointSelector `json:"fromEndpoints,omitzero"`
+	FromCIDR      []string           `json:"fromCIDR,omitzero"`
+	FromCIDRSet   []CIDRRule         `json:"fromCIDRSet,omitzero"`
+	FromEntities  []string           `json:"fromEntities,omitzero"`
 	ToPorts       []PortRule         `json:"toPorts,omitempty"`
 }
 
 // EgressRule lists peers allowed out (or, in egressDeny, denied), on
-// ToPorts or every port.
+// ToPorts or every port. Absent and empty peer lists differ as in
+// IngressRule.
 type EgressRule struct {
-	ToEndpoints []EndpointSelector `json:"toEndpoints,omitempty"`
-	ToCIDR      []string           `json:"toCIDR,omitempty"`
-	ToCIDRSet   []CIDRRule         `json:"toCIDRSet,omitempty"`
+	ToEndpoints []EndpointSelector `json:"toEndpoints,omitzero"`
+	ToCIDR      []string           `json:"toCIDR,omitzero"`
+	ToCIDRSet   []CIDRRule         `json:"toCIDRSet,omitzero"`
 	ToFQDNs     []FQDNSelector     `json:"toFQDNs,omitempty"`
-	ToEntities  []string           `json:"toEntities,omitempty"`
+	ToEntities  []string           `json:"toEntities,omitzero"`
 	ToPorts     []PortRule         `json:"toPorts,omitempty"`
 }
 

@@ -153,13 +153,23 @@ type ruleParts struct {
 	fieldPrefix string // "from" or "to"
 }
 
+// emptyList reports whether one of the rule's peer lists is present but
+// empty, which makes the rule select no peer at all (the reference's
+// rule: an empty list selects nothing, where an absent one leaves the
+// rule to every peer).
+func (r ruleParts) emptyList() bool {
+	empty := func(n int, isNil bool) bool { return n == 0 && !isNil }
+	return empty(len(r.endpoints), r.endpoints == nil) || empty(len(r.cidrs), r.cidrs == nil) ||
+		empty(len(r.cidrSets), r.cidrSets == nil) || empty(len(r.entities), r.entities == nil)
+}
+
 // spec parses one spec; ok is false if it had errors.
 func (pp *policyParser) spec(r *Rule) (tables.PolicySpec, bool) {
 	errs := len(pp.errs)
 	var ps tables.PolicySpec
 	if r.EndpointSelector == nil {
 		pp.errorf("endpointSelector", "missing")
-	} else if sel, err := ParseEndpointSelector(*r.EndpointSelector, pp.namespace); err != nil {
+	} else if sel, err := ParseSubjectSelector(*r.EndpointSelector, pp.namespace); err != nil {
 		pp.fail("endpointSelector", err)
 	} else {
 		pp.subjects[sel.String()] = sel
@@ -212,7 +222,13 @@ func (pp *policyParser) spec(r *Rule) (tables.PolicySpec, bool) {
 func (pp *policyParser) rule(path, dir string, deny bool, r ruleParts) tables.PolicyRule {
 	out := tables.PolicyRule{Direction: dir, Deny: deny, Peers: []string{}}
 	peers := map[string]struct{}{}
+	// A rule with an empty peer list selects no peer: its other peers
+	// are checked, not used.
+	none := r.emptyList()
 	addPeer := func(s Selector) {
+		if none {
+			return
+		}
 		pp.peers[s.String()] = s
 		peers[s.String()] = struct{}{}
 	}
@@ -232,6 +248,9 @@ func (pp *policyParser) rule(path, dir string, deny bool, r ruleParts) tables.Po
 			return
 		}
 		addPeer(sel)
+		if none {
+			return
+		}
 		for _, pfx := range sel.Prefixes() {
 			pp.cidrs[pfx] = struct{}{}
 		}
@@ -258,7 +277,7 @@ func (pp *policyParser) rule(path, dir string, deny bool, r ruleParts) tables.Po
 		}
 		if sel != nil {
 			addPeer(sel)
-		} else {
+		} else if !none {
 			peers[peer] = struct{}{} // AnyPeer: identity 0, not a selector
 		}
 	}
@@ -283,8 +302,11 @@ func (pp *policyParser) rule(path, dir string, deny bool, r ruleParts) tables.Po
 			}
 		}
 	}
-	// A rule with ports but no peer applies to every peer on those ports.
-	if len(peers) == 0 && hasPorts {
+	switch {
+	case none:
+	case len(peers) == 0 && hasPorts:
+		// A rule with ports but no peer applies to every peer on those
+		// ports.
 		peers[tables.AnyPeer] = struct{}{}
 	}
 	out.Peers = append(out.Peers, slices.Sorted(maps.Keys(peers))...)

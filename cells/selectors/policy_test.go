@@ -281,6 +281,31 @@ specs:
 			wantPeers: peers(clientPeer, webSubject, dnsPeer),
 		},
 		{
+			// Class 5 of issue 24: an empty list selects nothing, where an
+			// absent one leaves the rule to every peer.
+			name: "an empty peer list selects nothing",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress:
+  - toEndpoints: []
+    toPorts: [{ports: [{port: "443", protocol: TCP}]}]
+  - toCIDR: [192.0.2.0/24]
+    toEntities: []
+  - toPorts: [{ports: [{port: "53", protocol: UDP}]}]
+  ingressDeny:
+  - fromCIDRSet: []
+    toPorts: [{ports: [{port: "22", protocol: TCP}]}]`,
+			want: []spec{{Subject: webSubject, Ingress: true, Egress: true, DefaultDenyIngress: true, DefaultDenyEgress: true,
+				Rules: []rule{
+					in(true, peers(), tcp(22)),
+					out(false, peers(), tcp(443)),
+					out(false, peers()),
+					out(false, any, port{Protocol: tables.ProtoUDP, Port: 53}),
+				}}},
+			wantPeers: peers(),
+		},
+		{
 			name:        "clusterwide: no namespace",
 			clusterwide: true,
 			body: `
@@ -288,8 +313,8 @@ spec:
   endpointSelector: {matchLabels: {app: web}}
   ingress: [{fromEndpoints: [{}], fromEntities: [host]}]`,
 			want: []spec{{Subject: "any:app=web", Ingress: true, DefaultDenyIngress: true,
-				Rules: []rule{in(false, peers("all", entityHost))}}},
-			wantPeers: peers("all", entityHost),
+				Rules: []rule{in(false, peers(entityHost, "k8s:io.kubernetes.pod.namespace"))}}},
+			wantPeers: peers(entityHost, "k8s:io.kubernetes.pod.namespace"),
 		},
 		{
 			name: "empty unsupported fields and fields outside rules are ignored",
@@ -589,3 +614,21 @@ func TestAuditAnnotation(t *testing.T) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// TestEmptyPeerListSurvivesCopy: informer stores hand out copies made
+// through JSON; an empty peer list must stay empty there, not become an
+// absent one (which would open the rule to every peer).
+func TestEmptyPeerListSurvivesCopy(t *testing.T) {
+	p := decodeCNP(t, `
+spec:
+  endpointSelector: {}
+  egress: [{toEndpoints: [], toPorts: [{ports: [{port: "443", protocol: TCP}]}]}]`)
+	c := p.DeepCopyObject().(*CiliumNetworkPolicy)
+	got := parsePolicy("cnp/default/p", "default", c.Spec, c.Specs, c.UnsupportedFields())
+	if got.err != nil {
+		t.Fatal(got.err)
+	}
+	if peers := got.specs[0].Rules[0].Peers; len(peers) != 0 {
+		t.Errorf("after a copy the rule's peers are %q, want none", peers)
+	}
+}

@@ -131,13 +131,84 @@ func outsideCluster(l tables.Labels) bool {
 // NamespaceLabel is the label of a pod's namespace.
 const NamespaceLabel = "io.kubernetes.pod.namespace"
 
-// ParseEndpointSelector returns the label selector of es. A namespace that
-// is not empty restricts it to endpoints of that namespace unless it names
-// a namespace itself, as a namespaced policy's selectors are.
+// NamespaceLabelsPrefix starts the keys of the labels a pod gets from its
+// namespace's labels.
+const NamespaceLabelsPrefix = "io.cilium.k8s.namespace.labels."
+
+// parsedSelector is a label selector's requirements as written, and what
+// decides the namespace requirement a policy adds to it.
+type parsedSelector struct {
+	reqs []requirement
+	// namespaceKey: a requirement on the namespace label (k8s: or any
+	// source); nsLabels: on a namespace's label; reserved: on a reserved:
+	// label.
+	namespaceKey, nsLabels, reserved bool
+}
+
+// ParseLabelSelector returns the label selector of es as written, without
+// any namespace requirement.
+func ParseLabelSelector(es EndpointSelector) (*LabelSelector, error) {
+	p, err := parseRequirements(es, false)
+	if err != nil {
+		return nil, err
+	}
+	return newLabelSelector(p.reqs), nil
+}
+
+// ParseSubjectSelector returns the selector of a policy's endpointSelector.
+// namespace is the policy's, empty for a clusterwide policy. As in the
+// reference, a namespaced policy selects only pods of its namespace,
+// whatever the selector says: a matchLabels entry
+// k8s:io.kubernetes.pod.namespace is replaced by the policy's namespace,
+// and any other requirement on the namespace must hold as well (so one
+// naming another namespace selects nothing).
+func ParseSubjectSelector(es EndpointSelector, namespace string) (*LabelSelector, error) {
+	p, err := parseRequirements(es, namespace != "")
+	if err != nil {
+		return nil, err
+	}
+	if namespace != "" {
+		p.reqs = append(p.reqs, requirement{source: tables.SourceK8s, key: NamespaceLabel, op: opIn, values: []string{namespace}})
+	}
+	return newLabelSelector(p.reqs), nil
+}
+
+// ParseEndpointSelector returns the selector of a peer (a fromEndpoints or
+// toEndpoints entry) of a policy in namespace, empty for a clusterwide
+// policy. The reference's rules, which it adds to the selector as written:
+//
+//   - a selector with a reserved: key (reserved:host, …) gets nothing: it
+//     selects reserved identities, which have no namespace;
+//   - a selector naming the namespace label (k8s: or any source, in
+//     matchLabels or matchExpressions) gets nothing;
+//   - in a namespaced policy, a selector on namespace labels
+//     (io.cilium.k8s.namespace.labels.*) gets nothing: it selects pods of
+//     every namespace with those labels; any other is restricted to the
+//     policy's namespace;
+//   - in a clusterwide policy, any other gets "has a namespace": it selects
+//     pods (of every namespace), never the host or other reserved
+//     identities, even when empty.
 func ParseEndpointSelector(es EndpointSelector, namespace string) (*LabelSelector, error) {
-	var reqs []requirement
-	hasNamespace := false
-	add := func(key, op string, values []string) error {
+	p, err := parseRequirements(es, false)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case p.reserved, p.namespaceKey:
+	case namespace == "":
+		p.reqs = append(p.reqs, requirement{source: tables.SourceK8s, key: NamespaceLabel, op: opExists})
+	case !p.nsLabels:
+		p.reqs = append(p.reqs, requirement{source: tables.SourceK8s, key: NamespaceLabel, op: opIn, values: []string{namespace}})
+	}
+	return newLabelSelector(p.reqs), nil
+}
+
+// parseRequirements checks and parses the requirements of es. dropK8sNamespace
+// leaves out a matchLabels entry k8s:io.kubernetes.pod.namespace, which a
+// namespaced policy's endpointSelector replaces.
+func parseRequirements(es EndpointSelector, dropK8sNamespace bool) (parsedSelector, error) {
+	var p parsedSelector
+	add := func(key, op string, values []string, matchLabel bool) error {
 		source, k := "", key
 		if src, rest, ok := strings.Cut(key, ":"); ok {
 			source, k = src, rest
@@ -168,37 +239,49 @@ func ParseEndpointSelector(es EndpointSelector, namespace string) (*LabelSelecto
 		default:
 			return fmt.Errorf("selector %q: unknown operator %q (want In, NotIn, Exists or DoesNotExist)", key, op)
 		}
-		if k == NamespaceLabel && (source == "" || source == tables.SourceK8s) {
-			hasNamespace = true
+		k8sOrAny := source == "" || source == tables.SourceK8s
+		switch {
+		case source == tables.SourceReserved:
+			p.reserved = true
+		case k8sOrAny && k == NamespaceLabel:
+			p.namespaceKey = true
+			if matchLabel && dropK8sNamespace && source == tables.SourceK8s {
+				return nil
+			}
+		case k8sOrAny && strings.HasPrefix(k, NamespaceLabelsPrefix):
+			p.nsLabels = true
 		}
 		vs := slices.Clone(values)
 		slices.Sort(vs)
-		reqs = append(reqs, requirement{source: source, key: k, op: op, values: slices.Compact(vs)})
+		p.reqs = append(p.reqs, requirement{source: source, key: k, op: op, values: slices.Compact(vs)})
 		return nil
 	}
 	for key, value := range es.MatchLabels {
-		if err := add(key, opIn, []string{value}); err != nil {
-			return nil, err
+		if err := add(key, opIn, []string{value}, true); err != nil {
+			return p, err
 		}
 	}
 	for _, e := range es.MatchExpressions {
-		if err := add(e.Key, e.Operator, e.Values); err != nil {
-			return nil, err
+		if err := add(e.Key, e.Operator, e.Values, false); err != nil {
+			return p, err
 		}
 	}
-	if namespace != "" && !hasNamespace {
-		reqs = append(reqs, requirement{source: tables.SourceK8s, key: NamespaceLabel, op: opIn, values: []string{namespace}})
-	}
+	return p, nil
+}
+
+// newLabelSelector returns the selector of reqs, with its canonical text.
+func newLabelSelector(reqs []requirement) *LabelSelector {
 	parts := make([]string, len(reqs))
 	for i, r := range reqs {
 		parts[i] = r.String()
 	}
 	slices.Sort(parts)
+	parts = slices.Compact(parts)
 	text := strings.Join(parts, ", ")
 	if text == "" {
 		text = "all"
 	}
-	return &LabelSelector{reqs: reqs, text: text}, nil
+	return &LabelSelector{reqs: reqs, text: text}
 }
 
 // CIDRSelector selects the identities labelled with a cidr: label of a

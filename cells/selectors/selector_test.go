@@ -78,7 +78,11 @@ func TestEndpointSelector(t *testing.T) {
 			err: "is not a label source"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s, err := ParseEndpointSelector(tc.es, tc.ns)
+			parse := ParseEndpointSelector
+			if tc.ns == "" {
+				parse = func(es EndpointSelector, _ string) (*LabelSelector, error) { return ParseLabelSelector(es) }
+			}
+			s, err := parse(tc.es, tc.ns)
 			if tc.err != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.err) {
 					t.Fatalf("got %v, want an error with %q", err, tc.err)
@@ -97,7 +101,7 @@ func TestEndpointSelector(t *testing.T) {
 		})
 	}
 	// CIDR identities are selected by CIDR selectors only.
-	all, _ := ParseEndpointSelector(EndpointSelector{}, "")
+	all, _ := ParseLabelSelector(EndpointSelector{})
 	if all.Matches(tables.NewLabels("cidr:10.0.0.0/8", "reserved:world")) {
 		t.Error("the empty label selector selects a CIDR identity")
 	}
@@ -232,6 +236,9 @@ func TestLabelSelectorsUnchanged(t *testing.T) {
 		{EndpointSelector{MatchExpressions: []LabelSelectorRequirement{{Key: "app", Operator: opDoesNotExist}}}, "", []uint32{1, 3, 4, 5, 6, 7, 8}},
 	} {
 		sel, err := ParseEndpointSelector(tc.es, tc.ns)
+		if tc.ns == "" {
+			sel, err = ParseLabelSelector(tc.es)
+		}
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -245,5 +252,88 @@ func TestLabelSelectorsUnchanged(t *testing.T) {
 		if !slices.Equal(got, tc.want) {
 			t.Errorf("%s selects %v, want %v", sel, got, tc.want)
 		}
+	}
+}
+
+// TestNamespaceRules: the namespace requirement a policy adds to its
+// selectors, as the reference adds it (classes 1–4 of issue 24), by the
+// identities each selects among pods of two namespaces, the host and the
+// other reserved identities.
+func TestNamespaceRules(t *testing.T) {
+	ids := map[uint32]tables.Labels{
+		1: tables.NewLabels(tables.LabelHost),
+		4: tables.NewLabels(tables.LabelHealth),
+		// alpha/web, beta/web, beta/server in a namespace labelled env=dev,
+		// gamma/server in one labelled env=prod.
+		300: tables.NewLabels("k8s:app=web", "k8s:io.kubernetes.pod.namespace=alpha"),
+		301: tables.NewLabels("k8s:app=web", "k8s:io.kubernetes.pod.namespace=beta", "k8s:io.cilium.k8s.namespace.labels.env=dev"),
+		302: tables.NewLabels("k8s:app=server", "k8s:io.kubernetes.pod.namespace=beta", "k8s:io.cilium.k8s.namespace.labels.env=dev"),
+		303: tables.NewLabels("k8s:app=server", "k8s:io.kubernetes.pod.namespace=gamma", "k8s:io.cilium.k8s.namespace.labels.env=prod"),
+		304: tables.NewLabels("k8s:app=server", "k8s:io.kubernetes.pod.namespace=delta", "k8s:io.cilium.k8s.namespace.labels.env=dev"),
+	}
+	ml := func(kv ...string) EndpointSelector {
+		m := map[string]string{}
+		for i := 0; i < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return EndpointSelector{MatchLabels: m}
+	}
+	for _, tc := range []struct {
+		name    string
+		subject bool
+		ns      string // "" for a clusterwide policy
+		es      EndpointSelector
+		want    []uint32
+	}{
+		// Class 1: a namespaced policy's subjects are in its namespace.
+		{"subject naming another namespace (any:) selects nothing", true, "beta",
+			ml("app", "web", "io.kubernetes.pod.namespace", "alpha"), nil},
+		{"subject naming another namespace (k8s:) is overridden", true, "beta",
+			ml("app", "web", "k8s:io.kubernetes.pod.namespace", "alpha"), []uint32{301}},
+		{"subject with a namespace expression stays in its namespace", true, "beta",
+			EndpointSelector{MatchExpressions: []LabelSelectorRequirement{{Key: "io.kubernetes.pod.namespace", Operator: opIn, Values: []string{"alpha", "beta"}}}},
+			[]uint32{301, 302}},
+		{"empty subject: every pod of the namespace", true, "beta", EndpointSelector{}, []uint32{301, 302}},
+		{"clusterwide subject is not restricted", true, "", ml("app", "web"), []uint32{300, 301}},
+		// A peer naming a namespace selects there.
+		{"peer naming another namespace", false, "beta",
+			ml("app", "web", "io.kubernetes.pod.namespace", "alpha"), []uint32{300}},
+		{"peer of a namespaced policy: its namespace", false, "beta", ml("app", "server"), []uint32{302}},
+		// Class 2: namespace labels select across namespaces.
+		{"peer on namespace labels: every such namespace", false, "beta",
+			ml("app", "server", "io.cilium.k8s.namespace.labels.env", "dev"), []uint32{302, 304}},
+		{"peer on namespace labels (k8s:, expression)", false, "beta",
+			EndpointSelector{MatchExpressions: []LabelSelectorRequirement{{Key: "k8s:io.cilium.k8s.namespace.labels.env", Operator: opExists}}},
+			[]uint32{301, 302, 303, 304}},
+		// Class 3: reserved: keys get no namespace.
+		{"reserved:host in a namespaced policy", false, "beta", ml("reserved:host", ""), []uint32{1}},
+		{"reserved:health expression in a namespaced policy", false, "beta",
+			EndpointSelector{MatchExpressions: []LabelSelectorRequirement{{Key: "reserved:health", Operator: opExists}}}, []uint32{4}},
+		{"reserved:host in a clusterwide policy", false, "", ml("reserved:host", ""), []uint32{1}},
+		// Class 4: a clusterwide policy's peers are pods.
+		{"empty clusterwide peer: every pod, not the host", false, "", EndpointSelector{}, []uint32{300, 301, 302, 303, 304}},
+		{"clusterwide peer by label", false, "", ml("app", "server"), []uint32{302, 303, 304}},
+		{"empty namespaced peer: the namespace's pods", false, "beta", EndpointSelector{}, []uint32{301, 302}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			parse := ParseEndpointSelector
+			if tc.subject {
+				parse = ParseSubjectSelector
+			}
+			sel, err := parse(tc.es, tc.ns)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []uint32
+			for id, l := range ids {
+				if sel.Matches(l) {
+					got = append(got, id)
+				}
+			}
+			slices.Sort(got)
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("%s selects %v, want %v", sel, got, tc.want)
+			}
+		})
 	}
 }
