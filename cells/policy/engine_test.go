@@ -176,7 +176,7 @@ func TestEngine(t *testing.T) {
 				e.setSelector(name, tc.sels[name])
 			}
 			for name, specs := range tc.specs {
-				e.setPolicy(name, specs, false)
+				e.setPolicy(name, specs, false, "")
 			}
 			ep := tc.endpoint
 			if ep == nil {
@@ -209,7 +209,7 @@ func TestEngineIncremental(t *testing.T) {
 	e := newEngine(ModeDefault, false, nil)
 	e.setSelector("app=web", []uint32{256})
 	e.setSelector("fqdn:*.example.com", nil)
-	e.setPolicy("cnp/x", []tables.PolicySpec{spec("app=web", egress(false, []string{"fqdn:*.example.com"}, tcp(443, 0)))}, false)
+	e.setPolicy("cnp/x", []tables.PolicySpec{spec("app=web", egress(false, []string{"fqdn:*.example.com"}, tcp(443, 0)))}, false, "")
 	e.setEndpoint("default/web", endpointRow("default/web", 256, 100))
 	e.setEndpoint("default/web2", endpointRow("default/web2", 256, 101))
 	out := newTableOutput()
@@ -243,7 +243,7 @@ func TestEngineIncremental(t *testing.T) {
 		t.Errorf("%d entries after the identity left the selector", n)
 	}
 
-	e.setPolicy("cnp/x", nil, false)
+	e.setPolicy("cnp/x", nil, false, "")
 	e.flush(out)
 	if row := out.endpoints["default/web"]; row.Egress != tables.EnforceOff || len(row.Policies) != 0 {
 		t.Errorf("after the policy went: %+v", row)
@@ -312,7 +312,7 @@ func TestEngineAudit(t *testing.T) {
 	e.setSelector("app=db", []uint32{257})
 	e.setSelector("app=cache", []uint32{258})
 	e.setPolicy("cnp/try", []tables.PolicySpec{spec("app=web",
-		egress(true, []string{"app=db"}), egress(true, []string{"app=cache"}))}, true)
+		egress(true, []string{"app=db"}), egress(true, []string{"app=cache"}))}, true, "")
 	e.setEndpoint("default/web", endpointRow("default/web", 256, 100))
 	out := newTableOutput()
 	e.flush(out)
@@ -333,7 +333,7 @@ func TestEngineAudit(t *testing.T) {
 		t.Errorf("default deny of only an audited policy: %+v", row)
 	}
 
-	e.setPolicy("cnp/enforced", []tables.PolicySpec{spec("app=web", egress(true, []string{"app=cache"}))}, false)
+	e.setPolicy("cnp/enforced", []tables.PolicySpec{spec("app=web", egress(true, []string{"app=cache"}))}, false, "")
 	e.flush(out)
 	check("audited deny beside an enforced one", 258, true, false, "cnp/enforced")
 	check("audited deny alone", 257, true, true, "cnp/try")
