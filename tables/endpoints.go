@@ -27,7 +27,9 @@ type Endpoint struct {
 	// management mode "cluster" for an Identity's number and "temporary"
 	// until one appears); empty while pending.
 	IdentitySource string `json:"identitySource" yaml:"identitySource"`
-	// Error says why the pod has no identity.
+	// Error says what is wrong with the pod's identity: why it has none,
+	// or an address of the pod that another pod claims too (see
+	// docs/identities.md).
 	Error string `json:"error,omitempty" yaml:"error,omitempty"`
 	// UID is the pod's UID, which names its kubelet cgroup.
 	UID string `json:"uid,omitempty" yaml:"uid,omitempty"`
@@ -42,6 +44,10 @@ type Endpoint struct {
 	// is the host (no IPs, no identity, no policy of its own), listed so
 	// that its cgroup is known.
 	HostNetwork bool `json:"hostNetwork,omitempty" yaml:"hostNetwork,omitempty"`
+	// CgroupError says why Cgroup is empty: a UID that cannot name a
+	// cgroup, no cgroup of the UID (yet), or an unusable cgroup root. The
+	// pod is not enforced until it has a cgroup.
+	CgroupError string `json:"cgroupError,omitempty" yaml:"cgroupError,omitempty"`
 }
 
 // NamedPort is a named container port of a pod.
@@ -70,9 +76,13 @@ func (e *Endpoint) TableRow() []string {
 	if e.CgroupID != 0 {
 		cgroupID = strconv.FormatUint(e.CgroupID, 10)
 	}
+	cgroup := e.Cgroup
+	if cgroup == "" && e.CgroupError != "" {
+		cgroup = "(none: " + e.CgroupError + ")"
+	}
 	return []string{
 		e.Name, strings.Join(ips, ", "), strings.Join(e.Labels, ", "), formatUint(e.Identity),
-		e.IdentitySource, e.Error, cgroupID, e.Cgroup,
+		e.IdentitySource, e.Error, cgroupID, cgroup,
 	}
 }
 

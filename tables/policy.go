@@ -27,9 +27,15 @@ type Policy struct {
 	Peers []string `json:"peers" yaml:"peers"`
 	// CIDRs are the prefixes the policy names, which get cidr: labels.
 	CIDRs []string `json:"cidrs,omitempty" yaml:"cidrs,omitempty"`
-	// Specs are the policy's rules as enforcement uses them; empty for an
-	// invalid policy.
+	// Specs are the policy's rules as enforcement uses them. An invalid
+	// policy has no rules: its specs are what it fails closed to, the
+	// subject of each spec whose selector parsed in default deny in the
+	// directions the spec has rules in.
 	Specs []PolicySpec `json:"specs,omitempty" yaml:"specs,omitempty"`
+	// FailClosed: the policy is invalid and its Specs are enforced (the
+	// endpoints it selects are denied in their directions), as
+	// --policy-invalid-mode=deny asks.
+	FailClosed bool `json:"failClosed,omitempty" yaml:"failClosed,omitempty"`
 	// Audit is set by the annotation apiary.io/audit: "true": what only
 	// this policy denies is let through and reported as audited.
 	Audit bool `json:"audit,omitempty" yaml:"audit,omitempty"`
@@ -75,6 +81,9 @@ func (*Policy) TableHeader() []string {
 // empty for an invalid policy.
 func (p *Policy) TableRow() []string {
 	status := p.Status
+	if p.FailClosed {
+		status += " (fail closed)"
+	}
 	if p.Audit {
 		status += " (audit)"
 	}

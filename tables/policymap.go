@@ -175,8 +175,16 @@ type EndpointPolicy struct {
 	Policies []string `json:"policies" yaml:"policies"`
 	// Reason says why the endpoint is enforced other than its policies
 	// say, or not at all: it waits for its identity (denied meanwhile),
-	// it is a host-network pod, it has no cgroup.
+	// it is a host-network pod, it has no cgroup (ReasonNotEnforced and
+	// why), invalid policies deny it (ReasonFailClosed and each policy
+	// with its error, "; " between them).
 	Reason string `json:"reason,omitempty" yaml:"reason,omitempty"`
+	// FailClosedIngress and FailClosedEgress are the invalid policies
+	// that select the endpoint and keep it default deny in that direction
+	// (--policy-invalid-mode=deny): the default-deny verdicts there are
+	// theirs.
+	FailClosedIngress []string `json:"failClosedIngress,omitempty" yaml:"failClosedIngress,omitempty"`
+	FailClosedEgress  []string `json:"failClosedEgress,omitempty" yaml:"failClosedEgress,omitempty"`
 	// PodTree marks a row that is no endpoint but a root of the kubelet's
 	// pod cgroups (Name "pod-tree:<cgroup>"): a process below it in no
 	// endpoint is unclassified, denied by the programs until its pod is
@@ -207,6 +215,12 @@ func (*EndpointPolicy) TableHeader() []string {
 	return []string{"Name", "ID", "Cgroup", "Ingress", "Egress", "Entries", "Policies", "Reason", "Status"}
 }
 
+// Prefixes of EndpointPolicy.Reason.
+const (
+	ReasonNotEnforced = "not enforced: "
+	ReasonFailClosed  = "fail closed: "
+)
+
 // TableRow implements statedb.TableWritable.
 func (e *EndpointPolicy) TableRow() []string {
 	ingress, egress := e.Ingress, e.Egress
@@ -216,9 +230,15 @@ func (e *EndpointPolicy) TableRow() []string {
 	if e.Audit || e.AuditDefaultEgress {
 		egress += " (audit)"
 	}
+	// An endpoint without an ID has nothing in the map: its status says
+	// so rather than the reconciler's Done (it had nothing to write).
+	status := StatusText(e.Status)
+	if e.ID == 0 && !e.PodTree && e.Reason != "" {
+		status = "Not enforced"
+	}
 	return []string{
 		e.Name, formatUint(e.ID), e.Cgroup, ingress, egress, strconv.Itoa(e.Entries),
-		strings.Join(e.Policies, ", "), e.Reason, StatusText(e.Status),
+		strings.Join(e.Policies, ", "), e.Reason, status,
 	}
 }
 

@@ -15,6 +15,7 @@ package endpoints
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -131,6 +132,9 @@ type podState struct {
 	ports []tables.NamedPort
 	// cgroup is where a local pod's cgroup was found (see cgroup.go).
 	cgroup cgroupRef
+	// seen orders the pods by when the controller first heard of them
+	// (see claims.go).
+	seen uint64
 }
 
 type controller struct {
@@ -158,6 +162,12 @@ type controller struct {
 	cg cgroupTracker
 	// now is the clock of the cgroup rechecks (a test's own in tests).
 	now func() time.Time
+	// claims are the pods claiming each pod address (see claims.go);
+	// seen counts the pods heard of.
+	claims addressClaims
+	seen   uint64
+	// badUID are the local pods whose UID cannot name a cgroup.
+	badUID map[k8s.Key]struct{}
 }
 
 func registerController(p controllerParams) error {
@@ -184,7 +194,8 @@ func newController(p controllerParams) *controller {
 	}
 	return &controller{
 		controllerParams: p, filter: filter, pods: map[k8s.Key]*podState{}, nsLabels: map[string]map[string]string{},
-		dirty: map[k8s.Key]struct{}{}, cg: newCgroupTracker(), now: time.Now,
+		dirty: map[k8s.Key]struct{}{}, cg: newCgroupTracker(), now: time.Now, claims: newAddressClaims(),
+		badUID: map[k8s.Key]struct{}{},
 	}
 }
 
@@ -250,7 +261,12 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 				ipcacheWatch, stopWait = wake.Either(ipcacheWatch, ipcacheInitWatch)
 			}
 		}
-		h.OK(fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local) + c.cgroupHealth())
+		msg := fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local) + c.cgroupHealth()
+		if problems := c.problems(); problems != "" {
+			h.Degraded(msg+"; "+problems, errors.New(problems))
+		} else {
+			h.OK(msg)
+		}
 
 		if next, ok := c.nextRecheck(); ok {
 			recheck.Reset(max(next.Sub(now), 0))
@@ -308,6 +324,7 @@ func (c *controller) podChanged(ev k8s.Event[*corev1.Pod]) {
 		c.local--
 		c.dirty[ev.Key] = struct{}{}
 	}
+	delete(c.badUID, ev.Key)
 	if ev.Kind == k8s.Delete {
 		delete(c.pods, ev.Key)
 		c.trackCgroup(ev.Key, old, nil, c.now())
@@ -319,12 +336,21 @@ func (c *controller) podChanged(ev k8s.Event[*corev1.Pod]) {
 		labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace], c.filter),
 		uid:    string(ev.Object.UID),
 	}
+	if old != nil {
+		s.seen = old.seen
+	} else {
+		c.seen++
+		s.seen = c.seen
+	}
 	c.pods[ev.Key] = s
 	if c.isLocal(s) {
 		c.local++
 		c.dirty[ev.Key] = struct{}{}
 		// Kept for the endpoints only, so for local pods.
 		s.ports = namedPorts(ev.Object)
+		if !validUID(s.uid) {
+			c.badUID[ev.Key] = struct{}{}
+		}
 	}
 	c.trackCgroup(ev.Key, old, s, c.now())
 	c.relabel(ev.Key, old, s)
@@ -351,13 +377,13 @@ func (c *controller) namespaceChanged(ev k8s.Event[*corev1.Namespace]) {
 	}
 }
 
-// relabel queues the prefix changes from old to new (either may be nil).
+// relabel queues the prefix changes from old to new (either may be nil):
+// the addresses the pod holds get its labels (see claims.go).
 func (c *controller) relabel(key k8s.Key, old, new *podState) {
-	o := owner(key)
 	if old != nil {
 		for _, ip := range old.ips {
 			if new == nil || !slices.Contains(new.ips, ip) {
-				c.changes = append(c.changes, ipcache.Delete(tables.HostPrefix(ip), o))
+				c.unclaim(ip, key)
 			}
 		}
 	}
@@ -365,8 +391,13 @@ func (c *controller) relabel(key k8s.Key, old, new *podState) {
 		return
 	}
 	for _, ip := range new.ips {
-		if old == nil || !old.labels.Equal(new.labels) || !slices.Contains(old.ips, ip) {
-			c.changes = append(c.changes, ipcache.Change{Prefix: tables.HostPrefix(ip), Owner: o, Labels: new.labels})
+		switch {
+		case old == nil || !slices.Contains(old.ips, ip):
+			c.claim(ip, key, new)
+		case !old.labels.Equal(new.labels):
+			if holder, _ := c.claims.holder(ip); holder == key {
+				c.changes = append(c.changes, ipcache.Change{Prefix: tables.HostPrefix(ip), Owner: owner(key), Labels: new.labels})
+			}
 		}
 	}
 }
@@ -429,36 +460,39 @@ func (c *controller) writeEndpoints() error {
 	return nil
 }
 
-// endpoint returns the endpoint of the local pod s with the identity its
-// first IP resolved to. Until the pod has an IP (the kubelet reports it
-// after the pod's containers have started), the identity is that of its
-// label set if one exists already (another pod of the workload has it),
-// so that the pod is enforced from its first packet; else it waits, and
-// policy keeps the pod denied meanwhile. A host-network pod is the host:
-// it has no identity of its own.
+// endpoint returns the endpoint of the local pod s with the identity the
+// first IP it holds resolved to. Until the pod holds an IP (the kubelet
+// reports it after the pod's containers have started; another pod may hold
+// its address, see claims.go), the identity is that of its label set if
+// one exists already (another pod of the workload has it), so that the pod
+// is enforced from its first packet; else it waits, and policy keeps the
+// pod denied meanwhile. A host-network pod is the host: it has no identity
+// of its own.
 func (c *controller) endpoint(txn statedb.ReadTxn, key k8s.Key, s *podState) *tables.Endpoint {
 	e := &tables.Endpoint{
 		Name: key.String(), IPs: append([]netip.Addr{}, s.ips...), Labels: s.labels,
 		UID: s.uid, NamedPorts: slices.Clone(s.ports), Cgroup: s.cgroup.path, CgroupID: s.cgroup.id,
-		HostNetwork: s.pod.Spec.HostNetwork,
+		HostNetwork: s.pod.Spec.HostNetwork, CgroupError: cgroupError(s),
 	}
 	if e.HostNetwork {
 		e.Identity, e.IdentitySource = hostIdentity, tables.SourceReserved
 		return e
 	}
-	if len(s.ips) == 0 {
+	errs, first, holds := c.claimErrors(key, s)
+	e.Error = strings.Join(errs, "; ")
+	if !holds {
 		if id, _, ok := c.Identities.Get(txn, tables.IdentityLabelsIndex.Query(s.labels.Key())); ok {
 			e.Identity, e.IdentitySource = id.ID, id.Source
 		}
 		return e
 	}
-	entry, _, found := c.IPCache.Get(txn, tables.IPCachePrefixIndex.Query(tables.HostPrefix(s.ips[0])))
+	entry, _, found := c.IPCache.Get(txn, tables.IPCachePrefixIndex.Query(tables.HostPrefix(first)))
 	// Until the ipcache has resolved the pod's own labels the endpoint
 	// waits; the entry's change brings it back.
 	switch {
 	case !found || !slices.Contains(entry.Owners, owner(key)):
 	case entry.Error != "":
-		e.Error = entry.Error
+		e.Error = strings.Join(append(errs, entry.Error), "; ")
 	default:
 		e.Identity = entry.Identity
 		if id, _, ok := c.Identities.Get(txn, tables.IdentityIDIndex.Query(entry.Identity)); ok {
@@ -472,5 +506,24 @@ func sameEndpoint(a, b *tables.Endpoint) bool {
 	return a.Name == b.Name && slices.Equal(a.IPs, b.IPs) && a.Labels.Equal(b.Labels) &&
 		a.Identity == b.Identity && a.IdentitySource == b.IdentitySource && a.Error == b.Error &&
 		a.UID == b.UID && slices.Equal(a.NamedPorts, b.NamedPorts) && a.Cgroup == b.Cgroup && a.CgroupID == b.CgroupID &&
-		a.HostNetwork == b.HostNetwork
+		a.HostNetwork == b.HostNetwork && a.CgroupError == b.CgroupError
+}
+
+// problems says what is wrong with the pods, "" when nothing is: addresses
+// claimed by several pods, local pods whose UID cannot name a cgroup.
+func (c *controller) problems() string {
+	var out []string
+	if s := c.claimsHealth(); s != "" {
+		out = append(out, s)
+	}
+	if len(c.badUID) > 0 {
+		var badUID []string
+		for key := range c.badUID {
+			badUID = append(badUID, key.String())
+		}
+		slices.Sort(badUID)
+		out = append(out, fmt.Sprintf("%d pods not enforced, their UID cannot name a cgroup: %s",
+			len(badUID), strings.Join(badUID, ", ")))
+	}
+	return strings.Join(out, "; ")
 }

@@ -76,6 +76,19 @@ func validUID(uid string) bool {
 	return true
 }
 
+// cgroupError says why the local pod s has no cgroup, "" when it has one.
+func cgroupError(s *podState) string {
+	switch {
+	case s.cgroup.id != 0:
+		return ""
+	case !validUID(s.uid):
+		return fmt.Sprintf("UID %q cannot name a kubelet cgroup (1-64 letters, digits and '-')", s.uid)
+	case s.pod.Status.Phase == corev1.PodSucceeded || s.pod.Status.Phase == corev1.PodFailed:
+		return "the pod has terminated"
+	}
+	return "no cgroup of UID " + s.uid + " under the cgroup root (yet)"
+}
+
 // findCgroup returns the cgroup of the pod with the given UID under root,
 // or the zero cgroupRef when there is none (yet). known is where it was
 // found before: when it is still there with the same ID, one stat does.

@@ -87,7 +87,7 @@ func BenchmarkEndpointPolicy(b *testing.B) {
 		specs = append(specs, spec("app=web",
 			egress(false, []string{fmt.Sprintf("app=peer-%d", r%identities)}, tcp(uint16(1000+r/identities), 0))))
 	}
-	e.setPolicy("cnp/big", specs, false)
+	e.setPolicy("cnp/big", specs, false, "")
 	b.ResetTimer()
 	for range b.N {
 		e.setEndpoint("default/web", endpointRow("default/web", 256, 100))
@@ -112,7 +112,7 @@ func BenchmarkIdentitySelected(b *testing.B) {
 	for s := range selectors {
 		rules = append(rules, egress(false, []string{fmt.Sprintf("fqdn:s%d", s)}, tcp(443, 0)))
 	}
-	e.setPolicy("cnp/x", []tables.PolicySpec{spec("app=web", rules...)}, false)
+	e.setPolicy("cnp/x", []tables.PolicySpec{spec("app=web", rules...)}, false, "")
 	for i := range endpoints {
 		name := fmt.Sprintf("default/web-%d", i)
 		e.setEndpoint(name, endpointRow(name, 256, uint64(100+i)))
@@ -204,7 +204,7 @@ func BenchmarkIdentityToMap(b *testing.B) {
 	for s := range selectors {
 		rules = append(rules, egress(false, []string{fmt.Sprintf("fqdn:s%d", s)}, tcp(443, 0)))
 	}
-	e.setPolicy("cnp/x", []tables.PolicySpec{spec("app=web", rules...)}, false)
+	e.setPolicy("cnp/x", []tables.PolicySpec{spec("app=web", rules...)}, false, "")
 	for i := range endpoints {
 		name := fmt.Sprintf("default/web-%d", i)
 		e.setEndpoint(name, endpointRow(name, 256, uint64(100+i)))

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/cilium/hive/cell"
@@ -80,10 +82,18 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		rtxn := c.DB.ReadTxn()
 		polSeq, polWatch := policies.Next(rtxn)
 		for ch := range polSeq {
-			if ch.Deleted || ch.Object.Status != tables.PolicyOK {
-				eng.setPolicy(ch.Object.Name, nil, false)
-			} else {
-				eng.setPolicy(ch.Object.Name, ch.Object.Specs, ch.Object.Audit)
+			p := ch.Object
+			switch {
+			case ch.Deleted:
+				eng.setPolicy(p.Name, nil, false, "")
+			case p.Status == tables.PolicyOK:
+				eng.setPolicy(p.Name, p.Specs, p.Audit, "")
+			case p.FailClosed:
+				// Its specs allow nothing: they deny the endpoints it
+				// selects in its directions (--policy-invalid-mode).
+				eng.setPolicy(p.Name, p.Specs, p.Audit, p.Error)
+			default:
+				eng.setPolicy(p.Name, nil, false, "")
 			}
 		}
 		selSeq, selWatch := selectors.Next(rtxn)
@@ -151,15 +161,39 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 }
 
 func (c *controller) reportHealth(h cell.Health, eng *engine) {
-	enforced, entries := 0, 0
-	for _, ep := range eng.endpoints {
+	enforced, entries, noCgroup := 0, 0, 0
+	// failClosed: the endpoints each invalid policy denies.
+	failClosed := map[string][]string{}
+	for name, ep := range eng.endpoints {
 		if ep.id != 0 && (ep.ingress != tables.EnforceOff || ep.egress != tables.EnforceOff) {
 			enforced++
 		}
+		if ep.id == 0 && c.Config.EnablePolicy != ModeNever {
+			noCgroup++
+		}
+		for _, p := range ep.failClosed {
+			failClosed[p] = append(failClosed[p], name)
+		}
 		entries += ep.emittedCount
 	}
-	h.OK(fmt.Sprintf("%d endpoints, %d enforced, %d entries (--%s=%s)",
-		len(eng.endpoints), enforced, entries, EnableFlag, c.Config.EnablePolicy))
+	msg := fmt.Sprintf("%d endpoints, %d enforced, %d entries (--%s=%s)",
+		len(eng.endpoints), enforced, entries, EnableFlag, c.Config.EnablePolicy)
+	if noCgroup > 0 {
+		msg += fmt.Sprintf("; %d without a cgroup, not enforced", noCgroup)
+	}
+	if len(failClosed) == 0 {
+		h.OK(msg)
+		return
+	}
+	var parts []string
+	for _, p := range slices.Sorted(maps.Keys(failClosed)) {
+		eps := failClosed[p]
+		slices.Sort(eps)
+		parts = append(parts, fmt.Sprintf("%s (%s)", p, strings.Join(eps, ", ")))
+	}
+	first := slices.Min(slices.Collect(maps.Keys(failClosed)))
+	h.Degraded(fmt.Sprintf("%s; failing closed on %d invalid policies: %s", msg, len(failClosed), strings.Join(parts, "; ")),
+		fmt.Errorf("%s: %s", first, eng.invalid[first]))
 }
 
 // writer applies the engine's output in transactions of about writeChunk

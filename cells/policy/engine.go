@@ -4,6 +4,7 @@ import (
 	"maps"
 	"reflect"
 	"slices"
+	"strings"
 
 	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/tables"
@@ -94,17 +95,23 @@ type endpoint struct {
 	// from audited policies.
 	auditIngress, auditEgress bool
 	usesNamedEgress           bool
-	// reason says why the endpoint is not enforced as its policies say.
+	// reason says why the endpoint is not enforced as its policies say
+	// (see engine.reason for the rest).
 	reason string
 	// ambiguous are the port names of the rules that stand for several
 	// numbers (see portKeys), by policy.
-	ambiguous    []policyWarning
-	contribs     map[entryKey]map[contrib]int
-	groups       map[groupKey]map[portKey]struct{} // keys with contributions
-	dirtyGroups  map[groupKey]struct{}
-	emitted      map[groupKey]map[portKey]entryValue
-	emittedCount int
-	lastRow      *tables.EndpointPolicy
+	ambiguous []policyWarning
+	// failClosed are the invalid policies that select the endpoint (so
+	// deny it in their directions); failIngress and failEgress those of
+	// each direction.
+	failClosed              []string
+	failIngress, failEgress []string
+	contribs                map[entryKey]map[contrib]int
+	groups                  map[groupKey]map[portKey]struct{} // keys with contributions
+	dirtyGroups             map[groupKey]struct{}
+	emitted                 map[groupKey]map[portKey]entryValue
+	emittedCount            int
+	lastRow                 *tables.EndpointPolicy
 }
 
 // engine computes the policy entries of every local endpoint from the
@@ -129,6 +136,7 @@ type engine struct {
 
 	specs     map[string][]tables.PolicySpec // by policy
 	audited   map[string]bool                // policies whose denies are audited
+	invalid   map[string]string              // policies failing closed → their error
 	subjects  map[string]int                 // subject selector → specs using it
 	selectors map[string]map[uint32]struct{} // selector → identities (the selectors table)
 	endpoints map[string]*endpoint
@@ -150,7 +158,8 @@ type engine struct {
 func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
 	e := &engine{
 		mode: mode, audit: audit,
-		specs: map[string][]tables.PolicySpec{}, audited: map[string]bool{}, subjects: map[string]int{},
+		specs: map[string][]tables.PolicySpec{}, audited: map[string]bool{}, invalid: map[string]string{},
+		subjects:  map[string]int{},
 		selectors: map[string]map[uint32]struct{}{}, endpoints: map[string]*endpoint{},
 		byIdentity: map[uint32]map[*endpoint]struct{}{}, peerUsers: map[string]map[*rule]struct{}{},
 		restored: restored, usedIDs: map[uint32]*endpoint{}, nextID: 1,
@@ -165,16 +174,22 @@ func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
 }
 
 // setPolicy replaces the specs of a policy (nil: the policy is gone or
-// invalid); audit makes its denies audited. The same specs again change
-// nothing.
-func (e *engine) setPolicy(name string, specs []tables.PolicySpec, audit bool) {
-	if old, ok := e.specs[name]; ok && e.audited[name] == audit && reflect.DeepEqual(old, specs) {
+// ignored); audit makes its denies audited. invalid is the error of an
+// invalid policy whose specs are its fail-closed ones, which the rows of
+// the endpoints it selects show. The same specs again change nothing.
+func (e *engine) setPolicy(name string, specs []tables.PolicySpec, audit bool, invalid string) {
+	if old, ok := e.specs[name]; ok && e.audited[name] == audit && e.invalid[name] == invalid && reflect.DeepEqual(old, specs) {
 		return
 	}
 	if audit {
 		e.audited[name] = true
 	} else {
 		delete(e.audited, name)
+	}
+	if invalid != "" && len(specs) > 0 {
+		e.invalid[name] = invalid
+	} else {
+		delete(e.invalid, name)
 	}
 	for _, s := range e.specs[name] {
 		e.markSelected(s.Subject)
@@ -391,6 +406,7 @@ func (e *engine) recompute(ep *endpoint) {
 		ep.dirtyGroups[gk] = struct{}{}
 	}
 	ep.policies, ep.usesNamedEgress, ep.ambiguous = nil, false, nil
+	ep.failClosed, ep.failIngress, ep.failEgress = nil, nil, nil
 	ep.ingress, ep.egress = tables.EnforceOff, tables.EnforceOff
 	ep.auditIngress, ep.auditEgress = false, false
 	ep.reason = ""
@@ -446,6 +462,17 @@ func (e *engine) recompute(ep *endpoint) {
 	for _, s := range selected {
 		if !slices.Contains(ep.policies, s.policy) {
 			ep.policies = append(ep.policies, s.policy)
+		}
+		if _, bad := e.invalid[s.policy]; bad {
+			if !slices.Contains(ep.failClosed, s.policy) {
+				ep.failClosed = append(ep.failClosed, s.policy)
+			}
+			if s.spec.Ingress && !slices.Contains(ep.failIngress, s.policy) {
+				ep.failIngress = append(ep.failIngress, s.policy)
+			}
+			if s.spec.Egress && !slices.Contains(ep.failEgress, s.policy) {
+				ep.failEgress = append(ep.failEgress, s.policy)
+			}
 		}
 		if s.spec.Ingress {
 			inOn = true
@@ -707,7 +734,9 @@ func (e *engine) flush(out output) {
 			Name: name, ID: ep.id, Cgroup: ep.row.Cgroup, CgroupID: ep.row.CgroupID,
 			Ingress: ep.ingress, Egress: ep.egress, Audit: e.audit && ep.id != 0,
 			AuditDefaultIngress: ep.auditIngress, AuditDefaultEgress: ep.auditEgress,
-			Entries: ep.emittedCount, Policies: ep.policies, Reason: ep.reason,
+			Entries: ep.emittedCount, Policies: ep.policies,
+			FailClosedIngress: ep.failIngress, FailClosedEgress: ep.failEgress,
+			Reason: e.reason(ep),
 		}
 		if row.Policies == nil {
 			row.Policies = []string{}
@@ -719,11 +748,39 @@ func (e *engine) flush(out output) {
 	}
 }
 
+// reason says why ep is not enforced as its policies say: it is the host,
+// it has no cgroup to be enforced on (so no ID, nothing in the maps), it
+// waits for its identity, or invalid policies deny it.
+func (e *engine) reason(ep *endpoint) string {
+	switch {
+	case e.mode == ModeNever || ep.row.HostNetwork:
+		return ep.reason
+	case ep.id == 0:
+		why := ep.row.CgroupError
+		if why == "" {
+			why = "no cgroup yet"
+		}
+		if e.denyPending {
+			// The pod tree rows deny such a pod's processes, if any.
+			why += "; a process of it under a pod tree is unclassified, denied (--" + UnclassifiedFlag + "=deny)"
+		}
+		return tables.ReasonNotEnforced + why
+	case ep.reason != "":
+		return ep.reason
+	}
+	var parts []string
+	for _, p := range ep.failClosed {
+		parts = append(parts, tables.ReasonFailClosed+p+": "+e.invalid[p])
+	}
+	return strings.Join(parts, "; ")
+}
+
 func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
 	return a.Name == b.Name && a.ID == b.ID && a.Cgroup == b.Cgroup && a.CgroupID == b.CgroupID &&
 		a.Ingress == b.Ingress && a.Egress == b.Egress && a.Audit == b.Audit && a.Entries == b.Entries &&
 		a.AuditDefaultIngress == b.AuditDefaultIngress && a.AuditDefaultEgress == b.AuditDefaultEgress &&
-		slices.Equal(a.Policies, b.Policies) && a.Reason == b.Reason
+		slices.Equal(a.Policies, b.Policies) && a.Reason == b.Reason &&
+		slices.Equal(a.FailClosedIngress, b.FailClosedIngress) && slices.Equal(a.FailClosedEgress, b.FailClosedEgress)
 }
 
 // Reasons of endpoint rows not enforced as their policies say.

@@ -176,7 +176,7 @@ func TestEngine(t *testing.T) {
 				e.setSelector(name, tc.sels[name])
 			}
 			for name, specs := range tc.specs {
-				e.setPolicy(name, specs, false)
+				e.setPolicy(name, specs, false, "")
 			}
 			ep := tc.endpoint
 			if ep == nil {
@@ -209,7 +209,7 @@ func TestEngineIncremental(t *testing.T) {
 	e := newEngine(ModeDefault, false, nil)
 	e.setSelector("app=web", []uint32{256})
 	e.setSelector("fqdn:*.example.com", nil)
-	e.setPolicy("cnp/x", []tables.PolicySpec{spec("app=web", egress(false, []string{"fqdn:*.example.com"}, tcp(443, 0)))}, false)
+	e.setPolicy("cnp/x", []tables.PolicySpec{spec("app=web", egress(false, []string{"fqdn:*.example.com"}, tcp(443, 0)))}, false, "")
 	e.setEndpoint("default/web", endpointRow("default/web", 256, 100))
 	e.setEndpoint("default/web2", endpointRow("default/web2", 256, 101))
 	out := newTableOutput()
@@ -243,7 +243,7 @@ func TestEngineIncremental(t *testing.T) {
 		t.Errorf("%d entries after the identity left the selector", n)
 	}
 
-	e.setPolicy("cnp/x", nil, false)
+	e.setPolicy("cnp/x", nil, false, "")
 	e.flush(out)
 	if row := out.endpoints["default/web"]; row.Egress != tables.EnforceOff || len(row.Policies) != 0 {
 		t.Errorf("after the policy went: %+v", row)
@@ -312,7 +312,7 @@ func TestEngineAudit(t *testing.T) {
 	e.setSelector("app=db", []uint32{257})
 	e.setSelector("app=cache", []uint32{258})
 	e.setPolicy("cnp/try", []tables.PolicySpec{spec("app=web",
-		egress(true, []string{"app=db"}), egress(true, []string{"app=cache"}))}, true)
+		egress(true, []string{"app=db"}), egress(true, []string{"app=cache"}))}, true, "")
 	e.setEndpoint("default/web", endpointRow("default/web", 256, 100))
 	out := newTableOutput()
 	e.flush(out)
@@ -333,11 +333,150 @@ func TestEngineAudit(t *testing.T) {
 		t.Errorf("default deny of only an audited policy: %+v", row)
 	}
 
-	e.setPolicy("cnp/enforced", []tables.PolicySpec{spec("app=web", egress(true, []string{"app=cache"}))}, false)
+	e.setPolicy("cnp/enforced", []tables.PolicySpec{spec("app=web", egress(true, []string{"app=cache"}))}, false, "")
 	e.flush(out)
 	check("audited deny beside an enforced one", 258, true, false, "cnp/enforced")
 	check("audited deny alone", 257, true, true, "cnp/try")
 	if row := out.endpoints["default/web"]; row.AuditDefaultEgress {
 		t.Errorf("default deny of an enforced policy too: %+v", row)
+	}
+}
+
+// failClosedSpec is what an invalid policy's row carries: its subject
+// default deny in the directions it has rules in, no rules.
+func failClosedSpec(subject string, in, out bool) tables.PolicySpec {
+	return tables.PolicySpec{Subject: subject, Ingress: in, Egress: out, DefaultDenyIngress: in, DefaultDenyEgress: out}
+}
+
+// TestEngineFailClosed: an invalid policy's fail-closed specs keep the
+// endpoints it selects default deny in its directions, whatever the valid
+// policies allow there, and the endpoint's row says which policy and why;
+// an endpoint without a cgroup is shown as not enforced, with the reason.
+func TestEngineFailClosed(t *testing.T) {
+	const web, db = 256, 257
+	const bad, good = "cnp/default/bad", "cnp/default/good"
+	const badErr = "egress[0].toPorts[0].rules.http: not supported"
+	tests := []struct {
+		name             string
+		specs            map[string][]tables.PolicySpec
+		invalid          map[string]string // policy → error
+		audit            map[string]bool
+		endpoint         *tables.Endpoint
+		want             []string
+		wantIn, wantOut  string
+		wantFailIn       []string
+		wantFailOut      []string
+		wantReason       string
+		wantAuditDefault bool
+	}{
+		{
+			name:    "the only egress policy invalid: egress default deny, no entries",
+			specs:   map[string][]tables.PolicySpec{bad: {failClosedSpec("app=web", false, true)}},
+			invalid: map[string]string{bad: badErr},
+			wantIn:  tables.EnforceOff, wantOut: tables.EnforceDefaultDeny,
+			wantFailOut: []string{bad},
+			wantReason:  "fail closed: " + bad + ": " + badErr,
+		},
+		{
+			name: "beside a valid policy: its allows stay, the invalid one's are gone",
+			specs: map[string][]tables.PolicySpec{
+				bad:  {failClosedSpec("app=web", true, true)},
+				good: {spec("app=web", egress(false, []string{"app=db"}, tcp(5432, 0)))},
+			},
+			invalid: map[string]string{bad: badErr},
+			want:    []string{"257 egress TCP/5432 allow"},
+			wantIn:  tables.EnforceDefaultDeny, wantOut: tables.EnforceDefaultDeny,
+			wantFailIn: []string{bad}, wantFailOut: []string{bad},
+			wantReason: "fail closed: " + bad + ": " + badErr,
+		},
+		{
+			name: "an invalid policy that turned a direction's default deny off: deny",
+			specs: map[string][]tables.PolicySpec{
+				bad:  {failClosedSpec("app=web", false, true)},
+				good: {{Subject: "app=web", Egress: true, Rules: []tables.PolicyRule{egress(true, []string{"app=db"})}}},
+			},
+			invalid: map[string]string{bad: badErr},
+			want:    []string{"257 egress ANY deny"},
+			wantIn:  tables.EnforceOff, wantOut: tables.EnforceDefaultDeny,
+			wantFailOut: []string{bad},
+			wantReason:  "fail closed: " + bad + ": " + badErr,
+		},
+		{
+			name:    "an audited invalid policy: its default deny is audited",
+			specs:   map[string][]tables.PolicySpec{bad: {failClosedSpec("app=web", false, true)}},
+			invalid: map[string]string{bad: badErr},
+			audit:   map[string]bool{bad: true},
+			wantIn:  tables.EnforceOff, wantOut: tables.EnforceDefaultDeny,
+			wantFailOut: []string{bad}, wantAuditDefault: true,
+			wantReason: "fail closed: " + bad + ": " + badErr,
+		},
+		{
+			name:    "not selected: nothing",
+			specs:   map[string][]tables.PolicySpec{bad: {failClosedSpec("app=db", false, true)}},
+			invalid: map[string]string{bad: badErr},
+			wantIn:  tables.EnforceOff, wantOut: tables.EnforceOff,
+		},
+		{
+			name:     "no cgroup: not enforced, with the reason",
+			specs:    map[string][]tables.PolicySpec{good: {spec("app=web", egress(false, []string{"app=db"}))}},
+			endpoint: &tables.Endpoint{Name: "default/web", Identity: web, CgroupError: `UID "a b" cannot name a kubelet cgroup`},
+			wantIn:   tables.EnforceOff, wantOut: tables.EnforceDefaultDeny,
+			wantReason: `not enforced: UID "a b" cannot name a kubelet cgroup`,
+		},
+		{
+			name:     "no cgroup yet",
+			endpoint: &tables.Endpoint{Name: "default/web", Identity: web},
+			wantIn:   tables.EnforceOff, wantOut: tables.EnforceOff,
+			wantReason: "not enforced: no cgroup yet",
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEngine(ModeDefault, false, nil)
+			e.setSelector("app=web", []uint32{web})
+			e.setSelector("app=db", []uint32{db})
+			for name, specs := range tc.specs {
+				e.setPolicy(name, specs, tc.audit[name], tc.invalid[name])
+			}
+			ep := tc.endpoint
+			if ep == nil {
+				ep = endpointRow("default/web", web, 100)
+			}
+			e.setEndpoint(ep.Name, ep)
+			out := newTableOutput()
+			e.flush(out)
+			if got := out.list(ep.Name); !slices.Equal(got, tc.want) {
+				t.Errorf("entries:\n got %s\nwant %s", strings.Join(got, "; "), strings.Join(tc.want, "; "))
+			}
+			row := out.endpoints[ep.Name]
+			if row.Ingress != tc.wantIn || row.Egress != tc.wantOut {
+				t.Errorf("enforcement in %s out %s, want in %s out %s", row.Ingress, row.Egress, tc.wantIn, tc.wantOut)
+			}
+			if !slices.Equal(row.FailClosedIngress, tc.wantFailIn) || !slices.Equal(row.FailClosedEgress, tc.wantFailOut) {
+				t.Errorf("fail closed in %q out %q, want %q %q", row.FailClosedIngress, row.FailClosedEgress, tc.wantFailIn, tc.wantFailOut)
+			}
+			if row.Reason != tc.wantReason {
+				t.Errorf("reason %q, want %q", row.Reason, tc.wantReason)
+			}
+			if row.AuditDefaultEgress != tc.wantAuditDefault {
+				t.Errorf("audited default deny %t, want %t", row.AuditDefaultEgress, tc.wantAuditDefault)
+			}
+			if tc.wantReason == "" && row.ID == 0 {
+				t.Errorf("no endpoint ID: %+v", row)
+			}
+		})
+	}
+
+	// Fixed: the same policy valid again clears the row's reason.
+	e := newEngine(ModeDefault, false, nil)
+	e.setSelector("app=web", []uint32{web})
+	e.setPolicy(bad, []tables.PolicySpec{failClosedSpec("app=web", false, true)}, false, badErr)
+	e.setEndpoint("default/web", endpointRow("default/web", web, 100))
+	out := newTableOutput()
+	e.flush(out)
+	e.setPolicy(bad, []tables.PolicySpec{spec("app=web", egress(false, []string{tables.AnyPeer}))}, false, "")
+	e.flush(out)
+	if row := out.endpoints["default/web"]; row.Reason != "" || len(row.FailClosedEgress) != 0 || row.Entries != 1 {
+		t.Errorf("after the fix: %+v", row)
 	}
 }

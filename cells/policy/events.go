@@ -41,16 +41,19 @@ type eventReader struct {
 	lost     func() uint64
 	lostRead time.Time
 
-	// Caches rebuilt from the tables when an event names what they lack.
-	endpointNames map[uint32]string
-	policyNames   map[uint32]string
+	// Caches rebuilt from the tables: the endpoints' rows by ID when the
+	// table has changed, the policies' names when an event names a cookie
+	// the cache lacks.
+	endpointRows map[uint32]*tables.EndpointPolicy
+	endpointsRev statedb.Revision
+	policyNames  map[uint32]string
 	// monoToWall converts the events' CLOCK_MONOTONIC times.
 	monoToWall time.Duration
 }
 
 // run reads events from rd until ctx ends.
 func (r *eventReader) run(ctx context.Context, rd *ringbuf.Reader) error {
-	r.endpointNames, r.policyNames = map[uint32]string{}, map[uint32]string{}
+	r.endpointRows, r.policyNames = map[uint32]*tables.EndpointPolicy{}, map[uint32]string{}
 	var ts unix.Timespec
 	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
 		return fmt.Errorf("read the monotonic clock: %w", err)
@@ -107,15 +110,22 @@ func (r *eventReader) handle(ev bpf.PolicyEvent) {
 
 // verdict decodes ev.
 func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
+	row := r.endpointRow(ev.EndpointID)
 	v := Verdict{
 		Time:           time.Unix(0, int64(ev.TimeNs)+int64(r.monoToWall)).UTC(),
-		Endpoint:       r.endpointName(ev.EndpointID),
+		Endpoint:       "endpoint " + strconv.FormatUint(uint64(ev.EndpointID), 10),
 		Direction:      tables.DirIngress,
 		Proto:          protoName(ev.Protocol),
 		RemoteIdentity: ev.RemoteIdentity,
 		RemoteLabels:   []string{},
 		Verdict:        VerdictAllowed,
 		Reason:         ReasonPolicy,
+	}
+	switch {
+	case ev.EndpointID == 0:
+		v.Endpoint = "unclassified"
+	case row != nil:
+		v.Endpoint = row.Name
 	}
 	local, remote := ev.Local().String(), ev.Remote().String()
 	v.Src, v.Dst = remote, local
@@ -132,6 +142,17 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 	switch ev.Reason {
 	case bpf.PolicyReasonDefaultDeny:
 		v.Reason = ReasonDefaultDeny
+		// The datapath cannot tell a default deny that an invalid policy
+		// keeps from another; the endpoint's row can.
+		if row != nil {
+			failClosed := row.FailClosedIngress
+			if v.Direction == tables.DirEgress {
+				failClosed = row.FailClosedEgress
+			}
+			if len(failClosed) > 0 {
+				v.Reason, v.Policy = ReasonFailClosed, failClosed[0]
+			}
+		}
 	case bpf.PolicyReasonNoPolicy:
 		v.Reason = ReasonNoPolicy
 	case bpf.PolicyReasonUnclassified:
@@ -145,23 +166,20 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 	return v
 }
 
-func (r *eventReader) endpointName(id uint32) string {
-	if id == 0 {
-		return "unclassified"
-	}
-	if name, ok := r.endpointNames[id]; ok {
-		return name
-	}
-	clear(r.endpointNames)
-	for ep := range r.endpoints.All(r.db.ReadTxn()) {
-		if ep.ID != 0 {
-			r.endpointNames[ep.ID] = ep.Name
+// endpointRow returns the endpoint-policy row of the endpoint ID, nil for
+// one the agent no longer knows.
+func (r *eventReader) endpointRow(id uint32) *tables.EndpointPolicy {
+	rtxn := r.db.ReadTxn()
+	if rev := r.endpoints.Revision(rtxn); rev != r.endpointsRev {
+		r.endpointsRev = rev
+		clear(r.endpointRows)
+		for ep := range r.endpoints.All(rtxn) {
+			if ep.ID != 0 {
+				r.endpointRows[ep.ID] = ep
+			}
 		}
 	}
-	if name, ok := r.endpointNames[id]; ok {
-		return name
-	}
-	return "endpoint " + strconv.FormatUint(uint64(id), 10)
+	return r.endpointRows[id]
 }
 
 func (r *eventReader) policyName(cookie uint32) string {

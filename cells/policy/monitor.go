@@ -29,8 +29,10 @@ type Verdict struct {
 	Verdict string `json:"verdict"`
 	// Policy is the policy whose entry decided, empty when none did.
 	Policy string `json:"policy"`
-	// Reason is "policy" (an entry decided), "default deny" or "no policy"
-	// (the endpoint is not enforced in that direction).
+	// Reason is "policy" (an entry decided), "default deny", "fail closed"
+	// (the default deny an invalid policy keeps, which Policy names: see
+	// --policy-invalid-mode) or "no policy" (the endpoint is not enforced in
+	// that direction).
 	Reason string `json:"reason"`
 }
 
@@ -42,6 +44,7 @@ const (
 
 	ReasonPolicy      = "policy"
 	ReasonDefaultDeny = "default deny"
+	ReasonFailClosed  = "fail closed"
 	ReasonNoPolicy    = "no policy"
 	// ReasonUnclassified: a process of a pod cgroup under the kubelet's
 	// tree that the agent has not registered (yet); see

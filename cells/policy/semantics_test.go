@@ -148,15 +148,15 @@ func (m *agentModel) apply(c cluster) {
 		name, parsed, err := decodePolicy(m.t, doc)
 		seen[name] = true
 		if err != nil {
-			m.eng.setPolicy(name, nil, false)
+			m.eng.setPolicy(name, nil, false, "")
 			continue
 		}
-		m.eng.setPolicy(name, parsed.Specs, parsed.Audit)
+		m.eng.setPolicy(name, parsed.Specs, parsed.Audit, "")
 		maps.Copy(sels, parsed.Selectors)
 	}
 	for name := range m.policies {
 		if !seen[name] {
-			m.eng.setPolicy(name, nil, false)
+			m.eng.setPolicy(name, nil, false, "")
 		}
 	}
 	m.policies = seen

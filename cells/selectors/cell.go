@@ -33,6 +33,7 @@ var Cell = cell.Module(
 	"selectors",
 	"Policies and the identities their selectors select",
 
+	cell.Config(defaultConfig),
 	cell.ProvidePrivate(
 		tables.NewPoliciesTable,
 		tables.NewSelectorsTable,
@@ -56,6 +57,7 @@ type controllerParams struct {
 	cell.In
 
 	Log        *slog.Logger
+	Config     Config
 	DB         *statedb.DB
 	Jobs       job.Group
 	Node       node.Config
@@ -84,7 +86,10 @@ type controller struct {
 	dirtyCIDRs    map[netip.Prefix]struct{}
 }
 
-func registerController(p controllerParams) {
+func registerController(p controllerParams) error {
+	if err := p.Config.validate(); err != nil {
+		return err
+	}
 	c := &controller{
 		controllerParams: p,
 		cache:            newSelectorCache(),
@@ -101,6 +106,13 @@ func registerController(p controllerParams) {
 	p.Jobs.Add(job.OneShot("policies", func(ctx context.Context, h cell.Health) error {
 		return c.run(ctx, h, synced)
 	}))
+	return nil
+}
+
+// failClosed says whether invalid policies are enforced as their
+// fail-closed specs.
+func (c *controller) failClosed() bool {
+	return c.Config.PolicyInvalidMode == InvalidDeny
 }
 
 // maxBatch bounds how many events are applied before the tables are
@@ -212,7 +224,16 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 	}
 	c.policies[name] = p
 	if p.err != nil {
-		c.Log.Warn("Invalid policy", "policy", name, "error", p.errorText())
+		if !c.failClosed() {
+			c.Log.Warn("Invalid policy, ignored", "policy", name, "error", p.errorText())
+			return
+		}
+		// Its subjects must select what they select for the policy to
+		// fail closed on those endpoints.
+		c.Log.Warn("Invalid policy: the pods it selects are denied in its directions", "policy", name, "error", p.errorText())
+		for _, s := range p.subjects {
+			c.cache.addUser(s, name)
+		}
 		return
 	}
 	for _, s := range p.selectors() {
@@ -382,7 +403,7 @@ func (c *controller) flushRows() error {
 	}
 	for _, name := range names {
 		if p, ok := c.policies[name]; ok {
-			writes = append(writes, rowWrite{policy: policyRow(name, p)})
+			writes = append(writes, rowWrite{policy: policyRow(name, p, c.failClosed())})
 		}
 	}
 	writes = append(writes, last...)
@@ -434,11 +455,13 @@ func (c *controller) writeRows(writes []rowWrite) error {
 	return nil
 }
 
-// policyRow is the policies row of p.
-func policyRow(name string, p *parsedPolicy) *tables.Policy {
+// policyRow is the policies row of p; failClosed says whether an invalid
+// policy's fail-closed specs are enforced.
+func policyRow(name string, p *parsedPolicy, failClosed bool) *tables.Policy {
 	row := &tables.Policy{Name: name, Status: tables.PolicyOK, Subjects: []string{}, Peers: []string{}, Audit: p.audit}
 	if p.err != nil {
 		row.Status, row.Error = tables.PolicyError, p.errorText()
+		row.Specs, row.FailClosed = p.failClosed, failClosed && len(p.failClosed) > 0
 	}
 	for _, s := range p.subjects {
 		row.Subjects = append(row.Subjects, s.String())
@@ -451,7 +474,9 @@ func policyRow(name string, p *parsedPolicy) *tables.Policy {
 	}
 	// Shared with the parsed policy: rows are immutable once written, and
 	// the parsed policy never changes.
-	row.Specs = p.specs
+	if p.err == nil {
+		row.Specs = p.specs
+	}
 	return row
 }
 
@@ -467,6 +492,10 @@ func (c *controller) reportHealth(h cell.Health) {
 		return
 	}
 	slices.Sort(bad)
-	h.Degraded(fmt.Sprintf("%d invalid policies: %s", len(bad), strings.Join(bad, ", ")),
+	what := "ignored (--" + InvalidModeFlag + "=" + InvalidIgnore + ")"
+	if c.failClosed() {
+		what = "the pods they select are denied in their directions"
+	}
+	h.Degraded(fmt.Sprintf("%d invalid policies, %s: %s", len(bad), what, strings.Join(bad, ", ")),
 		fmt.Errorf("%s: %s", bad[0], c.policies[bad[0]].errorText()))
 }

@@ -14,14 +14,18 @@ import (
 
 // parsedPolicy is what a policy contributes: the selectors of its subjects
 // and peers, the prefixes that need cidr: labels, and its specs in the
-// form enforcement uses. An invalid policy contributes nothing and carries
-// the error.
+// form enforcement uses. An invalid policy carries the error, no peers, no
+// prefixes and no specs; it keeps the subjects that parsed and, in
+// failClosed, what it would have put its subjects into default deny in.
 type parsedPolicy struct {
 	name     string
 	subjects []Selector
 	peers    []Selector // every peer selector of every rule (not AnyPeer)
 	cidrs    []netip.Prefix
 	specs    []tables.PolicySpec
+	// failClosed are the specs an invalid policy leaves (see
+	// failClosedSpecs).
+	failClosed []tables.PolicySpec
 	// audit: the policy's denies are audited (AuditAnnotation).
 	audit bool
 	err   error
@@ -47,10 +51,40 @@ func (p *parsedPolicy) withAudit(annotations map[string]string) *parsedPolicy {
 		err := fmt.Errorf("annotation %s: %q is neither true nor false", AuditAnnotation, v)
 		if p.err != nil {
 			err = errors.Join(p.err, err)
+		} else {
+			p.invalidate(p.specs)
 		}
 		p.err = err
 	}
 	return p
+}
+
+// invalidate drops what an invalid policy no longer contributes, keeping
+// its subjects and the fail-closed form of specs (every spec, parsed
+// whole or not).
+func (p *parsedPolicy) invalidate(specs []tables.PolicySpec) {
+	p.failClosed = failClosedSpecs(specs)
+	p.specs, p.peers, p.cidrs = nil, nil, nil
+}
+
+// failClosedSpecs returns what is left of an invalid policy's specs: each
+// spec whose subject parsed puts its subject into default deny in every
+// direction it has rules in, and allows nothing. A policy that cannot be
+// implemented thus denies more than it meant to, never less: its allows
+// are lost, and so are the exceptions enableDefaultDeny: false makes, since
+// the denies it meant to add are lost too.
+func failClosedSpecs(specs []tables.PolicySpec) []tables.PolicySpec {
+	var out []tables.PolicySpec
+	for _, s := range specs {
+		if s.Subject == "" || !(s.Ingress || s.Egress) {
+			continue
+		}
+		out = append(out, tables.PolicySpec{
+			Subject: s.Subject, Ingress: s.Ingress, Egress: s.Egress,
+			DefaultDenyIngress: s.Ingress, DefaultDenyEgress: s.Egress,
+		})
+	}
+	return out
 }
 
 // parsePolicy parses the rules of a policy. namespace is empty for a
@@ -88,11 +122,13 @@ func parsePolicy(name, namespace string, spec *Rule, specs []Rule, unsupported [
 		p.err = errors.New("the policy has neither spec nor specs")
 		return p
 	}
+	// Every spec, even one with errors: an invalid policy fails closed
+	// with the subjects and directions that parsed.
+	parsed := make([]tables.PolicySpec, 0, len(all))
 	for _, s := range all {
 		pp.prefix = s.path
-		if ps, ok := pp.spec(s.rule); ok {
-			p.specs = append(p.specs, ps)
-		}
+		ps, _ := pp.spec(s.rule)
+		parsed = append(parsed, ps)
 	}
 	for _, f := range unsupported {
 		if spec != nil && len(specs) == 0 {
@@ -100,12 +136,13 @@ func parsePolicy(name, namespace string, spec *Rule, specs []Rule, unsupported [
 		}
 		pp.errs = append(pp.errs, fmt.Errorf("%s: not supported", f))
 	}
+	p.subjects = sortedSelectors(pp.subjects)
 	if len(pp.errs) > 0 {
 		p.err = errors.Join(pp.errs...)
-		p.specs = nil
+		p.invalidate(parsed)
 		return p
 	}
-	p.subjects = sortedSelectors(pp.subjects)
+	p.specs = parsed
 	p.peers = sortedSelectors(pp.peers)
 	// Sorted as text, each prefix formatted once.
 	type named struct {
@@ -163,7 +200,8 @@ func (r ruleParts) emptyList() bool {
 		empty(len(r.cidrSets), r.cidrSets == nil) || empty(len(r.entities), r.entities == nil)
 }
 
-// spec parses one spec; ok is false if it had errors.
+// spec parses one spec; ok is false if it had errors (the spec then has
+// its subject, if that parsed, and its directions, but not all its rules).
 func (pp *policyParser) spec(r *Rule) (tables.PolicySpec, bool) {
 	errs := len(pp.errs)
 	var ps tables.PolicySpec
@@ -322,18 +360,23 @@ type portFieldError struct {
 
 func (e *portFieldError) Error() string { return e.field + ": " + e.msg }
 
-// parsePort returns the canonical form of a port entry: protocol in upper
-// case (ANY when unset), a numeric port or a port name, EndPort only for a
-// range of more than one port.
+// parsePort returns the canonical form of a port entry: the protocol (ANY
+// when unset), a numeric port or a port name, EndPort only for a range of
+// more than one port. The protocol is one of the CRD's enum, in its case:
+// the API server refuses "tcp", and so does a policy from --config-dir.
 func parsePort(p PortProtocol) (tables.PortRule, error) {
 	var out tables.PortRule
-	switch proto := strings.ToUpper(p.Protocol); proto {
+	switch proto := p.Protocol; proto {
 	case "":
 		out.Protocol = tables.ProtoAny
 	case tables.ProtoTCP, tables.ProtoUDP, tables.ProtoSCTP, tables.ProtoAny:
 		out.Protocol = proto
 	default:
-		return out, &portFieldError{"protocol", fmt.Sprintf("%q is not TCP, UDP, SCTP or ANY", p.Protocol)}
+		msg := fmt.Sprintf("%q is not TCP, UDP, SCTP or ANY", p.Protocol)
+		if up := strings.ToUpper(proto); up == tables.ProtoTCP || up == tables.ProtoUDP || up == tables.ProtoSCTP || up == tables.ProtoAny {
+			msg += " (the names are upper case)"
+		}
+		return out, &portFieldError{"protocol", msg}
 	}
 	port := string(p.Port)
 	switch {

@@ -146,7 +146,7 @@ spec:
 spec:
   endpointSelector: {matchLabels: {app: web}}
   egress:
-  - toPorts: [{ports: [{port: "53", protocol: udp}, {port: "53", protocol: tcp}]}]`,
+  - toPorts: [{ports: [{port: "53", protocol: UDP}, {port: "53", protocol: TCP}]}]`,
 			want: []spec{{Subject: webSubject, Egress: true, DefaultDenyEgress: true,
 				Rules: []rule{out(false, any, port{Protocol: tables.ProtoUDP, Port: 53}, tcp(53))}}},
 			wantPeers: peers(),
@@ -237,8 +237,8 @@ spec:
     toPorts:
     - ports:
       - {port: "80"}                                     # ANY by default
-      - {port: 443, protocol: tcp}                       # a YAML number; protocol in any case
-      - {port: "0080", protocol: Tcp}                    # leading zeros
+      - {port: 443, protocol: TCP}                       # a YAML number
+      - {port: "0080", protocol: TCP}                    # leading zeros
       - {port: "443", protocol: TCP}                     # the same port again: once
       - {protocol: UDP}                                  # no port: every UDP port
       - {port: "0", protocol: SCTP}                      # port 0: every SCTP port
@@ -247,7 +247,7 @@ spec:
       - {port: "9100", endPort: 0}                       # endPort 0 is unset
     - ports:
       - {port: http-alt, protocol: TCP}                  # a named port
-      - {port: "65535", protocol: any}`,
+      - {port: "65535", protocol: ANY}`,
 			want: []spec{{Subject: webSubject, Egress: true, DefaultDenyEgress: true,
 				Rules: []rule{out(false, peers(entityCluster),
 					port{Protocol: tables.ProtoAny, Port: 80},
@@ -338,7 +338,7 @@ spec:
 			if p.err != nil {
 				t.Fatalf("invalid: %s", p.errorText())
 			}
-			row := policyRow("cnp/default/p", p)
+			row := policyRow("cnp/default/p", p, true)
 			if got, want := toJSON(t, row.Specs), toJSON(t, tc.want); got != want {
 				t.Errorf("specs:\n%s\nwant:\n%s", got, want)
 			}
@@ -433,6 +433,13 @@ specs:
 			`egress[0].toPorts[0].ports[0].port: "80.5" is neither a port number`},
 		{"protocol", web + "  egress: [{toPorts: [{ports: [{port: '8', protocol: ICMP}]}]}]",
 			`egress[0].toPorts[0].ports[0].protocol: "ICMP" is not TCP, UDP, SCTP or ANY`},
+		// The CRD's enum is upper case; the API server refuses the rest.
+		{"protocol in lower case", web + "  egress: [{toPorts: [{ports: [{port: '8', protocol: tcp}]}]}]",
+			`egress[0].toPorts[0].ports[0].protocol: "tcp" is not TCP, UDP, SCTP or ANY (the names are upper case)`},
+		{"protocol in mixed case", web + "  ingress: [{toPorts: [{ports: [{port: '8', protocol: Udp}]}]}]",
+			`ingress[0].toPorts[0].ports[0].protocol: "Udp" is not TCP, UDP, SCTP or ANY (the names are upper case)`},
+		{"protocol any", web + "  ingress: [{toPorts: [{ports: [{port: '8', protocol: any}]}]}]",
+			`ingress[0].toPorts[0].ports[0].protocol: "any" is not TCP, UDP, SCTP or ANY (the names are upper case)`},
 		// Unsupported fields in rules, each named.
 		{"L7 rules", web + "  egress: [{toPorts: [{ports: [{port: '80'}], rules: {http: [{method: GET}]}}]}]",
 			"egress[0].toPorts[0].rules.http: not supported"},
@@ -473,13 +480,22 @@ specs:
 			if got := p.errorText(); got != tc.err && !(prefixOnly && strings.HasPrefix(got, tc.err)) {
 				t.Errorf("error:\n%s\nwant:\n%s", got, tc.err)
 			}
-			// An invalid policy contributes nothing; its row says why.
-			if len(p.cidrs) != 0 || len(p.selectors()) != 0 || len(p.specs) != 0 {
-				t.Errorf("an invalid policy contributes selectors %v, prefixes %v or specs %v", p.selectors(), p.cidrs, p.specs)
+			// An invalid policy contributes no peer, prefix or rule; its
+			// row says why, and keeps its subjects and the directions it
+			// fails closed in.
+			if len(p.cidrs) != 0 || len(p.peers) != 0 || len(p.specs) != 0 {
+				t.Errorf("an invalid policy contributes peers %v, prefixes %v or specs %v", p.peers, p.cidrs, p.specs)
 			}
-			row := policyRow("cnp/default/p", p)
-			if row.Status != tables.PolicyError || row.Error != p.errorText() || row.Specs != nil || len(row.Peers) != 0 {
+			row := policyRow("cnp/default/p", p, true)
+			if row.Status != tables.PolicyError || row.Error != p.errorText() || len(row.Peers) != 0 ||
+				row.FailClosed != (len(row.Specs) > 0) {
 				t.Errorf("row %+v", row)
+			}
+			for _, s := range row.Specs {
+				if len(s.Rules) != 0 || s.DefaultDenyIngress != s.Ingress || s.DefaultDenyEgress != s.Egress ||
+					!(s.Ingress || s.Egress) || !slices.Contains(row.Subjects, s.Subject) {
+					t.Errorf("fail-closed spec %+v (subjects %q)", s, row.Subjects)
+				}
 			}
 		})
 	}
@@ -630,5 +646,110 @@ spec:
 	}
 	if peers := got.specs[0].Rules[0].Peers; len(peers) != 0 {
 		t.Errorf("after a copy the rule's peers are %q, want none", peers)
+	}
+}
+
+// TestFailClosedSpecs: what an invalid policy leaves to enforce, and
+// whether its row enforces it.
+func TestFailClosedSpecs(t *testing.T) {
+	type spec = tables.PolicySpec
+	deny := func(subject string, in, out bool) spec {
+		return spec{Subject: subject, Ingress: in, Egress: out, DefaultDenyIngress: in, DefaultDenyEgress: out}
+	}
+	const http = `
+    toPorts: [{ports: [{port: "80", protocol: TCP}], rules: {http: [{method: GET}]}}]`
+	for _, tc := range []struct {
+		name        string
+		body        string
+		annotations map[string]string
+		mode        bool // failClosed
+		want        []spec
+		wantRow     bool // row.FailClosed
+	}{
+		{
+			name: "an L7 rule in the only egress rule: egress denied",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress:
+  - toEndpoints: [{matchLabels: {app: client}}]` + http,
+			mode: true, want: []spec{deny(webSubject, false, true)}, wantRow: true,
+		},
+		{
+			name: "ignored: the row keeps what it would deny, not enforced",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress:
+  - toEndpoints: [{matchLabels: {app: client}}]` + http,
+			mode: false, want: []spec{deny(webSubject, false, true)}, wantRow: false,
+		},
+		{
+			name: "every spec of the policy, the valid ones too, in their directions",
+			body: `
+specs:
+- endpointSelector: {matchLabels: {app: web}}
+  ingress: [{fromEntities: [cluster]}]
+- endpointSelector: {matchLabels: {app: client}}
+  egress: [{toEntities: [moon]}]
+  ingressDeny: [{fromEntities: [world]}]`,
+			mode: true, want: []spec{deny(webSubject, true, false), deny(clientPeer, true, true)}, wantRow: true,
+		},
+		{
+			name: "enableDefaultDeny false does not keep a direction open",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  enableDefaultDeny: {egress: false}
+  egressDeny:
+  - toCIDR: [10.0.0.0/33]`,
+			mode: true, want: []spec{deny(webSubject, false, true)}, wantRow: true,
+		},
+		{
+			name: "a subject that does not parse selects nobody",
+			body: `
+specs:
+- endpointSelector: {matchExpressions: [{key: app, operator: Exists, values: [x]}]}
+  egress: [{}]
+- endpointSelector: {matchLabels: {app: web}}
+  ingress: [{}]`,
+			mode: true, want: []spec{deny(webSubject, true, false)}, wantRow: true,
+		},
+		{
+			name: "no direction: nothing to deny",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress: [{toPorts: [{ports: [{port: "80", protocol: tcp}]}]}]
+specs:
+- endpointSelector: {matchLabels: {app: client}}`,
+			mode: true, want: []spec{deny(webSubject, false, true)}, wantRow: true,
+		},
+		{
+			name: "an invalid audit annotation: the parsed rules fail closed",
+			body: `
+spec:
+  endpointSelector: {matchLabels: {app: web}}
+  egress: [{toEntities: [world]}]`,
+			annotations: map[string]string{AuditAnnotation: "maybe"},
+			mode:        true, want: []spec{deny(webSubject, false, true)}, wantRow: true,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := parseYAML(t, tc.body, false).withAudit(tc.annotations)
+			if p.err == nil {
+				t.Fatal("valid")
+			}
+			row := policyRow("cnp/default/p", p, tc.mode)
+			if got, want := toJSON(t, row.Specs), toJSON(t, tc.want); got != want {
+				t.Errorf("specs:\n%s\nwant:\n%s", got, want)
+			}
+			if row.FailClosed != tc.wantRow || row.Status != tables.PolicyError {
+				t.Errorf("row: failClosed %t status %s, want %t", row.FailClosed, row.Status, tc.wantRow)
+			}
+			if len(row.Peers) != 0 || len(row.CIDRs) != 0 || len(p.peers) != 0 {
+				t.Errorf("peers %q, CIDRs %q", row.Peers, row.CIDRs)
+			}
+		})
 	}
 }

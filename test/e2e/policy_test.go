@@ -392,8 +392,9 @@ func removeCgroup(dir string) {
 // processes of pods' cgroups: egress by connect() (EPERM), port ranges,
 // deny over allow, default allow when the policy goes, ingress by the
 // peer's identity with a named port, toFQDNs after a DNS answer, an
-// invalid policy beside valid ones, and enforcement that holds while the
-// agent is stopped and across a restart that writes nothing.
+// invalid policy beside valid ones (failing closed on the pod it selects),
+// and enforcement that holds while the agent is stopped and across a
+// restart that writes nothing.
 func TestPolicy(t *testing.T) {
 	t.Parallel()
 	testenv.RequireRoot(t)
@@ -471,9 +472,11 @@ func TestPolicy(t *testing.T) {
 	t.Run("ingress by identity on a named port", func(t *testing.T) {
 		writeFile(t, filepath.Join(configDir, "ingress-b.yaml"), ingressB)
 		writeFile(t, filepath.Join(configDir, "broken.yaml"), invalidPolicy)
-		a.waitEndpointPolicy(t, map[string]string{"default/server-b": "default-deny off"})
+		// The invalid policy fails closed: client-c, which it selects, is
+		// denied egress (so it does not even reach server-b's ingress).
+		a.waitEndpointPolicy(t, map[string]string{"default/server-b": "default-deny off", "default/client-c": "off default-deny"})
 		check(t, cgA, ipA, map[string]string{ipB + ":9090": "ok: hello from " + ipB + ":9090"})
-		check(t, cgC, ipC, map[string]string{ipB + ":9090": "timeout"})
+		check(t, cgC, ipC, map[string]string{ipB + ":9090": "EPERM"})
 
 		var policies []struct{ Name, Status, Error string }
 		if err := a.dump("policies", &policies); err != nil {
@@ -488,6 +491,8 @@ func TestPolicy(t *testing.T) {
 		// steps start it again and wait for /healthz.
 		os.Remove(filepath.Join(configDir, "broken.yaml"))
 		a.waitHealthy(t)
+		a.waitEndpointPolicy(t, map[string]string{"default/client-c": "off off"})
+		check(t, cgC, ipC, map[string]string{ipB + ":9090": "timeout"})
 	})
 
 	t.Run("enforcement holds while stopped and across a restart", func(t *testing.T) {

@@ -1,0 +1,79 @@
+package policy
+
+import (
+	"testing"
+
+	"github.com/cilium/statedb"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// TestVerdictReason: the datapath says "default deny"; the endpoint's row
+// tells whether an invalid policy keeps that direction denied, and the
+// verdict then names it.
+func TestVerdictReason(t *testing.T) {
+	db := statedb.New()
+	endpoints, err := tables.NewEndpointPolicyTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	identities, err := tables.NewIdentitiesTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	policies, err := tables.NewPoliciesTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const bad, good = "cnp/default/bad", "cnp/default/good"
+	wtxn := db.WriteTxn(endpoints, policies)
+	for _, row := range []*tables.EndpointPolicy{
+		{Name: "default/web", ID: 1, FailClosedEgress: []string{bad}},
+		{Name: "default/db", ID: 2},
+	} {
+		if _, _, err := endpoints.Insert(wtxn, row); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, err := policies.Insert(wtxn, &tables.Policy{Name: good}); err != nil {
+		t.Fatal(err)
+	}
+	wtxn.Commit()
+	r := &eventReader{
+		db: db, identities: identities, endpoints: endpoints, policies: policies,
+		endpointRows: map[uint32]*tables.EndpointPolicy{}, policyNames: map[uint32]string{},
+	}
+	for _, tc := range []struct {
+		name                   string
+		ev                     bpf.PolicyEvent
+		wantEndpoint           string
+		wantReason, wantPolicy string
+	}{
+		{"fail-closed direction", bpf.PolicyEvent{EndpointID: 1, Direction: bpf.PolicyEgress, Verdict: bpf.PolicyVerdictDenied, Reason: bpf.PolicyReasonDefaultDeny},
+			"default/web", ReasonFailClosed, bad},
+		{"the other direction", bpf.PolicyEvent{EndpointID: 1, Direction: bpf.PolicyIngress, Verdict: bpf.PolicyVerdictDenied, Reason: bpf.PolicyReasonDefaultDeny},
+			"default/web", ReasonDefaultDeny, ""},
+		{"an endpoint without invalid policies", bpf.PolicyEvent{EndpointID: 2, Direction: bpf.PolicyEgress, Verdict: bpf.PolicyVerdictDenied, Reason: bpf.PolicyReasonDefaultDeny},
+			"default/db", ReasonDefaultDeny, ""},
+		{"an entry decided", bpf.PolicyEvent{EndpointID: 1, Direction: bpf.PolicyEgress, Cookie: policyCookie(good), Reason: bpf.PolicyReasonEntry},
+			"default/web", ReasonPolicy, good},
+		{"an unknown endpoint", bpf.PolicyEvent{EndpointID: 9, Direction: bpf.PolicyEgress, Verdict: bpf.PolicyVerdictDenied, Reason: bpf.PolicyReasonDefaultDeny},
+			"endpoint 9", ReasonDefaultDeny, ""},
+	} {
+		v := r.verdict(tc.ev)
+		if v.Endpoint != tc.wantEndpoint || v.Reason != tc.wantReason || v.Policy != tc.wantPolicy {
+			t.Errorf("%s: endpoint %q reason %q policy %q, want %q %q %q", tc.name, v.Endpoint, v.Reason, v.Policy,
+				tc.wantEndpoint, tc.wantReason, tc.wantPolicy)
+		}
+	}
+
+	// The row changes (the policy fixed): the next verdict follows.
+	wtxn = db.WriteTxn(endpoints)
+	endpoints.Insert(wtxn, &tables.EndpointPolicy{Name: "default/web", ID: 1})
+	wtxn.Commit()
+	v := r.verdict(bpf.PolicyEvent{EndpointID: 1, Direction: bpf.PolicyEgress, Verdict: bpf.PolicyVerdictDenied, Reason: bpf.PolicyReasonDefaultDeny})
+	if v.Reason != ReasonDefaultDeny || v.Policy != "" {
+		t.Errorf("after the fix: reason %q policy %q", v.Reason, v.Policy)
+	}
+}
