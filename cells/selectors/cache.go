@@ -1,7 +1,6 @@
 package selectors
 
 import (
-	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -76,7 +75,7 @@ type labelKV struct{ key, value string }
 type selectorState struct {
 	key   string
 	sel   Selector
-	users map[string]struct{}
+	users []string // sorted: a row lists them so, and a subject may have thousands
 	ids   map[uint32]struct{}
 	// anchor is the requirement a label selector is indexed by (nil: it
 	// has no In or Exists requirement, and is in clusterSels).
@@ -577,7 +576,7 @@ func (c *selectorCache) addUser(sel Selector, policy string) {
 	key := sel.String()
 	s, ok := c.selectors[key]
 	if !ok {
-		s = &selectorState{key: key, sel: sel, users: map[string]struct{}{}, ids: map[uint32]struct{}{}}
+		s = &selectorState{key: key, sel: sel, ids: map[uint32]struct{}{}}
 		c.candidateIdentities(s, func(id uint32) {
 			e := c.identities[id]
 			if _, had := s.ids[id]; !had && sel.Matches(e.labels) {
@@ -588,7 +587,9 @@ func (c *selectorCache) addUser(sel Selector, policy string) {
 		c.selectors[key] = s
 		c.indexSelector(s)
 	}
-	s.users[policy] = struct{}{}
+	if i, found := slices.BinarySearch(s.users, policy); !found {
+		s.users = slices.Insert(s.users, i, policy)
+	}
 	c.dirty[key] = struct{}{}
 }
 
@@ -599,7 +600,9 @@ func (c *selectorCache) removeUser(key, policy string) {
 	if !ok {
 		return
 	}
-	delete(s.users, policy)
+	if i, found := slices.BinarySearch(s.users, policy); found {
+		s.users = slices.Delete(s.users, i, i+1)
+	}
 	if len(s.users) == 0 {
 		for id := range s.ids {
 			delete(c.identities[id].sels, s)
@@ -621,11 +624,12 @@ func (c *selectorCache) takeDirty() map[string]*tables.Selector {
 			continue
 		}
 		// Non-nil, so that JSON has [] rather than null.
-		out[key] = &tables.Selector{
-			Selector:   key,
-			Identities: append([]uint32{}, slices.Sorted(maps.Keys(s.ids))...),
-			Policies:   append([]string{}, slices.Sorted(maps.Keys(s.users))...),
+		ids := make([]uint32, 0, len(s.ids))
+		for id := range s.ids {
+			ids = append(ids, id)
 		}
+		slices.Sort(ids)
+		out[key] = &tables.Selector{Selector: key, Identities: ids, Policies: append([]string{}, s.users...)}
 	}
 	clear(c.dirty)
 	return out

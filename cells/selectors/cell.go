@@ -76,6 +76,9 @@ type controller struct {
 
 	cache    *selectorCache
 	policies map[string]*parsedPolicy
+	// invalid are the policies with errors, for the health report, which
+	// runs after every batch and so must not look at every policy.
+	invalid map[string]struct{}
 	// cidrRefs counts the policies naming each prefix.
 	cidrRefs map[netip.Prefix]int
 	// dirtyPolicies and dirtyCIDRs changed since the last flush.
@@ -88,6 +91,7 @@ func registerController(p controllerParams) {
 		controllerParams: p,
 		cache:            newSelectorCache(),
 		policies:         map[string]*parsedPolicy{},
+		invalid:          map[string]struct{}{},
 		cidrRefs:         map[netip.Prefix]int{},
 		dirtyPolicies:    map[string]struct{}{},
 		dirtyCIDRs:       map[netip.Prefix]struct{}{},
@@ -204,6 +208,7 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 			c.dirtyCIDRs[pfx] = struct{}{}
 		}
 		delete(c.policies, name)
+		delete(c.invalid, name)
 	}
 	c.dirtyPolicies[name] = struct{}{}
 	if p == nil {
@@ -211,6 +216,7 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 	}
 	c.policies[name] = p
 	if p.err != nil {
+		c.invalid[name] = struct{}{}
 		c.Log.Warn("Invalid policy", "policy", name, "error", p.errorText())
 		return
 	}
@@ -451,17 +457,11 @@ func policyRow(name string, p *parsedPolicy) *tables.Policy {
 }
 
 func (c *controller) reportHealth(h cell.Health) {
-	var bad []string
-	for name, p := range c.policies {
-		if p.err != nil {
-			bad = append(bad, name)
-		}
-	}
-	if len(bad) == 0 {
+	if len(c.invalid) == 0 {
 		h.OK(fmt.Sprintf("%d policies, %d selectors", len(c.policies), len(c.cache.selectors)))
 		return
 	}
-	slices.Sort(bad)
+	bad := slices.Sorted(maps.Keys(c.invalid))
 	h.Degraded(fmt.Sprintf("%d invalid policies: %s", len(bad), strings.Join(bad, ", ")),
 		fmt.Errorf("%s: %s", bad[0], c.policies[bad[0]].errorText()))
 }

@@ -1,10 +1,13 @@
 package selectors
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/netip"
 	"runtime"
 	"testing"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/apiary-net/apiary/tables"
 )
@@ -129,6 +132,37 @@ func BenchmarkScaleUp(b *testing.B) {
 			}
 			c.takeDirty()
 			b.StartTimer()
+		}
+	})
+}
+
+// BenchmarkDecodePolicy decodes the JSON of the policy of
+// BenchmarkNewPolicy as a watch hands it to the agent (the decode,
+// including the search for unknown fields, that precedes what
+// BenchmarkNewPolicy times).
+func BenchmarkDecodePolicy(b *testing.B) {
+	const rules, peers = 3000, 1000
+	b.Run(fmt.Sprintf("rules=%d,peers=%d", rules, peers), func(b *testing.B) {
+		data, err := json.Marshal(&CiliumNetworkPolicy{
+			TypeMeta:   metav1.TypeMeta{APIVersion: "cilium.io/v2", Kind: "CiliumNetworkPolicy"},
+			ObjectMeta: metav1.ObjectMeta{Name: "big", Namespace: "default"},
+			Spec: &Rule{
+				EndpointSelector: &EndpointSelector{MatchLabels: map[string]string{"app": "web"}},
+				Egress:           bigPolicyRules(rules, peers),
+			},
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.SetBytes(int64(len(data)))
+		for range b.N {
+			var p CiliumNetworkPolicy
+			if err := json.Unmarshal(data, &p); err != nil {
+				b.Fatal(err)
+			}
+			if len(p.Spec.Egress) != rules || len(p.UnknownFields()) != 0 {
+				b.Fatalf("decoded %d rules, unknown fields %v", len(p.Spec.Egress), p.UnknownFields())
+			}
 		}
 	})
 }
