@@ -416,9 +416,10 @@ func BenchmarkAgentNewPolicy(b *testing.B) {
 }
 
 // manyPolicies are n policies of default, policy j for pods
-// app=svc-<j%subjects> with five egress rules, rule k to peer pod
-// app=peer-<(7j+131k) mod peers> on TCP port 80+(j+k) mod 20; and the
-// entries each subject's pods get.
+// app=svc-<s> (s = j mod subjects, m = j / subjects) with five egress
+// rules, rule k to peer pod app=peer-<(5m+k+10s) mod peers> on TCP port
+// 80+(m+k) mod 20, so that the policies of one subject name distinct
+// peers; and the entries each subject's pods get.
 func manyPolicies(n, subjects, peers int) ([]*selectors.CiliumNetworkPolicy, map[string]int) {
 	var out []*selectors.CiliumNetworkPolicy
 	entries := map[string]map[[2]int]struct{}{}
@@ -429,7 +430,8 @@ func manyPolicies(n, subjects, peers int) ([]*selectors.CiliumNetworkPolicy, map
 		}
 		var rules []selectors.EgressRule
 		for k := range 5 {
-			peer, port := (7*j+131*k)%peers, 80+(j+k)%20
+			s, m := j%subjects, j/subjects
+			peer, port := (5*m+k+10*s)%peers, 80+(m+k)%20
 			rules = append(rules, egressTo([]string{fmt.Sprintf("peer-%d", peer)}, port))
 			entries[subject][[2]int{peer, port}] = struct{}{}
 		}
@@ -445,7 +447,8 @@ func manyPolicies(n, subjects, peers int) ([]*selectors.CiliumNetworkPolicy, map
 // BenchmarkAgentStart is issue 29's case (4): an agent starting with
 // 10,000 policies of 5 rules each in place (policy j selects pods
 // app=svc-<j mod 100>; 10 local pods, app=svc-0 to svc-9, so each is
-// selected by 100 policies), 1,000 peer pods of other nodes. Timed from
+// selected by 100 policies and has 500 entries), 1,000 peer pods of other
+// nodes. Timed from
 // the hive's start until every local endpoint's entries are in the pinned
 // policy map. agent-heap-MB is the Go heap the started agent holds
 // (after a collection, less what the fake clientset held before the
