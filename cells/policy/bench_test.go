@@ -3,6 +3,7 @@ package policy
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -72,33 +73,101 @@ func BenchmarkMapMemory(b *testing.B) {
 	}
 }
 
-// BenchmarkEndpointPolicy computes the policy of one endpoint selected by
-// 3,000 rules whose peers select 1,000 identities (the reference's #6893
-// case: 1.35 s).
-func BenchmarkEndpointPolicy(b *testing.B) {
-	const rules, identities = 3000, 1000
-	e := newEngine(ModeDefault, false, nil)
-	e.setSelector("app=web", []uint32{256})
-	for i := range identities {
-		e.setSelector(fmt.Sprintf("app=peer-%d", i), []uint32{uint32(1000 + i)})
-	}
-	var specs []tables.PolicySpec
-	for r := range rules {
-		specs = append(specs, spec("app=web",
-			egress(false, []string{fmt.Sprintf("app=peer-%d", r%identities)}, tcp(uint16(1000+r/identities), 0))))
-	}
-	e.setPolicy("cnp/big", specs, false, "")
-	b.ResetTimer()
-	for range b.N {
-		e.setEndpoint("default/web", endpointRow("default/web", 256, 100))
-		out := newTableOutput()
-		e.flush(out)
-		if len(out.entries) != rules {
-			b.Fatalf("%d entries, want %d", len(out.entries), rules)
+// bigPolicyRules is the shape of issue 29's comparison with the
+// reference: rule r of n allows egress to 1–3 peers app=peer-N (N below
+// peers) on 1–2 TCP ports. cells/selectors builds the same policy object
+// (bigPolicyRules there), and bigPolicy in agent_bench_test.go; keep them
+// in step.
+func bigPolicyRules(n, peers int) []tables.PolicyRule {
+	out := make([]tables.PolicyRule, n)
+	for r := range out {
+		var sels []string
+		for k := range 1 + r%3 {
+			sels = append(sels, fmt.Sprintf("any:app=peer-%d", (r*7+k*331)%peers))
 		}
-		e.setEndpoint("default/web", nil)
-		e.flush(out)
+		ports := []tables.PortRule{tcp(uint16(1000+r%17), 0)}
+		if r%2 == 1 {
+			ports = append(ports, tcp(uint16(2000+r%13), 0))
+		}
+		out[r] = egress(false, sels, ports...)
 	}
+	return out
+}
+
+// BenchmarkEndpointPolicy computes the entries of the endpoints a new
+// policy of 3,000 rules (bigPolicyRules) selects, over 1,000 peer
+// identities, its selectors already matched (the selectors table): the
+// engine's part of a new policy, from the policies row to the entries.
+// Each iteration starts from a fresh engine holding the selectors and
+// endpoints, untimed; only adding the policy and computing is timed, into
+// an output that counts the entries (the rows they make, and the maps,
+// are BenchmarkAgentNewPolicy's). retained-B is the heap the engine keeps
+// for the policy.
+func BenchmarkEndpointPolicy(b *testing.B) {
+	const rules, peers = 3000, 1000
+	for _, endpoints := range []int{1, 100} {
+		b.Run(fmt.Sprintf("rules=%d,peers=%d,endpoints=%d", rules, peers, endpoints), func(b *testing.B) {
+			policy := []tables.PolicySpec{spec("any:app=web", bigPolicyRules(rules, peers)...)}
+			var want, entries int
+			var retained uint64
+			for i := range b.N {
+				b.StopTimer()
+				e := newEngine(ModeDefault, false, nil)
+				var web []uint32
+				for ep := range endpoints {
+					web = append(web, uint32(256+ep%10)) // ten replicas per identity
+				}
+				e.setSelector("any:app=web", web)
+				for i := range peers {
+					e.setSelector(fmt.Sprintf("any:app=peer-%d", i), []uint32{uint32(1000 + i)})
+				}
+				for ep := range endpoints {
+					name := fmt.Sprintf("default/web-%d", ep)
+					e.setEndpoint(name, endpointRow(name, uint32(256+ep%10), uint64(100+ep)))
+				}
+				e.flush(&countOutput{})
+				out := &countOutput{}
+				before := heapInUse()
+				b.StartTimer()
+
+				e.setPolicy("cnp/default/big", policy, false, "")
+				e.flush(out)
+
+				b.StopTimer()
+				retained += heapInUse() - before
+				entries = out.entries
+				if i == 0 {
+					want = entries
+					if want < rules*endpoints {
+						b.Fatalf("%d entries, want at least %d", entries, rules*endpoints)
+					}
+				} else if entries != want {
+					b.Fatalf("%d entries, want %d as before", entries, want)
+				}
+				runtime.KeepAlive(e)
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(entries), "entries")
+			b.ReportMetric(float64(retained)/float64(b.N), "retained-B")
+		})
+	}
+}
+
+// countOutput counts the entries the engine hands out: the engine's own
+// cost, without a table's (the agent benchmarks have the tables').
+type countOutput struct{ entries int }
+
+func (o *countOutput) upsertEntry(*tables.PolicyEntry)       { o.entries++ }
+func (o *countOutput) deleteEntry(*tables.PolicyEntry)       { o.entries-- }
+func (o *countOutput) upsertEndpoint(*tables.EndpointPolicy) {}
+func (o *countOutput) deleteEndpoint(string)                 {}
+
+// heapInUse is the heap live after a collection.
+func heapInUse() uint64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc
 }
 
 // BenchmarkIdentitySelected: a new identity selected by 100 selectors,

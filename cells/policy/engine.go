@@ -60,6 +60,15 @@ type contrib struct {
 	deny   bool
 }
 
+// contribCount is a contribution and how many rules make it. An entry has
+// few distinct contributions (one per policy and verdict), so a slice
+// scanned in full costs less than a map per entry, which a policy of
+// thousands of entries would allocate thousands of.
+type contribCount struct {
+	contrib
+	n int
+}
+
 // entryValue is what an entry decides, and who decided it.
 type entryValue struct {
 	deny bool
@@ -106,8 +115,8 @@ type endpoint struct {
 	// each direction.
 	failClosed              []string
 	failIngress, failEgress []string
-	contribs                map[entryKey]map[contrib]int
-	groups                  map[groupKey]map[portKey]struct{} // keys with contributions
+	contribs                map[entryKey][]contribCount
+	groups                  map[groupKey][]portKey // keys with contributions, each once
 	dirtyGroups             map[groupKey]struct{}
 	emitted                 map[groupKey]map[portKey]entryValue
 	emittedCount            int
@@ -399,8 +408,8 @@ func (e *engine) warnings() map[string][]string {
 // recompute rebuilds the rules and contributions of ep.
 func (e *engine) recompute(ep *endpoint) {
 	e.unindex(ep)
-	ep.contribs = map[entryKey]map[contrib]int{}
-	ep.groups = map[groupKey]map[portKey]struct{}{}
+	ep.contribs = map[entryKey][]contribCount{}
+	ep.groups = map[groupKey][]portKey{}
 	ep.dirtyGroups = map[groupKey]struct{}{}
 	for gk := range ep.emitted {
 		ep.dirtyGroups[gk] = struct{}{}
@@ -600,27 +609,35 @@ func (ep *endpoint) add(k entryKey, c contrib, n int) {
 	gk := groupKey{k.identity, k.dir}
 	ep.dirtyGroups[gk] = struct{}{}
 	cs := ep.contribs[k]
-	if cs == nil {
-		if n < 0 {
+	i := slices.IndexFunc(cs, func(cc contribCount) bool { return cc.contrib == c })
+	switch {
+	case i >= 0:
+		cs[i].n += n
+		if cs[i].n > 0 {
 			return
 		}
-		cs = map[contrib]int{}
+		cs = slices.Delete(cs, i, i+1)
+	case n < 0:
+		return
+	default:
+		if len(cs) == 0 {
+			ep.groups[gk] = append(ep.groups[gk], k.port)
+		}
+		cs = append(cs, contribCount{c, n})
+	}
+	if len(cs) > 0 {
 		ep.contribs[k] = cs
-		if ep.groups[gk] == nil {
-			ep.groups[gk] = map[portKey]struct{}{}
-		}
-		ep.groups[gk][k.port] = struct{}{}
+		return
 	}
-	cs[c] += n
-	if cs[c] <= 0 {
-		delete(cs, c)
+	delete(ep.contribs, k)
+	ports := ep.groups[gk]
+	if j := slices.Index(ports, k.port); j >= 0 {
+		ports = slices.Delete(ports, j, j+1)
 	}
-	if len(cs) == 0 {
-		delete(ep.contribs, k)
-		delete(ep.groups[gk], k.port)
-		if len(ep.groups[gk]) == 0 {
-			delete(ep.groups, gk)
-		}
+	if len(ports) == 0 {
+		delete(ep.groups, gk)
+	} else {
+		ep.groups[gk] = ports
 	}
 }
 
@@ -629,14 +646,14 @@ func (ep *endpoint) add(k entryKey, c contrib, n int) {
 // deny of the same group becomes a deny itself: then deny wins whatever
 // prefix matches. (A deny of identity 0 is found by the datapath's second
 // lookup.)
-func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool) map[portKey]entryValue {
+func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool, single func(policy string) []string) map[portKey]entryValue {
 	keys := ep.groups[gk]
 	if len(keys) == 0 {
 		return nil
 	}
 	var denies []portKey
-	for pk := range keys {
-		for c := range ep.contribs[entryKey{gk.identity, gk.dir, pk}] {
+	for _, pk := range keys {
+		for _, c := range ep.contribs[entryKey{gk.identity, gk.dir, pk}] {
 			if c.deny {
 				denies = append(denies, pk)
 				break
@@ -644,12 +661,18 @@ func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool
 		}
 	}
 	out := make(map[portKey]entryValue, len(keys))
-	for pk := range keys {
+	for _, pk := range keys {
 		var v entryValue
+		if cs := ep.contribs[entryKey{gk.identity, gk.dir, pk}]; len(denies) == 0 && len(cs) == 1 {
+			// The common case: one policy allows it.
+			v.policies = single(cs[0].policy)
+			out[pk] = v
+			continue
+		}
 		for _, d := range denies {
 			if d.covers(pk) {
 				v.deny = true
-				for c := range ep.contribs[entryKey{gk.identity, gk.dir, d}] {
+				for _, c := range ep.contribs[entryKey{gk.identity, gk.dir, d}] {
 					if c.deny && !slices.Contains(v.policies, c.policy) {
 						v.policies = append(v.policies, c.policy)
 					}
@@ -657,7 +680,7 @@ func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool
 			}
 		}
 		if !v.deny {
-			for c := range ep.contribs[entryKey{gk.identity, gk.dir, pk}] {
+			for _, c := range ep.contribs[entryKey{gk.identity, gk.dir, pk}] {
 				if !slices.Contains(v.policies, c.policy) {
 					v.policies = append(v.policies, c.policy)
 				}
@@ -705,11 +728,23 @@ func (e *engine) flush(out output) {
 		}
 	}
 	clear(e.dirty)
+	audited := func(p string) bool { return e.audited[p] }
+	// Entries of one policy share its one-element list (rows and
+	// emitted values are never changed in place).
+	singles := map[string][]string{}
+	single := func(p string) []string {
+		l, ok := singles[p]
+		if !ok {
+			l = []string{p}
+			singles[p] = l
+		}
+		return l
+	}
 	for _, name := range names {
 		ep := e.endpoints[name]
 		if len(ep.dirtyGroups) > 0 {
 			for gk := range ep.dirtyGroups {
-				next := ep.recomputeGroup(gk, func(p string) bool { return e.audited[p] })
+				next := ep.recomputeGroup(gk, audited, single)
 				old := ep.emitted[gk]
 				for pk, v := range next {
 					if ov, ok := old[pk]; !ok || !ov.equal(v) {

@@ -170,7 +170,7 @@ func cgroupNames(root string) map[uint64]string {
 
 // removeCgroupsBelow removes the cgroups below root, the deepest first (a
 // cgroup goes with rmdir only, once it has no children).
-func removeCgroupsBelow(t *testing.T, root string) {
+func removeCgroupsBelow(t testing.TB, root string) {
 	var dirs []string
 	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {

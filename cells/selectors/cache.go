@@ -1,7 +1,6 @@
 package selectors
 
 import (
-	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -19,15 +18,25 @@ import (
 //     whose prefix contains one of its cidr: labels (a map lookup per
 //     prefix length in use), the FQDN selectors of its fqdn: labels, the
 //     whole-family CIDR selectors and entity world if it has a world
-//     label, entity host if it has reserved:host, and the label selectors
-//     and entity cluster if it is an identity of the cluster;
+//     label, entity host if it has reserved:host, and, if it is an
+//     identity of the cluster, the label selectors anchored on one of its
+//     labels (by key and value, or by key for Exists), the label selectors
+//     without anchor and entity cluster;
 //   - a new selector is matched against the identities with a cidr: label
 //     inside its prefix (a subtree of a trie), with its fqdn: label, with a
 //     world label (whole-family CIDR selectors, entity world), with
-//     reserved:host (entity host) or of the cluster (label selectors,
-//     entity cluster);
+//     reserved:host (entity host), of the cluster (entity cluster, label
+//     selectors without In or Exists requirement) or, for a label
+//     selector, those of the cluster with the labels of its In or Exists
+//     requirement that fewest identities have;
 //   - a deleted identity or selector drops out of the selections that hold
 //     it, found through the identity's own record of its selectors.
+//
+// A label selector is anchored, when it is indexed, on the In or Exists
+// requirement that costs least then: fewest identities and selectors
+// already under its labels. The anchor of 3,000 selectors "app=peer-N in
+// namespace default" is each one's app, not the namespace they share, so
+// a new identity is matched against the few selectors of its own labels.
 //
 // Candidates are confirmed with Selector.Matches, which alone decides; the
 // indexes only ever skip pairs that cannot match.
@@ -44,7 +53,9 @@ type selectorCache struct {
 	fqdnSels     map[string]map[*selectorState]struct{}       // by FQDNPeer.Label
 	worldSels    map[*selectorState]struct{}                  // 0.0.0.0/0 and ::/0 without except, entity world: they select world identities
 	hostSels     map[*selectorState]struct{}                  // entity host: identities with reserved:host only
-	clusterSels  map[*selectorState]struct{}                  // label selectors, entity cluster: identities of the cluster only
+	clusterSels  map[*selectorState]struct{}                  // entity cluster, label selectors without anchor: identities of the cluster only
+	kvSels       map[labelKV]map[*selectorState]struct{}      // label selectors anchored on an In requirement, by each of its values
+	keySels      map[string]map[*selectorState]struct{}       // label selectors anchored on an Exists requirement, by its key
 	otherSels    map[*selectorState]struct{}                  // any other kind: every identity
 
 	// Identities by what can match them.
@@ -53,13 +64,22 @@ type selectorCache struct {
 	worldIDs   map[uint32]struct{}              // with a world label
 	hostIDs    map[uint32]struct{}              // with reserved:host (identity 1)
 	clusterIDs map[uint32]struct{}              // of the cluster (see outsideCluster)
+	kvIDs      map[labelKV]map[uint32]struct{}  // of the cluster, by each label's key and value
+	keyIDs     map[string]map[uint32]struct{}   // of the cluster, by each label's key
 }
+
+// labelKV is a label's key and value, whatever its source: label
+// requirements with a source are confirmed by Matches.
+type labelKV struct{ key, value string }
 
 type selectorState struct {
 	key   string
 	sel   Selector
-	users map[string]struct{}
+	users []string // sorted: a row lists them so, and a subject may have thousands
 	ids   map[uint32]struct{}
+	// anchor is the requirement a label selector is indexed by (nil: it
+	// has no In or Exists requirement, and is in clusterSels).
+	anchor *requirement
 }
 
 // identityState is an identity with its labels sorted out for the indexes.
@@ -70,6 +90,7 @@ type identityState struct {
 	world     bool           // has reserved:world, world-ipv4 or world-ipv6
 	host      bool           // has reserved:host
 	inCluster bool           // !outsideCluster(labels)
+	kvs       []labelKV      // its labels' keys and values, if inCluster
 	// sels are the selectors that select it.
 	sels map[*selectorState]struct{}
 }
@@ -88,12 +109,16 @@ func newSelectorCache() *selectorCache {
 		worldSels:   map[*selectorState]struct{}{},
 		hostSels:    map[*selectorState]struct{}{},
 		clusterSels: map[*selectorState]struct{}{},
+		kvSels:      map[labelKV]map[*selectorState]struct{}{},
+		keySels:     map[string]map[*selectorState]struct{}{},
 		otherSels:   map[*selectorState]struct{}{},
 		cidrIDs:     [2]*lpm.Txn[map[uint32]struct{}]{trie(), trie()},
 		fqdnIDs:     map[string]map[uint32]struct{}{},
 		worldIDs:    map[uint32]struct{}{},
 		hostIDs:     map[uint32]struct{}{},
 		clusterIDs:  map[uint32]struct{}{},
+		kvIDs:       map[labelKV]map[uint32]struct{}{},
+		keyIDs:      map[string]map[uint32]struct{}{},
 	}
 }
 
@@ -132,6 +157,12 @@ func newIdentityState(labels tables.Labels) *identityState {
 		default:
 			if p, ok := tables.ParseCIDRLabel(l); ok {
 				e.cidrs = append(e.cidrs, p)
+			}
+		}
+		if e.inCluster {
+			_, key, value, _ := tables.SplitLabel(l)
+			if kv := (labelKV{key, value}); !slices.Contains(e.kvs, kv) {
+				e.kvs = append(e.kvs, kv)
 			}
 		}
 	}
@@ -179,6 +210,23 @@ func (c *selectorCache) indexIdentity(id uint32, e *identityState) {
 	if e.inCluster {
 		c.clusterIDs[id] = struct{}{}
 	}
+	for i, kv := range e.kvs {
+		addTo(c.kvIDs, kv, id)
+		if firstKey(e.kvs, i) {
+			addTo(c.keyIDs, kv.key, id)
+		}
+	}
+}
+
+// firstKey reports whether kvs[i] is the first of kvs with its key, so
+// that a key is indexed and looked up once per identity.
+func firstKey(kvs []labelKV, i int) bool {
+	for _, kv := range kvs[:i] {
+		if kv.key == kvs[i].key {
+			return false
+		}
+	}
+	return true
 }
 
 func (c *selectorCache) unindexIdentity(id uint32, e *identityState) {
@@ -198,6 +246,10 @@ func (c *selectorCache) unindexIdentity(id uint32, e *identityState) {
 	delete(c.worldIDs, id)
 	delete(c.hostIDs, id)
 	delete(c.clusterIDs, id)
+	for _, kv := range e.kvs {
+		removeFrom(c.kvIDs, kv, id)
+		removeFrom(c.keyIDs, kv.key, id)
+	}
 }
 
 // candidateSelectors calls yield with every selector that may select an
@@ -235,6 +287,16 @@ func (c *selectorCache) candidateSelectors(e *identityState, yield func(*selecto
 		for s := range c.clusterSels {
 			yield(s)
 		}
+		for i, kv := range e.kvs {
+			for s := range c.kvSels[kv] {
+				yield(s)
+			}
+			if firstKey(e.kvs, i) {
+				for s := range c.keySels[kv.key] {
+					yield(s)
+				}
+			}
+		}
 	}
 	for s := range c.otherSels {
 		yield(s)
@@ -271,8 +333,23 @@ func (c *selectorCache) candidateIdentities(s *selectorState, yield func(uint32)
 			yield(id)
 		}
 	case *LabelSelector:
-		for id := range c.clusterIDs {
-			yield(id)
+		r := c.cheapest(sel, func(kv labelKV) int { return len(c.kvIDs[kv]) }, func(key string) int { return len(c.keyIDs[key]) })
+		if r == nil {
+			for id := range c.clusterIDs {
+				yield(id)
+			}
+			return
+		}
+		if r.op == opExists {
+			for id := range c.keyIDs[r.key] {
+				yield(id)
+			}
+			return
+		}
+		for _, v := range r.values {
+			for id := range c.kvIDs[labelKV{r.key, v}] {
+				yield(id)
+			}
 		}
 	case *EntitySelector:
 		for id := range c.entityIDs(sel) {
@@ -283,6 +360,36 @@ func (c *selectorCache) candidateIdentities(s *selectorState, yield func(uint32)
 			yield(id)
 		}
 	}
+}
+
+// cheapest returns the In or Exists requirement of sel whose labels have
+// the lowest cost: the sum of byKV over an In requirement's values, or
+// byKey of an Exists requirement's key. Ties go to In, then to the
+// requirement first in sel's text, so that the choice does not depend on
+// the order of a policy's matchLabels. Nil if sel has neither.
+func (c *selectorCache) cheapest(sel *LabelSelector, byKV func(labelKV) int, byKey func(string) int) *requirement {
+	var best *requirement
+	bestCost := 0
+	for i := range sel.reqs {
+		r := &sel.reqs[i]
+		cost := 0
+		switch r.op {
+		case opIn:
+			for _, v := range r.values {
+				cost += byKV(labelKV{r.key, v})
+			}
+		case opExists:
+			cost = byKey(r.key)
+		default:
+			continue
+		}
+		if best == nil || cost < bestCost ||
+			cost == bestCost && (best.op == opExists && r.op == opIn ||
+				best.op == r.op && r.String() < best.String()) {
+			best, bestCost = r, cost
+		}
+	}
+	return best
 }
 
 // entitySels is the index of the selectors like sel; nil for an entity
@@ -353,7 +460,21 @@ func (c *selectorCache) indexSelector(s *selectorState) {
 	case *FQDNPeer:
 		addTo(c.fqdnSels, sel.Label, s)
 	case *LabelSelector:
-		c.clusterSels[s] = struct{}{}
+		// A new identity costs the selectors under its labels, a new
+		// selector the identities under its anchor's: both count.
+		s.anchor = c.cheapest(sel,
+			func(kv labelKV) int { return len(c.kvIDs[kv]) + len(c.kvSels[kv]) },
+			func(key string) int { return len(c.keyIDs[key]) + len(c.keySels[key]) })
+		switch {
+		case s.anchor == nil:
+			c.clusterSels[s] = struct{}{}
+		case s.anchor.op == opExists:
+			addTo(c.keySels, s.anchor.key, s)
+		default:
+			for _, v := range s.anchor.values {
+				addTo(c.kvSels, labelKV{s.anchor.key, v}, s)
+			}
+		}
 	case *EntitySelector:
 		if set := c.entitySels(sel); set != nil {
 			set[s] = struct{}{}
@@ -376,7 +497,16 @@ func (c *selectorCache) unindexSelector(s *selectorState) {
 	case *FQDNPeer:
 		removeFrom(c.fqdnSels, sel.Label, s)
 	case *LabelSelector:
-		delete(c.clusterSels, s)
+		switch {
+		case s.anchor == nil:
+			delete(c.clusterSels, s)
+		case s.anchor.op == opExists:
+			removeFrom(c.keySels, s.anchor.key, s)
+		default:
+			for _, v := range s.anchor.values {
+				removeFrom(c.kvSels, labelKV{s.anchor.key, v}, s)
+			}
+		}
 	case *EntitySelector:
 		if set := c.entitySels(sel); set != nil {
 			delete(set, s)
@@ -446,7 +576,7 @@ func (c *selectorCache) addUser(sel Selector, policy string) {
 	key := sel.String()
 	s, ok := c.selectors[key]
 	if !ok {
-		s = &selectorState{key: key, sel: sel, users: map[string]struct{}{}, ids: map[uint32]struct{}{}}
+		s = &selectorState{key: key, sel: sel, ids: map[uint32]struct{}{}}
 		c.candidateIdentities(s, func(id uint32) {
 			e := c.identities[id]
 			if _, had := s.ids[id]; !had && sel.Matches(e.labels) {
@@ -457,7 +587,9 @@ func (c *selectorCache) addUser(sel Selector, policy string) {
 		c.selectors[key] = s
 		c.indexSelector(s)
 	}
-	s.users[policy] = struct{}{}
+	if i, found := slices.BinarySearch(s.users, policy); !found {
+		s.users = slices.Insert(s.users, i, policy)
+	}
 	c.dirty[key] = struct{}{}
 }
 
@@ -468,7 +600,9 @@ func (c *selectorCache) removeUser(key, policy string) {
 	if !ok {
 		return
 	}
-	delete(s.users, policy)
+	if i, found := slices.BinarySearch(s.users, policy); found {
+		s.users = slices.Delete(s.users, i, i+1)
+	}
 	if len(s.users) == 0 {
 		for id := range s.ids {
 			delete(c.identities[id].sels, s)
@@ -490,11 +624,12 @@ func (c *selectorCache) takeDirty() map[string]*tables.Selector {
 			continue
 		}
 		// Non-nil, so that JSON has [] rather than null.
-		out[key] = &tables.Selector{
-			Selector:   key,
-			Identities: append([]uint32{}, slices.Sorted(maps.Keys(s.ids))...),
-			Policies:   append([]string{}, slices.Sorted(maps.Keys(s.users))...),
+		ids := make([]uint32, 0, len(s.ids))
+		for id := range s.ids {
+			ids = append(ids, id)
 		}
+		slices.Sort(ids)
+		out[key] = &tables.Selector{Selector: key, Identities: ids, Policies: append([]string{}, s.users...)}
 	}
 	clear(c.dirty)
 	return out

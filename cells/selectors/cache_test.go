@@ -48,7 +48,11 @@ func cacheRows(c *selectorCache) map[string]*tables.Selector {
 // TestSelectorCacheMatchesBruteForce applies random changes of identities
 // and selectors, of every kind, to the indexed cache and checks after each
 // that it selects what matching every pair selects, and that takeDirty
-// names every selector whose row changed.
+// names every selector whose row changed. Label selectors get up to three
+// requirements of every operator on keys with and without a source, and
+// workloads the same key from several sources, so that every way of
+// anchoring a label selector (and none) meets identities that have, lack
+// or repeat its labels, in both orders of arrival.
 func TestSelectorCacheMatchesBruteForce(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	pick := func(list []string) string { return list[rng.IntN(len(list))] }
@@ -71,12 +75,18 @@ func TestSelectorCacheMatchesBruteForce(t *testing.T) {
 	}
 	fqdns := []string{"fqdn:*.example.com", "fqdn:a.example.com", "fqdn:**.example.org"}
 	worlds := []string{tables.LabelWorld, tables.LabelWorldIPv4, tables.LabelWorldIPv6}
-	k8s := []string{"k8s:app=web", "k8s:app=db", "k8s:tier=front", "k8s:io.kubernetes.pod.namespace=default", "k8s:io.kubernetes.pod.namespace=prod"}
+	// Workload labels: keys in several sources (one identity may have the
+	// same key twice, with other values), values with and without '='.
+	k8s := []string{
+		"k8s:app=web", "k8s:app=db", "k8s:app=cache", "k8s:tier=front", "k8s:tier=",
+		"k8s:io.kubernetes.pod.namespace=default", "k8s:io.kubernetes.pod.namespace=prod",
+		"container:app=db", "container:tier=back", "unsourced=1", "k8s:unsourced=2",
+	}
 	randomLabels := func() tables.Labels {
 		var l []string
 		switch rng.IntN(6) {
 		case 0: // a workload
-			for range 1 + rng.IntN(3) {
+			for range 1 + rng.IntN(4) {
 				l = append(l, pick(k8s))
 			}
 		case 1: // reserved, as the identities have them
@@ -125,15 +135,33 @@ func TestSelectorCacheMatchesBruteForce(t *testing.T) {
 			}
 			return s
 		default:
+			// Up to three requirements of every operator, on keys with
+			// and without a source, so that label selectors are anchored
+			// on each kind of requirement or on none.
 			es := EndpointSelector{MatchLabels: map[string]string{}}
-			switch rng.IntN(4) {
-			case 0:
-			case 1:
-				es.MatchLabels["app"] = pick([]string{"web", "db"})
-			case 2:
-				es.MatchExpressions = []LabelSelectorRequirement{{Key: "tier", Operator: opDoesNotExist}}
-			default:
-				es.MatchExpressions = []LabelSelectorRequirement{{Key: "k8s:app", Operator: opNotIn, Values: []string{"web"}}}
+			key := func() string {
+				return pick([]string{"app", "k8s:app", "container:app", "any:tier", "tier", "unsourced", "k8s:unsourced", "reserved:host"})
+			}
+			values := func() []string {
+				var vs []string
+				for range 1 + rng.IntN(3) {
+					vs = append(vs, pick([]string{"web", "db", "cache", "", "1", "2"}))
+				}
+				return vs
+			}
+			for range rng.IntN(4) {
+				switch rng.IntN(5) {
+				case 0:
+					es.MatchLabels[key()] = pick([]string{"web", "db", "", "1"})
+				case 1:
+					es.MatchExpressions = append(es.MatchExpressions, LabelSelectorRequirement{Key: key(), Operator: opIn, Values: values()})
+				case 2:
+					es.MatchExpressions = append(es.MatchExpressions, LabelSelectorRequirement{Key: key(), Operator: opExists})
+				case 3:
+					es.MatchExpressions = append(es.MatchExpressions, LabelSelectorRequirement{Key: key(), Operator: opDoesNotExist})
+				default:
+					es.MatchExpressions = append(es.MatchExpressions, LabelSelectorRequirement{Key: key(), Operator: opNotIn, Values: values()})
+				}
 			}
 			s, err := ParseEndpointSelector(es, pick([]string{"", "default"}))
 			if err != nil {

@@ -79,6 +79,9 @@ type controller struct {
 
 	cache    *selectorCache
 	policies map[string]*parsedPolicy
+	// invalid are the policies with errors, for the health report, which
+	// runs after every batch and so must not look at every policy.
+	invalid map[string]struct{}
 	// cidrRefs counts the policies naming each prefix.
 	cidrRefs map[netip.Prefix]int
 	// dirtyPolicies and dirtyCIDRs changed since the last flush.
@@ -94,6 +97,7 @@ func registerController(p controllerParams) error {
 		controllerParams: p,
 		cache:            newSelectorCache(),
 		policies:         map[string]*parsedPolicy{},
+		invalid:          map[string]struct{}{},
 		cidrRefs:         map[netip.Prefix]int{},
 		dirtyPolicies:    map[string]struct{}{},
 		dirtyCIDRs:       map[netip.Prefix]struct{}{},
@@ -217,6 +221,7 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 			c.dirtyCIDRs[pfx] = struct{}{}
 		}
 		delete(c.policies, name)
+		delete(c.invalid, name)
 	}
 	c.dirtyPolicies[name] = struct{}{}
 	if p == nil {
@@ -224,6 +229,7 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 	}
 	c.policies[name] = p
 	if p.err != nil {
+		c.invalid[name] = struct{}{}
 		if !c.failClosed() {
 			c.Log.Warn("Invalid policy, ignored", "policy", name, "error", p.errorText())
 			return
@@ -481,17 +487,11 @@ func policyRow(name string, p *parsedPolicy, failClosed bool) *tables.Policy {
 }
 
 func (c *controller) reportHealth(h cell.Health) {
-	var bad []string
-	for name, p := range c.policies {
-		if p.err != nil {
-			bad = append(bad, name)
-		}
-	}
-	if len(bad) == 0 {
+	if len(c.invalid) == 0 {
 		h.OK(fmt.Sprintf("%d policies, %d selectors", len(c.policies), len(c.cache.selectors)))
 		return
 	}
-	slices.Sort(bad)
+	bad := slices.Sorted(maps.Keys(c.invalid))
 	what := "ignored (--" + InvalidModeFlag + "=" + InvalidIgnore + ")"
 	if c.failClosed() {
 		what = "the pods they select are denied in their directions"
