@@ -422,7 +422,10 @@ func (e *engine) recompute(ep *endpoint) {
 	if e.mode == ModeNever {
 		return
 	}
-	if ep.id == 0 && ep.row.CgroupID != 0 {
+	// A pod whose identity is not known yet gets no ID (nothing is
+	// written for it): the pod tree denies its processes as unclassified
+	// until the identity comes, with no map write to undo then.
+	if ep.id == 0 && ep.row.CgroupID != 0 && !e.pending(ep) {
 		ep.id = e.allocateID(ep)
 	}
 	switch {
@@ -431,7 +434,7 @@ func (e *engine) recompute(ep *endpoint) {
 		// never enforced: policy applies to it as the host.
 		ep.reason = reasonHostNetwork
 		return
-	case ep.row.Identity == 0 && e.denyPending:
+	case e.pending(ep):
 		ep.ingress, ep.egress = tables.EnforceDefaultDeny, tables.EnforceDefaultDeny
 		ep.reason = reasonPending
 		if ep.row.Error != "" {
@@ -783,12 +786,18 @@ func (e *engine) flush(out output) {
 	}
 }
 
+// pending says whether ep waits for its identity and is denied meanwhile
+// (--unclassified-pods=deny).
+func (e *engine) pending(ep *endpoint) bool {
+	return e.denyPending && ep.row.Identity == 0 && !ep.row.HostNetwork
+}
+
 // reason says why ep is not enforced as its policies say: it is the host,
 // it has no cgroup to be enforced on (so no ID, nothing in the maps), it
 // waits for its identity, or invalid policies deny it.
 func (e *engine) reason(ep *endpoint) string {
 	switch {
-	case e.mode == ModeNever || ep.row.HostNetwork:
+	case e.mode == ModeNever || ep.row.HostNetwork || e.pending(ep) && ep.row.CgroupID != 0:
 		return ep.reason
 	case ep.id == 0:
 		why := ep.row.CgroupError
@@ -821,7 +830,7 @@ func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
 // Reasons of endpoint rows not enforced as their policies say.
 const (
 	reasonHostNetwork = "host-network pod: the host's policy applies, not a pod's"
-	reasonPending     = "no identity yet: denied both ways until it resolves (--" + UnclassifiedFlag + "=deny)"
+	reasonPending     = "no identity yet: denied both ways until it resolves (unclassified under its pod tree, or by its entry if it had one; --" + UnclassifiedFlag + "=deny)"
 )
 
 // entry returns the table row of an entry of ep.
