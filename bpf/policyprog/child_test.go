@@ -148,7 +148,7 @@ func exchange(kind, dst, src string) (netip.AddrPort, error) {
 		local = ap
 	}
 	raddr, err := netip.ParseAddrPort(dst)
-	if kind == "icmp" {
+	if kind == "icmp" || kind == "icmp6" {
 		a, aerr := netip.ParseAddr(dst)
 		raddr, err = netip.AddrPortFrom(a, 0), aerr
 	}
@@ -176,7 +176,7 @@ func exchange(kind, dst, src string) (netip.AddrPort, error) {
 	case "udp6":
 		return udpUnconnected6(raddr)
 	case "icmp6":
-		return local, ping6(raddr.Addr())
+		return local, ping(raddr.Addr())
 	case "udp":
 		return udpUnconnected(local, raddr, 1, netip.Addr{})
 	case "udp2":
@@ -329,21 +329,7 @@ func reuseAsListener(dst, local string) error {
 	if err != nil {
 		return err
 	}
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				c.SetDeadline(time.Now().Add(2 * time.Second))
-				if line, err := bufio.NewReader(c).ReadString('\n'); err == nil && line == "ping\n" {
-					io.WriteString(c, "pong\n")
-				}
-			}()
-		}
-	}()
+	go answerPings(ln)
 	return nil
 }
 
@@ -421,10 +407,19 @@ func udpUnconnected6(raddr netip.AddrPort) (netip.AddrPort, error) {
 	return local, nil
 }
 
-// ping6 sends an ICMPv6 echo request on a raw socket and waits for the
-// reply (the kernel computes the checksum of ICMPv6 raw sockets).
-func ping6(dst netip.Addr) error {
-	fd, err := unix.Socket(unix.AF_INET6, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMPV6)
+// ping sends an ICMP echo request (ICMPv6 to an IPv6 dst) on a raw
+// socket and waits for the reply. The kernel computes the checksum of
+// ICMPv6 raw sockets, and hands IPv4 raw sockets the IP header.
+func ping(dst netip.Addr) error {
+	domain, proto, request, reply := unix.AF_INET, unix.IPPROTO_ICMP, byte(8), byte(0)
+	var to unix.Sockaddr
+	if dst.Is4() {
+		to = &unix.SockaddrInet4{Addr: dst.As4()}
+	} else {
+		domain, proto, request, reply = unix.AF_INET6, unix.IPPROTO_ICMPV6, 128, 129
+		to = &unix.SockaddrInet6{Addr: dst.As16()}
+	}
+	fd, err := unix.Socket(domain, unix.SOCK_RAW|unix.SOCK_CLOEXEC, proto)
 	if err != nil {
 		return fmt.Errorf("raw socket: %w", err)
 	}
@@ -434,10 +429,14 @@ func ping6(dst netip.Addr) error {
 		return err
 	}
 	id, seq := uint16(os.Getpid()), uint16(time.Now().UnixNano())
-	req := []byte{128, 0, 0, 0, byte(id >> 8), byte(id), byte(seq >> 8), byte(seq), 'p', 'i', 'n', 'g'}
-	if err := unix.Sendto(fd, req, 0, &unix.SockaddrInet6{Addr: dst.As16()}); err != nil {
+	req := []byte{request, 0, 0, 0, byte(id >> 8), byte(id), byte(seq >> 8), byte(seq), 'p', 'i', 'n', 'g'}
+	if dst.Is4() {
+		binary.BigEndian.PutUint16(req[2:], checksum(req))
+	}
+	if err := unix.Sendto(fd, req, 0, to); err != nil {
 		return fmt.Errorf("send echo request: %w", err)
 	}
+	// A raw socket sees every ICMP packet, the request's copy included.
 	deadline := time.Now().Add(ioTimeout)
 	buf := make([]byte, 512)
 	for time.Now().Before(deadline) {
@@ -448,50 +447,19 @@ func ping6(dst netip.Addr) error {
 		if err != nil {
 			return fmt.Errorf("receive echo reply: %w", err)
 		}
-		sa, ok := from.(*unix.SockaddrInet6)
-		if n >= 8 && buf[0] == 129 && ok && netip.AddrFrom16(sa.Addr) == dst &&
-			binary.BigEndian.Uint16(buf[4:]) == id && binary.BigEndian.Uint16(buf[6:]) == seq {
-			return nil
+		var src netip.Addr
+		icmp := buf[:n]
+		if dst.Is4() {
+			ihl := int(buf[0]&0xf) * 4
+			if n < ihl+8 {
+				continue
+			}
+			src, icmp = netip.AddrFrom4([4]byte(buf[12:16])), buf[ihl:n]
+		} else if sa, ok := from.(*unix.SockaddrInet6); ok {
+			src = netip.AddrFrom16(sa.Addr)
 		}
-	}
-	return os.ErrDeadlineExceeded
-}
-
-// ping sends an ICMP echo request on a raw socket and waits for the reply.
-func ping(dst netip.Addr) error {
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMP)
-	if err != nil {
-		return fmt.Errorf("raw socket: %w", err)
-	}
-	defer unix.Close(fd)
-	tv := unix.NsecToTimeval(ioTimeout.Nanoseconds())
-	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
-		return err
-	}
-	id, seq := uint16(os.Getpid()), uint16(time.Now().UnixNano())
-	req := []byte{8, 0, 0, 0, byte(id >> 8), byte(id), byte(seq >> 8), byte(seq), 'p', 'i', 'n', 'g'}
-	binary.BigEndian.PutUint16(req[2:], checksum(req))
-	if err := unix.Sendto(fd, req, 0, &unix.SockaddrInet4{Addr: dst.As4()}); err != nil {
-		return fmt.Errorf("send echo request: %w", err)
-	}
-	// A raw socket sees every ICMP packet, the request's copy included.
-	deadline := time.Now().Add(ioTimeout)
-	buf := make([]byte, 512)
-	for time.Now().Before(deadline) {
-		n, _, err := unix.Recvfrom(fd, buf, 0)
-		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("receive echo reply: %w", err)
-		}
-		ihl := int(buf[0]&0xf) * 4
-		if n < ihl+8 {
-			continue
-		}
-		src := netip.AddrFrom4([4]byte(buf[12:16]))
-		icmp := buf[ihl:n]
-		if icmp[0] == 0 && src == dst && binary.BigEndian.Uint16(icmp[4:]) == id && binary.BigEndian.Uint16(icmp[6:]) == seq {
+		if len(icmp) >= 8 && icmp[0] == reply && src == dst &&
+			binary.BigEndian.Uint16(icmp[4:]) == id && binary.BigEndian.Uint16(icmp[6:]) == seq {
 			return nil
 		}
 	}
@@ -527,6 +495,24 @@ func serve(proto, addr string) (string, error) {
 	return c.(net.PacketConn).LocalAddr().String(), nil
 }
 
+// answerPings answers the "ping" of each connection l accepts with "pong",
+// then closes it, until l is closed.
+func answerPings(l net.Listener) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(2 * time.Second))
+			if line, err := bufio.NewReader(c).ReadString('\n'); err == nil && line == "ping\n" {
+				io.WriteString(c, "pong\n")
+			}
+		}()
+	}
+}
+
 func startServer(proto, addr string) (io.Closer, error) {
 	switch proto {
 	case "tcp":
@@ -534,21 +520,7 @@ func startServer(proto, addr string) (io.Closer, error) {
 		if err != nil {
 			return nil, err
 		}
-		go func() {
-			for {
-				c, err := l.Accept()
-				if err != nil {
-					return
-				}
-				go func() {
-					defer c.Close()
-					c.SetDeadline(time.Now().Add(2 * time.Second))
-					if line, err := bufio.NewReader(c).ReadString('\n'); err == nil && line == "ping\n" {
-						io.WriteString(c, "pong\n")
-					}
-				}()
-			}
-		}()
+		go answerPings(l)
 		return l, nil
 	case "udp":
 		c, err := net.ListenPacket("udp", addr)
