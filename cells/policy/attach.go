@@ -52,7 +52,7 @@ type attacher struct {
 	mu     sync.Mutex
 	links  map[string]link.Link
 	progs  map[string]*ebpf.Program
-	flows  *ebpf.Map
+	sock   *ebpf.Map // policy_sk, the sockets' flows
 	stats  *ebpf.Map
 	events *ebpf.Map
 	// attached is closed once the programs are attached (the event
@@ -128,23 +128,23 @@ func (a *attacher) attach() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	flows, err := bpf.OpenPinnedMap(a.log, sockSpec, a.pinDir, nil)
+	sock, err := bpf.OpenPinnedMap(a.log, sockSpec, a.pinDir, nil)
 	if err != nil {
 		return "", err
 	}
 	stats, err := bpf.OpenPinnedMap(a.log, bpf.PolicyStatsMapSpec(), a.pinDir, nil)
 	if err != nil {
-		flows.Close()
+		sock.Close()
 		return "", err
 	}
 	events, err := bpf.OpenPinnedMap(a.log, bpf.PolicyEventsMapSpec(bpf.DefaultPolicyEventsSize), a.pinDir, nil)
 	if err != nil {
-		flows.Close()
+		sock.Close()
 		stats.Close()
 		return "", err
 	}
 	closeMaps := func() {
-		flows.Close()
+		sock.Close()
 		stats.Close()
 		events.Close()
 	}
@@ -152,7 +152,7 @@ func (a *attacher) attach() (string, error) {
 	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
 		return a.ipcache.WithMap(func(ipc *ebpf.Map) error {
 			progs, err = policyprog.Load(policyprog.Maps{
-				Policy: policy, Endpoints: endpoints, Sock: flows.Map, Stats: stats.Map, IPCache: ipc, Events: events.Map,
+				Policy: policy, Endpoints: endpoints, Sock: sock.Map, Stats: stats.Map, IPCache: ipc, Events: events.Map,
 			})
 			return err
 		})
@@ -182,7 +182,7 @@ func (a *attacher) attach() (string, error) {
 		done = append(done, h.Name+" "+how)
 	}
 	a.mu.Lock()
-	a.links, a.progs, a.flows, a.stats, a.events = links, progs, flows.Map, stats.Map, events.Map
+	a.links, a.progs, a.sock, a.stats, a.events = links, progs, sock.Map, stats.Map, events.Map
 	a.mu.Unlock()
 	// The shared flow LRU of earlier versions: no program uses it now.
 	if err := bpf.RemovePinnedMap(a.pinDir, bpf.PolicyFlowsMap); err != nil {
@@ -261,12 +261,12 @@ func (a *attacher) close() {
 	a.links = nil
 	closePrograms(a.progs)
 	a.progs = nil
-	for _, m := range []*ebpf.Map{a.flows, a.stats, a.events} {
+	for _, m := range []*ebpf.Map{a.sock, a.stats, a.events} {
 		if m != nil {
 			m.Close()
 		}
 	}
-	a.flows, a.stats, a.events = nil, nil, nil
+	a.sock, a.stats, a.events = nil, nil, nil
 }
 
 func closePrograms(progs map[string]*ebpf.Program) {
