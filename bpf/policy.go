@@ -186,6 +186,9 @@ const (
 	// PolicyReasonUnclassified: a process of a pod cgroup the agent has
 	// not registered (yet), under a PolicyPodTree cgroup.
 	PolicyReasonUnclassified uint8 = 3
+	// PolicyReasonSpoofed: a pod's packet from an address not its own,
+	// dropped on its interface.
+	PolicyReasonSpoofed uint8 = 4
 )
 
 // Programs that decide (PolicyEvent.Hook).
@@ -196,6 +199,10 @@ const (
 	PolicyHookEgress   uint8 = 3
 	PolicyHookConnect6 uint8 = 4
 	PolicyHookSendmsg6 uint8 = 5
+	// PolicyHookFromPod and PolicyHookToPod are the programs on the host
+	// side of a pod's interface (packet level; they report drops only).
+	PolicyHookFromPod uint8 = 6
+	PolicyHookToPod   uint8 = 7
 )
 
 // PolicyEvent is a record of policy_events (struct policy_event): one

@@ -200,7 +200,8 @@ const maxLabelsLen = 60
 //	2026-11-24T21:03:04.123Z default/web egress 10.0.0.5:43210 -> 192.0.2.10:443 TCP identity=16777217 [k8s:app=api] DENIED by cnp/default/deny-web
 //
 // ending in "by POLICY" when a policy's entry decided, else "(default deny)"
-// or "(no policy)".
+// or "(no policy)", then "at interface" for a drop on the host side of a
+// pod's interface (packet level).
 func formatVerdict(v *policy.Verdict) string {
 	var b strings.Builder
 	ts := "-"
@@ -224,6 +225,9 @@ func formatVerdict(v *policy.Verdict) string {
 	default:
 		// An entry decided but its policy is not known, or nothing says.
 		b.WriteString(" (" + cmp.Or(v.Reason, policy.ReasonNoPolicy) + ")")
+	}
+	if v.Layer == policy.LayerInterface {
+		b.WriteString(" at interface")
 	}
 	return b.String()
 }

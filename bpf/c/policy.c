@@ -178,6 +178,81 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } ipcache SEC(".maps");
 
+/* policy_ifaces: the host side of a pod's interface -> the pod. */
+#define IFACE_ADDRS 4
+
+struct policy_iface {
+	__u64 cgroup_id; /* the pod's cgroup, its key in policy_endpoints */
+	__u32 flags;     /* IFACE_* */
+	__u8 naddrs;     /* how many of addrs are the pod's */
+	__u8 pad[3];
+	union addr addrs[IFACE_ADDRS]; /* the only sources the pod may use */
+};
+
+/* A pod whose cgroup is in no endpoint (not registered yet, or no
+ * identity yet) is denied both ways (--unclassified-pods=deny). */
+#define IFACE_UNCLASSIFIED_DENY 0x1
+
+/* policy_iface_flows (one map per interface): a flow of the pod that was
+ * allowed one way, so that its packets the other way pass. */
+struct iface_flow {
+	union addr peer;
+	__be16 peer_port;
+	__be16 local_port;
+	__u8 protocol;
+	__u8 pad[3];
+};
+
+/* policy_iface_frags: the first fragment of a datagram passed, so the
+ * later ones (which carry no ports) do. */
+struct iface_frag {
+	__u32 ifindex;
+	__u32 id; /* the IPv4 identification or the IPv6 fragment id */
+	union addr saddr;
+	union addr daddr;
+	__u8 protocol;
+	__u8 pad[3];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct policy_iface);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} policy_ifaces SEC(".maps");
+
+/* The inner maps are the agent's, made per interface with this layout. */
+struct iface_flows {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct iface_flow);
+	__type(value, __u32);
+	__uint(max_entries, 4096);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__type(key, __u32);
+	__uint(max_entries, 65536);
+	__array(values, struct iface_flows);
+} policy_iface_flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct iface_frag);
+	__type(value, __u32);
+	__uint(max_entries, 8192);
+} policy_iface_frags SEC(".maps");
+
+/* Packet-level counts: direction * VERDICTS + verdict, then the
+ * IFACE_STATS_* drops. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 10); /* IFACE_STATS_ENTRIES */
+} policy_iface_stats SEC(".maps");
+
 /* linux/socket.h has no address families. */
 #define AF_INET 2
 #define AF_INET6 10
@@ -240,6 +315,7 @@ enum reason {
 	REASON_DEFAULT_DENY = 1, /* none did, in an enforced direction */
 	REASON_NO_POLICY = 2,    /* the direction is not enforced */
 	REASON_UNCLASSIFIED = 3, /* a pod cgroup the agent has not registered */
+	REASON_SPOOFED = 4,      /* a pod's packet from an address not its own */
 };
 
 /* The program that decided, as policy_events says it. */
@@ -250,7 +326,14 @@ enum hook {
 	HOOK_EGRESS = 3,
 	HOOK_CONNECT6 = 4,
 	HOOK_SENDMSG6 = 5,
+	HOOK_FROM_POD = 6, /* tc, the host side of the pod's interface */
+	HOOK_TO_POD = 7,
 };
+
+/* Packets from a pod with a source not its own, and frames that are
+ * neither IP nor ARP. */
+#define IFACE_STATS_SPOOFED (2 * VERDICTS)
+#define IFACE_STATS_NOT_IP (IFACE_STATS_SPOOFED + 1)
 
 /* The endpoint a process or packet belongs to. */
 struct ep_ref {
@@ -458,13 +541,13 @@ struct conn {
 };
 
 /*
- * decide applies the endpoint's policy in direction dir to c, and counts
- * the decision. A denial is audited instead when the endpoint audits
- * everything, or when it is a default deny that the endpoint audits in
- * that direction. An unclassified process is denied whatever the entries.
+ * judge applies the endpoint's policy in direction dir to c. A denial is
+ * audited instead when the endpoint audits everything, or when it is a
+ * default deny that the endpoint audits in that direction. An
+ * unclassified process is denied whatever the entries.
  */
-static __always_inline struct decision decide(const struct ep_ref *ep, const struct conn *c,
-					      enum direction dir)
+static __always_inline struct decision judge(const struct ep_ref *ep, const struct conn *c,
+					     enum direction dir)
 {
 	__u32 audit_default = dir == DIR_EGRESS ? EP_AUDIT_DEFAULT_EGRESS : EP_AUDIT_DEFAULT_INGRESS;
 	__be16 dport = dir == DIR_EGRESS ? c->remote_port : c->local_port;
@@ -480,6 +563,15 @@ static __always_inline struct decision decide(const struct ep_ref *ep, const str
 	    ((ep->flags & EP_AUDIT) ||
 	     (d.reason == REASON_DEFAULT_DENY && (ep->flags & audit_default))))
 		d.verdict = VERDICT_AUDITED;
+	return d;
+}
+
+/* decide is judge, counted in policy_stats: a socket-level decision. */
+static __always_inline struct decision decide(const struct ep_ref *ep, const struct conn *c,
+					      enum direction dir)
+{
+	struct decision d = judge(ep, c, dir);
+
 	count(dir, d.verdict);
 	return d;
 }
@@ -731,10 +823,14 @@ struct pkt {
 	__be16 dport;
 	__u8 protocol;
 	__u8 icmp_type; /* of ICMPv6 */
-	__u16 l4_off;   /* where the TCP, UDP or SCTP header starts */
+	__u8 later_fragment; /* a fragment after the first: no ports */
+	__u8 first_fragment; /* the first of several fragments */
+	__u16 l4_off; /* where the TCP, UDP or SCTP header starts */
+	__u32 frag_id; /* IPv4's identification or IPv6's fragment id */
 };
 
 #define IP_FRAG_OFFSET 0x1fff
+#define IP_MF_ 0x2000
 /* The flags byte of a TCP header, and its SYN bit. */
 #define TCP_FLAGS_OFF 13
 #define TCP_FLAG_SYN 0x02
@@ -757,23 +853,28 @@ static __always_inline void read_ports(struct __sk_buff *skb, struct pkt *p)
 }
 
 /*
- * parse4 reads the addresses, protocol and ports of an IPv4 packet; the
- * data of a cgroup_skb program starts at the IP header. Fragments after
- * the first have port 0. Returns -1 when not even the IP header can be
- * read.
+ * parse4 reads the addresses, protocol and ports of an IPv4 packet whose
+ * IP header starts at nh: 0 for a cgroup_skb program, the Ethernet
+ * header's length for tc. Fragments after the first have port 0. Returns
+ * -1 when not even the IP header can be read.
  */
-static __always_inline int parse4(struct __sk_buff *skb, struct pkt *p)
+static __always_inline int parse4(struct __sk_buff *skb, __u32 nh, struct pkt *p)
 {
 	struct iphdr iph;
 
-	if (bpf_skb_load_bytes(skb, 0, &iph, sizeof(iph)) < 0)
+	if (bpf_skb_load_bytes(skb, nh, &iph, sizeof(iph)) < 0)
 		return -1;
 	set_v4(&p->saddr, iph.saddr);
 	set_v4(&p->daddr, iph.daddr);
 	p->protocol = iph.protocol;
-	p->l4_off = iph.ihl * 4;
-	if (!(iph.frag_off & bpf_htons(IP_FRAG_OFFSET)))
-		read_ports(skb, p);
+	p->l4_off = (__u16)(nh + iph.ihl * 4);
+	p->frag_id = iph.id;
+	if (iph.frag_off & bpf_htons(IP_FRAG_OFFSET)) {
+		p->later_fragment = 1;
+		return 0;
+	}
+	p->first_fragment = !!(iph.frag_off & bpf_htons(IP_MF_));
+	read_ports(skb, p);
 	return 0;
 }
 
@@ -786,13 +887,13 @@ static __always_inline int parse4(struct __sk_buff *skb, struct pkt *p)
  * upper-layer protocol, and reads the ports (or the ICMPv6 type) of a
  * packet that is not a later fragment.
  */
-static __always_inline int parse6(struct __sk_buff *skb, struct pkt *p)
+static __always_inline int parse6(struct __sk_buff *skb, __u32 nh, struct pkt *p)
 {
 	struct ipv6hdr ip6;
-	__u32 off = sizeof(ip6);
+	__u32 off = nh + sizeof(ip6);
 	__u8 nexthdr;
 
-	if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)) < 0)
+	if (bpf_skb_load_bytes(skb, nh, &ip6, sizeof(ip6)) < 0)
 		return -1;
 	__builtin_memcpy(p->saddr.b, &ip6.saddr, 16);
 	__builtin_memcpy(p->daddr.b, &ip6.daddr, 16);
@@ -820,11 +921,14 @@ static __always_inline int parse6(struct __sk_buff *skb, struct pkt *p)
 				goto done;
 			nexthdr = hdr[0];
 			off += 8;
+			__builtin_memcpy(&p->frag_id, &hdr[4], 4);
 			/* A later fragment: no upper-layer header. */
 			if ((((__u16)hdr[2] << 8) | hdr[3]) & 0xfff8) {
 				p->protocol = nexthdr;
+				p->later_fragment = 1;
 				return 0;
 			}
+			p->first_fragment = hdr[3] & 1;
 			continue;
 		}
 		break;
@@ -858,15 +962,15 @@ static __always_inline int link_control(const struct pkt *p)
 	return 0;
 }
 
-/* parse reads the packet of either family; -1 for anything else (ARP
- * never reaches a cgroup program), which passes. */
-static __always_inline int parse(struct __sk_buff *skb, struct pkt *p)
+/* parse reads the packet of either family, its IP header at nh; -1 for
+ * anything else (ARP never reaches a cgroup program). */
+static __always_inline int parse(struct __sk_buff *skb, __u32 nh, struct pkt *p)
 {
 	__builtin_memset(p, 0, sizeof(*p));
 	if (skb->protocol == bpf_htons(ETH_P_IP))
-		return parse4(skb, p);
+		return parse4(skb, nh, p);
 	if (skb->protocol == bpf_htons(ETH_P_IPV6))
-		return parse6(skb, p);
+		return parse6(skb, nh, p);
 	return -1;
 }
 
@@ -913,7 +1017,7 @@ int policy_ingress(struct __sk_buff *skb)
 	if (!(ep.flags & (EP_ENFORCE_INGRESS | EP_ENFORCE_EGRESS)))
 		return 1;
 	/* The kernel checked the IP header before any socket saw it. */
-	if (parse(skb, &p) < 0 || link_control(&p))
+	if (parse(skb, 0, &p) < 0 || link_control(&p))
 		return 1;
 	/* With only egress enforced, ingress is here for the UDP flows its
 	 * replies need. */
@@ -963,7 +1067,7 @@ int policy_egress(struct __sk_buff *skb)
 		return 1;
 	if (!(ep.flags & EP_ENFORCE_EGRESS))
 		return 1;
-	if (parse(skb, &p) < 0 || link_control(&p))
+	if (parse(skb, 0, &p) < 0 || link_control(&p))
 		return 1;
 
 	sk = full_sock(skb);
@@ -989,6 +1093,277 @@ int policy_egress(struct __sk_buff *skb)
 		return 0;
 	remember_flow(sk, &p.daddr, p.dport, p.protocol);
 	return 1;
+}
+
+/*
+ * Packet-level enforcement: tc programs on the host side of each pod's
+ * interface (its veth), from-pod on the device's ingress and to-pod on its
+ * egress. They judge every packet of a pod's network namespace whatever
+ * made it (a packet socket, a socket created outside the pod's cgroup,
+ * forwarded traffic), with the same entries as the socket hooks, and let
+ * a pod send only from its own addresses. They keep their own flows, per
+ * interface; a packet they pass goes on to the next program (TCX_NEXT).
+ * Only drops are reported: an allowed connection was reported by the
+ * socket hook that opened it.
+ */
+#define TCX_NEXT -1
+#define TCX_DROP 2
+#define ETH_HLEN_ 14
+#define ETH_P_ARP_ 0x0806
+/* Where an ARP packet for IPv4 over Ethernet keeps its sender's address. */
+#define ARP_SPA_OFF (ETH_HLEN_ + 14)
+
+static __always_inline int addr_eq(const union addr *a, const union addr *b)
+{
+	return a->p[0] == b->p[0] && a->p[1] == b->p[1] && a->p[2] == b->p[2] && a->p[3] == b->p[3];
+}
+
+/* own_addr tells whether a is one of the pod's addresses. */
+static __always_inline int own_addr(const struct policy_iface *ifc, const union addr *a)
+{
+	for (int i = 0; i < IFACE_ADDRS; i++) {
+		if (i >= ifc->naddrs)
+			break;
+		if (addr_eq(&ifc->addrs[i], a))
+			return 1;
+	}
+	return 0;
+}
+
+static __always_inline void count_iface(__u32 idx)
+{
+	__u64 *n = bpf_map_lookup_elem(&policy_iface_stats, &idx);
+
+	if (n)
+		__sync_fetch_and_add(n, 1);
+}
+
+/* iface_endpoint fills out with the endpoint of the pod behind ifc: 0 when
+ * it has none and unclassified pods run unenforced. */
+static __always_inline int iface_endpoint(const struct policy_iface *ifc, struct ep_ref *out)
+{
+	__u64 cgroup_id = ifc->cgroup_id;
+	struct policy_endpoint *ep = bpf_map_lookup_elem(&policy_endpoints, &cgroup_id);
+
+	if (ep && !(ep->flags & EP_POD_TREE)) {
+		out->id = ep->endpoint_id;
+		out->flags = ep->flags;
+		return 1;
+	}
+	return unclassified(ifc->flags & IFACE_UNCLASSIFIED_DENY ? EP_POD_TREE : 0, out);
+}
+
+static __always_inline int tcp_syn(struct __sk_buff *skb, const struct pkt *p)
+{
+	__u8 tcp_flags;
+
+	if (bpf_skb_load_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &tcp_flags, 1) < 0)
+		return 1;
+	return tcp_flags & TCP_FLAG_SYN;
+}
+
+/*
+ * iface_flow_known tells whether the interface's flows (or NULL) hold key.
+ * Out of line, so that struct iface_flow is in the object's BTF: the inner
+ * map's definition alone gives only its name, and the agent makes the
+ * inner maps from that definition.
+ */
+static __noinline int iface_flow_known(void *flows, const struct iface_flow *key)
+{
+	return flows && bpf_map_lookup_elem(flows, key);
+}
+
+static __always_inline struct iface_frag frag_key(__u32 ifindex, const struct pkt *p)
+{
+	return (struct iface_frag){
+		.ifindex = ifindex,
+		.id = p->frag_id,
+		.saddr = p->saddr,
+		.daddr = p->daddr,
+		.protocol = p->protocol,
+	};
+}
+
+/*
+ * iface_decide judges a packet of the pod's interface ifindex in direction
+ * dir (egress: from the pod), c seen from the pod; 1 passes it. A packet
+ * of a flow the interface knows passes, and so does a later fragment of a
+ * datagram whose first fragment passed. Else the direction's policy
+ * decides, when enforced; a TCP packet without SYN that it denies may
+ * belong to a connection opened the other way before the interface knew
+ * it (an agent upgrade, a flow pushed out by the pod's newer ones), so it
+ * passes if the other direction would have let that connection open.
+ */
+static __always_inline int iface_decide(struct __sk_buff *skb, __u32 ifindex, const struct ep_ref *ep,
+					const struct pkt *p, const struct conn *c, enum direction dir,
+					enum hook hook)
+{
+	enum direction other = dir == DIR_EGRESS ? DIR_INGRESS : DIR_EGRESS;
+	__u32 enforce = dir == DIR_EGRESS ? EP_ENFORCE_EGRESS : EP_ENFORCE_INGRESS;
+	__u32 enforce_other = dir == DIR_EGRESS ? EP_ENFORCE_INGRESS : EP_ENFORCE_EGRESS;
+	struct iface_flow key = {
+		.peer = c->remote_addr,
+		.peer_port = c->remote_port,
+		.local_port = c->local_port,
+		.protocol = c->protocol,
+	};
+	struct iface_frag fk;
+	struct decision d;
+	__u32 one = 1;
+	void *flows;
+
+	if (!(ep->flags & (EP_ENFORCE_INGRESS | EP_ENFORCE_EGRESS)))
+		return 1;
+	if (p->later_fragment) {
+		fk = frag_key(ifindex, p);
+		if (bpf_map_lookup_elem(&policy_iface_frags, &fk))
+			return 1;
+		count_iface((__u32)dir * VERDICTS + VERDICT_DENIED);
+		return 0;
+	}
+	flows = bpf_map_lookup_elem(&policy_iface_flows, &ifindex);
+	if (iface_flow_known(flows, &key))
+		goto pass;
+	if (ep->flags & enforce) {
+		d = judge(ep, c, dir);
+		if (d.verdict == VERDICT_DENIED && c->protocol == IPPROTO_TCP && !(ep->flags & EP_UNCLASSIFIED) &&
+		    !tcp_syn(skb, p)) {
+			if (!(ep->flags & enforce_other) || judge(ep, c, other).verdict != VERDICT_DENIED)
+				d.verdict = VERDICT_ALLOWED;
+		}
+		count_iface((__u32)dir * VERDICTS + d.verdict);
+		if (d.verdict == VERDICT_DENIED) {
+			report(ep, &d, c, dir, hook);
+			return 0;
+		}
+	}
+	if (flows)
+		bpf_map_update_elem(flows, &key, &one, BPF_ANY);
+pass:
+	if (p->first_fragment) {
+		fk = frag_key(ifindex, p);
+		bpf_map_update_elem(&policy_iface_frags, &fk, &one, BPF_ANY);
+	}
+	return 1;
+}
+
+/* mapped_in_v6 tells whether an IPv6 packet has an IPv4-mapped source,
+ * which no host may use (RFC 4291 2.5.5.2) and own_addr would take for the
+ * IPv4 address. */
+static __always_inline int mapped_in_v6(struct __sk_buff *skb, const struct pkt *p)
+{
+	return skb->protocol == bpf_htons(ETH_P_IPV6) && is_v4mapped(&p->saddr);
+}
+
+/* spoofed counts and reports a pod's packet from a source not its own. */
+static __always_inline int spoofed(const struct policy_iface *ifc, const struct pkt *p)
+{
+	struct decision d = { .verdict = VERDICT_DENIED, .reason = REASON_SPOOFED };
+	struct conn c = {
+		.local_addr = p->saddr,
+		.remote_addr = p->daddr,
+		.local_port = p->sport,
+		.remote_port = p->dport,
+		.protocol = p->protocol,
+	};
+	struct ep_ref ep = {};
+
+	iface_endpoint(ifc, &ep);
+	count_iface(IFACE_STATS_SPOOFED);
+	report(&ep, &d, &c, DIR_EGRESS, HOOK_FROM_POD);
+	return TCX_DROP;
+}
+
+/* arp_ok tells whether an ARP packet from the pod claims only the pod's
+ * own IPv4 address (or none: a probe has sender 0.0.0.0). */
+static __always_inline int arp_ok(struct __sk_buff *skb, const struct policy_iface *ifc)
+{
+	union addr sender;
+	__be32 spa;
+
+	if (bpf_skb_load_bytes(skb, ARP_SPA_OFF, &spa, sizeof(spa)) < 0)
+		return 0;
+	if (spa == 0)
+		return 1;
+	set_v4(&sender, spa);
+	return own_addr(ifc, &sender);
+}
+
+SEC("tc")
+int policy_from_pod(struct __sk_buff *skb)
+{
+	__u32 ifindex = skb->ifindex;
+	struct policy_iface *ifc = bpf_map_lookup_elem(&policy_ifaces, &ifindex);
+	struct ep_ref ep;
+	struct conn c;
+	struct pkt p;
+
+	if (!ifc)
+		return TCX_NEXT;
+	if (skb->protocol == bpf_htons(ETH_P_ARP_)) {
+		if (arp_ok(skb, ifc))
+			return TCX_NEXT;
+		__builtin_memset(&p, 0, sizeof(p));
+		return spoofed(ifc, &p);
+	}
+	/* What is neither IP nor ARP has no business leaving a pod. */
+	if (parse(skb, ETH_HLEN_, &p) < 0) {
+		count_iface(IFACE_STATS_NOT_IP);
+		return TCX_DROP;
+	}
+	/* Neighbour discovery comes from link-local (or no) addresses. */
+	if (link_control(&p))
+		return TCX_NEXT;
+	if (!own_addr(ifc, &p.saddr) || mapped_in_v6(skb, &p))
+		return spoofed(ifc, &p);
+	if (!iface_endpoint(ifc, &ep))
+		return TCX_NEXT;
+	c = (struct conn){
+		.local_addr = p.saddr,
+		.remote_addr = p.daddr,
+		.local_port = p.sport,
+		.remote_port = p.dport,
+		.protocol = p.protocol,
+	};
+	return iface_decide(skb, ifindex, &ep, &p, &c, DIR_EGRESS, HOOK_FROM_POD) ? TCX_NEXT : TCX_DROP;
+}
+
+SEC("tc")
+int policy_to_pod(struct __sk_buff *skb)
+{
+	__u32 ifindex = skb->ifindex;
+	struct policy_iface *ifc = bpf_map_lookup_elem(&policy_ifaces, &ifindex);
+	struct ep_ref ep;
+	struct conn c;
+	struct pkt p;
+
+	if (!ifc)
+		return TCX_NEXT;
+	/* ARP and neighbour discovery from the host. */
+	if (skb->protocol == bpf_htons(ETH_P_ARP_))
+		return TCX_NEXT;
+	if (parse(skb, ETH_HLEN_, &p) < 0) {
+		count_iface(IFACE_STATS_NOT_IP);
+		return TCX_DROP;
+	}
+	if (link_control(&p))
+		return TCX_NEXT;
+	/* The kernel drops these when it receives them; a hand-made one
+	 * must not be judged as the IPv4 peer it names. */
+	if (mapped_in_v6(skb, &p)) {
+		count_iface(VERDICT_DENIED);
+		return TCX_DROP;
+	}
+	if (!iface_endpoint(ifc, &ep))
+		return TCX_NEXT;
+	c = (struct conn){
+		.local_addr = p.daddr,
+		.remote_addr = p.saddr,
+		.local_port = p.dport,
+		.remote_port = p.sport,
+		.protocol = p.protocol,
+	};
+	return iface_decide(skb, ifindex, &ep, &p, &c, DIR_INGRESS, HOOK_TO_POD) ? TCX_NEXT : TCX_DROP;
 }
 
 /*

@@ -83,6 +83,13 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The interface programs are LoadInterface's, with maps of their own.
+	delete(spec.Programs, FromPod)
+	delete(spec.Programs, ToPod)
+	for _, name := range []string{policyprogMapPolicyIfaces, policyprogMapPolicyIfaceFlows,
+		policyprogMapPolicyIfaceFrags, policyprogMapPolicyIfaceStats} {
+		delete(spec.Maps, name)
+	}
 	repl := map[string]*ebpf.Map{
 		policyprogMapPolicy:          m.Policy,
 		policyprogMapPolicyEndpoints: m.Endpoints,
@@ -92,4 +99,60 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 		policyprogMapPolicyEvents:    m.Events,
 	}
 	return bpf.LoadPrograms(spec, repl, "policy programs")
+}
+
+// Programs of packet-level enforcement, attached with tcx to the host side
+// of each pod's interface: FromPod on its ingress (the packets the pod
+// sends), ToPod on its egress (the packets it receives).
+const (
+	FromPod = policyprogProgPolicyFromPod
+	ToPod   = policyprogProgPolicyToPod
+)
+
+// InterfaceMaps are the maps the interface programs use, all owned (and
+// pinned) by the agent: those of Maps but the sockets' storage, and the
+// interfaces' own.
+type InterfaceMaps struct {
+	Policy    *ebpf.Map
+	Endpoints *ebpf.Map
+	Stats     *ebpf.Map
+	IPCache   *ebpf.Map
+	Events    *ebpf.Map
+	// Ifaces maps pod interfaces to pods (bpf.PolicyIfacesMapSpec).
+	Ifaces *ebpf.Map
+	// Flows holds each interface's flows (bpf.PolicyIfaceFlowsMapSpec).
+	Flows *ebpf.Map
+	// Frags remembers first fragments (bpf.PolicyIfaceFragsMapSpec).
+	Frags *ebpf.Map
+	// IfaceStats counts packet-level verdicts and drops
+	// (bpf.PolicyIfaceStatsMapSpec).
+	IfaceStats *ebpf.Map
+}
+
+// LoadInterface loads FromPod and ToPod, and only them, on m (see Load).
+// The caller owns the returned programs, keyed by program name.
+func LoadInterface(m InterfaceMaps) (map[string]*ebpf.Program, error) {
+	spec, err := Spec()
+	if err != nil {
+		return nil, err
+	}
+	for name := range spec.Programs {
+		if name != FromPod && name != ToPod {
+			delete(spec.Programs, name)
+		}
+	}
+	// Only the socket programs use it; nothing would replace it.
+	delete(spec.Maps, policyprogMapPolicySk)
+	repl := map[string]*ebpf.Map{
+		policyprogMapPolicy:           m.Policy,
+		policyprogMapPolicyEndpoints:  m.Endpoints,
+		policyprogMapPolicyStats:      m.Stats,
+		policyprogMapIpcache:          m.IPCache,
+		policyprogMapPolicyEvents:     m.Events,
+		policyprogMapPolicyIfaces:     m.Ifaces,
+		policyprogMapPolicyIfaceFlows: m.Flows,
+		policyprogMapPolicyIfaceFrags: m.Frags,
+		policyprogMapPolicyIfaceStats: m.IfaceStats,
+	}
+	return bpf.LoadPrograms(spec, repl, "pod interface programs")
 }

@@ -16,19 +16,25 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	policyprogMapIpcache         = "ipcache"
-	policyprogMapPolicy          = "policy"
-	policyprogMapPolicyEndpoints = "policy_endpoints"
-	policyprogMapPolicyEvents    = "policy_events"
-	policyprogMapPolicySk        = "policy_sk"
-	policyprogMapPolicyStats     = "policy_stats"
-	policyprogProgPolicyConnect4 = "policy_connect4"
-	policyprogProgPolicyConnect6 = "policy_connect6"
-	policyprogProgPolicyEgress   = "policy_egress"
-	policyprogProgPolicyIngress  = "policy_ingress"
-	policyprogProgPolicySendmsg4 = "policy_sendmsg4"
-	policyprogProgPolicySendmsg6 = "policy_sendmsg6"
-	policyprogProgPolicySockops  = "policy_sockops"
+	policyprogMapIpcache          = "ipcache"
+	policyprogMapPolicy           = "policy"
+	policyprogMapPolicyEndpoints  = "policy_endpoints"
+	policyprogMapPolicyEvents     = "policy_events"
+	policyprogMapPolicyIfaceFlows = "policy_iface_flows"
+	policyprogMapPolicyIfaceFrags = "policy_iface_frags"
+	policyprogMapPolicyIfaceStats = "policy_iface_stats"
+	policyprogMapPolicyIfaces     = "policy_ifaces"
+	policyprogMapPolicySk         = "policy_sk"
+	policyprogMapPolicyStats      = "policy_stats"
+	policyprogProgPolicyConnect4  = "policy_connect4"
+	policyprogProgPolicyConnect6  = "policy_connect6"
+	policyprogProgPolicyEgress    = "policy_egress"
+	policyprogProgPolicyFromPod   = "policy_from_pod"
+	policyprogProgPolicyIngress   = "policy_ingress"
+	policyprogProgPolicySendmsg4  = "policy_sendmsg4"
+	policyprogProgPolicySendmsg6  = "policy_sendmsg6"
+	policyprogProgPolicySockops   = "policy_sockops"
+	policyprogProgPolicyToPod     = "policy_to_pod"
 )
 
 // loadPolicyprog returns the embedded CollectionSpec for policyprog.
@@ -76,22 +82,28 @@ type policyprogProgramSpecs struct {
 	PolicyConnect4 *ebpf.ProgramSpec `ebpf:"policy_connect4"`
 	PolicyConnect6 *ebpf.ProgramSpec `ebpf:"policy_connect6"`
 	PolicyEgress   *ebpf.ProgramSpec `ebpf:"policy_egress"`
+	PolicyFromPod  *ebpf.ProgramSpec `ebpf:"policy_from_pod"`
 	PolicyIngress  *ebpf.ProgramSpec `ebpf:"policy_ingress"`
 	PolicySendmsg4 *ebpf.ProgramSpec `ebpf:"policy_sendmsg4"`
 	PolicySendmsg6 *ebpf.ProgramSpec `ebpf:"policy_sendmsg6"`
 	PolicySockops  *ebpf.ProgramSpec `ebpf:"policy_sockops"`
+	PolicyToPod    *ebpf.ProgramSpec `ebpf:"policy_to_pod"`
 }
 
 // policyprogMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type policyprogMapSpecs struct {
-	Ipcache         *ebpf.MapSpec `ebpf:"ipcache"`
-	Policy          *ebpf.MapSpec `ebpf:"policy"`
-	PolicyEndpoints *ebpf.MapSpec `ebpf:"policy_endpoints"`
-	PolicyEvents    *ebpf.MapSpec `ebpf:"policy_events"`
-	PolicySk        *ebpf.MapSpec `ebpf:"policy_sk"`
-	PolicyStats     *ebpf.MapSpec `ebpf:"policy_stats"`
+	Ipcache          *ebpf.MapSpec `ebpf:"ipcache"`
+	Policy           *ebpf.MapSpec `ebpf:"policy"`
+	PolicyEndpoints  *ebpf.MapSpec `ebpf:"policy_endpoints"`
+	PolicyEvents     *ebpf.MapSpec `ebpf:"policy_events"`
+	PolicyIfaceFlows *ebpf.MapSpec `ebpf:"policy_iface_flows"`
+	PolicyIfaceFrags *ebpf.MapSpec `ebpf:"policy_iface_frags"`
+	PolicyIfaceStats *ebpf.MapSpec `ebpf:"policy_iface_stats"`
+	PolicyIfaces     *ebpf.MapSpec `ebpf:"policy_ifaces"`
+	PolicySk         *ebpf.MapSpec `ebpf:"policy_sk"`
+	PolicyStats      *ebpf.MapSpec `ebpf:"policy_stats"`
 }
 
 // policyprogVariableSpecs contains global variables before they are loaded into the kernel.
@@ -120,12 +132,16 @@ func (o *policyprogObjects) Close() error {
 //
 // It can be passed to loadPolicyprogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type policyprogMaps struct {
-	Ipcache         *ebpf.Map `ebpf:"ipcache"`
-	Policy          *ebpf.Map `ebpf:"policy"`
-	PolicyEndpoints *ebpf.Map `ebpf:"policy_endpoints"`
-	PolicyEvents    *ebpf.Map `ebpf:"policy_events"`
-	PolicySk        *ebpf.Map `ebpf:"policy_sk"`
-	PolicyStats     *ebpf.Map `ebpf:"policy_stats"`
+	Ipcache          *ebpf.Map `ebpf:"ipcache"`
+	Policy           *ebpf.Map `ebpf:"policy"`
+	PolicyEndpoints  *ebpf.Map `ebpf:"policy_endpoints"`
+	PolicyEvents     *ebpf.Map `ebpf:"policy_events"`
+	PolicyIfaceFlows *ebpf.Map `ebpf:"policy_iface_flows"`
+	PolicyIfaceFrags *ebpf.Map `ebpf:"policy_iface_frags"`
+	PolicyIfaceStats *ebpf.Map `ebpf:"policy_iface_stats"`
+	PolicyIfaces     *ebpf.Map `ebpf:"policy_ifaces"`
+	PolicySk         *ebpf.Map `ebpf:"policy_sk"`
+	PolicyStats      *ebpf.Map `ebpf:"policy_stats"`
 }
 
 func (m *policyprogMaps) Close() error {
@@ -134,6 +150,10 @@ func (m *policyprogMaps) Close() error {
 		m.Policy,
 		m.PolicyEndpoints,
 		m.PolicyEvents,
+		m.PolicyIfaceFlows,
+		m.PolicyIfaceFrags,
+		m.PolicyIfaceStats,
+		m.PolicyIfaces,
 		m.PolicySk,
 		m.PolicyStats,
 	)
@@ -152,10 +172,12 @@ type policyprogPrograms struct {
 	PolicyConnect4 *ebpf.Program `ebpf:"policy_connect4"`
 	PolicyConnect6 *ebpf.Program `ebpf:"policy_connect6"`
 	PolicyEgress   *ebpf.Program `ebpf:"policy_egress"`
+	PolicyFromPod  *ebpf.Program `ebpf:"policy_from_pod"`
 	PolicyIngress  *ebpf.Program `ebpf:"policy_ingress"`
 	PolicySendmsg4 *ebpf.Program `ebpf:"policy_sendmsg4"`
 	PolicySendmsg6 *ebpf.Program `ebpf:"policy_sendmsg6"`
 	PolicySockops  *ebpf.Program `ebpf:"policy_sockops"`
+	PolicyToPod    *ebpf.Program `ebpf:"policy_to_pod"`
 }
 
 func (p *policyprogPrograms) Close() error {
@@ -163,10 +185,12 @@ func (p *policyprogPrograms) Close() error {
 		p.PolicyConnect4,
 		p.PolicyConnect6,
 		p.PolicyEgress,
+		p.PolicyFromPod,
 		p.PolicyIngress,
 		p.PolicySendmsg4,
 		p.PolicySendmsg6,
 		p.PolicySockops,
+		p.PolicyToPod,
 	)
 }
 

@@ -120,6 +120,10 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 		RemoteLabels:   []string{},
 		Verdict:        VerdictAllowed,
 		Reason:         ReasonPolicy,
+		Layer:          LayerSocket,
+	}
+	if ev.Hook == bpf.PolicyHookFromPod || ev.Hook == bpf.PolicyHookToPod {
+		v.Layer = LayerInterface
 	}
 	switch {
 	case ev.EndpointID == 0:
@@ -157,6 +161,8 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 		v.Reason = ReasonNoPolicy
 	case bpf.PolicyReasonUnclassified:
 		v.Reason = ReasonUnclassified
+	case bpf.PolicyReasonSpoofed:
+		v.Reason = ReasonSpoofed
 	default:
 		v.Policy = r.policyName(ev.Cookie)
 	}

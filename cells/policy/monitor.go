@@ -32,8 +32,13 @@ type Verdict struct {
 	// Reason is "policy" (an entry decided), "default deny", "fail closed"
 	// (the default deny an invalid policy keeps, which Policy names: see
 	// --policy-invalid-mode) or "no policy" (the endpoint is not enforced in
-	// that direction).
+	// that direction), "unclassified pod" or "spoofed source" (a pod's
+	// packet from an address not its own).
 	Reason string `json:"reason"`
+	// Layer is where it was decided: "socket" (connect, sendmsg, the
+	// socket's packets) or "interface" (the host side of the pod's
+	// interface, which reports only drops).
+	Layer string `json:"layer"`
 }
 
 // Verdicts and reasons as Verdict spells them.
@@ -50,6 +55,12 @@ const (
 	// tree that the agent has not registered (yet); see
 	// --unclassified-pods.
 	ReasonUnclassified = "unclassified pod"
+	// ReasonSpoofed: a packet from a pod whose source is not one of the
+	// pod's addresses, dropped on its interface.
+	ReasonSpoofed = "spoofed source"
+
+	LayerSocket    = "socket"
+	LayerInterface = "interface"
 )
 
 // Monitor hands the datapath's verdicts to subscribers (the API's

@@ -1,0 +1,157 @@
+package bpf
+
+import (
+	"fmt"
+	"net/netip"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+// Names (and pin file names) of the maps of packet-level enforcement: the
+// programs on the host side of each pod's interface (bpf/c/policy.c,
+// policy_from_pod and policy_to_pod).
+const (
+	// PolicyIfacesMap maps the ifindex of a pod interface's host side to
+	// the pod (PolicyIfaceValue): its cgroup and its own addresses.
+	PolicyIfacesMap = "policy_ifaces"
+	// PolicyIfaceFlowsMap holds one LRU of flows per interface (a hash of
+	// maps keyed by ifindex), so that no pod's traffic can push out
+	// another pod's flows.
+	PolicyIfaceFlowsMap = "policy_iface_flows"
+	// PolicyIfaceFragsMap remembers the first fragments that passed, so
+	// that the later ones (without ports) pass too.
+	PolicyIfaceFragsMap = "policy_iface_frags"
+	// PolicyIfaceStatsMap counts packet-level verdicts, spoofed packets
+	// and frames that are neither IP nor ARP (per CPU).
+	PolicyIfaceStatsMap = "policy_iface_stats"
+)
+
+// PolicyIfaceAddrs is how many addresses of its own a pod may send from.
+const PolicyIfaceAddrs = 4
+
+// PolicyIfaceUnclassifiedDeny (PolicyIfaceValue.Flags): a pod whose cgroup
+// is in no endpoint yet is denied both ways.
+const PolicyIfaceUnclassifiedDeny uint32 = 1 << 0
+
+// Indexes of policy_iface_stats after the verdicts (direction *
+// PolicyVerdicts + verdict, as in policy_stats).
+const (
+	PolicyIfaceStatsSpoofed = 2 * PolicyVerdicts
+	PolicyIfaceStatsNotIP   = PolicyIfaceStatsSpoofed + 1
+	PolicyIfaceStatsEntries = PolicyIfaceStatsNotIP + 1
+)
+
+// DefaultPolicyIfaceFlows is the default capacity of each interface's
+// flow LRU.
+const DefaultPolicyIfaceFlows = 4096
+
+// PolicyIfaceValue is the value of policy_ifaces (struct policy_iface).
+type PolicyIfaceValue struct {
+	// CgroupID is the pod's cgroup: its key in policy_endpoints.
+	CgroupID uint64
+	// Flags are PolicyIface* flags.
+	Flags uint32
+	// NAddrs is how many of Addrs are the pod's.
+	NAddrs uint8
+	Pad    [3]byte
+	// Addrs are the pod's addresses, IPv4 mapped into IPv6.
+	Addrs [PolicyIfaceAddrs][16]byte
+}
+
+// NewPolicyIfaceValue returns the value for the pod of cgroup cgroupID
+// with addresses addrs; more than PolicyIfaceAddrs is an error.
+func NewPolicyIfaceValue(cgroupID uint64, flags uint32, addrs []netip.Addr) (PolicyIfaceValue, error) {
+	v := PolicyIfaceValue{CgroupID: cgroupID, Flags: flags}
+	if len(addrs) > PolicyIfaceAddrs {
+		return v, fmt.Errorf("%d addresses, at most %d fit", len(addrs), PolicyIfaceAddrs)
+	}
+	for i, a := range addrs {
+		v.Addrs[i] = a.As16() // IPv4 as ::ffff:a.b.c.d
+	}
+	v.NAddrs = uint8(len(addrs))
+	return v, nil
+}
+
+// PolicyIfaceFlowKey is the key of an interface's flow LRU (struct
+// iface_flow): the peer, its port and the pod's port, and the protocol.
+type PolicyIfaceFlowKey struct {
+	Peer      [16]byte
+	PeerPort  Be16
+	LocalPort Be16
+	Protocol  uint8
+	Pad       [3]byte
+}
+
+// PolicyIfaceFragKey is the key of policy_iface_frags (struct iface_frag).
+type PolicyIfaceFragKey struct {
+	Ifindex  uint32
+	ID       uint32
+	SAddr    [16]byte
+	DAddr    [16]byte
+	Protocol uint8
+	Pad      [3]byte
+}
+
+// PolicyIfacesMapSpec returns the spec of policy_ifaces.
+func PolicyIfacesMapSpec(maxEntries uint32) *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyIfacesMap,
+		Type:       ebpf.Hash,
+		KeySize:    4,
+		ValueSize:  80,
+		MaxEntries: maxEntries,
+		Flags:      unix.BPF_F_NO_PREALLOC,
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// PolicyIfaceFlowsInnerSpec returns the spec of one interface's flow LRU,
+// with room for maxEntries flows.
+func PolicyIfaceFlowsInnerSpec(maxEntries uint32) *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       "iface_flows",
+		Type:       ebpf.LRUHash,
+		KeySize:    24,
+		ValueSize:  4,
+		MaxEntries: maxEntries,
+	}
+}
+
+// PolicyIfaceFlowsMapSpec returns the spec of policy_iface_flows, whose
+// inner maps have room for flows flows each.
+func PolicyIfaceFlowsMapSpec(maxEntries, flows uint32) *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyIfaceFlowsMap,
+		Type:       ebpf.HashOfMaps,
+		KeySize:    4,
+		ValueSize:  4,
+		MaxEntries: maxEntries,
+		InnerMap:   PolicyIfaceFlowsInnerSpec(flows),
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// PolicyIfaceFragsMapSpec returns the spec of policy_iface_frags.
+func PolicyIfaceFragsMapSpec() *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyIfaceFragsMap,
+		Type:       ebpf.LRUHash,
+		KeySize:    44,
+		ValueSize:  4,
+		MaxEntries: 8192,
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// PolicyIfaceStatsMapSpec returns the spec of policy_iface_stats.
+func PolicyIfaceStatsMapSpec() *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyIfaceStatsMap,
+		Type:       ebpf.PerCPUArray,
+		KeySize:    4,
+		ValueSize:  8,
+		MaxEntries: PolicyIfaceStatsEntries,
+		Pinning:    ebpf.PinByName,
+	}
+}
