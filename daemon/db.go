@@ -49,6 +49,7 @@ func rowDecoders() map[string]func([]byte) (statedb.TableWritable, error) {
 		tables.FQDNNamesTableName:      decodeRow[tables.FQDNName],
 		tables.PolicyEntriesTableName:  decodeRow[tables.PolicyEntry],
 		tables.EndpointPolicyTableName: decodeRow[tables.EndpointPolicy],
+		tables.PodInterfacesTableName:  decodeRow[tables.PodInterface],
 	}
 }
 

@@ -294,8 +294,12 @@ func TestInterfaceVerdicts(t *testing.T) {
 				{"a datagram from the same peer to another port", func() uint32 { return in(packet{proto: udp, sport: 53, dport: 4001}) }, tcxDrop},
 				{"egress denied port", func() uint32 { return out(packet{proto: udp, sport: 4000, dport: 54}) }, tcxDrop},
 				{"egress denied peer", func() uint32 { return out(packet{dst: fam.other, proto: udp, sport: 4000, dport: 53}) }, tcxDrop},
-				{"ingress allowed SYN", func() uint32 { return in(packet{src: fam.other, proto: tcp, sport: 5000, dport: 8080, tcpFlags: synFlag}) }, tcxNext},
-				{"the pod's SYN-ACK", func() uint32 { return out(packet{dst: fam.other, proto: tcp, sport: 8080, dport: 5000, tcpFlags: synFlag | ackFlag}) }, tcxNext},
+				{"ingress allowed SYN", func() uint32 {
+					return in(packet{src: fam.other, proto: tcp, sport: 5000, dport: 8080, tcpFlags: synFlag})
+				}, tcxNext},
+				{"the pod's SYN-ACK", func() uint32 {
+					return out(packet{dst: fam.other, proto: tcp, sport: 8080, dport: 5000, tcpFlags: synFlag | ackFlag})
+				}, tcxNext},
 				{"ingress denied SYN", func() uint32 { return in(packet{proto: tcp, sport: 5000, dport: 8080, tcpFlags: synFlag}) }, tcxDrop},
 				// A connection the pod opened before the interface knew
 				// it: its egress policy allows it, so its packets pass.

@@ -240,6 +240,13 @@ func (a *attacher) detach() (string, error) {
 	if err != nil {
 		return "", err
 	}
+	ifaces, err := detachIfaces(a.pinDir)
+	if err != nil {
+		return "", err
+	}
+	if len(ifaces) > 0 {
+		gone = append(gone, fmt.Sprintf("%d pod interface links", len(ifaces)))
+	}
 	for _, name := range []string{bpf.PolicySockMap, bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap} {
 		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {
 			return "", err
@@ -293,6 +300,22 @@ func (a *attacher) eventsReader(ctx context.Context) (*ringbuf.Reader, error) {
 		return nil, fmt.Errorf("read %s: %w", bpf.PolicyEventsMap, err)
 	}
 	return rd, nil
+}
+
+// sharedMaps returns policy_events and policy_stats, which the interface
+// programs share with the socket-level ones, once those are attached.
+func (a *attacher) sharedMaps() (events, stats *ebpf.Map, err error) {
+	select {
+	case <-a.attached:
+	default:
+		return nil, nil, errors.New("the socket-level policy programs are not attached yet")
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.events == nil || a.stats == nil {
+		return nil, nil, errors.New("policy_events and policy_stats are not open")
+	}
+	return a.events, a.stats, nil
 }
 
 // lost returns how many events found policy_events full.

@@ -27,6 +27,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/selectors"
+	"github.com/apiary-net/apiary/internal/podnet"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -41,6 +42,7 @@ var Cell = cell.Module(
 	cell.ProvidePrivate(
 		tables.NewPolicyEntriesTable,
 		tables.NewEndpointPolicyTable,
+		tables.NewPodInterfacesTable,
 		newOps,
 		newProgress,
 		newMapsOpened,
@@ -52,6 +54,7 @@ var Cell = cell.Module(
 	cell.Provide(
 		statedb.RWTable[*tables.PolicyEntry].ToTable,
 		statedb.RWTable[*tables.EndpointPolicy].ToTable,
+		statedb.RWTable[*tables.PodInterface].ToTable,
 		newGate,
 	),
 	cell.Invoke(
@@ -71,9 +74,15 @@ const (
 	AuditFlag        = "policy-audit-mode"
 	MapMaxFlag       = "bpf-policy-map-max"
 	LocalhostFlag    = "allow-localhost"
-	minPolicyMap     = 256
-	maxPolicyMap     = 16 << 20
-	endpointsMax     = 65536
+	// PodInterfacesFlag turns the packet-level programs on pods'
+	// interfaces on or off.
+	PodInterfacesFlag  = "policy-pod-interfaces"
+	InterfaceFlowsFlag = "policy-interface-flows"
+	minInterfaceFlows  = 64
+	maxInterfaceFlows  = 1 << 20
+	minPolicyMap       = 256
+	maxPolicyMap       = 16 << 20
+	endpointsMax       = 65536
 )
 
 // Config is the policy cell's configuration.
@@ -89,6 +98,11 @@ type Config struct {
 	UnclassifiedPods string
 	// AllowLocalhost is LocalhostAlways or LocalhostPolicy.
 	AllowLocalhost string
+	// PodInterfaces enforces policy at the packet level too, on the host
+	// side of each pod's interface.
+	PodInterfaces bool
+	// InterfaceFlows is the capacity of each pod interface's flow map.
+	InterfaceFlows uint32
 }
 
 // --unclassified-pods values.
@@ -115,7 +129,7 @@ const (
 
 var defaultConfig = Config{
 	EnablePolicy: ModeDefault, BPFPolicyMapMax: bpf.DefaultPolicyMapMaxEntries, UnclassifiedPods: UnclassifiedDeny,
-	AllowLocalhost: LocalhostAlways,
+	AllowLocalhost: LocalhostAlways, PodInterfaces: true, InterfaceFlows: bpf.DefaultPolicyIfaceFlows,
 }
 
 // Flags implements cell.Flagger.
@@ -130,6 +144,10 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Capacity of the policy map in entries, shared by every endpoint of the node; a full map is an error on the endpoints whose entries do not fit")
 	fs.String(LocalhostFlag, def.AllowLocalhost,
 		"Traffic from the node to its pods: always (allowed whatever the pods' ingress policy, unless a policy denies the host; kubelet's probes keep working) or policy (the node is a peer like any other)")
+	fs.Bool(PodInterfacesFlag, def.PodInterfaces,
+		"Also enforce policy on every packet at the host side of each pod's veth (tcx): packet sockets, sockets made outside the pod's cgroup and forged source addresses meet the same verdicts as its sockets; false leaves the socket hooks only")
+	fs.Uint32(InterfaceFlowsFlag, def.InterfaceFlows,
+		"Flows each pod interface remembers (an LRU of its own), so that replies of allowed flows pass; a pod with more forgets its oldest, whose next packets are judged again")
 }
 
 func (c Config) validate() error {
@@ -147,6 +165,9 @@ func (c Config) validate() error {
 	case LocalhostAlways, LocalhostPolicy:
 	default:
 		return fmt.Errorf("--%s=%q: want always or policy", LocalhostFlag, c.AllowLocalhost)
+	}
+	if c.InterfaceFlows < minInterfaceFlows || c.InterfaceFlows > maxInterfaceFlows {
+		return fmt.Errorf("--%s=%d: want %d to %d", InterfaceFlowsFlag, c.InterfaceFlows, minInterfaceFlows, maxInterfaceFlows)
 	}
 	if c.BPFPolicyMapMax < minPolicyMap || c.BPFPolicyMapMax > maxPolicyMap {
 		return fmt.Errorf("--%s=%d: want %d to %d", MapMaxFlag, c.BPFPolicyMapMax, minPolicyMap, maxPolicyMap)
@@ -248,6 +269,10 @@ type attacherParams struct {
 	Policies   statedb.Table[*tables.Policy]
 	Monitor    *Monitor
 	Counter    *selectors.VerdictCounter
+
+	ReconcilerParams reconciler.Params
+	PodEndpoints     statedb.Table[*tables.Endpoint]
+	Interfaces       statedb.RWTable[*tables.PodInterface]
 }
 
 func registerAttacher(p attacherParams) error {
@@ -291,7 +316,78 @@ func registerAttacher(p attacherParams) error {
 	// The links stay pinned (and attached); only this process's handles
 	// go.
 	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
+	if err := registerPodInterfaces(p, a); err != nil {
+		return err
+	}
 	return registerMetrics(p.Registry, a, p.Ops)
+}
+
+// registerPodInterfaces starts packet-level enforcement on pods'
+// interfaces (--policy-pod-interfaces), or removes what an earlier run
+// attached when it is off.
+func registerPodInterfaces(p attacherParams, a *attacher) error {
+	switch {
+	case p.Config.EnablePolicy == ModeNever:
+		return nil // the attacher detaches everything
+	case !p.Config.PodInterfaces:
+		p.Jobs.Add(job.OneShot("pod-interfaces-off", func(context.Context, cell.Health) error {
+			gone, err := detachIfaces(string(p.PinDir))
+			if len(gone) > 0 {
+				p.Log.Info("Packet-level enforcement off (--"+PodInterfacesFlag+"=false): detached", "links", gone)
+			}
+			return err
+		}))
+		return nil
+	}
+	finder, err := podnet.NewFinder()
+	if err != nil {
+		return fmt.Errorf("pod interfaces: %w", err)
+	}
+	d := &ifaceDiscovery{
+		log: p.Log, db: p.DB, root: p.Root, endpoints: p.PodEndpoints, interfaces: p.Interfaces, finder: finder,
+	}
+	p.Jobs.Add(job.OneShot("pod-interfaces", d.run))
+	ops := &ifaceOps{
+		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), a: a, policy: p.Ops, ipcache: p.IPCache,
+		attached: map[string]int{},
+	}
+	if err := registerIfaceReconciler(p.ReconcilerParams, ops, p.Interfaces); err != nil {
+		return err
+	}
+	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { ops.close(); return nil }})
+	return p.Registry.Register(&ifaceCollector{ops: ops,
+		packets: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "interface_decisions_total"),
+			"Decisions of the programs on pods' interfaces (packets of flows they do not know yet), by direction and verdict; counted in the datapath",
+			[]string{"direction", "verdict"}, nil),
+		drops: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "interface_drops_total"),
+			"Packets from pods dropped on their interfaces whatever the policy: reason spoofed (a source not the pod's own) or not-ip (neither IP nor ARP)",
+			[]string{"reason"}, nil),
+	})
+}
+
+// ifaceCollector reads policy_iface_stats when scraped.
+type ifaceCollector struct {
+	ops            *ifaceOps
+	packets, drops *prometheus.Desc
+}
+
+func (c *ifaceCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.packets; ch <- c.drops }
+
+func (c *ifaceCollector) Collect(ch chan<- prometheus.Metric) {
+	counts, err := c.ops.stats()
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(c.packets, err)
+		return
+	}
+	names := [...]string{bpf.PolicyVerdictAllowed: "allowed", bpf.PolicyVerdictDenied: "denied", bpf.PolicyVerdictAudited: "audited"}
+	for d, dir := range []string{"ingress", "egress"} {
+		for v, verdict := range names {
+			ch <- prometheus.MustNewConstMetric(c.packets, prometheus.CounterValue,
+				float64(counts[d*bpf.PolicyVerdicts+v]), dir, verdict)
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsSpoofed]), "spoofed")
+	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsNotIP]), "not-ip")
 }
 
 // registerMetrics exports the verdict counters of the datapath and the

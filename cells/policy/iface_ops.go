@@ -1,0 +1,356 @@
+package policy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"iter"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+	"github.com/vishvananda/netlink"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/cgrouplink"
+	"github.com/apiary-net/apiary/bpf/policyprog"
+	"github.com/apiary-net/apiary/bpf/tcxlink"
+	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/reconcilers"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// IfaceLinksDir is the subdirectory of LinksDir holding the pinned tcx
+// links of pod interfaces, two per interface: "<ifindex>_from_pod" and
+// "<ifindex>_to_pod".
+const IfaceLinksDir = "ifaces"
+
+// ifaceMaps are the maps of packet-level enforcement, opened once.
+type ifaceMaps struct {
+	ifaces, flows, frags, stats *ebpf.Map
+}
+
+// ifaceOps reconciles the pod-interfaces table: each row with an interface
+// gets its policy_ifaces entry, a flow map of its own in
+// policy_iface_flows, and the interface programs attached to its host side
+// through pinned tcx links. It is the only writer of these maps and links.
+type ifaceOps struct {
+	log     *slog.Logger
+	cfg     Config
+	pinDir  string
+	a       *attacher
+	policy  *reconcilers.Policy
+	ipcache ipcache.Map
+
+	mu    sync.Mutex
+	maps  *ifaceMaps
+	progs map[string]*ebpf.Program
+	// attached is the interface each endpoint's links are on, as this
+	// process attached or found them.
+	attached map[string]int
+}
+
+func (o *ifaceOps) linksDir() string {
+	return filepath.Join(o.pinDir, LinksDir, IfaceLinksDir)
+}
+
+func (o *ifaceOps) pin(ifindex int, prog string) string {
+	suffix := "_from_pod"
+	if prog == policyprog.ToPod {
+		suffix = "_to_pod"
+	}
+	return filepath.Join(o.linksDir(), strconv.Itoa(ifindex)+suffix)
+}
+
+// load opens the maps and loads the programs, once the socket-level
+// programs (whose events and stats maps these share) are attached.
+func (o *ifaceOps) load() error {
+	if o.progs != nil {
+		return nil
+	}
+	events, stats, err := o.a.sharedMaps()
+	if err != nil {
+		return err
+	}
+	if o.maps == nil {
+		m, err := openIfaceMaps(o.log, o.pinDir, o.cfg.InterfaceFlows)
+		if err != nil {
+			return err
+		}
+		o.maps = m
+	}
+	var progs map[string]*ebpf.Program
+	err = o.policy.Maps(func(policy, endpoints *ebpf.Map) error {
+		return o.ipcache.WithMap(func(ipc *ebpf.Map) error {
+			progs, err = policyprog.LoadInterface(policyprog.InterfaceMaps{
+				Policy: policy, Endpoints: endpoints, Stats: stats, IPCache: ipc, Events: events,
+				Ifaces: o.maps.ifaces, Flows: o.maps.flows, Frags: o.maps.frags, IfaceStats: o.maps.stats,
+			})
+			return err
+		})
+	})
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(o.linksDir(), 0o750); err != nil {
+		closePrograms(progs)
+		return fmt.Errorf("links directory: %w", err)
+	}
+	o.progs = progs
+	return nil
+}
+
+func openIfaceMaps(log *slog.Logger, pinDir string, flows uint32) (*ifaceMaps, error) {
+	var maps []*ebpf.Map
+	for _, spec := range []*ebpf.MapSpec{
+		bpf.PolicyIfacesMapSpec(endpointsMax),
+		bpf.PolicyIfaceFlowsMapSpec(endpointsMax, flows),
+		bpf.PolicyIfaceFragsMapSpec(),
+		bpf.PolicyIfaceStatsMapSpec(),
+	} {
+		pm, err := bpf.OpenPinnedMap(log, spec, pinDir, nil)
+		if err != nil {
+			for _, m := range maps {
+				m.Close()
+			}
+			return nil, err
+		}
+		maps = append(maps, pm.Map)
+	}
+	return &ifaceMaps{ifaces: maps[0], flows: maps[1], frags: maps[2], stats: maps[3]}, nil
+}
+
+// Update implements reconciler.Operations.
+func (o *ifaceOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, row *tables.PodInterface) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if old := o.attached[row.Name]; old != 0 && old != row.Ifindex {
+		if err := o.removeLocked(old); err != nil {
+			return err
+		}
+		delete(o.attached, row.Name)
+	}
+	if row.Ifindex == 0 {
+		return nil
+	}
+	if err := o.load(); err != nil {
+		return err
+	}
+	flags := uint32(0)
+	if o.cfg.UnclassifiedPods == UnclassifiedDeny {
+		flags |= bpf.PolicyIfaceUnclassifiedDeny
+	}
+	value, addrErr := bpf.NewPolicyIfaceValue(row.CgroupID, flags, row.Addrs)
+	if addrErr != nil {
+		// Fail closed: the pod may send from none of them.
+		value, _ = bpf.NewPolicyIfaceValue(row.CgroupID, flags, nil)
+		addrErr = fmt.Errorf("the pod's addresses: %w; it may send from none", addrErr)
+	}
+	key := uint32(row.Ifindex)
+	var cur bpf.PolicyIfaceValue
+	if err := o.maps.ifaces.Lookup(key, &cur); err != nil || cur != value {
+		if err := o.maps.ifaces.Put(key, value); err != nil {
+			return fmt.Errorf("write %s[%d]: %w", bpf.PolicyIfacesMap, key, err)
+		}
+	}
+	fresh := false
+	for _, prog := range []string{policyprog.FromPod, policyprog.ToPod} {
+		attach := ebpf.AttachTCXIngress
+		if prog == policyprog.ToPod {
+			attach = ebpf.AttachTCXEgress
+		}
+		l, outcome, err := tcxlink.Attach(o.pin(row.Ifindex, prog), row.Ifindex, attach, o.progs[prog])
+		if err != nil {
+			return fmt.Errorf("%s on %s: %w", prog, row.Interface, err)
+		}
+		l.Close() // the pin keeps it
+		fresh = fresh || outcome == tcxlink.Attached
+	}
+	// A new attachment is a new interface (or a new pod on a reused
+	// index): it starts with no flows; links that were there already
+	// (an agent restart) keep theirs.
+	var inner *ebpf.Map
+	if err := o.maps.flows.Lookup(key, &inner); err == nil && !fresh {
+		inner.Close()
+	} else {
+		if inner != nil {
+			inner.Close()
+		}
+		m, err := ebpf.NewMap(bpf.PolicyIfaceFlowsInnerSpec(o.cfg.InterfaceFlows))
+		if err != nil {
+			return fmt.Errorf("create the flow map of %s: %w", row.Interface, err)
+		}
+		err = o.maps.flows.Put(key, m)
+		m.Close()
+		if err != nil {
+			return fmt.Errorf("write %s[%d]: %w", bpf.PolicyIfaceFlowsMap, key, err)
+		}
+	}
+	o.attached[row.Name] = row.Ifindex
+	return addrErr
+}
+
+// Delete implements reconciler.Operations.
+func (o *ifaceOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, row *tables.PodInterface) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	ifindex := o.attached[row.Name]
+	if ifindex == 0 {
+		ifindex = row.Ifindex
+	}
+	if ifindex == 0 {
+		return nil
+	}
+	if err := o.removeLocked(ifindex); err != nil {
+		return err
+	}
+	delete(o.attached, row.Name)
+	return nil
+}
+
+// removeLocked detaches the programs of interface ifindex and deletes its
+// entries.
+func (o *ifaceOps) removeLocked(ifindex int) error {
+	var errs []error
+	for _, prog := range []string{policyprog.FromPod, policyprog.ToPod} {
+		if _, err := cgrouplink.Detach(o.pin(ifindex, prog)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if o.maps != nil {
+		key := uint32(ifindex)
+		for _, m := range []*ebpf.Map{o.maps.ifaces, o.maps.flows} {
+			if err := m.Delete(key); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+				errs = append(errs, fmt.Errorf("delete %d from %s: %w", ifindex, m.String(), err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Prune implements reconciler.Operations. It removes only what belongs to
+// no interface of the host any more (pinned links of deleted interfaces,
+// their entries): an interface of a pod not listed yet (the endpoints are
+// still being found after a restart) keeps its programs.
+func (o *ifaceOps) Prune(_ context.Context, _ statedb.ReadTxn, rows iter.Seq2[*tables.PodInterface, statedb.Revision]) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	want := map[int]bool{}
+	for row := range rows {
+		if row.Ifindex != 0 {
+			want[row.Ifindex] = true
+		}
+	}
+	entries, err := os.ReadDir(o.linksDir())
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	var errs []error
+	stale := map[int]bool{}
+	for _, e := range entries {
+		idx, _, ok := strings.Cut(e.Name(), "_")
+		ifindex, err := strconv.Atoi(idx)
+		if !ok || err != nil || want[ifindex] {
+			continue
+		}
+		if !tcxlink.Live(filepath.Join(o.linksDir(), e.Name())) || !hostInterfaceExists(ifindex) {
+			stale[ifindex] = true
+		}
+	}
+	if o.maps != nil {
+		var key uint32
+		var v bpf.PolicyIfaceValue
+		it := o.maps.ifaces.Iterate()
+		for it.Next(&key, &v) {
+			if !want[int(key)] && !hostInterfaceExists(int(key)) {
+				stale[int(key)] = true
+			}
+		}
+	}
+	for ifindex := range stale {
+		o.log.Info("Removing the programs of a pod interface that is gone", "ifindex", ifindex)
+		errs = append(errs, o.removeLocked(ifindex))
+	}
+	return errors.Join(errs...)
+}
+
+func hostInterfaceExists(ifindex int) bool {
+	_, err := netlink.LinkByIndex(ifindex)
+	return err == nil
+}
+
+// detachAll removes every pod interface's links and the maps only the
+// interface programs use (--enable-policy=never, or the interface programs
+// turned off).
+func detachIfaces(pinDir string) ([]string, error) {
+	dir := filepath.Join(pinDir, LinksDir, IfaceLinksDir)
+	entries, err := os.ReadDir(dir)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	var gone []string
+	var errs []error
+	for _, e := range entries {
+		if _, err := cgrouplink.Detach(filepath.Join(dir, e.Name())); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		gone = append(gone, e.Name())
+	}
+	for _, name := range []string{bpf.PolicyIfacesMap, bpf.PolicyIfaceFlowsMap, bpf.PolicyIfaceFragsMap, bpf.PolicyIfaceStatsMap} {
+		errs = append(errs, bpf.RemovePinnedMap(pinDir, name))
+	}
+	return gone, errors.Join(errs...)
+}
+
+// close drops this process's handles; the pinned links stay attached.
+func (o *ifaceOps) close() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	closePrograms(o.progs)
+	o.progs = nil
+	if o.maps != nil {
+		for _, m := range []*ebpf.Map{o.maps.ifaces, o.maps.flows, o.maps.frags, o.maps.stats} {
+			m.Close()
+		}
+		o.maps = nil
+	}
+}
+
+// stats returns policy_iface_stats summed over the CPUs.
+func (o *ifaceOps) stats() ([bpf.PolicyIfaceStatsEntries]uint64, error) {
+	var out [bpf.PolicyIfaceStatsEntries]uint64
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.maps == nil {
+		return out, nil
+	}
+	for i := range out {
+		var perCPU []uint64
+		if err := o.maps.stats.Lookup(uint32(i), &perCPU); err != nil {
+			return out, fmt.Errorf("read %s: %w", bpf.PolicyIfaceStatsMap, err)
+		}
+		for _, v := range perCPU {
+			out[i] += v
+		}
+	}
+	return out, nil
+}
+
+// registerIfaceReconciler registers the reconciler of the pod-interfaces
+// table.
+func registerIfaceReconciler(params reconciler.Params, ops *ifaceOps, table statedb.RWTable[*tables.PodInterface]) error {
+	_, err := reconciler.Register(params, table,
+		(*tables.PodInterface).Clone, (*tables.PodInterface).SetStatus, (*tables.PodInterface).GetStatus,
+		ops, nil, reconciler.WithRefreshing(0, nil), reconciler.WithPruning(ifaceRescanInterval))
+	if err != nil {
+		return fmt.Errorf("register %s reconciler: %w", tables.PodInterfacesTableName, err)
+	}
+	return nil
+}
