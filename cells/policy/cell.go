@@ -98,11 +98,11 @@ type Config struct {
 	UnclassifiedPods string
 	// AllowLocalhost is LocalhostAlways or LocalhostPolicy.
 	AllowLocalhost string
-	// PodInterfaces enforces policy at the packet level too, on the host
+	// PolicyPodInterfaces enforces policy at the packet level too, on the host
 	// side of each pod's interface.
-	PodInterfaces bool
-	// InterfaceFlows is the capacity of each pod interface's flow map.
-	InterfaceFlows uint32
+	PolicyPodInterfaces bool
+	// PolicyInterfaceFlows is the capacity of each pod interface's flow map.
+	PolicyInterfaceFlows uint32
 }
 
 // --unclassified-pods values.
@@ -129,7 +129,7 @@ const (
 
 var defaultConfig = Config{
 	EnablePolicy: ModeDefault, BPFPolicyMapMax: bpf.DefaultPolicyMapMaxEntries, UnclassifiedPods: UnclassifiedDeny,
-	AllowLocalhost: LocalhostAlways, PodInterfaces: true, InterfaceFlows: bpf.DefaultPolicyIfaceFlows,
+	AllowLocalhost: LocalhostAlways, PolicyPodInterfaces: true, PolicyInterfaceFlows: bpf.DefaultPolicyIfaceFlows,
 }
 
 // Flags implements cell.Flagger.
@@ -144,9 +144,9 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Capacity of the policy map in entries, shared by every endpoint of the node; a full map is an error on the endpoints whose entries do not fit")
 	fs.String(LocalhostFlag, def.AllowLocalhost,
 		"Traffic from the node to its pods: always (allowed whatever the pods' ingress policy, unless a policy denies the host; kubelet's probes keep working) or policy (the node is a peer like any other)")
-	fs.Bool(PodInterfacesFlag, def.PodInterfaces,
+	fs.Bool(PodInterfacesFlag, def.PolicyPodInterfaces,
 		"Also enforce policy on every packet at the host side of each pod's veth (tcx): packet sockets, sockets made outside the pod's cgroup and forged source addresses meet the same verdicts as its sockets; false leaves the socket hooks only")
-	fs.Uint32(InterfaceFlowsFlag, def.InterfaceFlows,
+	fs.Uint32(InterfaceFlowsFlag, def.PolicyInterfaceFlows,
 		"Flows each pod interface remembers (an LRU of its own), so that replies of allowed flows pass; a pod with more forgets its oldest, whose next packets are judged again")
 }
 
@@ -166,8 +166,8 @@ func (c Config) validate() error {
 	default:
 		return fmt.Errorf("--%s=%q: want always or policy", LocalhostFlag, c.AllowLocalhost)
 	}
-	if c.InterfaceFlows < minInterfaceFlows || c.InterfaceFlows > maxInterfaceFlows {
-		return fmt.Errorf("--%s=%d: want %d to %d", InterfaceFlowsFlag, c.InterfaceFlows, minInterfaceFlows, maxInterfaceFlows)
+	if c.PolicyInterfaceFlows < minInterfaceFlows || c.PolicyInterfaceFlows > maxInterfaceFlows {
+		return fmt.Errorf("--%s=%d: want %d to %d", InterfaceFlowsFlag, c.PolicyInterfaceFlows, minInterfaceFlows, maxInterfaceFlows)
 	}
 	if c.BPFPolicyMapMax < minPolicyMap || c.BPFPolicyMapMax > maxPolicyMap {
 		return fmt.Errorf("--%s=%d: want %d to %d", MapMaxFlag, c.BPFPolicyMapMax, minPolicyMap, maxPolicyMap)
@@ -329,7 +329,7 @@ func registerPodInterfaces(p attacherParams, a *attacher) error {
 	switch {
 	case p.Config.EnablePolicy == ModeNever:
 		return nil // the attacher detaches everything
-	case !p.Config.PodInterfaces:
+	case !p.Config.PolicyPodInterfaces:
 		p.Jobs.Add(job.OneShot("pod-interfaces-off", func(context.Context, cell.Health) error {
 			gone, err := detachIfaces(string(p.PinDir))
 			if len(gone) > 0 {

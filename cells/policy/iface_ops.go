@@ -79,7 +79,7 @@ func (o *ifaceOps) load() error {
 		return err
 	}
 	if o.maps == nil {
-		m, err := openIfaceMaps(o.log, o.pinDir, o.cfg.InterfaceFlows)
+		m, err := openIfaceMaps(o.log, o.pinDir, o.cfg.PolicyInterfaceFlows)
 		if err != nil {
 			return err
 		}
@@ -182,7 +182,7 @@ func (o *ifaceOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 		if inner != nil {
 			inner.Close()
 		}
-		m, err := ebpf.NewMap(bpf.PolicyIfaceFlowsInnerSpec(o.cfg.InterfaceFlows))
+		m, err := ebpf.NewMap(bpf.PolicyIfaceFlowsInnerSpec(o.cfg.PolicyInterfaceFlows))
 		if err != nil {
 			return fmt.Errorf("create the flow map of %s: %w", row.Interface, err)
 		}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
 	"github.com/vishvananda/netlink"
 
 	"github.com/apiary-net/apiary/cells/cgroups"
@@ -47,7 +48,11 @@ func (d *ifaceDiscovery) run(ctx context.Context, health cell.Health) error {
 	defer close(linkDone)
 	linkEvents := links
 	if err := netlink.LinkSubscribeWithOptions(links, linkDone, netlink.LinkSubscribeOptions{
-		ErrorCallback: func(err error) { d.log.Warn("Host interface events", "error", err) },
+		ErrorCallback: func(err error) {
+			if ctx.Err() == nil {
+				d.log.Warn("Host interface events", "error", err)
+			}
+		},
 	}); err != nil {
 		d.log.Warn("Cannot follow the host's interfaces; looking for pods' interfaces periodically only", "error", err)
 		linkEvents = nil
@@ -102,7 +107,9 @@ func (d *ifaceDiscovery) scan() (found, missing int) {
 		if ep.HostNetwork || ep.CgroupID == 0 {
 			continue
 		}
-		row := &tables.PodInterface{Name: ep.Name, CgroupID: ep.CgroupID, Addrs: slices.Clone(ep.IPs)}
+		row := &tables.PodInterface{
+			Name: ep.Name, CgroupID: ep.CgroupID, Addrs: slices.Clone(ep.IPs), Status: reconciler.StatusPending(),
+		}
 		v, err := d.finder.Find(filepath.Join(d.root.Path(), ep.Cgroup))
 		switch {
 		case errors.Is(err, podnet.ErrHostNetwork):

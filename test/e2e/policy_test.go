@@ -46,6 +46,9 @@ func runHelper() (int, bool) {
 	if code, ok := runEscapeHelper(); ok {
 		return code, true
 	}
+	if code, ok := runIfaceHelper(); ok {
+		return code, true
+	}
 	if addr := os.Getenv(connectEnv); addr != "" {
 		fmt.Println(connectOutcome(addr, os.Getenv(bindEnv)))
 		return 0, true
