@@ -25,7 +25,7 @@ const loIfindex = 1
 // made by the test (BPF_PROG_TEST_RUN), with loopback as the pod's
 // interface.
 type ifaceDatapath struct {
-	t     *testing.T
+	t     testing.TB
 	maps  InterfaceMaps
 	progs map[string]*ebpf.Program
 	flows *ebpf.Map
@@ -33,7 +33,7 @@ type ifaceDatapath struct {
 
 const ifacePodCgroup = 4242
 
-func newIfaceDatapath(t *testing.T, podAddrs ...string) *ifaceDatapath {
+func newIfaceDatapath(t testing.TB, podAddrs ...string) *ifaceDatapath {
 	t.Helper()
 	testenv.RequireRoot(t)
 	newMap := func(spec *ebpf.MapSpec) *ebpf.Map {
