@@ -21,6 +21,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/iflink"
 	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/fqdn"
@@ -76,13 +77,14 @@ const (
 	LocalhostFlag    = "allow-localhost"
 	// PodInterfacesFlag turns the packet-level programs on pods'
 	// interfaces on or off.
-	PodInterfacesFlag  = "policy-pod-interfaces"
-	InterfaceFlowsFlag = "policy-interface-flows"
-	minInterfaceFlows  = 64
-	maxInterfaceFlows  = 1 << 20
-	minPolicyMap       = 256
-	maxPolicyMap       = 16 << 20
-	endpointsMax       = 65536
+	PodInterfacesFlag   = "policy-pod-interfaces"
+	InterfaceFlowsFlag  = "policy-interface-flows"
+	InterfaceAttachFlag = "policy-interface-attach"
+	minInterfaceFlows   = 64
+	maxInterfaceFlows   = 1 << 20
+	minPolicyMap        = 256
+	maxPolicyMap        = 16 << 20
+	endpointsMax        = 65536
 )
 
 // Config is the policy cell's configuration.
@@ -103,6 +105,9 @@ type Config struct {
 	PolicyPodInterfaces bool
 	// PolicyInterfaceFlows is the capacity of each pod interface's flow map.
 	PolicyInterfaceFlows uint32
+	// PolicyInterfaceAttach is how the interface programs are attached:
+	// auto, tcx or tc (an iflink.Mode).
+	PolicyInterfaceAttach string
 }
 
 // --unclassified-pods values.
@@ -130,6 +135,7 @@ const (
 var defaultConfig = Config{
 	EnablePolicy: ModeDefault, BPFPolicyMapMax: bpf.DefaultPolicyMapMaxEntries, UnclassifiedPods: UnclassifiedDeny,
 	AllowLocalhost: LocalhostAlways, PolicyPodInterfaces: true, PolicyInterfaceFlows: bpf.DefaultPolicyIfaceFlows,
+	PolicyInterfaceAttach: string(iflink.ModeAuto),
 }
 
 // Flags implements cell.Flagger.
@@ -148,6 +154,8 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Also enforce policy on every packet at the host side of each pod's veth (tcx): packet sockets, sockets made outside the pod's cgroup and forged source addresses meet the same verdicts as its sockets; false leaves the socket hooks only")
 	fs.Uint32(InterfaceFlowsFlag, def.PolicyInterfaceFlows,
 		"Flows each pod interface remembers (an LRU of its own), so that replies of allowed flows pass; a pod with more forgets its oldest, whose next packets are judged again")
+	fs.String(InterfaceAttachFlag, def.PolicyInterfaceAttach,
+		"How the programs go on pods' interfaces: auto (tcx links, pinned; tc filters on kernels without tcx), tcx or tc")
 }
 
 func (c Config) validate() error {
@@ -165,6 +173,9 @@ func (c Config) validate() error {
 	case LocalhostAlways, LocalhostPolicy:
 	default:
 		return fmt.Errorf("--%s=%q: want always or policy", LocalhostFlag, c.AllowLocalhost)
+	}
+	if _, err := iflink.ParseMode(c.PolicyInterfaceAttach); err != nil {
+		return fmt.Errorf("--%s=%w", InterfaceAttachFlag, err)
 	}
 	if c.PolicyInterfaceFlows < minInterfaceFlows || c.PolicyInterfaceFlows > maxInterfaceFlows {
 		return fmt.Errorf("--%s=%d: want %d to %d", InterfaceFlowsFlag, c.PolicyInterfaceFlows, minInterfaceFlows, maxInterfaceFlows)
@@ -348,7 +359,8 @@ func registerPodInterfaces(p attacherParams, a *attacher) error {
 	}
 	p.Jobs.Add(job.OneShot("pod-interfaces", d.run))
 	ops := &ifaceOps{
-		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), a: a, policy: p.Ops, ipcache: p.IPCache,
+		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), mode: iflink.Mode(p.Config.PolicyInterfaceAttach),
+		a: a, policy: p.Ops, ipcache: p.IPCache,
 		attached: map[string]int{},
 	}
 	if err := registerIfaceReconciler(p.ReconcilerParams, ops, p.Interfaces); err != nil {

@@ -18,9 +18,8 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/apiary-net/apiary/bpf"
-	"github.com/apiary-net/apiary/bpf/cgrouplink"
+	"github.com/apiary-net/apiary/bpf/iflink"
 	"github.com/apiary-net/apiary/bpf/policyprog"
-	"github.com/apiary-net/apiary/bpf/tcxlink"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
@@ -44,6 +43,7 @@ type ifaceOps struct {
 	log     *slog.Logger
 	cfg     Config
 	pinDir  string
+	mode    iflink.Mode
 	a       *attacher
 	policy  *reconcilers.Policy
 	ipcache ipcache.Map
@@ -60,12 +60,21 @@ func (o *ifaceOps) linksDir() string {
 	return filepath.Join(o.pinDir, LinksDir, IfaceLinksDir)
 }
 
+// hookOf is where prog goes on the host side of interface ifindex:
+// FromPod on its ingress, ToPod on its egress.
+func hookOf(ifindex int, prog string) iflink.Hook {
+	return iflink.Hook{Ifindex: ifindex, Egress: prog == policyprog.ToPod}
+}
+
 func (o *ifaceOps) pin(ifindex int, prog string) string {
-	suffix := "_from_pod"
+	return filepath.Join(o.linksDir(), strconv.Itoa(ifindex)+pinSuffix(prog))
+}
+
+func pinSuffix(prog string) string {
 	if prog == policyprog.ToPod {
-		suffix = "_to_pod"
+		return "_to_pod"
 	}
-	return filepath.Join(o.linksDir(), strconv.Itoa(ifindex)+suffix)
+	return "_from_pod"
 }
 
 // load opens the maps and loads the programs, once the socket-level
@@ -161,16 +170,11 @@ func (o *ifaceOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 	}
 	fresh := false
 	for _, prog := range []string{policyprog.FromPod, policyprog.ToPod} {
-		attach := ebpf.AttachTCXIngress
-		if prog == policyprog.ToPod {
-			attach = ebpf.AttachTCXEgress
-		}
-		l, outcome, err := tcxlink.Attach(o.pin(row.Ifindex, prog), row.Ifindex, attach, o.progs[prog])
+		outcome, err := iflink.Attach(o.pin(row.Ifindex, prog), hookOf(row.Ifindex, prog), o.progs[prog], o.mode)
 		if err != nil {
 			return fmt.Errorf("%s on %s: %w", prog, row.Interface, err)
 		}
-		l.Close() // the pin keeps it
-		fresh = fresh || outcome == tcxlink.Attached
+		fresh = fresh || outcome == iflink.Attached
 	}
 	// A new attachment is a new interface (or a new pod on a reused
 	// index): it starts with no flows; links that were there already
@@ -219,7 +223,7 @@ func (o *ifaceOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 func (o *ifaceOps) removeLocked(ifindex int) error {
 	var errs []error
 	for _, prog := range []string{policyprog.FromPod, policyprog.ToPod} {
-		if _, err := cgrouplink.Detach(o.pin(ifindex, prog)); err != nil {
+		if err := iflink.Detach(o.pin(ifindex, prog), hookOf(ifindex, prog)); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -259,7 +263,11 @@ func (o *ifaceOps) Prune(_ context.Context, _ statedb.ReadTxn, rows iter.Seq2[*t
 		if !ok || err != nil || want[ifindex] {
 			continue
 		}
-		if !tcxlink.Live(filepath.Join(o.linksDir(), e.Name())) || !hostInterfaceExists(ifindex) {
+		prog := policyprog.FromPod
+		if strings.HasSuffix(e.Name(), pinSuffix(policyprog.ToPod)) {
+			prog = policyprog.ToPod
+		}
+		if !hostInterfaceExists(ifindex) || !iflink.Live(filepath.Join(o.linksDir(), e.Name()), hookOf(ifindex, prog)) {
 			stale[ifindex] = true
 		}
 	}
@@ -285,23 +293,55 @@ func hostInterfaceExists(ifindex int) bool {
 	return err == nil
 }
 
-// detachAll removes every pod interface's links and the maps only the
-// interface programs use (--enable-policy=never, or the interface programs
-// turned off).
+// detachIfaces removes the interface programs from every pod interface
+// (pinned tcx links, and tc filters on the interfaces policy_ifaces lists)
+// and the maps only they use: --enable-policy=never, or
+// --policy-pod-interfaces=false.
 func detachIfaces(pinDir string) ([]string, error) {
 	dir := filepath.Join(pinDir, LinksDir, IfaceLinksDir)
+	var gone []string
+	var errs []error
+	done := map[int]bool{}
+	detach := func(ifindex int) {
+		if done[ifindex] {
+			return
+		}
+		done[ifindex] = true
+		for _, prog := range []string{policyprog.FromPod, policyprog.ToPod} {
+			pin := filepath.Join(dir, strconv.Itoa(ifindex)+pinSuffix(prog))
+			if !iflink.Live(pin, hookOf(ifindex, prog)) {
+				errs = append(errs, os.Remove(pin))
+				continue
+			}
+			if err := iflink.Detach(pin, hookOf(ifindex, prog)); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			gone = append(gone, strconv.Itoa(ifindex)+pinSuffix(prog))
+		}
+	}
 	entries, err := os.ReadDir(dir)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, err
 	}
-	var gone []string
-	var errs []error
 	for _, e := range entries {
-		if _, err := cgrouplink.Detach(filepath.Join(dir, e.Name())); err != nil {
-			errs = append(errs, err)
-			continue
+		idx, _, _ := strings.Cut(e.Name(), "_")
+		if ifindex, err := strconv.Atoi(idx); err == nil {
+			detach(ifindex)
 		}
-		gone = append(gone, e.Name())
+	}
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, bpf.PolicyIfacesMap), nil); err == nil {
+		var key uint32
+		var v bpf.PolicyIfaceValue
+		for it := m.Iterate(); it.Next(&key, &v); {
+			detach(int(key))
+		}
+		m.Close()
+	}
+	for i, err := range errs {
+		if errors.Is(err, os.ErrNotExist) {
+			errs[i] = nil
+		}
 	}
 	for _, name := range []string{bpf.PolicyIfacesMap, bpf.PolicyIfaceFlowsMap, bpf.PolicyIfaceFragsMap, bpf.PolicyIfaceStatsMap} {
 		errs = append(errs, bpf.RemovePinnedMap(pinDir, name))

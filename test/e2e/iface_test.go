@@ -503,6 +503,14 @@ func (l *udpListener) none(t *testing.T, what string) {
 // fail once they are turned off (--policy-pod-interfaces=false).
 func TestPolicyPacketLevel(t *testing.T) {
 	t.Parallel()
+	for _, attach := range []string{"tcx", "tc"} {
+		t.Run(attach, func(t *testing.T) { testPolicyPacketLevel(t, attach) })
+	}
+}
+
+// testPolicyPacketLevel is TestPolicyPacketLevel with the programs
+// attached as attach says (--policy-interface-attach).
+func testPolicyPacketLevel(t *testing.T, attach string) {
 	testenv.RequireRoot(t)
 	testenv.RequireProgram(t, "ip")
 	testenv.RequireProgram(t, "sysctl")
@@ -525,7 +533,7 @@ func TestPolicyPacketLevel(t *testing.T) {
 	writeFile(t, filepath.Join(configDir, "policies.yaml"), ifacePolicies)
 	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{
 		"--node-name=e2e-node", "--cgroup-root=" + root, "--allow-localhost=policy",
-		"--node-ips=" + ifGw4 + "," + ifGw6, "--enable-ipv6",
+		"--node-ips=" + ifGw4 + "," + ifGw6, "--enable-ipv6", "--policy-interface-attach=" + attach,
 	}})
 	a.waitPodInterfaces(t, map[string]string{"default/ifa": podA.hostIf, "default/ifb": podB.hostIf})
 	mon := startProcess(t, "apiary monitor", nil, apiaryBin, "monitor", "-o", "json", "--server", "http://"+a.addr)
