@@ -645,6 +645,31 @@ func testPolicyPacketLevel(t *testing.T, attach string) {
 	a.start(t)
 	t.Run("agent back", func(t *testing.T) { packetSocket(t, 1) })
 
+	// An interface that goes takes its programs and entries with it: the
+	// row says the pod has none, nothing of it is left pinned.
+	hostB, err := net.InterfaceByName(podB.hostIf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ipCmd(t, "link", "del", podB.hostIf)
+	testenv.Eventually(t, waitTimeout, "pod B's interface gone from pod-interfaces and its pins removed", func() (bool, string) {
+		var rows []struct {
+			Name    string
+			Ifindex int
+			Error   string
+		}
+		if err := a.dump("pod-interfaces", &rows); err != nil {
+			return false, err.Error()
+		}
+		pins, _ := filepath.Glob(filepath.Join(a.pinDir, "links", "ifaces", strconv.Itoa(hostB.Index)+"_*"))
+		for _, r := range rows {
+			if r.Name == "default/ifb" {
+				return r.Ifindex == 0 && r.Error != "" && len(pins) == 0, fmt.Sprintf("%+v, pins %v", r, pins)
+			}
+		}
+		return false, fmt.Sprintf("no row for default/ifb: %+v", rows)
+	})
+
 	// Turned off, the frame gets through: the cases above see what the
 	// programs stop.
 	a.restart(t, "--policy-pod-interfaces=false")
