@@ -362,12 +362,13 @@ func makeIfPod(t *testing.T, root, uid, name, addr4, addr6 string) *ifPod {
 	ipCmd(t, "netns", "add", p.netns)
 	t.Cleanup(func() { exec.Command("ip", "netns", "del", p.netns).Run() })
 	inNS := func(args ...string) { ipCmd(t, append([]string{"netns", "exec", p.netns}, args...)...) }
-	inNS("sysctl", "-qw", "net.ipv6.conf.default.accept_dad=0")
+	// No duplicate address detection: the addresses are usable at once.
+	inNS("sh", "-c", "echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad")
 	inNS("ip", "link", "set", "lo", "up")
 	ipCmd(t, "link", "add", p.hostIf, "type", "veth", "peer", "name", "eth0", "netns", p.netns)
 	t.Cleanup(func() { exec.Command("ip", "link", "del", p.hostIf).Run() })
-	if out, err := exec.Command("sysctl", "-qw", "net.ipv6.conf."+p.hostIf+".accept_dad=0").CombinedOutput(); err != nil {
-		t.Fatalf("sysctl: %v: %s", err, out)
+	if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+p.hostIf+"/accept_dad", []byte("0"), 0o644); err != nil {
+		t.Fatal(err)
 	}
 	ipCmd(t, "addr", "add", ifGw4+"/32", "dev", p.hostIf)
 	ipCmd(t, "-6", "addr", "add", ifGw6+"/128", "dev", p.hostIf, "nodad")
@@ -513,7 +514,6 @@ func TestPolicyPacketLevel(t *testing.T) {
 func testPolicyPacketLevel(t *testing.T, attach string) {
 	testenv.RequireRoot(t)
 	testenv.RequireProgram(t, "ip")
-	testenv.RequireProgram(t, "sysctl")
 	root := testenv.Cgroup(t)
 	podA := makeIfPod(t, root, uidIfA, "ifa", ifA4, ifA6)
 	podB := makeIfPod(t, root, uidIfB, "ifb", ifB4, ifB6)
