@@ -1289,8 +1289,12 @@ static __always_inline int arp_ok(struct __sk_buff *skb, const struct policy_ifa
 	return own_addr(ifc, &sender);
 }
 
-SEC("tc")
-int policy_from_pod(struct __sk_buff *skb)
+/*
+ * iface_packet judges a packet on the host side of a pod's interface:
+ * dir is DIR_EGRESS for what the pod sends (the device's ingress),
+ * DIR_INGRESS for what it receives (the device's egress).
+ */
+static __always_inline int iface_packet(struct __sk_buff *skb, enum direction dir)
 {
 	__u32 ifindex = skb->ifindex;
 	struct policy_iface *ifc = bpf_map_lookup_elem(&policy_ifaces, &ifindex);
@@ -1301,12 +1305,14 @@ int policy_from_pod(struct __sk_buff *skb)
 	if (!ifc)
 		return TCX_NEXT;
 	if (skb->protocol == bpf_htons(ETH_P_ARP_)) {
-		if (arp_ok(skb, ifc))
+		/* The host's ARP passes; the pod's claims its own addresses. */
+		if (dir == DIR_INGRESS || arp_ok(skb, ifc))
 			return TCX_NEXT;
 		__builtin_memset(&p, 0, sizeof(p));
 		return spoofed(ifc, &p);
 	}
-	/* What is neither IP nor ARP has no business leaving a pod. */
+	/* What is neither IP nor ARP has no business crossing a pod's
+	 * interface. */
 	if (parse(skb, ETH_HLEN_, &p) < 0) {
 		count_iface(IFACE_STATS_NOT_IP);
 		return TCX_DROP;
@@ -1314,56 +1320,48 @@ int policy_from_pod(struct __sk_buff *skb)
 	/* Neighbour discovery comes from link-local (or no) addresses. */
 	if (link_control(&p))
 		return TCX_NEXT;
-	if (!own_addr(ifc, &p.saddr) || mapped_in_v6(skb, &p))
-		return spoofed(ifc, &p);
+	if (dir == DIR_EGRESS) {
+		if (!own_addr(ifc, &p.saddr) || mapped_in_v6(skb, &p))
+			return spoofed(ifc, &p);
+	} else if (mapped_in_v6(skb, &p)) {
+		/* The kernel drops these when it receives them; a hand-made
+		 * one must not be judged as the IPv4 peer it names. */
+		count_iface((__u32)dir * VERDICTS + VERDICT_DENIED);
+		return TCX_DROP;
+	}
 	if (!iface_endpoint(ifc, &ep))
 		return TCX_NEXT;
-	c = (struct conn){
-		.local_addr = p.saddr,
-		.remote_addr = p.daddr,
-		.local_port = p.sport,
-		.remote_port = p.dport,
-		.protocol = p.protocol,
-	};
-	return iface_decide(skb, ifindex, &ep, &p, &c, DIR_EGRESS, HOOK_FROM_POD) ? TCX_NEXT : TCX_DROP;
+	if (dir == DIR_EGRESS)
+		c = (struct conn){
+			.local_addr = p.saddr,
+			.remote_addr = p.daddr,
+			.local_port = p.sport,
+			.remote_port = p.dport,
+			.protocol = p.protocol,
+		};
+	else
+		c = (struct conn){
+			.local_addr = p.daddr,
+			.remote_addr = p.saddr,
+			.local_port = p.dport,
+			.remote_port = p.sport,
+			.protocol = p.protocol,
+		};
+	return iface_decide(skb, ifindex, &ep, &p, &c, dir, dir == DIR_EGRESS ? HOOK_FROM_POD : HOOK_TO_POD) ?
+		       TCX_NEXT :
+		       TCX_DROP;
+}
+
+SEC("tc")
+int policy_from_pod(struct __sk_buff *skb)
+{
+	return iface_packet(skb, DIR_EGRESS);
 }
 
 SEC("tc")
 int policy_to_pod(struct __sk_buff *skb)
 {
-	__u32 ifindex = skb->ifindex;
-	struct policy_iface *ifc = bpf_map_lookup_elem(&policy_ifaces, &ifindex);
-	struct ep_ref ep;
-	struct conn c;
-	struct pkt p;
-
-	if (!ifc)
-		return TCX_NEXT;
-	/* ARP and neighbour discovery from the host. */
-	if (skb->protocol == bpf_htons(ETH_P_ARP_))
-		return TCX_NEXT;
-	if (parse(skb, ETH_HLEN_, &p) < 0) {
-		count_iface(IFACE_STATS_NOT_IP);
-		return TCX_DROP;
-	}
-	if (link_control(&p))
-		return TCX_NEXT;
-	/* The kernel drops these when it receives them; a hand-made one
-	 * must not be judged as the IPv4 peer it names. */
-	if (mapped_in_v6(skb, &p)) {
-		count_iface(VERDICT_DENIED);
-		return TCX_DROP;
-	}
-	if (!iface_endpoint(ifc, &ep))
-		return TCX_NEXT;
-	c = (struct conn){
-		.local_addr = p.daddr,
-		.remote_addr = p.saddr,
-		.local_port = p.dport,
-		.remote_port = p.sport,
-		.protocol = p.protocol,
-	};
-	return iface_decide(skb, ifindex, &ep, &p, &c, DIR_INGRESS, HOOK_TO_POD) ? TCX_NEXT : TCX_DROP;
+	return iface_packet(skb, DIR_INGRESS);
 }
 
 /*
