@@ -150,6 +150,10 @@ const (
 	// endpoint: a process below it in no endpoint is unclassified, denied
 	// both ways until its pod is registered (EndpointID is 0).
 	PolicyPodTree uint32 = 1 << 5
+	// PolicyDNS: the endpoint's egress policy has a DNS rule, so its DNS
+	// (port 53) goes to the DNS proxy, or is denied when it cannot (see
+	// DNSConfigMap).
+	PolicyDNS uint32 = 1 << 6
 )
 
 // PolicyFlowSlots is how many flows (peers) a socket remembers; a socket
@@ -189,6 +193,10 @@ const (
 	// PolicyReasonSpoofed: a pod's packet from an address not its own,
 	// dropped on its interface.
 	PolicyReasonSpoofed uint8 = 4
+	// PolicyReasonDNSProxy: DNS of an endpoint with PolicyDNS that
+	// cannot go to the DNS proxy (interception off, no proxy address of
+	// the family), denied rather than let through unfiltered.
+	PolicyReasonDNSProxy uint8 = 5
 )
 
 // Programs that decide (PolicyEvent.Hook).

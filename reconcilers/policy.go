@@ -319,6 +319,9 @@ func EndpointValue(e *tables.EndpointPolicy) bpf.PolicyEndpointValue {
 	if e.PodTree {
 		v.Flags |= bpf.PolicyPodTree
 	}
+	if len(e.DNS) > 0 {
+		v.Flags |= bpf.PolicyDNS
+	}
 	return v
 }
 

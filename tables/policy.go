@@ -221,6 +221,11 @@ type PolicyRule struct {
 	Peers []string `json:"peers" yaml:"peers"`
 	// Ports limit the rule to these ports; empty: every protocol and port.
 	Ports []PortRule `json:"ports,omitempty" yaml:"ports,omitempty"`
+	// DNS are the names (cells/fqdn/pattern syntax, normalized) the DNS
+	// rules of an egress allow rule's ports let the endpoint look up; "*"
+	// for a DNS rule with an empty list. Empty: the rule has no DNS rule.
+	// An endpoint with one has its DNS intercepted by the DNS proxy.
+	DNS []string `json:"dns,omitempty" yaml:"dns,omitempty"`
 }
 
 // PortRule is one port (or range, or named port) of a rule.

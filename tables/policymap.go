@@ -190,6 +190,11 @@ type EndpointPolicy struct {
 	// endpoint is unclassified, denied by the programs until its pod is
 	// registered (--unclassified-pods=deny).
 	PodTree bool `json:"podTree,omitempty" yaml:"podTree,omitempty"`
+	// DNS are the names the DNS rules of the endpoint's egress policy let
+	// it look up (cells/fqdn/pattern syntax; "*" every name), sorted. Not
+	// empty: its DNS is intercepted by the DNS proxy, which refuses other
+	// names (bpf.PolicyDNS).
+	DNS []string `json:"dns,omitempty" yaml:"dns,omitempty"`
 	// Status is the reconciliation status of the endpoint's map entry,
 	// which is written once all its policy entries are in the map.
 	Status reconciler.Status `json:"status" yaml:"status"`

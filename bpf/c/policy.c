@@ -43,6 +43,8 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
+#include "dns_redirect.h"
+
 /*
  * policy: LPM trie. The prefix always covers endpoint_id, identity and
  * egress (72 bits), then protocol (8), then 0-16 bits of the port.
@@ -271,6 +273,9 @@ struct {
 /* Not an endpoint: the root of the kubelet's pod cgroups. A process below
  * it in no endpoint is unclassified. */
 #define EP_POD_TREE 0x20
+/* The endpoint's egress policy has a DNS rule: its DNS goes to the proxy
+ * (dns_redirect.h). */
+#define EP_DNS 0x40
 /* Never in the map: what endpoint_of says of an unclassified process. */
 #define EP_UNCLASSIFIED 0x80000000
 
@@ -316,6 +321,8 @@ enum reason {
 	REASON_NO_POLICY = 2,    /* the direction is not enforced */
 	REASON_UNCLASSIFIED = 3, /* a pod cgroup the agent has not registered */
 	REASON_SPOOFED = 4,      /* a pod's packet from an address not its own */
+	REASON_DNS_PROXY = 5,    /* DNS of an endpoint with a DNS rule that
+				  * cannot go to the proxy (dns_redirect.h) */
 };
 
 /* The program that decided, as policy_events says it. */
@@ -704,15 +711,25 @@ static __always_inline void remember_flow(struct bpf_sock *sk, const union addr 
 	bpf_spin_unlock(&st->lock);
 }
 
+static __always_inline int is_v6_hook(enum hook hook)
+{
+	return hook == HOOK_CONNECT6 || hook == HOOK_SENDMSG6;
+}
+
 /*
  * sock_egress checks a connect() or an unconnected sendmsg() of a process
  * in an endpoint to c's remote address. It runs after the socket load
  * balancer, so the destination is the backend, the address the packets
- * will carry.
+ * will carry. DNS of an endpoint with a DNS rule, once the policy allows
+ * it to the resolver, goes to the DNS proxy (dns_redirect.h); the socket
+ * then carries both flows, to the resolver (so that it is not judged
+ * again) and to the proxy (which its packets carry).
  */
 static __always_inline int sock_egress(struct bpf_sock_addr *ctx, struct conn *c, enum hook hook)
 {
+	enum dns_plan dns = DNS_PASS;
 	struct bpf_sock *sk = ctx->sk;
+	struct dns_target proxy = {};
 	struct decision d;
 	struct ep_ref ep;
 
@@ -720,24 +737,45 @@ static __always_inline int sock_egress(struct bpf_sock_addr *ctx, struct conn *c
 		return 1;
 	if (!endpoint_of_current(&ep))
 		return 1;
+	if (ep.flags & EP_DNS)
+		dns = dns_plan_for(is_v6_hook(hook), c->protocol, c->remote_addr.p, c->remote_port, &proxy);
 	/* A known flow: a UDP socket sending again to the same peer, or a
 	 * server's reply to a datagram its ingress policy let in. */
-	if (flow_known(sk, &c->remote_addr, c->remote_port, c->protocol))
+	if (dns == DNS_PASS && flow_known(sk, &c->remote_addr, c->remote_port, c->protocol))
 		return 1;
+	if (dns == DNS_REDIRECT && flow_known(sk, &c->remote_addr, c->remote_port, c->protocol)) {
+		if (!dns_apply(ctx, is_v6_hook(hook), ep.id, c->remote_addr.p, c->remote_port, &proxy))
+			return 0;
+		/* Again: the socket may have forgotten it meanwhile. */
+		remember_flow(sk, (const union addr *)proxy.addr, proxy.port, c->protocol);
+		return 1;
+	}
 	c->local_port = bpf_htons((__u16)sk->src_port);
 
-	if (ep.flags & EP_ENFORCE_EGRESS) {
+	if (ep.flags & EP_ENFORCE_EGRESS)
 		d = decide(&ep, c, DIR_EGRESS);
-		report(&ep, &d, c, DIR_EGRESS, hook);
-		if (d.verdict == VERDICT_DENIED)
-			return 0; /* connect() and sendmsg() fail with EPERM */
-	} else {
+	else
 		d = no_policy(c);
-		report(&ep, &d, c, DIR_EGRESS, hook);
+	if (dns == DNS_DENY && d.verdict != VERDICT_DENIED) {
+		/* Fail closed: the DNS rule cannot be enforced. */
+		d.verdict = VERDICT_DENIED;
+		d.reason = REASON_DNS_PROXY;
+		d.cookie = 0;
+	}
+	report(&ep, &d, c, DIR_EGRESS, hook);
+	if (d.verdict == VERDICT_DENIED)
+		return 0; /* connect() and sendmsg() fail with EPERM */
+	if (dns == DNS_REDIRECT) {
+		if (!dns_apply(ctx, is_v6_hook(hook), ep.id, c->remote_addr.p, c->remote_port, &proxy))
+			return 0;
+		remember_flow(sk, &c->remote_addr, c->remote_port, c->protocol);
+		__builtin_memcpy(c->remote_addr.p, proxy.addr, sizeof(proxy.addr));
+		c->remote_port = proxy.port;
+	} else if (!(ep.flags & EP_ENFORCE_EGRESS) && (hook == HOOK_CONNECT4 || hook == HOOK_CONNECT6) &&
+		   !(ep.flags & EP_ENFORCE_INGRESS)) {
 		/* Each connect() is reported; a connection of an endpoint
 		 * that enforces nothing needs no flow. */
-		if ((hook == HOOK_CONNECT4 || hook == HOOK_CONNECT6) && !(ep.flags & EP_ENFORCE_INGRESS))
-			return 1;
+		return 1;
 	}
 	/* Also with egress not enforced: the replies need the flow to pass
 	 * an enforced ingress, and the next datagrams to the peer are not
@@ -813,6 +851,35 @@ SEC("cgroup/sendmsg6")
 int policy_sendmsg6(struct bpf_sock_addr *ctx)
 {
 	return sock6_egress(ctx, HOOK_SENDMSG6, 1);
+}
+
+/* DNS answers from the proxy show the resolver the socket asked. */
+SEC("cgroup/recvmsg4")
+int policy_recvmsg4(struct bpf_sock_addr *ctx)
+{
+	dns_restore4(ctx);
+	return 1;
+}
+
+SEC("cgroup/getpeername4")
+int policy_getpeername4(struct bpf_sock_addr *ctx)
+{
+	dns_restore4(ctx);
+	return 1;
+}
+
+SEC("cgroup/recvmsg6")
+int policy_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	dns_restore6(ctx);
+	return 1;
+}
+
+SEC("cgroup/getpeername6")
+int policy_getpeername6(struct bpf_sock_addr *ctx)
+{
+	dns_restore6(ctx);
+	return 1;
 }
 
 /* What the skb programs need of a packet. */
@@ -1071,6 +1138,8 @@ int policy_egress(struct __sk_buff *skb)
 		return 1;
 
 	sk = full_sock(skb);
+	if (ep.flags & EP_DNS)
+		dns_publish(sk, p.saddr.p, p.sport, p.daddr.p, p.dport, p.protocol);
 	/* A SYN-ACK leaves on the listener (its request socket is not a full
 	 * socket, so the kernel runs the hook with the listener): it answers
 	 * a SYN that ingress already judged. A listener carries no flow. */

@@ -30,6 +30,10 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
+/* Only the restore of intercepted DNS: see dns_redirect.h. */
+#define DNS_REDIRECT_RESTORE_ONLY
+#include "dns_redirect.h"
+
 /* Word access for comparisons and for ctx->user_ip6, bytes for the layout. */
 union v6addr {
 	__u8 addr[16];
@@ -672,8 +676,14 @@ static __always_inline int sock6_xlate(struct bpf_sock_addr *ctx)
 
 static __always_inline int sock4_revxlate(struct bpf_sock_addr *ctx)
 {
-	__be32 addr = ctx->user_ip4;
-	__be16 port = (__be16)ctx->user_port;
+	__be32 addr;
+	__be16 port;
+
+	/* An intercepted DNS socket's proxy is first its resolver, the
+	 * backend this then turns into the service address. */
+	dns_restore4(ctx);
+	addr = ctx->user_ip4;
+	port = (__be16)ctx->user_port;
 
 	if (lb4_rev(ctx, &addr, &port)) {
 		ctx->user_ip4 = addr;
@@ -684,9 +694,11 @@ static __always_inline int sock4_revxlate(struct bpf_sock_addr *ctx)
 
 static __always_inline int sock6_revxlate(struct bpf_sock_addr *ctx)
 {
-	__be16 port = (__be16)ctx->user_port;
 	union v6addr addr;
+	__be16 port;
 
+	dns_restore6(ctx);
+	port = (__be16)ctx->user_port;
 	get_user_ip6(ctx, &addr);
 	if (is_v4mapped(&addr)) {
 		if (lb4_rev(ctx, &addr.p[3], &port)) {

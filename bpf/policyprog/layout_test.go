@@ -32,6 +32,10 @@ func TestLayout(t *testing.T) {
 		{"policy_event", reflect.TypeFor[bpf.PolicyEvent]()},
 		{"ipcache_key", reflect.TypeFor[bpf.IPCacheKey]()},
 		{"remote_endpoint_info", reflect.TypeFor[bpf.IPCacheValue]()},
+		{"dns_sock", reflect.TypeFor[bpf.DNSSock]()},
+		{"dns_config", reflect.TypeFor[bpf.DNSConfig]()},
+		{"dns_origin_key", reflect.TypeFor[bpf.DNSOriginKey]()},
+		{"dns_origin", reflect.TypeFor[bpf.DNSOrigin]()},
 	} {
 		t.Run(tc.cStruct, func(t *testing.T) {
 			var st *btf.Struct
@@ -67,6 +71,8 @@ func TestLayout(t *testing.T) {
 		bpf.PolicyStatsMapSpec(),
 		bpf.IPCacheMapSpec(16),
 		bpf.PolicyEventsMapSpec(4096),
+		bpf.DNSOriginMapSpec(),
+		bpf.DNSConfigMapSpec(),
 	} {
 		got := spec.Maps[want.Name]
 		if got == nil {

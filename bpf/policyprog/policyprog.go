@@ -29,6 +29,13 @@ var Hooks = []cgrouplink.Hook{
 	{Name: "policy_sendmsg6", Program: policyprogProgPolicySendmsg6, Attach: ebpf.AttachCGroupUDP6Sendmsg},
 	{Name: "policy_ingress", Program: policyprogProgPolicyIngress, Attach: ebpf.AttachCGroupInetIngress},
 	{Name: "policy_egress", Program: policyprogProgPolicyEgress, Attach: ebpf.AttachCGroupInetEgress},
+	// Intercepted DNS: the proxy's answers show the resolver the socket
+	// asked. In either order with the socket LB's programs of these
+	// hooks, which restore the same first (bpf/c/dns_redirect.h).
+	{Name: "policy_recvmsg4", Program: policyprogProgPolicyRecvmsg4, Attach: ebpf.AttachCGroupUDP4Recvmsg},
+	{Name: "policy_getpeername4", Program: policyprogProgPolicyGetpeername4, Attach: ebpf.AttachCgroupInet4GetPeername},
+	{Name: "policy_recvmsg6", Program: policyprogProgPolicyRecvmsg6, Attach: ebpf.AttachCGroupUDP6Recvmsg},
+	{Name: "policy_getpeername6", Program: policyprogProgPolicyGetpeername6, Attach: ebpf.AttachCgroupInet6GetPeername},
 }
 
 // RunsLast reports whether the program of attach type t must run after
@@ -65,6 +72,12 @@ type Maps struct {
 	// (bpf.PolicyEventsMapSpec); the programs never wait for its reader,
 	// and wake it only once an eighth of the ring waits: it must poll.
 	Events *ebpf.Map
+
+	// The maps of DNS interception, shared with the socket LB's programs
+	// (bpf.DNSSockMap, bpf.DNSOriginMap, bpf.DNSConfigMap). Each one left
+	// nil is the programs' own: nothing is then intercepted, and DNS of
+	// an endpoint with bpf.PolicyDNS is denied.
+	DNSSock, DNSOrigin, DNSConfig *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's own map
@@ -97,6 +110,13 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 		policyprogMapPolicyStats:     m.Stats,
 		policyprogMapIpcache:         m.IPCache,
 		policyprogMapPolicyEvents:    m.Events,
+	}
+	for name, dm := range map[string]*ebpf.Map{
+		policyprogMapDnsSk: m.DNSSock, policyprogMapDnsOrigin: m.DNSOrigin, policyprogMapDnsConfig: m.DNSConfig,
+	} {
+		if dm != nil {
+			repl[name] = dm
+		}
 	}
 	return bpf.LoadPrograms(spec, repl, "policy programs")
 }

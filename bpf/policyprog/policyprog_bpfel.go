@@ -16,25 +16,32 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	policyprogMapIpcache          = "ipcache"
-	policyprogMapPolicy           = "policy"
-	policyprogMapPolicyEndpoints  = "policy_endpoints"
-	policyprogMapPolicyEvents     = "policy_events"
-	policyprogMapPolicyIfaceFlows = "policy_iface_flows"
-	policyprogMapPolicyIfaceFrags = "policy_iface_frags"
-	policyprogMapPolicyIfaceStats = "policy_iface_stats"
-	policyprogMapPolicyIfaces     = "policy_ifaces"
-	policyprogMapPolicySk         = "policy_sk"
-	policyprogMapPolicyStats      = "policy_stats"
-	policyprogProgPolicyConnect4  = "policy_connect4"
-	policyprogProgPolicyConnect6  = "policy_connect6"
-	policyprogProgPolicyEgress    = "policy_egress"
-	policyprogProgPolicyFromPod   = "policy_from_pod"
-	policyprogProgPolicyIngress   = "policy_ingress"
-	policyprogProgPolicySendmsg4  = "policy_sendmsg4"
-	policyprogProgPolicySendmsg6  = "policy_sendmsg6"
-	policyprogProgPolicySockops   = "policy_sockops"
-	policyprogProgPolicyToPod     = "policy_to_pod"
+	policyprogMapDnsConfig           = "dns_config"
+	policyprogMapDnsOrigin           = "dns_origin"
+	policyprogMapDnsSk               = "dns_sk"
+	policyprogMapIpcache             = "ipcache"
+	policyprogMapPolicy              = "policy"
+	policyprogMapPolicyEndpoints     = "policy_endpoints"
+	policyprogMapPolicyEvents        = "policy_events"
+	policyprogMapPolicyIfaceFlows    = "policy_iface_flows"
+	policyprogMapPolicyIfaceFrags    = "policy_iface_frags"
+	policyprogMapPolicyIfaceStats    = "policy_iface_stats"
+	policyprogMapPolicyIfaces        = "policy_ifaces"
+	policyprogMapPolicySk            = "policy_sk"
+	policyprogMapPolicyStats         = "policy_stats"
+	policyprogProgPolicyConnect4     = "policy_connect4"
+	policyprogProgPolicyConnect6     = "policy_connect6"
+	policyprogProgPolicyEgress       = "policy_egress"
+	policyprogProgPolicyFromPod      = "policy_from_pod"
+	policyprogProgPolicyGetpeername4 = "policy_getpeername4"
+	policyprogProgPolicyGetpeername6 = "policy_getpeername6"
+	policyprogProgPolicyIngress      = "policy_ingress"
+	policyprogProgPolicyRecvmsg4     = "policy_recvmsg4"
+	policyprogProgPolicyRecvmsg6     = "policy_recvmsg6"
+	policyprogProgPolicySendmsg4     = "policy_sendmsg4"
+	policyprogProgPolicySendmsg6     = "policy_sendmsg6"
+	policyprogProgPolicySockops      = "policy_sockops"
+	policyprogProgPolicyToPod        = "policy_to_pod"
 )
 
 // loadPolicyprog returns the embedded CollectionSpec for policyprog.
@@ -79,21 +86,28 @@ type policyprogSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type policyprogProgramSpecs struct {
-	PolicyConnect4 *ebpf.ProgramSpec `ebpf:"policy_connect4"`
-	PolicyConnect6 *ebpf.ProgramSpec `ebpf:"policy_connect6"`
-	PolicyEgress   *ebpf.ProgramSpec `ebpf:"policy_egress"`
-	PolicyFromPod  *ebpf.ProgramSpec `ebpf:"policy_from_pod"`
-	PolicyIngress  *ebpf.ProgramSpec `ebpf:"policy_ingress"`
-	PolicySendmsg4 *ebpf.ProgramSpec `ebpf:"policy_sendmsg4"`
-	PolicySendmsg6 *ebpf.ProgramSpec `ebpf:"policy_sendmsg6"`
-	PolicySockops  *ebpf.ProgramSpec `ebpf:"policy_sockops"`
-	PolicyToPod    *ebpf.ProgramSpec `ebpf:"policy_to_pod"`
+	PolicyConnect4     *ebpf.ProgramSpec `ebpf:"policy_connect4"`
+	PolicyConnect6     *ebpf.ProgramSpec `ebpf:"policy_connect6"`
+	PolicyEgress       *ebpf.ProgramSpec `ebpf:"policy_egress"`
+	PolicyFromPod      *ebpf.ProgramSpec `ebpf:"policy_from_pod"`
+	PolicyGetpeername4 *ebpf.ProgramSpec `ebpf:"policy_getpeername4"`
+	PolicyGetpeername6 *ebpf.ProgramSpec `ebpf:"policy_getpeername6"`
+	PolicyIngress      *ebpf.ProgramSpec `ebpf:"policy_ingress"`
+	PolicyRecvmsg4     *ebpf.ProgramSpec `ebpf:"policy_recvmsg4"`
+	PolicyRecvmsg6     *ebpf.ProgramSpec `ebpf:"policy_recvmsg6"`
+	PolicySendmsg4     *ebpf.ProgramSpec `ebpf:"policy_sendmsg4"`
+	PolicySendmsg6     *ebpf.ProgramSpec `ebpf:"policy_sendmsg6"`
+	PolicySockops      *ebpf.ProgramSpec `ebpf:"policy_sockops"`
+	PolicyToPod        *ebpf.ProgramSpec `ebpf:"policy_to_pod"`
 }
 
 // policyprogMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type policyprogMapSpecs struct {
+	DnsConfig        *ebpf.MapSpec `ebpf:"dns_config"`
+	DnsOrigin        *ebpf.MapSpec `ebpf:"dns_origin"`
+	DnsSk            *ebpf.MapSpec `ebpf:"dns_sk"`
 	Ipcache          *ebpf.MapSpec `ebpf:"ipcache"`
 	Policy           *ebpf.MapSpec `ebpf:"policy"`
 	PolicyEndpoints  *ebpf.MapSpec `ebpf:"policy_endpoints"`
@@ -132,6 +146,9 @@ func (o *policyprogObjects) Close() error {
 //
 // It can be passed to loadPolicyprogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type policyprogMaps struct {
+	DnsConfig        *ebpf.Map `ebpf:"dns_config"`
+	DnsOrigin        *ebpf.Map `ebpf:"dns_origin"`
+	DnsSk            *ebpf.Map `ebpf:"dns_sk"`
 	Ipcache          *ebpf.Map `ebpf:"ipcache"`
 	Policy           *ebpf.Map `ebpf:"policy"`
 	PolicyEndpoints  *ebpf.Map `ebpf:"policy_endpoints"`
@@ -146,6 +163,9 @@ type policyprogMaps struct {
 
 func (m *policyprogMaps) Close() error {
 	return _PolicyprogClose(
+		m.DnsConfig,
+		m.DnsOrigin,
+		m.DnsSk,
 		m.Ipcache,
 		m.Policy,
 		m.PolicyEndpoints,
@@ -169,15 +189,19 @@ type policyprogVariables struct {
 //
 // It can be passed to loadPolicyprogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type policyprogPrograms struct {
-	PolicyConnect4 *ebpf.Program `ebpf:"policy_connect4"`
-	PolicyConnect6 *ebpf.Program `ebpf:"policy_connect6"`
-	PolicyEgress   *ebpf.Program `ebpf:"policy_egress"`
-	PolicyFromPod  *ebpf.Program `ebpf:"policy_from_pod"`
-	PolicyIngress  *ebpf.Program `ebpf:"policy_ingress"`
-	PolicySendmsg4 *ebpf.Program `ebpf:"policy_sendmsg4"`
-	PolicySendmsg6 *ebpf.Program `ebpf:"policy_sendmsg6"`
-	PolicySockops  *ebpf.Program `ebpf:"policy_sockops"`
-	PolicyToPod    *ebpf.Program `ebpf:"policy_to_pod"`
+	PolicyConnect4     *ebpf.Program `ebpf:"policy_connect4"`
+	PolicyConnect6     *ebpf.Program `ebpf:"policy_connect6"`
+	PolicyEgress       *ebpf.Program `ebpf:"policy_egress"`
+	PolicyFromPod      *ebpf.Program `ebpf:"policy_from_pod"`
+	PolicyGetpeername4 *ebpf.Program `ebpf:"policy_getpeername4"`
+	PolicyGetpeername6 *ebpf.Program `ebpf:"policy_getpeername6"`
+	PolicyIngress      *ebpf.Program `ebpf:"policy_ingress"`
+	PolicyRecvmsg4     *ebpf.Program `ebpf:"policy_recvmsg4"`
+	PolicyRecvmsg6     *ebpf.Program `ebpf:"policy_recvmsg6"`
+	PolicySendmsg4     *ebpf.Program `ebpf:"policy_sendmsg4"`
+	PolicySendmsg6     *ebpf.Program `ebpf:"policy_sendmsg6"`
+	PolicySockops      *ebpf.Program `ebpf:"policy_sockops"`
+	PolicyToPod        *ebpf.Program `ebpf:"policy_to_pod"`
 }
 
 func (p *policyprogPrograms) Close() error {
@@ -186,7 +210,11 @@ func (p *policyprogPrograms) Close() error {
 		p.PolicyConnect6,
 		p.PolicyEgress,
 		p.PolicyFromPod,
+		p.PolicyGetpeername4,
+		p.PolicyGetpeername6,
 		p.PolicyIngress,
+		p.PolicyRecvmsg4,
+		p.PolicyRecvmsg6,
 		p.PolicySendmsg4,
 		p.PolicySendmsg6,
 		p.PolicySockops,

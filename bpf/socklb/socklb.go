@@ -57,13 +57,19 @@ type Maps struct {
 	// The programs' own maps (see OwnMaps, MapSpec).
 	SockRevNat4, SockRevNat6 *ebpf.Map
 	Affinity4, Affinity6     *ebpf.Map
+
+	// DNSSock is the sockets' storage of intercepted DNS (bpf.DNSSockMap),
+	// the policy programs': recvmsg and getpeername give a socket whose
+	// DNS the policy programs sent to the proxy its resolver back before
+	// translating it. Nil: the programs' own, in which no socket is.
+	DNSSock *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's own map
 // definitions, so that the programs read the maps the agent writes. The
 // object's map sizes are only defaults: each definition takes the size and
 // flags of the map that replaces it, which must otherwise agree (type, key
-// and value sizes) or loading fails. Every map of m must be set.
+// and value sizes) or loading fails. Every map of m but DNSSock must be set.
 //
 // The caller owns the returned programs, keyed by program name.
 func Load(m Maps) (map[string]*ebpf.Program, error) {
@@ -83,6 +89,9 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 		socklbMapLb6SockRevnat:   m.SockRevNat6,
 		socklbMapLb4Affinity:     m.Affinity4,
 		socklbMapLb6Affinity:     m.Affinity6,
+	}
+	if m.DNSSock != nil {
+		repl[socklbMapDnsSk] = m.DNSSock
 	}
 	return bpf.LoadPrograms(spec, repl, "socket LB programs")
 }

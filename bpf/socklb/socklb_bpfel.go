@@ -16,6 +16,7 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	socklbMapDnsSk             = "dns_sk"
 	socklbMapLb4Affinity       = "lb4_affinity"
 	socklbMapLb4Backends       = "lb4_backends"
 	socklbMapLb4ReverseNat     = "lb4_reverse_nat"
@@ -93,6 +94,7 @@ type socklbProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type socklbMapSpecs struct {
+	DnsSk           *ebpf.MapSpec `ebpf:"dns_sk"`
 	Lb4Affinity     *ebpf.MapSpec `ebpf:"lb4_affinity"`
 	Lb4Backends     *ebpf.MapSpec `ebpf:"lb4_backends"`
 	Lb4ReverseNat   *ebpf.MapSpec `ebpf:"lb4_reverse_nat"`
@@ -132,6 +134,7 @@ func (o *socklbObjects) Close() error {
 //
 // It can be passed to loadSocklbObjects or ebpf.CollectionSpec.LoadAndAssign.
 type socklbMaps struct {
+	DnsSk           *ebpf.Map `ebpf:"dns_sk"`
 	Lb4Affinity     *ebpf.Map `ebpf:"lb4_affinity"`
 	Lb4Backends     *ebpf.Map `ebpf:"lb4_backends"`
 	Lb4ReverseNat   *ebpf.Map `ebpf:"lb4_reverse_nat"`
@@ -147,6 +150,7 @@ type socklbMaps struct {
 
 func (m *socklbMaps) Close() error {
 	return _SocklbClose(
+		m.DnsSk,
 		m.Lb4Affinity,
 		m.Lb4Backends,
 		m.Lb4ReverseNat,

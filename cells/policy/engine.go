@@ -104,6 +104,9 @@ type endpoint struct {
 	// from audited policies.
 	auditIngress, auditEgress bool
 	usesNamedEgress           bool
+	// dns are the names the DNS rules of its egress policy allow to look
+	// up, sorted; empty when it has no DNS rule.
+	dns []string
 	// reason says why the endpoint is not enforced as its policies say
 	// (see engine.reason for the rest).
 	reason string
@@ -414,7 +417,7 @@ func (e *engine) recompute(ep *endpoint) {
 	for gk := range ep.emitted {
 		ep.dirtyGroups[gk] = struct{}{}
 	}
-	ep.policies, ep.usesNamedEgress, ep.ambiguous = nil, false, nil
+	ep.policies, ep.usesNamedEgress, ep.ambiguous, ep.dns = nil, false, nil, nil
 	ep.failClosed, ep.failIngress, ep.failEgress = nil, nil, nil
 	ep.ingress, ep.egress = tables.EnforceOff, tables.EnforceOff
 	ep.auditIngress, ep.auditEgress = false, false
@@ -543,6 +546,13 @@ func (e *engine) recompute(ep *endpoint) {
 				}
 				ep.ambiguous = append(ep.ambiguous, policyWarning{s.policy, where + ": " + a})
 			}
+			if dir == dirEgress && !pr.Deny {
+				for _, n := range pr.DNS {
+					if !slices.Contains(ep.dns, n) {
+						ep.dns = append(ep.dns, n)
+					}
+				}
+			}
 			r := &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: pr.Peers, ports: ports}
 			if len(r.ports) == 0 {
 				continue
@@ -563,6 +573,7 @@ func (e *engine) recompute(ep *endpoint) {
 			}
 		}
 	}
+	slices.Sort(ep.dns)
 }
 
 func enforceState(on, deny bool) string {
@@ -774,7 +785,7 @@ func (e *engine) flush(out output) {
 			AuditDefaultIngress: ep.auditIngress, AuditDefaultEgress: ep.auditEgress,
 			Entries: ep.emittedCount, Policies: ep.policies,
 			FailClosedIngress: ep.failIngress, FailClosedEgress: ep.failEgress,
-			Reason: e.reason(ep),
+			Reason: e.reason(ep), DNS: ep.dns,
 		}
 		if row.Policies == nil {
 			row.Policies = []string{}
@@ -824,7 +835,8 @@ func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
 		a.Ingress == b.Ingress && a.Egress == b.Egress && a.Audit == b.Audit && a.Entries == b.Entries &&
 		a.AuditDefaultIngress == b.AuditDefaultIngress && a.AuditDefaultEgress == b.AuditDefaultEgress &&
 		slices.Equal(a.Policies, b.Policies) && a.Reason == b.Reason &&
-		slices.Equal(a.FailClosedIngress, b.FailClosedIngress) && slices.Equal(a.FailClosedEgress, b.FailClosedEgress)
+		slices.Equal(a.FailClosedIngress, b.FailClosedIngress) && slices.Equal(a.FailClosedEgress, b.FailClosedEgress) &&
+		slices.Equal(a.DNS, b.DNS)
 }
 
 // Reasons of endpoint rows not enforced as their policies say.

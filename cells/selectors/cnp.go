@@ -135,11 +135,12 @@ type PortRule struct {
 	Rules *L7Rules `json:"rules,omitempty"`
 }
 
-// L7Rules are a toPorts entry's L7 rules. DNS rules, which the reference's
-// users write beside every toFQDNs rule (to let pods query DNS through its
-// proxy), are accepted and not enforced: apiary's DNS proxy sees every
-// query sent to it, and the entry's ports (53) are enforced as L4 rules.
-// Any other kind (http, kafka, …) makes the policy invalid.
+// L7Rules are a toPorts entry's L7 rules. DNS rules (egress only) are
+// enforced: the endpoint's DNS is intercepted by the DNS proxy, which
+// refuses names the rules do not list (docs/fqdn.md); the entry's ports
+// (53) are enforced as L4 rules. Each DNS rule is a FQDNSelector (matchName
+// or matchPattern); an empty list allows every name. Any other kind (http,
+// kafka, …) makes the policy invalid.
 type L7Rules struct {
 	DNS []json.RawMessage `json:"dns,omitempty"`
 }

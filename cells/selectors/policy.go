@@ -1,6 +1,7 @@
 package selectors
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -329,6 +330,9 @@ func (pp *policyParser) rule(path, dir string, deny bool, r ruleParts) tables.Po
 			continue
 		}
 		hasPorts = true
+		if pr.Rules != nil && pr.Rules.DNS != nil && r.fieldPrefix == "to" && !deny {
+			out.DNS = pp.dnsRules(where+".rules.dns", pr.Rules.DNS, out.DNS)
+		}
 		for j, entry := range pr.Ports {
 			port, err := parsePort(entry)
 			if err != nil {
@@ -349,6 +353,34 @@ func (pp *policyParser) rule(path, dir string, deny bool, r ruleParts) tables.Po
 	}
 	out.Peers = append(out.Peers, slices.Sorted(maps.Keys(peers))...)
 	return out
+}
+
+// dnsRules adds the names of a toPorts entry's DNS rules to names, each
+// once, in order: an empty list allows every name ("*").
+func (pp *policyParser) dnsRules(path string, raw []json.RawMessage, names []string) []string {
+	add := func(n string) {
+		if !slices.Contains(names, n) {
+			names = append(names, n)
+		}
+	}
+	if len(raw) == 0 {
+		add("*")
+		return names
+	}
+	for i, r := range raw {
+		var sel FQDNSelector
+		if err := json.Unmarshal(r, &sel); err != nil {
+			pp.fail(fmt.Sprintf("%s[%d]", path, i), err)
+			continue
+		}
+		peer, err := ParseFQDN(sel)
+		if err != nil {
+			pp.fail(fmt.Sprintf("%s[%d]", path, i), err)
+			continue
+		}
+		add(strings.TrimPrefix(peer.Label, tables.SourceFQDN+":"))
+	}
+	return names
 }
 
 // portFieldError is an error about one field of a port entry; wrapped
