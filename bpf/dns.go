@@ -2,6 +2,7 @@ package bpf
 
 import (
 	"fmt"
+	"log/slog"
 	"net/netip"
 
 	"github.com/cilium/ebpf"
@@ -155,4 +156,20 @@ func DNSConfigMapSpec() *ebpf.MapSpec {
 		MaxEntries: 1,
 		Pinning:    ebpf.PinByName,
 	}
+}
+
+// OpenDNSSockMap opens dns_sk pinned in pinDir, creating and pinning it
+// if missing, from spec (DNSSockMapSpec). The policy programs and the
+// socket load balancer's share it and open it independently: when both
+// create it at once, the one whose pin loses opens the other's.
+func OpenDNSSockMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string) (*ebpf.Map, error) {
+	pm, err := OpenPinnedMap(log, spec, pinDir, nil)
+	if err != nil {
+		// The other side may have pinned it meanwhile.
+		pm, err = OpenPinnedMap(log, spec, pinDir, nil)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return pm.Map, nil
 }

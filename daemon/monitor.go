@@ -30,19 +30,22 @@ type monitorClient struct {
 	verdicts []string
 	endpoint string
 	policy   string
+	typ      string
 }
 
 func newMonitorCmd() *cobra.Command {
 	c := &monitorClient{http: &http.Client{}}
 	cmd := &cobra.Command{
 		Use:   "monitor",
-		Short: "Print the policy verdicts of the agent's endpoints as they happen",
+		Short: "Print the policy and DNS verdicts of the agent's endpoints as they happen",
 		Long: "Print a line for each connection or flow the policy programs decide, until interrupted:\n" +
 			"  TIME ENDPOINT DIRECTION SRC -> DST PROTO identity=ID [LABELS] VERDICT by POLICY | (REASON)\n" +
 			"where REASON is \"default deny\" (the endpoint is enforced and no entry matched) or\n" +
-			"\"no policy\" (the endpoint is not enforced in that direction). --verdict, --endpoint and\n" +
-			"--policy filter on the agent. -o json prints the agent's lines as they come: verdict\n" +
-			"objects, {\"dropped\": N} and {\"lost\": N}.\n" +
+			"\"no policy\" (the endpoint is not enforced in that direction), and one for each query the\n" +
+			"DNS proxy answers:\n" +
+			"  TIME ENDPOINT dns CLIENT -> RESOLVER PROTO NAME TYPE VERDICT by POLICY | (REASON) RCODE [ANSWERS] LATENCY\n" +
+			"--verdict, --endpoint, --policy and --type (policy or dns) filter on the agent. -o json\n" +
+			"prints the agent's lines as they come: verdict objects, {\"dropped\": N} and {\"lost\": N}.\n" +
 			"\n" +
 			"The agent keeps 1024 verdicts for a client that reads slowly; what does not fit is dropped\n" +
 			"and the total said on stderr (\"N verdicts dropped\", counted before filtering), as are the\n" +
@@ -59,7 +62,8 @@ func newMonitorCmd() *cobra.Command {
 			"      the endpoint's entries for that identity and port, and the policies behind them",
 		Example: "  apiary monitor\n" +
 			"  apiary monitor --verdict denied --endpoint default/web\n" +
-			"  apiary monitor --policy cnp/default/deny-web -o json",
+			"  apiary monitor --policy cnp/default/deny-web -o json\n" +
+			"  apiary monitor --type dns --verdict denied",
 		Args: cobra.NoArgs,
 		PreRun: func(cmd *cobra.Command, _ []string) {
 			applyEnv(cmd.Flags(), "server")
@@ -77,6 +81,7 @@ func newMonitorCmd() *cobra.Command {
 	fs.StringSliceVar(&c.verdicts, "verdict", nil, "Only these verdicts: allowed, denied or audited (repeatable, or comma-separated)")
 	fs.StringVar(&c.endpoint, "endpoint", "", "Only the verdicts of this endpoint (namespace/pod)")
 	fs.StringVar(&c.policy, "policy", "", "Only the verdicts this policy decided (cnp/NAMESPACE/NAME or ccnp/NAME)")
+	fs.StringVar(&c.typ, "type", "", "Only verdicts of this type: policy (connections and flows) or dns (the DNS proxy's queries)")
 	return cmd
 }
 
@@ -97,6 +102,13 @@ func (c *monitorClient) query() (url.Values, error) {
 	}
 	if c.policy != "" {
 		q.Set(policy.VerdictsParamPolicy, c.policy)
+	}
+	switch c.typ {
+	case "":
+	case policy.VerdictTypePolicy, policy.VerdictTypeDNS:
+		q.Set(policy.VerdictsParamType, c.typ)
+	default:
+		return nil, fmt.Errorf("--type %q: want %s or %s", c.typ, policy.VerdictTypePolicy, policy.VerdictTypeDNS)
 	}
 	return q, nil
 }
@@ -202,11 +214,27 @@ const maxLabelsLen = 60
 // ending in "by POLICY" when a policy's entry decided, else "(default deny)"
 // or "(no policy)", then "at interface" for a drop on the host side of a
 // pod's interface (packet level).
+//
+// A DNS verdict's line names the query and the answer instead of the
+// identity:
+//
+//	2026-11-24T21:03:04.123Z default/web dns 10.0.0.5:40000 -> 10.0.0.10:53 UDP www.example.com. A ALLOWED by cnp/default/web NOERROR [192.0.2.1] 1.2ms
 func formatVerdict(v *policy.Verdict) string {
 	var b strings.Builder
 	ts := "-"
 	if !v.Time.IsZero() {
 		ts = v.Time.UTC().Format(monitorTimeFormat)
+	}
+	if v.DNS != nil {
+		fmt.Fprintf(&b, "%s %s dns %s -> %s %s %s %s %s", ts, orDash(v.Endpoint), orDash(v.Src), orDash(v.Dst),
+			orDash(v.Proto), orDash(v.DNS.Query), orDash(v.DNS.QType), strings.ToUpper(orDash(v.Verdict)))
+		if v.Policy != "" {
+			b.WriteString(" by " + v.Policy)
+		} else {
+			b.WriteString(" (" + orDash(v.Reason) + ")")
+		}
+		fmt.Fprintf(&b, " %s [%s] %.1fms", orDash(v.DNS.RCode), strings.Join(v.DNS.Answers, ","), v.DNS.LatencyMs)
+		return b.String()
 	}
 	fmt.Fprintf(&b, "%s %s %s %s -> %s %s identity=%d",
 		ts, orDash(v.Endpoint), orDash(v.Direction), orDash(v.Src), orDash(v.Dst), orDash(v.Proto), v.RemoteIdentity)

@@ -191,13 +191,21 @@ type EndpointPolicy struct {
 	// registered (--unclassified-pods=deny).
 	PodTree bool `json:"podTree,omitempty" yaml:"podTree,omitempty"`
 	// DNS are the names the DNS rules of the endpoint's egress policy let
-	// it look up (cells/fqdn/pattern syntax; "*" every name), sorted. Not
-	// empty: its DNS is intercepted by the DNS proxy, which refuses other
-	// names (bpf.PolicyDNS).
-	DNS []string `json:"dns,omitempty" yaml:"dns,omitempty"`
+	// it look up, by pattern. Not empty: its DNS is intercepted by the
+	// DNS proxy, which refuses other names (bpf.PolicyDNS).
+	DNS []DNSRule `json:"dns,omitempty" yaml:"dns,omitempty"`
 	// Status is the reconciliation status of the endpoint's map entry,
 	// which is written once all its policy entries are in the map.
 	Status reconciler.Status `json:"status" yaml:"status"`
+}
+
+// DNSRule is a name an endpoint may look up, and the policy that says so.
+type DNSRule struct {
+	// Pattern is a DNS name or pattern (cells/fqdn/pattern syntax,
+	// normalized); "*" is every name.
+	Pattern string `json:"pattern" yaml:"pattern"`
+	// Policy is the first policy (by name) with a DNS rule for it.
+	Policy string `json:"policy" yaml:"policy"`
 }
 
 // Clone returns a shallow copy.

@@ -24,7 +24,9 @@
  * Fails closed: an endpoint with a DNS rule whose DNS cannot be
  * intercepted (interception off, no proxy address of a usable family, no
  * memory for the socket's storage) has its DNS denied, not let through
- * unfiltered. The proxy's own address is never redirected.
+ * unfiltered. A query to the proxy's own address (any port) is treated as
+ * intercepted, with the proxy as its resolver: the proxy applies the
+ * endpoint's DNS rules and forwards it to its upstream.
  *
  * Every map is the agent's: the structs must match the Go types in
  * bpf/dns.go byte for byte (a Go test compares them through the BTF).
@@ -151,7 +153,7 @@ struct {
 
 /* What to do with a connect() or sendmsg(). */
 enum dns_plan {
-	DNS_PASS = 0,     /* not DNS, or to the proxy itself */
+	DNS_PASS = 0,     /* not DNS */
 	DNS_REDIRECT = 1, /* to the proxy: see struct dns_target */
 	DNS_DENY = 2,     /* DNS that cannot be intercepted */
 };
@@ -183,19 +185,24 @@ static __always_inline enum dns_plan dns_plan_for(int v6ctx, __u8 protocol, cons
 	struct dns_config *cfg;
 	int has4, has6;
 
-	if (port != bpf_htons(DNS_PORT) || (protocol != IPPROTO_TCP && protocol != IPPROTO_UDP))
+	if (protocol != IPPROTO_TCP && protocol != IPPROTO_UDP)
 		return DNS_PASS;
 	cfg = bpf_map_lookup_elem(&dns_config, &zero);
 	if (!cfg)
-		return DNS_DENY;
+		return port == bpf_htons(DNS_PORT) ? DNS_DENY : DNS_PASS;
 	has4 = cfg->proxy4 != 0;
 	has6 = (cfg->proxy6[0] | cfg->proxy6[1] | cfg->proxy6[2] | cfg->proxy6[3]) != 0;
-	if (dns_v4mapped(addr)) {
-		if (has4 && addr[3] == cfg->proxy4 && port == cfg->port4)
-			return DNS_PASS;
-	} else if (has6 && dns_same(addr, cfg->proxy6) && port == cfg->port6) {
-		return DNS_PASS;
+	/* Asking the proxy directly, on any port: it goes there as it is,
+	 * but as intercepted, so that the endpoint's DNS rules apply (the
+	 * proxy then forwards to its upstream). */
+	if ((dns_v4mapped(addr) && has4 && addr[3] == cfg->proxy4 && port == cfg->port4) ||
+	    (has6 && dns_same(addr, cfg->proxy6) && port == cfg->port6)) {
+		__builtin_memcpy(out->addr, addr, sizeof(out->addr));
+		out->port = port;
+		return DNS_REDIRECT;
 	}
+	if (port != bpf_htons(DNS_PORT))
+		return DNS_PASS;
 	if (!(cfg->flags & DNS_CONFIG_INTERCEPT))
 		return DNS_DENY;
 	/* Of the two families, the destination's first. */

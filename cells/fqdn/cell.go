@@ -82,6 +82,12 @@ type Config struct {
 	// ToFQDNsMaxIdentities caps the identities carrying fqdn: labels that
 	// new selector combinations may create; 0 is no limit.
 	ToFQDNsMaxIdentities int
+	// DNSIntercept sends the DNS of endpoints with a DNS rule to the
+	// proxy; off (or without a proxy), their DNS is denied.
+	DNSIntercept bool
+	// DNSRejectResponse is how a query no DNS rule allows is answered:
+	// RejectRefused or RejectNXDomain.
+	DNSRejectResponse string
 }
 
 var defaultConfig = Config{
@@ -89,6 +95,8 @@ var defaultConfig = Config{
 	ToFQDNsProxyResponseMaxDelay: 100 * time.Millisecond,
 	ToFQDNsMaxIPsPerName:         1000,
 	ToFQDNsGCInterval:            time.Minute,
+	DNSIntercept:                 true,
+	DNSRejectResponse:            RejectRefused,
 }
 
 // Flags implements cell.Flagger.
@@ -109,6 +117,10 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"How often expired DNS addresses and their labels are removed")
 	fs.Int("tofqdns-max-identities", def.ToFQDNsMaxIdentities,
 		"Most identities carrying fqdn: labels; past it new selector combinations are not labelled (0: no limit)")
+	fs.Bool("dns-intercept", def.DNSIntercept,
+		"Send the DNS (port 53) of endpoints whose egress policy has a DNS rule to the DNS proxy, which enforces the rule; off, or without --dns-proxy-addr, their DNS is denied")
+	fs.String("dns-reject-response", def.DNSRejectResponse,
+		"Answer to a query no DNS rule of the endpoint allows: refused or nxdomain")
 }
 
 func (c Config) validate() error {
@@ -125,6 +137,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("--tofqdns-gc-interval=%s must be positive", c.ToFQDNsGCInterval)
 	case c.ToFQDNsMaxIdentities < 0:
 		return fmt.Errorf("--tofqdns-max-identities=%d is negative", c.ToFQDNsMaxIdentities)
+	case c.DNSRejectResponse != RejectRefused && c.DNSRejectResponse != RejectNXDomain:
+		return fmt.Errorf("--dns-reject-response=%q: want %s or %s", c.DNSRejectResponse, RejectRefused, RejectNXDomain)
 	}
 	return nil
 }
@@ -207,7 +221,8 @@ type Gate interface {
 type proxyParams struct {
 	cell.In
 
-	Gate Gate `optional:"true"`
+	Gate        Gate        `optional:"true"`
+	Interceptor Interceptor `optional:"true"`
 
 	Log       *slog.Logger
 	Lifecycle cell.Lifecycle
@@ -220,10 +235,15 @@ type proxyParams struct {
 
 func newProxy(p proxyParams) (*Proxy, error) {
 	cfg := p.Config
-	px := &Proxy{log: p.Log, names: p.Names, prefixes: p.Prefixes, gate: p.Gate, metrics: p.Metrics, cfg: cfg, now: time.Now}
+	px := &Proxy{log: p.Log, names: p.Names, prefixes: p.Prefixes, gate: p.Gate, intercept: p.Interceptor, metrics: p.Metrics, cfg: cfg, now: time.Now}
 	health := p.Health.NewScope("proxy")
+	interception := p.Health.NewScope("interception")
 	if cfg.DNSProxyAddr == "" {
 		health.OK("Disabled: no --dns-proxy-addr")
+		p.Lifecycle.Append(cell.Hook{OnStart: func(cell.HookContext) error {
+			setInterception(p.Log, interception, p.Interceptor, nil, false)
+			return nil
+		}})
 		return px, nil
 	}
 	if err := checkHostPort(cfg.DNSProxyAddr, true); err != nil {
@@ -246,11 +266,53 @@ func newProxy(p proxyParams) (*Proxy, error) {
 				return err
 			}
 			health.OK(fmt.Sprintf("Listening on %s (UDP and TCP), upstream %s", px.Addr(), px.cfg.DNSUpstream))
+			setInterception(p.Log, interception, p.Interceptor, px.listenAddr(), cfg.DNSIntercept)
 			return nil
 		},
 		OnStop: func(ctx cell.HookContext) error { return px.stop(ctx) },
 	})
 	return px, nil
+}
+
+// setInterception tells the datapath where intercepted DNS goes (the
+// proxy listening on listen, nil when there is none) and whether to
+// intercept, and says so in the health scope. Without interception the
+// DNS of endpoints with a DNS rule is denied: the scope says that too.
+func setInterception(log *slog.Logger, h cell.Health, ic Interceptor, listen net.Addr, intercept bool) {
+	if ic == nil {
+		h.OK("Not available: no policy enforcement")
+		return
+	}
+	var v4, v6 netip.AddrPort
+	if listen != nil {
+		v4, v6 = proxyTargets(listen)
+	}
+	on := intercept && (v4.IsValid() || v6.IsValid())
+	if err := ic.SetProxy(v4, v6, on); err != nil {
+		log.Error("DNS interception could not be configured: the DNS of endpoints with DNS rules is denied", "error", err)
+		h.Degraded("DNS interception could not be configured; the DNS of endpoints with DNS rules is denied", err)
+		return
+	}
+	switch {
+	case on:
+		log.Info("Intercepting the DNS of endpoints with DNS rules", "ipv4", v4, "ipv6", v6)
+		h.OK(fmt.Sprintf("Intercepting the DNS of endpoints with DNS rules to %s", joinValid(v4, v6)))
+	case listen == nil:
+		h.OK("Off (no --dns-proxy-addr): the DNS of endpoints with DNS rules is denied")
+	default:
+		h.OK("Off (--dns-intercept=false): the DNS of endpoints with DNS rules is denied")
+	}
+}
+
+// joinValid lists the valid addresses of a and b.
+func joinValid(a, b netip.AddrPort) string {
+	var out []string
+	for _, ap := range []netip.AddrPort{a, b} {
+		if ap.IsValid() {
+			out = append(out, ap.String())
+		}
+	}
+	return strings.Join(out, " and ")
 }
 
 // checkHostPort checks that addr is an IP address and a port, as the

@@ -15,6 +15,7 @@ type fqdnMetrics struct {
 	evicted        prometheus.Counter
 	gcRemoved      prometheus.Counter
 	dropped        *prometheus.CounterVec
+	queries        *prometheus.CounterVec
 }
 
 // Results of proxied requests.
@@ -48,8 +49,12 @@ func newFQDNMetrics(reg prometheus.Registerer) (*fqdnMetrics, error) {
 			"Expired (name, address) pairs removed by garbage collection"))),
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts(opts("proxy_dropped_answers_total",
 			"Upstream answers dropped as unusable, by reason")), []string{"reason"}),
+		queries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: metrics.Namespace, Subsystem: "dns", Name: "queries_total",
+			Help: "DNS queries the proxy answered, by verdict (allowed: forwarded; denied: no DNS rule of the endpoint allows the name) and the answer's response code",
+		}, []string{"verdict", "rcode"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.delayExceeded, m.holdSeconds, m.breakerRefused, m.evicted, m.gcRemoved, m.dropped} {
+	for _, c := range []prometheus.Collector{m.requests, m.delayExceeded, m.holdSeconds, m.breakerRefused, m.evicted, m.gcRemoved, m.dropped, m.queries} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -8,6 +8,8 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
+	"slices"
 	"sync"
 	"time"
 
@@ -25,13 +27,21 @@ type Proxy struct {
 	names    *nameManager
 	prefixes ipcache.Prefixes
 	gate     Gate // nil without policy enforcement
-	metrics  *fqdnMetrics
+	// intercept is nil without policy enforcement: no query is then
+	// intercepted, and none is checked against DNS rules.
+	intercept Interceptor
+	patterns  patterns
+	metrics   *fqdnMetrics
 	cfg      Config
 	now      func() time.Time
 
 	mu       sync.Mutex
 	udp, tcp *dns.Server
 	addr     string // the address it listens on, once started
+	// self are the addresses the datapath sends intercepted DNS to, the
+	// proxy's own: a query intercepted on its way to one of them goes to
+	// the upstream.
+	self []netip.AddrPort
 	servers  sync.WaitGroup
 }
 
@@ -43,6 +53,17 @@ func (p *Proxy) Addr() string {
 	return p.addr
 }
 
+// listenAddr returns the address the proxy's UDP socket is bound to, nil
+// when it is not started.
+func (p *Proxy) listenAddr() net.Addr {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.udp == nil || p.udp.PacketConn == nil {
+		return nil
+	}
+	return p.udp.PacketConn.LocalAddr()
+}
+
 // start listens on cfg.DNSProxyAddr, UDP and TCP on the same port (with
 // port 0, the port the kernel picks for UDP).
 func (p *Proxy) start() error {
@@ -52,8 +73,10 @@ func (p *Proxy) start() error {
 	}
 	udp := &dns.Server{PacketConn: pc, Handler: p, UDPSize: dns.MaxMsgSize}
 	tcp := &dns.Server{Listener: ln, Handler: p, ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second}
+	v4, v6 := proxyTargets(pc.LocalAddr())
 	p.mu.Lock()
 	p.udp, p.tcp, p.addr = udp, tcp, pc.LocalAddr().String()
+	p.self = []netip.AddrPort{v4, v6, addrPortOf(pc.LocalAddr())}
 	p.mu.Unlock()
 	for _, s := range []*dns.Server{udp, tcp} {
 		p.servers.Add(1)
@@ -93,18 +116,77 @@ func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 			p.log.Error("DNS proxy: panic while handling a request", "panic", r)
 		}
 	}()
+	start := time.Now()
 	if len(req.Question) != 1 || req.Response || req.Opcode != dns.OpcodeQuery {
 		p.reply(w, req, new(dns.Msg).SetRcode(req, dns.RcodeFormatError))
 		return
 	}
-	resp, result := p.handle(context.Background(), w.LocalAddr().Network(), req)
-	p.metrics.requests.WithLabelValues(result).Inc()
+	network := w.LocalAddr().Network()
+	q := req.Question[0]
+	v := QueryVerdict{
+		Time: start, Client: addrPortOf(w.RemoteAddr()), Protocol: "UDP",
+		Name: q.Name, Type: dns.Type(q.Qtype).String(), Allowed: true,
+	}
+	proto := uint8(17)
+	if network == "tcp" {
+		v.Protocol, proto = "TCP", 6
+	}
+	upstream := p.cfg.DNSUpstream
+	if p.intercept != nil && v.Client.IsValid() {
+		if o, ok := p.intercept.Origin(proto, v.Client); ok {
+			v.Endpoint = o.Endpoint
+			if !p.isSelf(o.Resolver) {
+				v.Resolver, upstream = o.Resolver, o.Resolver.String()
+			}
+			rule, allowed := p.patterns.allowedBy(o.Rules, q.Name)
+			v.Allowed, v.Policy = allowed, rule.Policy
+		}
+	}
+	var resp *dns.Msg
+	if v.Allowed {
+		var ans answer
+		var result string
+		resp, ans, result = p.handle(context.Background(), network, req, upstream)
+		p.metrics.requests.WithLabelValues(result).Inc()
+		v.Answers = ans.ips
+	} else {
+		resp = new(dns.Msg).SetRcode(req, p.rejectRcode())
+	}
+	if !v.Resolver.IsValid() {
+		v.Resolver, _ = netip.ParseAddrPort(upstream)
+	}
 	p.reply(w, req, resp)
+	v.RCode = dns.RcodeToString[resp.Rcode]
+	v.Latency = time.Since(start)
+	verdict := verdictAllowed
+	if !v.Allowed {
+		verdict = verdictDenied
+	}
+	p.metrics.queries.WithLabelValues(verdict, v.RCode).Inc()
+	if p.intercept != nil {
+		p.intercept.Report(v)
+	}
 }
 
-// handle forwards req over network ("udp" or "tcp") and returns the reply
-// for the client, with the result for the metric.
-func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg) (*dns.Msg, string) {
+// isSelf tells whether ap is one of the proxy's own addresses.
+func (p *Proxy) isSelf(ap netip.AddrPort) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Contains(p.self, ap)
+}
+
+// rejectRcode is the answer to a query no DNS rule allows.
+func (p *Proxy) rejectRcode() int {
+	if p.cfg.DNSRejectResponse == RejectNXDomain {
+		return dns.RcodeNameError
+	}
+	return dns.RcodeRefused
+}
+
+// handle forwards req over network ("udp" or "tcp") to upstream and
+// returns the reply for the client, what it answered, and the result for
+// the metric.
+func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg, upstream string) (*dns.Msg, answer, string) {
 	q := req.Question[0]
 	maxSize := dns.MaxMsgSize
 	if network == "udp" {
@@ -113,10 +195,10 @@ func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg) (*dns.
 			maxSize = max(int(opt.UDPSize()), dns.MinMsgSize)
 		}
 	}
-	wire, err := p.exchange(ctx, network, req)
+	wire, err := p.exchange(ctx, network, req, upstream)
 	if err != nil {
-		p.log.Warn("DNS upstream failed, answering SERVFAIL", "name", q.Name, "upstream", p.cfg.DNSUpstream, "error", err)
-		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultServFail
+		p.log.Warn("DNS upstream failed, answering SERVFAIL", "name", q.Name, "upstream", upstream, "error", err)
+		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), answer{}, resultServFail
 	}
 	resp, ans, err := parseAnswer(req, wire, maxSize)
 	if err != nil {
@@ -126,11 +208,11 @@ func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg) (*dns.
 			reason = de.reason
 		}
 		p.metrics.dropped.WithLabelValues(reason).Inc()
-		p.log.Warn("Dropped the upstream's answer, answering SERVFAIL", "name", q.Name, "upstream", p.cfg.DNSUpstream, "error", err)
-		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultDropped
+		p.log.Warn("Dropped the upstream's answer, answering SERVFAIL", "name", q.Name, "upstream", upstream, "error", err)
+		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), answer{}, resultDropped
 	}
 	if len(ans.ips) == 0 {
-		return resp, resultForwarded
+		return resp, ans, resultForwarded
 	}
 	start := time.Now()
 	rev, changed, err := p.names.observe(ans.name, ans.ips, ans.ttl, p.now())
@@ -138,10 +220,10 @@ func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg) (*dns.
 		// The answer is still good; policy just does not know its
 		// addresses yet.
 		p.log.Error("Could not label the addresses of a DNS answer", "name", ans.name, "error", err)
-		return resp, resultForwarded
+		return resp, ans, resultForwarded
 	}
 	if !changed {
-		return resp, resultForwarded
+		return resp, ans, resultForwarded
 	}
 	wctx, cancel := context.WithTimeout(ctx, p.cfg.ToFQDNsProxyResponseMaxDelay)
 	defer cancel()
@@ -157,7 +239,7 @@ func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg) (*dns.
 		}
 	}
 	p.metrics.holdSeconds.Observe(time.Since(start).Seconds())
-	return resp, resultLabelled
+	return resp, ans, resultLabelled
 }
 
 // reply writes resp to the client, truncated to what a UDP client takes.
@@ -180,10 +262,10 @@ func (p *Proxy) reply(w dns.ResponseWriter, req, resp *dns.Msg) {
 	}
 }
 
-// exchange sends req to the upstream and returns the reply's bytes, not
-// yet parsed: parseAnswer decides what is malformed. Over UDP, datagrams
-// from elsewhere or with another ID are ignored, as a resolver does.
-func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg) ([]byte, error) {
+// exchange sends req to upstream and returns the reply's bytes, not yet
+// parsed: parseAnswer decides what is malformed. Over UDP, datagrams from
+// elsewhere or with another ID are ignored, as a resolver does.
+func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upstream string) ([]byte, error) {
 	out, err := req.Pack()
 	if err != nil {
 		return nil, fmt.Errorf("pack the request: %w", err)
@@ -193,7 +275,7 @@ func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg) ([]b
 		deadline = d
 	}
 	var dialer net.Dialer
-	conn, err := dialer.DialContext(ctx, network, p.cfg.DNSUpstream)
+	conn, err := dialer.DialContext(ctx, network, upstream)
 	if err != nil {
 		return nil, err
 	}

@@ -46,6 +46,7 @@ type attacher struct {
 	root    cgroups.Root
 	ops     *reconcilers.Policy
 	ipcache ipcache.Map
+	dns     *dnsMaps
 	opened  <-chan struct{}
 	retry   time.Duration
 
@@ -148,11 +149,17 @@ func (a *attacher) attach() (string, error) {
 		stats.Close()
 		events.Close()
 	}
+	dnsSock, dnsOrigin, dnsConfig, err := a.dns.get()
+	if err != nil {
+		closeMaps()
+		return "", err
+	}
 	var progs map[string]*ebpf.Program
 	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
 		return a.ipcache.WithMap(func(ipc *ebpf.Map) error {
 			progs, err = policyprog.Load(policyprog.Maps{
 				Policy: policy, Endpoints: endpoints, Sock: sock.Map, Stats: stats.Map, IPCache: ipc, Events: events.Map,
+				DNSSock: dnsSock, DNSOrigin: dnsOrigin, DNSConfig: dnsConfig,
 			})
 			return err
 		})
@@ -247,7 +254,8 @@ func (a *attacher) detach() (string, error) {
 	if len(ifaces) > 0 {
 		gone = append(gone, fmt.Sprintf("%d pod interface links", len(ifaces)))
 	}
-	for _, name := range []string{bpf.PolicySockMap, bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap} {
+	for _, name := range []string{bpf.PolicySockMap, bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap,
+		bpf.DNSOriginMap, bpf.DNSConfigMap} {
 		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {
 			return "", err
 		}

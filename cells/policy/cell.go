@@ -47,6 +47,7 @@ var Cell = cell.Module(
 		newOps,
 		newProgress,
 		newMapsOpened,
+		newDNSMaps,
 	),
 	cell.Provide(
 		NewMonitor,
@@ -57,6 +58,7 @@ var Cell = cell.Module(
 		statedb.RWTable[*tables.EndpointPolicy].ToTable,
 		statedb.RWTable[*tables.PodInterface].ToTable,
 		newGate,
+		newInterceptor,
 	),
 	cell.Invoke(
 		registerReconcilers,
@@ -261,6 +263,31 @@ func newGate(p gateParams) fqdn.Gate {
 	}
 }
 
+// newDNSMaps returns the maps of DNS interception, opened on first use.
+func newDNSMaps(log *slog.Logger, pinDir bpffs.PinDir, lc cell.Lifecycle) *dnsMaps {
+	d := &dnsMaps{log: log, pinDir: string(pinDir)}
+	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { d.close(); return nil }})
+	return d
+}
+
+type interceptorParams struct {
+	cell.In
+
+	Config    Config
+	DB        *statedb.DB
+	Maps      *dnsMaps
+	Endpoints statedb.RWTable[*tables.EndpointPolicy]
+	Monitor   *Monitor
+}
+
+// newInterceptor returns the DNS proxy's side of DNS interception.
+func newInterceptor(p interceptorParams) fqdn.Interceptor {
+	return &interceptor{
+		maps: p.Maps, db: p.DB, endpoints: p.Endpoints, monitor: p.Monitor,
+		never: p.Config.EnablePolicy == ModeNever,
+	}
+}
+
 type attacherParams struct {
 	cell.In
 
@@ -284,12 +311,14 @@ type attacherParams struct {
 	ReconcilerParams reconciler.Params
 	PodEndpoints     statedb.Table[*tables.Endpoint]
 	Interfaces       statedb.RWTable[*tables.PodInterface]
+	DNSMaps          *dnsMaps
 }
 
 func registerAttacher(p attacherParams) error {
 	a := &attacher{
 		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), root: p.Root, ops: p.Ops,
 		ipcache: p.IPCache, opened: p.Opened, retry: 5 * time.Second, attached: make(chan struct{}),
+		dns: p.DNSMaps,
 	}
 	p.Jobs.Add(job.OneShot("attach", a.run))
 	// The socket LB attached after the policy programs: back behind it at

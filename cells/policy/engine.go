@@ -105,8 +105,8 @@ type endpoint struct {
 	auditIngress, auditEgress bool
 	usesNamedEgress           bool
 	// dns are the names the DNS rules of its egress policy allow to look
-	// up, sorted; empty when it has no DNS rule.
-	dns []string
+	// up, by pattern; empty when it has no DNS rule.
+	dns []tables.DNSRule
 	// reason says why the endpoint is not enforced as its policies say
 	// (see engine.reason for the rest).
 	reason string
@@ -548,8 +548,8 @@ func (e *engine) recompute(ep *endpoint) {
 			}
 			if dir == dirEgress && !pr.Deny {
 				for _, n := range pr.DNS {
-					if !slices.Contains(ep.dns, n) {
-						ep.dns = append(ep.dns, n)
+					if !slices.ContainsFunc(ep.dns, func(r tables.DNSRule) bool { return r.Pattern == n }) {
+						ep.dns = append(ep.dns, tables.DNSRule{Pattern: n, Policy: s.policy})
 					}
 				}
 			}
@@ -573,7 +573,7 @@ func (e *engine) recompute(ep *endpoint) {
 			}
 		}
 	}
-	slices.Sort(ep.dns)
+	slices.SortFunc(ep.dns, func(a, b tables.DNSRule) int { return strings.Compare(a.Pattern, b.Pattern) })
 }
 
 func enforceState(on, deny bool) string {

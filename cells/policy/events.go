@@ -113,6 +113,7 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 	row := r.endpointRow(ev.EndpointID)
 	v := Verdict{
 		Time:           time.Unix(0, int64(ev.TimeNs)+int64(r.monoToWall)).UTC(),
+		Type:           VerdictTypePolicy,
 		Endpoint:       "endpoint " + strconv.FormatUint(uint64(ev.EndpointID), 10),
 		Direction:      tables.DirIngress,
 		Proto:          protoName(ev.Protocol),
@@ -163,6 +164,8 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 		v.Reason = ReasonUnclassified
 	case bpf.PolicyReasonSpoofed:
 		v.Reason = ReasonSpoofed
+	case bpf.PolicyReasonDNSProxy:
+		v.Reason = ReasonDNSProxy
 	default:
 		v.Policy = r.policyName(ev.Cookie)
 	}

@@ -7,9 +7,12 @@ import (
 )
 
 // Verdict is one decision of the policy programs about a new connection or
-// flow, as `apiary monitor` shows it.
+// flow (type policy), or of the DNS proxy about a query (type dns), as
+// `apiary monitor` shows it.
 type Verdict struct {
 	Time time.Time `json:"time"`
+	// Type is VerdictTypePolicy or VerdictTypeDNS.
+	Type string `json:"type"`
 	// Endpoint is the endpoint's name, "<namespace>/<pod>" (or
 	// "endpoint <ID>" for one the agent no longer knows).
 	Endpoint string `json:"endpoint"`
@@ -39,7 +42,32 @@ type Verdict struct {
 	// socket's packets) or "interface" (the host side of the pod's
 	// interface, which reports only drops).
 	Layer string `json:"layer"`
+	// DNS is the query and its answer, for type dns. Src is then the
+	// client, Dst the resolver it asked (the proxy's upstream for a query
+	// sent to the proxy directly), Policy the one whose DNS rule allowed
+	// the name.
+	DNS *DNSVerdict `json:"dns,omitempty"`
 }
+
+// DNSVerdict is what a verdict of type dns says of the query.
+type DNSVerdict struct {
+	// Query is the name asked ("www.example.com."), QType its type ("A").
+	Query string `json:"query"`
+	QType string `json:"qtype"`
+	// Answers are the addresses the answer gave the name.
+	Answers []string `json:"answers"`
+	// RCode is the answer's response code (NOERROR, NXDOMAIN, REFUSED, …).
+	RCode string `json:"rcode"`
+	// LatencyMs is the time from the query to its answer, the hold until
+	// policy allows the answer's addresses included, in milliseconds.
+	LatencyMs float64 `json:"latencyMs"`
+}
+
+// Types of verdicts.
+const (
+	VerdictTypePolicy = "policy"
+	VerdictTypeDNS    = "dns"
+)
 
 // Verdicts and reasons as Verdict spells them.
 const (
@@ -61,6 +89,17 @@ const (
 
 	LayerSocket    = "socket"
 	LayerInterface = "interface"
+	// ReasonDNSProxy: DNS of an endpoint with a DNS rule that cannot go
+	// to the DNS proxy (--dns-intercept=false, no --dns-proxy-addr, or no
+	// proxy address of the socket's family), denied.
+	ReasonDNSProxy = "dns proxy unavailable"
+	// ReasonDNSRule: a DNS rule of the endpoint allows the query's name.
+	ReasonDNSRule = "dns rule"
+	// ReasonNoDNSRule: no DNS rule of the endpoint allows the name.
+	ReasonNoDNSRule = "no dns rule"
+	// ReasonNotIntercepted: a query sent to the DNS proxy by a process
+	// of no endpoint with DNS rules; no rule applies.
+	ReasonNotIntercepted = "not intercepted"
 )
 
 // Monitor hands the datapath's verdicts to subscribers (the API's

@@ -27,6 +27,8 @@ const (
 	VerdictsParamEndpoint = "endpoint"
 	// VerdictsParamPolicy filters on Verdict.Policy, the exact name.
 	VerdictsParamPolicy = "policy"
+	// VerdictsParamType filters on Verdict.Type: policy or dns.
+	VerdictsParamType = "type"
 )
 
 // VerdictsDropped is a line of the stream, between verdicts, telling the
@@ -61,7 +63,7 @@ const (
 // and at least every second while this client loses verdicts because it
 // reads too slowly (N counts all its losses so far); {"lost": N}, when the
 // datapath lost events since the stream started (N counts them all).
-// ?verdict=, ?endpoint= and ?policy= filter the verdicts on the server; an
+// ?verdict=, ?endpoint=, ?policy= and ?type= filter the verdicts on the server; an
 // unknown parameter or verdict is a 400 with a JSON error.
 func newMonitorHandler(m *Monitor) api.HandlerOut {
 	return api.HandlerOut{Handler: api.Handler{
@@ -82,7 +84,7 @@ type monitorHandler struct {
 // verdictFilter is what the query of a stream asks for; an empty field
 // accepts anything.
 type verdictFilter struct {
-	verdicts, endpoints, policies []string
+	verdicts, endpoints, policies, types []string
 }
 
 // parseVerdictFilter reads the query parameters of VerdictsPath.
@@ -105,6 +107,15 @@ func parseVerdictFilter(q url.Values) (verdictFilter, error) {
 					}
 				}
 			}
+		case VerdictsParamType:
+			for _, v := range values {
+				switch v {
+				case VerdictTypePolicy, VerdictTypeDNS:
+					f.types = append(f.types, v)
+				default:
+					return f, fmt.Errorf("invalid ?%s=%q: want %s or %s", name, v, VerdictTypePolicy, VerdictTypeDNS)
+				}
+			}
 		case VerdictsParamEndpoint, VerdictsParamPolicy:
 			for _, v := range values {
 				if v == "" {
@@ -118,8 +129,8 @@ func parseVerdictFilter(q url.Values) (verdictFilter, error) {
 			}
 		default:
 			// A mistyped filter would otherwise stream everything.
-			return f, fmt.Errorf("unknown parameter ?%s: want %s, %s or %s",
-				name, VerdictsParamVerdict, VerdictsParamEndpoint, VerdictsParamPolicy)
+			return f, fmt.Errorf("unknown parameter ?%s: want %s, %s, %s or %s",
+				name, VerdictsParamVerdict, VerdictsParamEndpoint, VerdictsParamPolicy, VerdictsParamType)
 		}
 	}
 	return f, nil
@@ -128,7 +139,7 @@ func parseVerdictFilter(q url.Values) (verdictFilter, error) {
 // match reports whether v passes the filter.
 func (f verdictFilter) match(v *Verdict) bool {
 	ok := func(allowed []string, s string) bool { return len(allowed) == 0 || slices.Contains(allowed, s) }
-	return ok(f.verdicts, v.Verdict) && ok(f.endpoints, v.Endpoint) && ok(f.policies, v.Policy)
+	return ok(f.verdicts, v.Verdict) && ok(f.endpoints, v.Endpoint) && ok(f.policies, v.Policy) && ok(f.types, v.Type)
 }
 
 func (h *monitorHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {

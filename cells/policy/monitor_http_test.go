@@ -261,7 +261,7 @@ func TestMonitorHandlerBadRequest(t *testing.T) {
 		{"empty verdict", "", "verdict=", 400, `invalid ?verdict=""`},
 		{"empty endpoint", "", "endpoint=", 400, `invalid ?endpoint=: empty`},
 		{"empty policy", "", "policy=&policy=x", 400, `invalid ?policy=: empty`},
-		{"unknown parameter", "", "verdicts=denied", 400, `unknown parameter ?verdicts: want verdict, endpoint or policy`},
+		{"unknown parameter", "", "verdicts=denied", 400, `unknown parameter ?verdicts: want verdict, endpoint, policy or type`},
 		{"HEAD", http.MethodHead, "", 405, ""},
 	}
 	m := NewMonitor()

@@ -124,6 +124,7 @@ func (a *attacher) attach() (string, error) {
 			SockRevNat6:   own[socklb.SockRevNat6Map],
 			Affinity4:     own[bpf.LB4AffinityMap],
 			Affinity6:     own[bpf.LB6AffinityMap],
+			DNSSock:       own[bpf.DNSSockMap],
 		})
 		return err
 	})
@@ -187,7 +188,28 @@ func (a *attacher) openOwnMaps() (map[string]*ebpf.Map, error) {
 			return nil, err
 		}
 	}
+	// Shared with the policy programs, which own it (see
+	// bpf/c/dns_redirect.h): not an own map, never removed here.
+	dns, err := a.openDNSSock()
+	if err != nil {
+		closeMaps(own)
+		return nil, err
+	}
+	own[bpf.DNSSockMap] = dns
 	return own, nil
+}
+
+// openDNSSock opens the sockets' storage of intercepted DNS.
+func (a *attacher) openDNSSock() (*ebpf.Map, error) {
+	spec, err := socklb.Spec()
+	if err != nil {
+		return nil, err
+	}
+	ms, err := bpf.DNSSockMapSpec(spec)
+	if err != nil {
+		return nil, err
+	}
+	return bpf.OpenDNSSockMap(a.log, ms, a.pinDir)
 }
 
 func closeMaps(maps map[string]*ebpf.Map) {

@@ -1,0 +1,171 @@
+package policy
+
+import (
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/statedb"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/policyprog"
+	"github.com/apiary-net/apiary/cells/fqdn"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// dnsMaps are the pinned maps of DNS interception (bpf/c/dns_redirect.h),
+// opened on first use by the attacher (for the programs) and by the
+// interceptor (for the DNS proxy), and kept open until the agent stops.
+type dnsMaps struct {
+	log    *slog.Logger
+	pinDir string
+
+	mu                   sync.Mutex
+	sock, origin, config *ebpf.Map
+}
+
+// get returns the maps, opening (or creating and pinning) them the first
+// time.
+func (d *dnsMaps) get() (sock, origin, config *ebpf.Map, err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.sock != nil {
+		return d.sock, d.origin, d.config, nil
+	}
+	spec, err := policyprog.Spec()
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	sockSpec, err := bpf.DNSSockMapSpec(spec)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	sock, err = bpf.OpenDNSSockMap(d.log, sockSpec, d.pinDir)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	opened := []*ebpf.Map{sock}
+	for _, s := range []*ebpf.MapSpec{bpf.DNSOriginMapSpec(), bpf.DNSConfigMapSpec()} {
+		// No migration: what they hold is rebuilt by the next query.
+		pm, err := bpf.OpenPinnedMap(d.log, s, d.pinDir, nil)
+		if err != nil {
+			for _, m := range opened {
+				m.Close()
+			}
+			return nil, nil, nil, err
+		}
+		opened = append(opened, pm.Map)
+	}
+	d.sock, d.origin, d.config = opened[0], opened[1], opened[2]
+	return d.sock, d.origin, d.config, nil
+}
+
+func (d *dnsMaps) close() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, m := range []*ebpf.Map{d.sock, d.origin, d.config} {
+		if m != nil {
+			m.Close()
+		}
+	}
+	d.sock, d.origin, d.config = nil, nil, nil
+}
+
+// interceptor implements fqdn.Interceptor on the DNS maps, the
+// endpoint-policy table and the verdict monitor.
+type interceptor struct {
+	maps      *dnsMaps
+	db        *statedb.DB
+	endpoints statedb.Table[*tables.EndpointPolicy]
+	monitor   *Monitor
+	// never: --enable-policy=never, no program runs, nothing to tell.
+	never bool
+
+	mu     sync.Mutex
+	rows   map[uint32]*tables.EndpointPolicy // by ID
+	rowsAt statedb.Revision
+}
+
+// SetProxy implements fqdn.Interceptor.
+func (i *interceptor) SetProxy(proxy4, proxy6 netip.AddrPort, intercept bool) error {
+	if i.never {
+		return nil
+	}
+	cfg, err := bpf.NewDNSConfig(proxy4, proxy6, intercept)
+	if err != nil {
+		return err
+	}
+	_, _, config, err := i.maps.get()
+	if err != nil {
+		return err
+	}
+	if err := config.Put(uint32(0), cfg); err != nil {
+		return fmt.Errorf("write %s: %w", bpf.DNSConfigMap, err)
+	}
+	return nil
+}
+
+// Origin implements fqdn.Interceptor.
+func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin, bool) {
+	if i.never {
+		return fqdn.Origin{}, false
+	}
+	_, origin, _, err := i.maps.get()
+	if err != nil {
+		return fqdn.Origin{}, false
+	}
+	var v bpf.DNSOrigin
+	if err := origin.Lookup(bpf.NewDNSOriginKey(protocol, client), &v); err != nil {
+		return fqdn.Origin{}, false
+	}
+	o := fqdn.Origin{Resolver: v.ResolverAddr()}
+	if row := i.endpointRow(v.EndpointID); row != nil {
+		o.Endpoint, o.Rules = row.Name, row.DNS
+	}
+	return o, true
+}
+
+// endpointRow returns the endpoint-policy row of an endpoint ID, nil for
+// one the agent does not know.
+func (i *interceptor) endpointRow(id uint32) *tables.EndpointPolicy {
+	rtxn := i.db.ReadTxn()
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if rev := i.endpoints.Revision(rtxn); rev != i.rowsAt || i.rows == nil {
+		i.rowsAt = rev
+		i.rows = map[uint32]*tables.EndpointPolicy{}
+		for ep := range i.endpoints.All(rtxn) {
+			if ep.ID != 0 && !ep.PodTree {
+				i.rows[ep.ID] = ep
+			}
+		}
+	}
+	return i.rows[id]
+}
+
+// Report implements fqdn.Interceptor: the query becomes a verdict of type
+// dns in the monitor.
+func (i *interceptor) Report(q fqdn.QueryVerdict) {
+	v := Verdict{
+		Time: q.Time.UTC(), Type: VerdictTypeDNS, Endpoint: q.Endpoint, Direction: tables.DirEgress,
+		Src: q.Client.String(), Dst: q.Resolver.String(), Proto: q.Protocol, RemoteLabels: []string{},
+		Verdict: VerdictAllowed, Policy: q.Policy, Reason: ReasonDNSRule,
+		DNS: &DNSVerdict{
+			Query: q.Name, QType: q.Type, RCode: q.RCode, Answers: []string{},
+			LatencyMs: float64(q.Latency.Microseconds()) / 1000,
+		},
+	}
+	for _, a := range q.Answers {
+		v.DNS.Answers = append(v.DNS.Answers, a.String())
+	}
+	switch {
+	case !q.Allowed:
+		v.Verdict, v.Reason = VerdictDenied, ReasonNoDNSRule
+	case q.Endpoint == "":
+		// Sent to the proxy directly: no endpoint's rules apply.
+		v.Reason = ReasonNotIntercepted
+	}
+	i.monitor.Publish(v)
+}
