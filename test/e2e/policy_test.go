@@ -605,7 +605,8 @@ spec:
 
 	// --enable-policy=never detaches the programs: nothing is enforced.
 	a.restart(t, "--enable-socket-lb", "--enable-policy=never")
-	a.waitLog(t, "Disabled (--enable-policy=never); detached policy_sockops, policy_connect4, policy_sendmsg4, policy_connect6, policy_sendmsg6, policy_ingress, policy_egress")
+	a.waitLog(t, "Disabled (--enable-policy=never); detached policy_sockops, policy_connect4, policy_sendmsg4, policy_connect6, policy_sendmsg6, policy_ingress, policy_egress, "+
+		"policy_recvmsg4, policy_getpeername4, policy_recvmsg6, policy_getpeername6")
 	if _, err := os.Stat(filepath.Join(a.pinDir, "links", "policy_connect4")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the connect4 link is still pinned: %v", err)
 	}
