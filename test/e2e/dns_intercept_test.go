@@ -5,11 +5,15 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"net/netip"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/miekg/dns"
 
 	"github.com/apiary-net/apiary/internal/testenv"
 )
@@ -92,6 +96,98 @@ func answerOf(out string) (status string, ips []string) {
 	return status, ips
 }
 
+// dnsQueryEnv makes the test binary a helper (see runHelper) that sends
+// one query, "NETWORK RESOLVER NAME", and prints where the answer came
+// from as the application sees it (see dnsQueryOutcome).
+const dnsQueryEnv = "E2E_DNS_QUERY"
+
+// dnsQueryOutcome asks RESOLVER (IP:port) for NAME's A records over
+// NETWORK: udp4 from an unconnected AF_INET socket (the source is
+// recvfrom's), udp6 the same from an AF_INET6 socket to the resolver's
+// IPv4-mapped address, tcp4 (the source is getpeername's). It returns
+// "from=ADDR rcode=RCODE ips=IP,…" or the error.
+func dnsQueryOutcome(q string) string {
+	f := strings.Fields(q)
+	if len(f) != 3 {
+		return "error: want NETWORK RESOLVER NAME, got " + q
+	}
+	network, resolver, name := f[0], netip.MustParseAddrPort(f[1]), f[2]
+	msg := new(dns.Msg).SetQuestion(dns.Fqdn(name), dns.TypeA)
+	wire, err := msg.Pack()
+	if err != nil {
+		return "error: " + err.Error()
+	}
+	var from net.Addr
+	var reply []byte
+	switch network {
+	case "udp4", "udp6":
+		// "udp" is Go's dual-stack AF_INET6 socket; "udp6" would be
+		// IPv6-only, which cannot reach a mapped address.
+		listen := map[string]string{"udp4": "udp4", "udp6": "udp"}[network]
+		pc, err := net.ListenUDP(listen, nil)
+		if err != nil {
+			return "error: " + err.Error()
+		}
+		defer pc.Close()
+		to := resolver
+		if network == "udp6" {
+			to = netip.AddrPortFrom(netip.AddrFrom16(resolver.Addr().As16()), resolver.Port())
+		}
+		if _, err := pc.WriteToUDPAddrPort(wire, to); err != nil {
+			return "error: " + err.Error()
+		}
+		pc.SetReadDeadline(time.Now().Add(10 * time.Second))
+		buf := make([]byte, dns.MaxMsgSize)
+		n, addr, err := pc.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			return "error: " + err.Error()
+		}
+		from, reply = net.UDPAddrFromAddrPort(netip.AddrPortFrom(addr.Addr().Unmap(), addr.Port())), buf[:n]
+	case "tcp4":
+		conn, err := net.DialTimeout(network, resolver.String(), 10*time.Second)
+		if err != nil {
+			return "error: " + err.Error()
+		}
+		defer conn.Close()
+		conn.SetDeadline(time.Now().Add(10 * time.Second))
+		dc := &dns.Conn{Conn: conn}
+		if err := dc.WriteMsg(msg); err != nil {
+			return "error: " + err.Error()
+		}
+		r, err := dc.ReadMsg()
+		if err != nil {
+			return "error: " + err.Error()
+		}
+		if reply, err = r.Pack(); err != nil {
+			return "error: " + err.Error()
+		}
+		from = conn.RemoteAddr()
+	default:
+		return "error: unknown network " + network
+	}
+	var r dns.Msg
+	if err := r.Unpack(reply); err != nil {
+		return "error: " + err.Error()
+	}
+	var ips []string
+	for _, rr := range r.Answer {
+		if a, ok := rr.(*dns.A); ok {
+			ips = append(ips, a.A.String())
+		}
+	}
+	return fmt.Sprintf("from=%s rcode=%s ips=%s", from, dns.RcodeToString[r.Rcode], strings.Join(ips, ","))
+}
+
+// queryFrom runs dnsQueryOutcome in a process of the cgroup dir.
+func queryFrom(t *testing.T, dir, network, resolver, name string) string {
+	t.Helper()
+	out, err := helperIn(t, dir, dnsQueryEnv+"="+network+" "+resolver+" "+name).Output()
+	if err != nil {
+		t.Fatalf("DNS query helper in %s: %v: %s", dir, err, out)
+	}
+	return strings.TrimSpace(string(out))
+}
+
 // TestDNSInterception: a pod whose policy has a DNS rule asks its own
 // resolver (dnsmasq on port 53 of a loopback address) and is answered
 // through the agent's DNS proxy without knowing it: a name the rule allows
@@ -114,6 +210,21 @@ func TestDNSInterception(t *testing.T) {
 	configDir := t.TempDir()
 	writeFile(t, filepath.Join(configDir, "pods.yaml"), policyPods)
 	writeFile(t, filepath.Join(configDir, "dns.yaml"), fmt.Sprintf(dnsPolicy, resolver))
+	// The cluster DNS Service, backed by the resolver (with the socket LB).
+	writeFile(t, filepath.Join(configDir, "svc.yaml"), `apiVersion: v1
+kind: Service
+metadata: {name: kube-dns, namespace: default}
+spec:
+  clusterIP: 10.96.0.10
+  ports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: kube-dns-1, namespace: default, labels: {kubernetes.io/service-name: kube-dns}}
+addressType: IPv4
+ports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]
+endpoints: [{addresses: ["`+resolver+`"], conditions: {ready: true}}]
+`)
 	proxy := net.JoinHostPort("127.0.0.1", fmt.Sprint(freePort(t)))
 	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{
 		"--node-name=e2e-node", "--cgroup-root=" + root,
@@ -166,6 +277,15 @@ func TestDNSInterception(t *testing.T) {
 		})
 	}
 
+	// The application sees its resolver, never the proxy: recvfrom() of
+	// an AF_INET and of an AF_INET6 socket, getpeername() of TCP.
+	for _, network := range []string{"udp4", "udp6", "tcp4"} {
+		want := "from=" + resolver + ":53 rcode=NOERROR ips=" + allowedIP
+		if got := queryFrom(t, cgA, network, resolver+":53", network+".allowed.test"); got != want {
+			t.Errorf("%s query from client-a: %s, want %s", network, got, want)
+		}
+	}
+
 	var names []fqdnNameRow
 	if err := a.showJSON("fqdn-names", &names); err != nil {
 		t.Fatal(err)
@@ -175,7 +295,7 @@ func TestDNSInterception(t *testing.T) {
 		got = append(got, r.Name)
 	}
 	slices.Sort(got)
-	if want := []string{"tcp.allowed.test", "www.allowed.test"}; !slices.Equal(got, want) {
+	if want := []string{"tcp.allowed.test", "tcp4.allowed.test", "udp4.allowed.test", "udp6.allowed.test", "www.allowed.test"}; !slices.Equal(got, want) {
 		t.Errorf("fqdn-names: %v, want %v", got, want)
 	}
 
@@ -248,5 +368,29 @@ func TestDNSInterception(t *testing.T) {
 	}
 	if status, ips := ask(t, cgC, "www.denied.test", false); status != "NOERROR" || !slices.Equal(ips, []string{deniedIP}) {
 		t.Errorf("with --dns-intercept=false client-c: %s %v", status, ips)
+	}
+
+	// Through the cluster DNS Service: the socket LB sends the query to
+	// the resolver, policy sends it to the proxy, which asks the
+	// resolver; dig, which asked the Service, is answered by the
+	// Service's address.
+	a.restart(t, "--enable-socket-lb")
+	a.waitLog(t, "Intercepting the DNS of endpoints with DNS rules")
+	for _, tcp := range []bool{false, true} {
+		testenv.Eventually(t, waitTimeout, fmt.Sprintf("an answer through the DNS Service (tcp=%t)", tcp), func() (bool, string) {
+			out, err := digIn(cgA, digBin, "10.96.0.10", "svc.allowed.test", tcp)
+			status, ips := answerOf(out)
+			return err == nil && status == "NOERROR" && slices.Equal(ips, []string{allowedIP}), out
+		})
+		out, err := digIn(cgA, digBin, "10.96.0.10", "svc.denied.test", tcp)
+		if status, _ := answerOf(out); err != nil || status != "REFUSED" {
+			t.Errorf("svc.denied.test through the DNS Service (tcp=%t): %s %v\n%s", tcp, status, err, out)
+		}
+	}
+	for _, network := range []string{"udp4", "udp6", "tcp4"} {
+		want := "from=10.96.0.10:53 rcode=NOERROR ips=" + allowedIP
+		if got := queryFrom(t, cgA, network, "10.96.0.10:53", "svc-"+network+".allowed.test"); got != want {
+			t.Errorf("%s query to the DNS Service from client-a: %s, want %s", network, got, want)
+		}
 	}
 }

@@ -49,6 +49,10 @@ func runHelper() (int, bool) {
 	if code, ok := runIfaceHelper(); ok {
 		return code, true
 	}
+	if q := os.Getenv(dnsQueryEnv); q != "" {
+		fmt.Println(dnsQueryOutcome(q))
+		return 0, true
+	}
 	if addr := os.Getenv(connectEnv); addr != "" {
 		fmt.Println(connectOutcome(addr, os.Getenv(bindEnv)))
 		return 0, true
