@@ -32,8 +32,8 @@ type Proxy struct {
 	intercept Interceptor
 	patterns  patterns
 	metrics   *fqdnMetrics
-	cfg      Config
-	now      func() time.Time
+	cfg       Config
+	now       func() time.Time
 
 	mu       sync.Mutex
 	udp, tcp *dns.Server
@@ -41,8 +41,8 @@ type Proxy struct {
 	// self are the addresses the datapath sends intercepted DNS to, the
 	// proxy's own: a query intercepted on its way to one of them goes to
 	// the upstream.
-	self []netip.AddrPort
-	servers  sync.WaitGroup
+	self    []netip.AddrPort
+	servers sync.WaitGroup
 }
 
 // Addr returns the address the proxy listens on (UDP and TCP), or "" when
