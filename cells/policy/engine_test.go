@@ -480,3 +480,38 @@ func TestEngineFailClosed(t *testing.T) {
 		t.Errorf("after the fix: %+v", row)
 	}
 }
+
+// TestEngineDNS: an endpoint's row lists the names the DNS rules of its
+// egress allow rules allow, each once with the first policy (by name) that
+// allows it; a deny rule's, or another endpoint's, are not its; the row
+// changes when a policy's DNS rules do.
+func TestEngineDNS(t *testing.T) {
+	dns := func(r tables.PolicyRule, names ...string) tables.PolicyRule { r.DNS = names; return r }
+	udp53 := tables.PortRule{Protocol: tables.ProtoUDP, Port: 53}
+	e := newEngine(ModeDefault, false, nil)
+	e.setSelector("app=web", []uint32{256})
+	e.setSelector("app=db", []uint32{257})
+	e.setSelector("k8s-app=kube-dns", []uint32{300})
+	e.setPolicy("cnp/a", []tables.PolicySpec{spec("app=web",
+		dns(egress(false, []string{"k8s-app=kube-dns"}, udp53), "*.example.com", "api.example.org"))}, false, "")
+	e.setPolicy("cnp/b", []tables.PolicySpec{spec("app=web",
+		dns(egress(false, []string{"k8s-app=kube-dns"}, udp53), "*.example.com", "b.example.net"),
+		dns(egress(true, []string{"app=db"}, udp53), "denied.example"))}, false, "")
+	e.setEndpoint("default/web", endpointRow("default/web", 256, 100))
+	e.setEndpoint("default/db", endpointRow("default/db", 257, 101))
+	out := newTableOutput()
+	e.flush(out)
+	show := func(row *tables.EndpointPolicy) string { return fmt.Sprint(row.DNS) }
+	if got, want := show(out.endpoints["default/web"]), "[{*.example.com cnp/a} {api.example.org cnp/a} {b.example.net cnp/b}]"; got != want {
+		t.Errorf("web's DNS rules: %s, want %s", got, want)
+	}
+	if got := out.endpoints["default/db"].DNS; got != nil {
+		t.Errorf("db's DNS rules: %v, want none", got)
+	}
+
+	e.setPolicy("cnp/a", nil, false, "")
+	e.flush(out)
+	if got, want := show(out.endpoints["default/web"]), "[{*.example.com cnp/b} {b.example.net cnp/b}]"; got != want {
+		t.Errorf("web's DNS rules without cnp/a: %s, want %s", got, want)
+	}
+}

@@ -553,7 +553,7 @@ specs:
 `)
 	// description is a field of Rule, so not unknown.
 	wantIgnored := []string{"spec.enableDefaultDeny.audit", "spec.ingressDeny[0].icmps", "spec.nodeSelector"}
-	// DNS rules are accepted (and not enforced); other L7 rules are not.
+	// DNS rules are accepted (the DNS proxy enforces them); other L7 rules are not.
 	wantUnsupported := []string{"spec.egress[0].toPorts[0].rules.http", "specs[0].egress[0].toFQDNs[0].extra"}
 	if got := p.UnknownFields(); !slices.Equal(got, wantIgnored) {
 		t.Errorf("unknown fields %q, want %q", got, wantIgnored)
@@ -749,6 +749,53 @@ spec:
 			}
 			if len(row.Peers) != 0 || len(row.CIDRs) != 0 || len(p.peers) != 0 {
 				t.Errorf("peers %q, CIDRs %q", row.Peers, row.CIDRs)
+			}
+		})
+	}
+}
+
+// TestDNSRules: the names of an egress allow rule's DNS rules are kept on
+// the rule, normalized and each once; an empty list allows every name;
+// ingress and deny rules carry none; a bad entry makes the policy invalid.
+func TestDNSRules(t *testing.T) {
+	const web = "spec:\n  endpointSelector: {matchLabels: {app: web}}\n"
+	for _, tc := range []struct {
+		name, body string
+		want       [][]string // DNS of each rule
+		err        string
+	}{
+		{"names and patterns", web + `  egress:
+  - toPorts:
+    - ports: [{port: "53", protocol: UDP}]
+      rules: {dns: [{matchPattern: "*.Example.COM."}, {matchName: api.example.org}]}
+    - ports: [{port: "53", protocol: TCP}]
+      rules: {dns: [{matchPattern: "*.example.com"}]}`, [][]string{{"*.example.com", "api.example.org"}}, ""},
+		{"an empty list allows every name", web + `  egress: [{toPorts: [{ports: [{port: "53"}], rules: {dns: []}}]}]`, [][]string{{"*"}}, ""},
+		{"no DNS rule", web + `  egress: [{toPorts: [{ports: [{port: "53"}]}]}]`, [][]string{nil}, ""},
+		{"ingress carries none", web + `  ingress: [{toPorts: [{ports: [{port: "53"}], rules: {dns: [{matchName: a.com}]}}]}]`, [][]string{nil}, ""},
+		{"deny carries none", web + `  egressDeny: [{toPorts: [{ports: [{port: "53"}], rules: {dns: [{matchName: a.com}]}}]}]`, [][]string{nil}, ""},
+		{"neither name nor pattern", web + `  egress: [{toPorts: [{ports: [{port: "53"}], rules: {dns: [{}]}}]}]`, nil,
+			"egress[0].toPorts[0].rules.dns[0]: toFQDNs entry has neither matchName nor matchPattern"},
+		{"a bad pattern", web + `  egress: [{toPorts: [{ports: [{port: "53"}], rules: {dns: [{matchPattern: "a..b"}]}}]}]`, nil,
+			"egress[0].toPorts[0].rules.dns[0]: toFQDNs:"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pp := parseYAML(t, tc.body, false)
+			if tc.err != "" {
+				if pp.err == nil || !strings.Contains(pp.err.Error(), tc.err) {
+					t.Fatalf("error %v, want one with %q", pp.err, tc.err)
+				}
+				return
+			}
+			if pp.err != nil {
+				t.Fatalf("error: %v", pp.err)
+			}
+			var got [][]string
+			for _, r := range pp.specs[0].Rules {
+				got = append(got, r.DNS)
+			}
+			if toJSON(t, got) != toJSON(t, tc.want) {
+				t.Errorf("DNS of the rules: %v, want %v", got, tc.want)
 			}
 		})
 	}
