@@ -38,7 +38,7 @@ spec:
 // address of its own (127.53.x.1: tests run in parallel) answering
 // *.allowed.test with 127.53.x.2 and *.denied.test with 127.53.x.3, and
 // returns the three addresses once it answers.
-func startResolver(t *testing.T) (resolver, allowed, denied string) {
+func startResolver(t testing.TB) (resolver, allowed, denied string) {
 	t.Helper()
 	bin := testenv.RequireProgram(t, "dnsmasq", "/usr/sbin")
 	x := 1 + rand.IntN(250)

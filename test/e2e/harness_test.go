@@ -127,7 +127,7 @@ type process struct {
 
 // startProcess runs path with args and env (added to the test's
 // environment without its APIARY_ variables).
-func startProcess(t *testing.T, name string, env []string, path string, args ...string) *process {
+func startProcess(t testing.TB, name string, env []string, path string, args ...string) *process {
 	t.Helper()
 	p := &process{name: name, cmd: exec.Command(path, args...), log: &testenv.LogBuffer{}, done: make(chan struct{})}
 	p.cmd.Env = append(cleanEnv(), env...)
@@ -231,7 +231,7 @@ type agent struct {
 // startAgent starts an agent on a fresh state directory, pin directory (on
 // bpffs) and API port, and waits until /healthz answers 200. It needs root:
 // the test skips without it (fails under APIARY_STRICT=1).
-func startAgent(t *testing.T, opts agentOptions) *agent {
+func startAgent(t testing.TB, opts agentOptions) *agent {
 	t.Helper()
 	testenv.RequireRoot(t)
 	a := &agent{
@@ -253,7 +253,7 @@ func startAgent(t *testing.T, opts agentOptions) *agent {
 
 // start starts the agent's process with its options plus extra flags
 // (which win over earlier ones) and waits until it is healthy.
-func (a *agent) start(t *testing.T, extraFlags ...string) {
+func (a *agent) start(t testing.TB, extraFlags ...string) {
 	t.Helper()
 	a.runs++
 	name := a.name
@@ -299,7 +299,7 @@ func (a *agent) start(t *testing.T, extraFlags ...string) {
 
 // stop sends SIGTERM and checks that the agent exits with status 0 within
 // stopTimeout.
-func (a *agent) stop(t *testing.T) {
+func (a *agent) stop(t testing.TB) {
 	t.Helper()
 	if a.proc.exited() {
 		t.Fatalf("%s had exited before it was stopped: %v", a.proc.name, a.proc.err)
@@ -313,7 +313,7 @@ func (a *agent) stop(t *testing.T) {
 
 // restart stops the agent and starts it again on the same directories and
 // address, with extra flags, as an upgrade or a node reboot would.
-func (a *agent) restart(t *testing.T, extraFlags ...string) {
+func (a *agent) restart(t testing.TB, extraFlags ...string) {
 	t.Helper()
 	a.stop(t)
 	a.start(t, extraFlags...)

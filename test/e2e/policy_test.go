@@ -53,6 +53,9 @@ func runHelper() (int, bool) {
 		fmt.Println(dnsQueryOutcome(q))
 		return 0, true
 	}
+	if q := os.Getenv(dnsLoadEnv); q != "" {
+		return dnsLoad(q), true
+	}
 	if addr := os.Getenv(connectEnv); addr != "" {
 		fmt.Println(connectOutcome(addr, os.Getenv(bindEnv)))
 		return 0, true
@@ -176,7 +179,7 @@ func listen(t *testing.T, addrs ...string) {
 // helperIn returns the command that runs this test binary as a helper
 // (see runHelper) with env, started inside the cgroup dir (clone3 with
 // CLONE_INTO_CGROUP); the caller runs it before the test ends.
-func helperIn(t *testing.T, dir string, env ...string) *exec.Cmd {
+func helperIn(t testing.TB, dir string, env ...string) *exec.Cmd {
 	t.Helper()
 	f, err := os.Open(dir)
 	if err != nil {
@@ -322,7 +325,7 @@ type endpointPolicyRow struct {
 // waitEndpointPolicy waits until the policy programs are attached and
 // each named endpoint's row reads "ingress egress" as wanted, with its map
 // entry written.
-func (a *agent) waitEndpointPolicy(t *testing.T, want map[string]string) {
+func (a *agent) waitEndpointPolicy(t testing.TB, want map[string]string) {
 	t.Helper()
 	testenv.Eventually(t, waitTimeout, "the policy programs attached", func() (bool, string) {
 		var health []struct{ Scope, Message string }
@@ -357,7 +360,7 @@ func (a *agent) waitEndpointPolicy(t *testing.T, want map[string]string) {
 // mkCgroups makes the kubelet cgroups of the three pods under root, in
 // both drivers' layouts, and a container cgroup inside each; it returns
 // the container cgroups.
-func mkCgroups(t *testing.T, root string) (a, b, c string) {
+func mkCgroups(t testing.TB, root string) (a, b, c string) {
 	t.Helper()
 	dirs := []string{
 		filepath.Join(root, "kubepods", "pod"+uidA, "ctr"),
