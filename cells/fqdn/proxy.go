@@ -195,7 +195,7 @@ func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg, upstre
 			maxSize = max(int(opt.UDPSize()), dns.MinMsgSize)
 		}
 	}
-	wire, err := p.exchange(ctx, network, req, upstream)
+	wire, err := p.exchange(ctx, network, req, upstream, maxSize)
 	if err != nil {
 		p.log.Warn("DNS upstream failed, answering SERVFAIL", "name", q.Name, "upstream", upstream, "error", err)
 		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), answer{}, resultServFail
@@ -264,8 +264,11 @@ func (p *Proxy) reply(w dns.ResponseWriter, req, resp *dns.Msg) {
 
 // exchange sends req to upstream and returns the reply's bytes, not yet
 // parsed: parseAnswer decides what is malformed. Over UDP, datagrams from
-// elsewhere or with another ID are ignored, as a resolver does.
-func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upstream string) ([]byte, error) {
+// elsewhere or with another ID are ignored, as a resolver does; a reply is
+// read into maxSize+1 bytes (a bigger one is cut there, and parseAnswer
+// drops it as oversized), not 64 KiB: a buffer per query is most of the
+// garbage the proxy makes.
+func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upstream string, maxSize int) ([]byte, error) {
 	out, err := req.Pack()
 	if err != nil {
 		return nil, fmt.Errorf("pack the request: %w", err)
@@ -301,7 +304,7 @@ func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upst
 	if _, err := conn.Write(out); err != nil {
 		return nil, err
 	}
-	buf := make([]byte, dns.MaxMsgSize)
+	buf := make([]byte, min(maxSize+1, dns.MaxMsgSize))
 	for {
 		n, err := conn.Read(buf)
 		if err != nil {
