@@ -1,6 +1,8 @@
-// Package fqdn implements DNS-based policy: a DNS proxy that forwards the
-// workloads' queries to the upstream resolver, and for every answer whose
-// name matches FQDN selectors (toFQDNs matchName/matchPattern) labels the
+// Package fqdn implements DNS-based policy: a DNS proxy that answers the
+// queries policy enforcement intercepts from pods with DNS rules
+// (Interceptor), refusing names the rules do not allow and forwarding the
+// others to the resolver the pod asked, and for every answer whose name
+// matches FQDN selectors (toFQDNs matchName/matchPattern) labels the
 // answer's addresses with those selectors' labels ("fqdn:<pattern>", owner
 // "fqdn/<name>" in the prefixes table) before the answer reaches the
 // client. IPs with the same selectors share one identity. The cell owns the
@@ -280,7 +282,7 @@ func newProxy(p proxyParams) (*Proxy, error) {
 // DNS of endpoints with a DNS rule is denied: the scope says that too.
 func setInterception(log *slog.Logger, h cell.Health, ic Interceptor, listen net.Addr, intercept bool) {
 	if ic == nil {
-		h.OK("Not available: no policy enforcement")
+		h.OK("Off: no policy enforcement, so no DNS rule applies")
 		return
 	}
 	var v4, v6 netip.AddrPort

@@ -18,9 +18,11 @@ import (
 	"github.com/apiary-net/apiary/cells/ipcache"
 )
 
-// Proxy is the DNS proxy: it forwards queries to the upstream and, for
-// answers naming a name an FQDN selector matches, labels the addresses and
-// holds the answer until the ipcache map has them (bounded by
+// Proxy is the DNS proxy: it answers intercepted queries as the client's
+// DNS rules say (refused, or forwarded to the resolver the client asked)
+// and others by forwarding them to the upstream, and, for answers naming a
+// name an FQDN selector matches, labels the addresses and holds the answer
+// until the ipcache map has them (bounded by
 // --tofqdns-proxy-response-max-delay).
 type Proxy struct {
 	log      *slog.Logger

@@ -280,12 +280,13 @@ type interceptorParams struct {
 	Monitor   *Monitor
 }
 
-// newInterceptor returns the DNS proxy's side of DNS interception.
+// newInterceptor returns the DNS proxy's side of DNS interception; none
+// with --enable-policy=never, where no program runs.
 func newInterceptor(p interceptorParams) fqdn.Interceptor {
-	return &interceptor{
-		maps: p.Maps, db: p.DB, endpoints: p.Endpoints, monitor: p.Monitor,
-		never: p.Config.EnablePolicy == ModeNever,
+	if p.Config.EnablePolicy == ModeNever {
+		return nil
 	}
+	return &interceptor{maps: p.Maps, db: p.DB, endpoints: p.Endpoints, monitor: p.Monitor}
 }
 
 type attacherParams struct {

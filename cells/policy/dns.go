@@ -80,8 +80,6 @@ type interceptor struct {
 	db        *statedb.DB
 	endpoints statedb.Table[*tables.EndpointPolicy]
 	monitor   *Monitor
-	// never: --enable-policy=never, no program runs, nothing to tell.
-	never bool
 
 	mu     sync.Mutex
 	rows   map[uint32]*tables.EndpointPolicy // by ID
@@ -90,9 +88,6 @@ type interceptor struct {
 
 // SetProxy implements fqdn.Interceptor.
 func (i *interceptor) SetProxy(proxy4, proxy6 netip.AddrPort, intercept bool) error {
-	if i.never {
-		return nil
-	}
 	cfg, err := bpf.NewDNSConfig(proxy4, proxy6, intercept)
 	if err != nil {
 		return err
@@ -109,9 +104,6 @@ func (i *interceptor) SetProxy(proxy4, proxy6 netip.AddrPort, intercept bool) er
 
 // Origin implements fqdn.Interceptor.
 func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin, bool) {
-	if i.never {
-		return fqdn.Origin{}, false
-	}
 	_, origin, _, err := i.maps.get()
 	if err != nil {
 		return fqdn.Origin{}, false
