@@ -71,6 +71,9 @@ func newDatapathEvents(t testing.TB, eventsSize uint32) *datapath {
 		Stats:     newMap(bpf.PolicyStatsMapSpec()),
 		IPCache:   newMap(bpf.IPCacheMapSpec(1024)),
 		Events:    newMap(bpf.PolicyEventsMapSpec(eventsSize)),
+		DNSSock:   newMap(dnsSockSpec(t)),
+		DNSOrigin: newMap(bpf.DNSOriginMapSpec()),
+		DNSConfig: newMap(bpf.DNSConfigMapSpec()),
 	}, start: monotonicNow(t)}
 	progs, err := Load(d.maps)
 	if err != nil {
@@ -214,6 +217,20 @@ func stat(s [bpf.PolicyStatsEntries]uint64, dir uint8, verdict int) uint64 {
 }
 
 // sockSpec is the spec of policy_sk, from the object.
+// dnsSockSpec returns the spec of dns_sk, from the object.
+func dnsSockSpec(t testing.TB) *ebpf.MapSpec {
+	t.Helper()
+	spec, err := Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ms, err := bpf.DNSSockMapSpec(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ms
+}
+
 func sockSpec(t testing.TB) *ebpf.MapSpec {
 	t.Helper()
 	spec, err := Spec()
