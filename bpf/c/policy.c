@@ -1253,6 +1253,20 @@ static __always_inline struct iface_frag frag_key(__u32 ifindex, const struct pk
 	};
 }
 
+/* to_dns_proxy tells whether c goes to the DNS proxy (dns_config). */
+static __always_inline int to_dns_proxy(const struct conn *c)
+{
+	__u32 zero = 0;
+	struct dns_config *cfg = bpf_map_lookup_elem(&dns_config, &zero);
+
+	if (!cfg || (c->protocol != IPPROTO_TCP && c->protocol != IPPROTO_UDP))
+		return 0;
+	if (is_v4mapped(&c->remote_addr))
+		return cfg->proxy4 && c->remote_addr.p[3] == cfg->proxy4 && c->remote_port == cfg->port4;
+	return (cfg->proxy6[0] | cfg->proxy6[1] | cfg->proxy6[2] | cfg->proxy6[3]) &&
+	       dns_same(c->remote_addr.p, cfg->proxy6) && c->remote_port == cfg->port6;
+}
+
 /*
  * iface_decide judges a packet of the pod's interface ifindex in direction
  * dir (egress: from the pod), c seen from the pod; 1 passes it. A packet
@@ -1293,6 +1307,11 @@ static __always_inline int iface_decide(struct __sk_buff *skb, __u32 ifindex, co
 	flows = bpf_map_lookup_elem(&policy_iface_flows, &ifindex);
 	if (iface_flow_known(flows, &key))
 		goto pass;
+	/* The queries the socket hooks sent to the DNS proxy, whose policy
+	 * they judged on the resolver asked: the proxy applies the pod's DNS
+	 * rules to them, and to any other packet it gets from the pod. */
+	if (dir == DIR_EGRESS && (ep->flags & EP_DNS) && to_dns_proxy(c))
+		goto remember;
 	if (ep->flags & enforce) {
 		d = judge(ep, c, dir);
 		if (d.verdict == VERDICT_DENIED && c->protocol == IPPROTO_TCP && !(ep->flags & EP_UNCLASSIFIED) &&
@@ -1306,6 +1325,7 @@ static __always_inline int iface_decide(struct __sk_buff *skb, __u32 ifindex, co
 			return 0;
 		}
 	}
+remember:
 	if (flows)
 		bpf_map_update_elem(flows, &key, &one, BPF_ANY);
 pass:

@@ -147,6 +147,10 @@ type InterfaceMaps struct {
 	// IfaceStats counts packet-level verdicts and drops
 	// (bpf.PolicyIfaceStatsMapSpec).
 	IfaceStats *ebpf.Map
+	// DNSConfig says where the DNS proxy is (bpf.DNSConfigMap): the
+	// queries the socket hooks sent there pass. Nil: a map of the
+	// object's own, with no proxy.
+	DNSConfig *ebpf.Map
 }
 
 // LoadInterface loads FromPod and ToPod, and only them, on m (see Load).
@@ -161,8 +165,10 @@ func LoadInterface(m InterfaceMaps) (map[string]*ebpf.Program, error) {
 			delete(spec.Programs, name)
 		}
 	}
-	// Only the socket programs use it; nothing would replace it.
-	delete(spec.Maps, policyprogMapPolicySk)
+	// Only the socket programs use these; nothing would replace them.
+	for _, name := range []string{policyprogMapPolicySk, policyprogMapDnsSk, policyprogMapDnsOrigin} {
+		delete(spec.Maps, name)
+	}
 	repl := map[string]*ebpf.Map{
 		policyprogMapPolicy:           m.Policy,
 		policyprogMapPolicyEndpoints:  m.Endpoints,
@@ -173,6 +179,9 @@ func LoadInterface(m InterfaceMaps) (map[string]*ebpf.Program, error) {
 		policyprogMapPolicyIfaceFlows: m.Flows,
 		policyprogMapPolicyIfaceFrags: m.Frags,
 		policyprogMapPolicyIfaceStats: m.IfaceStats,
+	}
+	if m.DNSConfig != nil {
+		repl[policyprogMapDnsConfig] = m.DNSConfig
 	}
 	return bpf.LoadPrograms(spec, repl, "pod interface programs")
 }

@@ -137,7 +137,7 @@ func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 	if p.intercept != nil && v.Client.IsValid() {
 		if o, ok := p.intercept.Origin(proto, v.Client); ok {
 			v.Endpoint = o.Endpoint
-			if !p.isSelf(o.Resolver) {
+			if o.Resolver.IsValid() && !p.isSelf(o.Resolver) {
 				v.Resolver, upstream = o.Resolver, o.Resolver.String()
 			}
 			rule, allowed := p.patterns.allowedBy(o.Rules, q.Name)

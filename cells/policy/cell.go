@@ -277,6 +277,7 @@ type interceptorParams struct {
 	DB        *statedb.DB
 	Maps      *dnsMaps
 	Endpoints statedb.RWTable[*tables.EndpointPolicy]
+	Pods      statedb.Table[*tables.Endpoint]
 	Monitor   *Monitor
 }
 
@@ -286,7 +287,7 @@ func newInterceptor(p interceptorParams) fqdn.Interceptor {
 	if p.Config.EnablePolicy == ModeNever {
 		return nil
 	}
-	return &interceptor{maps: p.Maps, db: p.DB, endpoints: p.Endpoints, monitor: p.Monitor}
+	return &interceptor{maps: p.Maps, db: p.DB, endpoints: p.Endpoints, pods: p.Pods, monitor: p.Monitor}
 }
 
 type attacherParams struct {

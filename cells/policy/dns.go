@@ -81,9 +81,15 @@ type interceptor struct {
 	endpoints statedb.Table[*tables.EndpointPolicy]
 	monitor   *Monitor
 
+	// pods gives the endpoints' addresses, for a query that reached the
+	// proxy without passing the socket hooks.
+	pods statedb.Table[*tables.Endpoint]
+
 	mu     sync.Mutex
 	rows   map[uint32]*tables.EndpointPolicy // by ID
 	rowsAt statedb.Revision
+	byAddr map[netip.Addr]string // endpoint names by address
+	podsAt statedb.Revision
 }
 
 // SetProxy implements fqdn.Interceptor.
@@ -110,13 +116,45 @@ func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin
 	}
 	var v bpf.DNSOrigin
 	if err := origin.Lookup(bpf.NewDNSOriginKey(protocol, client), &v); err != nil {
-		return fqdn.Origin{}, false
+		return i.originByAddr(client.Addr())
 	}
 	o := fqdn.Origin{Resolver: v.ResolverAddr()}
 	if row := i.endpointRow(v.EndpointID); row != nil {
 		o.Endpoint, o.Rules = row.Name, row.DNS
 	}
 	return o, true
+}
+
+// originByAddr is the origin of a query the socket hooks did not publish:
+// one a pod made without a socket (a packet socket, which the programs on
+// its interface let through to the proxy only), or whose entry was pushed
+// out. A pod with DNS rules gets them, asked of the proxy's upstream: its
+// DNS is never unfiltered.
+func (i *interceptor) originByAddr(addr netip.Addr) (fqdn.Origin, bool) {
+	if i.pods == nil {
+		return fqdn.Origin{}, false
+	}
+	rtxn := i.db.ReadTxn()
+	i.mu.Lock()
+	if rev := i.pods.Revision(rtxn); rev != i.podsAt || i.byAddr == nil {
+		i.podsAt = rev
+		i.byAddr = map[netip.Addr]string{}
+		for ep := range i.pods.All(rtxn) {
+			for _, a := range ep.IPs {
+				i.byAddr[a] = ep.Name
+			}
+		}
+	}
+	name, ok := i.byAddr[addr.Unmap()]
+	i.mu.Unlock()
+	if !ok {
+		return fqdn.Origin{}, false
+	}
+	row, _, found := i.endpoints.Get(rtxn, tables.EndpointPolicyNameIndex.Query(name))
+	if !found || len(row.DNS) == 0 {
+		return fqdn.Origin{}, false
+	}
+	return fqdn.Origin{Endpoint: row.Name, Rules: row.DNS}, true
 }
 
 // endpointRow returns the endpoint-policy row of an endpoint ID, nil for

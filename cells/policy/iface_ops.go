@@ -94,12 +94,17 @@ func (o *ifaceOps) load() error {
 		}
 		o.maps = m
 	}
+	_, _, dnsConfig, err := o.a.dns.get()
+	if err != nil {
+		return err
+	}
 	var progs map[string]*ebpf.Program
 	err = o.policy.Maps(func(policy, endpoints *ebpf.Map) error {
 		return o.ipcache.WithMap(func(ipc *ebpf.Map) error {
 			progs, err = policyprog.LoadInterface(policyprog.InterfaceMaps{
 				Policy: policy, Endpoints: endpoints, Stats: stats, IPCache: ipc, Events: events,
 				Ifaces: o.maps.ifaces, Flows: o.maps.flows, Frags: o.maps.frags, IfaceStats: o.maps.stats,
+				DNSConfig: dnsConfig,
 			})
 			return err
 		})
