@@ -19,6 +19,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/miekg/dns"
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/internal/testenv"
@@ -92,7 +93,26 @@ const (
 	// udpSendEnv: send datagrams from one ordinary UDP socket, each
 	// "dst:port:payload", separated by ";".
 	udpSendEnv = "E2E_UDP_SEND"
+	// pktDNSEnv: send a DNS query for A records of a name through an
+	// AF_PACKET socket, as pktSendEnv: "src>dst:port:name".
+	pktDNSEnv = "E2E_PKT_DNS"
 )
+
+// pktDNS sends a DNS query made by hand through a packet socket: no
+// socket hook sees it, so nothing tells the DNS proxy whom it is for.
+func pktDNS(spec, mac string) error {
+	grams, err := parseDatagrams(spec)
+	if err != nil {
+		return err
+	}
+	q := new(dns.Msg).SetQuestion(dns.Fqdn(grams[0].payload), dns.TypeA)
+	wire, err := q.Pack()
+	if err != nil {
+		return err
+	}
+	grams[0].payload = string(wire)
+	return sendFrames(grams[:1], mac)
+}
 
 func runIfaceHelper() (int, bool) {
 	if spec := os.Getenv(pktSendEnv); spec != "" {
@@ -103,6 +123,9 @@ func runIfaceHelper() (int, bool) {
 	}
 	if spec := os.Getenv(udpSendEnv); spec != "" {
 		return reportErr(udpSend(spec)), true
+	}
+	if spec := os.Getenv(pktDNSEnv); spec != "" {
+		return reportErr(pktDNS(spec, os.Getenv(pktMACEnv))), true
 	}
 	return 0, false
 }
@@ -149,6 +172,12 @@ func pktSend(spec, mac string) error {
 	if err != nil {
 		return err
 	}
+	return sendFrames(grams, mac)
+}
+
+// sendFrames sends each datagram as an IP packet through a packet socket
+// on eth0, to the MAC mac.
+func sendFrames(grams []datagram, mac string) error {
 	hw, err := net.ParseMAC(mac)
 	if err != nil {
 		return err
@@ -354,6 +383,13 @@ func ipCmd(t *testing.T, args ...string) {
 // them when the test ends.
 func makeIfPod(t *testing.T, root, uid, name, addr4, addr6 string) *ifPod {
 	t.Helper()
+	return makeIfPodVia(t, root, uid, name, ifGw4, ifGw6, addr4, addr6)
+}
+
+// makeIfPodVia is makeIfPod with the gateway addresses gw4 and gw6 on the
+// host side.
+func makeIfPodVia(t *testing.T, root, uid, name, gw4, gw6, addr4, addr6 string) *ifPod {
+	t.Helper()
 	p := &ifPod{
 		netns:  fmt.Sprintf("apiary-e2e-%s-%d", name, os.Getpid()),
 		hostIf: fmt.Sprintf("e2e%s%d", name, os.Getpid()%100000),
@@ -370,16 +406,16 @@ func makeIfPod(t *testing.T, root, uid, name, addr4, addr6 string) *ifPod {
 	if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+p.hostIf+"/accept_dad", []byte("0"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	ipCmd(t, "addr", "add", ifGw4+"/32", "dev", p.hostIf)
-	ipCmd(t, "-6", "addr", "add", ifGw6+"/128", "dev", p.hostIf, "nodad")
+	ipCmd(t, "addr", "add", gw4+"/32", "dev", p.hostIf)
+	ipCmd(t, "-6", "addr", "add", gw6+"/128", "dev", p.hostIf, "nodad")
 	ipCmd(t, "link", "set", p.hostIf, "up")
 	ipCmd(t, "route", "add", addr4+"/32", "dev", p.hostIf)
 	ipCmd(t, "-6", "route", "add", addr6+"/128", "dev", p.hostIf)
 	inNS("ip", "addr", "add", addr4+"/32", "dev", "eth0")
 	inNS("ip", "-6", "addr", "add", addr6+"/128", "dev", "eth0", "nodad")
 	inNS("ip", "link", "set", "eth0", "up")
-	inNS("ip", "route", "add", "default", "via", ifGw4, "dev", "eth0", "onlink")
-	inNS("ip", "-6", "route", "add", "default", "via", ifGw6, "dev", "eth0", "onlink")
+	inNS("ip", "route", "add", "default", "via", gw4, "dev", "eth0", "onlink")
+	inNS("ip", "-6", "route", "add", "default", "via", gw6, "dev", "eth0", "onlink")
 
 	p.cgroup = filepath.Join(root, "kubepods", "besteffort", "pod"+uid)
 	if err := os.MkdirAll(p.cgroup, 0o755); err != nil {
@@ -702,5 +738,116 @@ func (a *agent) waitPodInterfaces(t *testing.T, want map[string]string) {
 			}
 		}
 		return fmt.Sprint(got) == fmt.Sprint(want), fmt.Sprintf("%+v", rows)
+	})
+}
+
+// Addresses of TestDNSInterceptionInPodNetns: a pod of its own network
+// namespace, its resolver (dnsmasq) on the node's side of its veth.
+const (
+	uidIfDNS   = "1c1c1c1c-0000-4000-8000-00000000001c"
+	dnsGw4     = "10.233.0.1"
+	dnsGw6     = "fd00:e4::1"
+	dnsPod4    = "10.233.0.11"
+	dnsPod6    = "fd00:e4::11"
+	dnsAllowed = "10.233.1.2" // what dnsmasq answers for *.allowed.test
+)
+
+const ifDNSPods = `apiVersion: v1
+kind: Namespace
+metadata: {name: default}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: ifdns, namespace: default, uid: ` + uidIfDNS + `, labels: {app: ifdns}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
+status: {phase: Running, podIP: ` + dnsPod4 + `, podIPs: [{ip: ` + dnsPod4 + `}, {ip: "` + dnsPod6 + `"}]}
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: ifdns, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: ifdns}}
+  egress:
+  - toEntities: [host]
+    toPorts:
+    - ports: [{port: "53", protocol: ANY}]
+      rules: {dns: [{matchPattern: "*.allowed.test"}]}
+`
+
+// TestDNSInterceptionInPodNetns: a pod in a network namespace of its own
+// (as a real pod is) asks its resolver, on the node, through the agent's
+// DNS proxy without knowing it, across the programs on its interface: an
+// allowed name is answered, another is REFUSED, over UDP and TCP. A query
+// the pod writes by hand on a packet socket to the proxy's address, past
+// every socket hook, meets the pod's DNS rules too (refused, in apiary
+// monitor), not an unfiltered upstream.
+func TestDNSInterceptionInPodNetns(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	testenv.RequireProgram(t, "ip")
+	digBin := testenv.RequireProgram(t, "dig")
+	dnsmasq := testenv.RequireProgram(t, "dnsmasq", "/usr/sbin")
+	root := testenv.Cgroup(t)
+	pod := makeIfPodVia(t, root, uidIfDNS, "ifd", dnsGw4, dnsGw6, dnsPod4, dnsPod6)
+	startProcess(t, "dnsmasq", nil, dnsmasq,
+		"--keep-in-foreground", "--conf-file=/dev/null", "--pid-file",
+		"--no-resolv", "--no-hosts", "--listen-address="+dnsGw4, "--bind-interfaces",
+		"--port=53", "--log-queries", "--log-facility=-", "--address=/allowed.test/"+dnsAllowed,
+		"--address=/denied.test/10.233.1.3")
+
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), ifDNSPods)
+	proxyPort := freePort(t)
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{
+		"--node-name=e2e-node", "--cgroup-root=" + root, "--node-ips=" + dnsGw4,
+		// The proxy listens where the pod can reach it: the node's side
+		// of its veth.
+		"--dns-proxy-addr=" + net.JoinHostPort(dnsGw4, strconv.Itoa(proxyPort)), "--dns-upstream=127.0.0.1:1",
+	}})
+	a.waitPodInterfaces(t, map[string]string{"default/ifdns": pod.hostIf})
+	a.waitLog(t, "Intercepting the DNS of endpoints with DNS rules")
+	mon := startProcess(t, "apiary monitor", nil, apiaryBin, "monitor", "--type", "dns", "-o", "json", "--server", "http://"+a.addr)
+
+	dig := func(name string, tcp bool) (string, []string) {
+		args := []string{"@" + dnsGw4, name, "A", "+time=5", "+tries=1"}
+		if tcp {
+			args = append(args, "+tcp")
+		}
+		out, _ := pod.command(t, true, nil, append([]string{digBin}, args...)...).CombinedOutput()
+		return answerOf(string(out))
+	}
+	for _, tcp := range []bool{false, true} {
+		t.Run(fmt.Sprintf("tcp=%t", tcp), func(t *testing.T) {
+			testenv.Eventually(t, waitTimeout, "an allowed name answered", func() (bool, string) {
+				status, ips := dig("www.allowed.test", tcp)
+				return status == "NOERROR" && fmt.Sprint(ips) == "["+dnsAllowed+"]", fmt.Sprint(status, ips)
+			})
+			if status, ips := dig("www.denied.test", tcp); status != "REFUSED" || len(ips) != 0 {
+				t.Errorf("www.denied.test: %s %v, want REFUSED", status, ips)
+			}
+		})
+	}
+
+	// Past the socket hooks: a query on a packet socket to the proxy.
+	mac, err := net.InterfaceByName(pod.hostIf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := dnsGw4 + ":" + strconv.Itoa(proxyPort)
+	testenv.Eventually(t, waitTimeout, "the hand-made query refused by the pod's DNS rules", func() (bool, string) {
+		pod.run(t, true, pktMACEnv+"="+mac.HardwareAddr.String(), pktDNSEnv+"="+dnsPod4+">"+proxy+":raw.denied.test")
+		for line := range strings.Lines(mon.log.String()) {
+			var v struct {
+				Endpoint, Verdict string
+				DNS               struct{ Query string }
+			}
+			if json.Unmarshal([]byte(line), &v) == nil && v.DNS.Query == "raw.denied.test." {
+				if v.Endpoint != "default/ifdns" || v.Verdict != "denied" {
+					t.Fatalf("the hand-made query: %s", line)
+				}
+				return true, line
+			}
+		}
+		return false, mon.log.Tail(5)
 	})
 }
