@@ -36,6 +36,9 @@ type IPCache struct {
 	mu     sync.Mutex
 	m      *ebpf.Map
 	shadow map[bpf.IPCacheKey]bpf.IPCacheValue
+	// drift, if set, makes Prune a resync: the map is read and what
+	// differs from shadow is repaired.
+	drift *Drift
 
 	writes, deletes atomic.Uint64
 }
@@ -190,8 +193,26 @@ func (c *IPCache) deleteLocked(k bpf.IPCacheKey) error {
 	return nil
 }
 
-// Prune implements reconciler.Operations: entries the table doesn't hold
-// (left by an earlier run, or for prefixes without identity) are deleted.
+// ResyncWith makes every Prune first compare the map with what the
+// operations wrote and repair it, reporting to d (nil: no resync).
+func (c *IPCache) ResyncWith(d *Drift) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.drift = d
+}
+
+// resyncLocked repairs drift of the map (see resyncMap).
+func (c *IPCache) resyncLocked() error {
+	if c.drift == nil || c.m == nil {
+		return nil
+	}
+	n, err := resyncMap(c.m, c.shadow)
+	return errors.Join(err, c.drift.Report(bpf.IPCacheMap, n))
+}
+
+// Prune implements reconciler.Operations: it repairs drift of the map
+// (ResyncWith), then entries the table doesn't hold (left by an earlier
+// run, or for prefixes without identity) are deleted.
 func (c *IPCache) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*tables.IPCacheEntry, statedb.Revision]) error {
 	want := map[bpf.IPCacheKey]struct{}{}
 	for e := range objs {
@@ -201,7 +222,7 @@ func (c *IPCache) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*ta
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	var errs []error
+	errs := []error{c.resyncLocked()}
 	for k := range c.shadow {
 		if _, ok := want[k]; !ok {
 			if err := c.deleteLocked(k); err != nil {
