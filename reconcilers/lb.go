@@ -79,6 +79,9 @@ type LB struct {
 	orphans       []*beState
 	nextServiceID uint16
 	nextBackendID uint32
+	// drift, if set, makes Prune a resync: the maps are read and what
+	// differs from the mirror is repaired.
+	drift *Drift
 }
 
 // feState is what the maps hold for one frontend.
@@ -261,15 +264,17 @@ func (l *LB) DeleteBatch(_ context.Context, _ statedb.ReadTxn, batch []reconcile
 }
 
 // Prune implements reconciler.Operations. It runs once every source of
-// frontends has synced, and removes what the maps hold for frontends that
-// no longer exist, backends no frontend uses, and entries that the mirror
-// cannot explain (written by someone else, or left by a crash).
+// frontends has synced: it repairs drift of the maps (ResyncWith), then
+// removes what the maps hold for frontends that no longer exist, backends
+// no frontend uses, and entries that the mirror cannot explain (written by
+// someone else, or left by a crash).
 func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tables.Frontend, statedb.Revision]) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if err := l.ensureOpen(); err != nil {
 		return err
 	}
+	resyncErr := l.resyncLocked()
 	want := map[tables.L4Addr]struct{}{}
 	used := map[tables.L4Addr]struct{}{}
 	for f := range desired {
@@ -327,7 +332,7 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 	if err := l.pruneStray(); err != nil {
 		errs = append(errs, err)
 	}
-	return errors.Join(errs...)
+	return errors.Join(append(errs, resyncErr)...)
 }
 
 // allocServiceID returns the next free service ID after the last one handed

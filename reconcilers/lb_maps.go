@@ -399,21 +399,13 @@ func (m *lbMaps) run(ops []*lbOp) (int, error) {
 	case lb6Services:
 		return runOps(mm, ops, func(o *lbOp) bpf.LB6ServiceKey { return serviceKey6(o.addr, o.slot) }, serviceValue)
 	case lb4Backends:
-		return runOps(mm, ops, backendID, func(o *lbOp) bpf.LB4BackendValue {
-			return bpf.LB4BackendValue{Address: o.addr.Addr.As4(), Port: bpf.NewBe16(o.addr.Port), Proto: uint8(o.addr.Proto), State: o.state}
-		})
+		return runOps(mm, ops, backendID, func(o *lbOp) bpf.LB4BackendValue { return backend4Value(o.addr, o.state) })
 	case lb6Backends:
-		return runOps(mm, ops, backendID, func(o *lbOp) bpf.LB6BackendValue {
-			return bpf.LB6BackendValue{Address: o.addr.Addr.As16(), Port: bpf.NewBe16(o.addr.Port), Proto: uint8(o.addr.Proto), State: o.state}
-		})
+		return runOps(mm, ops, backendID, func(o *lbOp) bpf.LB6BackendValue { return backend6Value(o.addr, o.state) })
 	case lb4RevNat:
-		return runOps(mm, ops, revNatKey, func(o *lbOp) bpf.LB4RevNatValue {
-			return bpf.LB4RevNatValue{Address: o.addr.Addr.As4(), Port: bpf.NewBe16(o.addr.Port)}
-		})
+		return runOps(mm, ops, revNatKey, func(o *lbOp) bpf.LB4RevNatValue { return revNat4Value(o.addr) })
 	case lb6RevNat:
-		return runOps(mm, ops, revNatKey, func(o *lbOp) bpf.LB6RevNatValue {
-			return bpf.LB6RevNatValue{Address: o.addr.Addr.As16(), Port: bpf.NewBe16(o.addr.Port)}
-		})
+		return runOps(mm, ops, revNatKey, func(o *lbOp) bpf.LB6RevNatValue { return revNat6Value(o.addr) })
 	default:
 		return runOps(mm, ops, func(o *lbOp) bpf.LBAffinityMatchKey {
 			return bpf.LBAffinityMatchKey{BackendID: o.id, RevNat: bpf.NewBe16(o.revNat)}

@@ -295,7 +295,7 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 		}
 		op := run.newOp()
 		*op = lbOp{m: services, owner: p, fe: fe, addr: fe.addr, slot: uint16(i + 1),
-			svc: bpf.LB4ServiceValue{BackendID: id, RevNat: bpf.NewBe16(fe.id), Flags: p.flags},
+			svc: slotValue(id, fe.id, p.flags),
 		}
 		run.add(stepSlots, op)
 	}
@@ -401,7 +401,7 @@ func (l *LB) addMaster(run *lbRun, step int, p *lbPlan, count, qcount uint16, fl
 	fe := p.fe
 	op := run.newOp()
 	*op = lbOp{m: lbMapFor(roleServices, fe.addr), owner: p, fe: fe, addr: fe.addr,
-		svc: bpf.LB4ServiceValue{BackendID: affinity, Count: count, QCount: qcount, RevNat: bpf.NewBe16(fe.id), Flags: flags},
+		svc: masterValue(fe.id, count, qcount, flags, affinity),
 	}
 	run.add(step, op)
 }

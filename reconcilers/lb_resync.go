@@ -1,0 +1,130 @@
+package reconcilers
+
+import (
+	"errors"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// ResyncWith makes every Prune first compare the load-balancing maps with
+// what the mirror says they hold and repair them, reporting to d (nil: no
+// resync).
+func (l *LB) ResyncWith(d *Drift) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.drift = d
+}
+
+// lbWant is what the mirror says each load-balancing map holds.
+type lbWant struct {
+	services4 map[bpf.LB4ServiceKey]bpf.LB4ServiceValue
+	services6 map[bpf.LB6ServiceKey]bpf.LB6ServiceValue
+	backends4 map[uint32]bpf.LB4BackendValue
+	backends6 map[uint32]bpf.LB6BackendValue
+	revNat4   map[bpf.Be16]bpf.LB4RevNatValue
+	revNat6   map[bpf.Be16]bpf.LB6RevNatValue
+	affinity  map[bpf.LBAffinityMatchKey]uint8
+}
+
+// want derives the maps' contents from the mirror. Slots the mirror knows
+// to be missing (backend ID 0) are left out.
+func (l *LB) want() lbWant {
+	w := lbWant{
+		services4: map[bpf.LB4ServiceKey]bpf.LB4ServiceValue{},
+		services6: map[bpf.LB6ServiceKey]bpf.LB6ServiceValue{},
+		backends4: map[uint32]bpf.LB4BackendValue{},
+		backends6: map[uint32]bpf.LB6BackendValue{},
+		revNat4:   map[bpf.Be16]bpf.LB4RevNatValue{},
+		revNat6:   map[bpf.Be16]bpf.LB6RevNatValue{},
+		affinity:  map[bpf.LBAffinityMatchKey]uint8{},
+	}
+	service := func(addr tables.L4Addr, slot uint16, v bpf.LB4ServiceValue) {
+		if addr.Addr.Is4() {
+			w.services4[serviceKey4(addr, slot)] = v
+		} else {
+			w.services6[serviceKey6(addr, slot)] = v
+		}
+	}
+	for fe := range l.allFrontends() {
+		if fe.master {
+			service(fe.addr, 0, masterValue(fe.id, fe.count, fe.qcount, fe.flags, fe.affinity))
+		}
+		for i, id := range fe.slots {
+			if id != 0 {
+				service(fe.addr, uint16(i+1), slotValue(id, fe.slotsID, fe.slotsFlags))
+			}
+		}
+		if fe.revNat {
+			if fe.addr.Addr.Is4() {
+				w.revNat4[bpf.NewBe16(fe.id)] = revNat4Value(fe.addr)
+			} else {
+				w.revNat6[bpf.NewBe16(fe.id)] = revNat6Value(fe.addr)
+			}
+		}
+		for _, id := range fe.matched {
+			w.affinity[bpf.LBAffinityMatchKey{BackendID: id, RevNat: bpf.NewBe16(fe.id)}] = 0
+		}
+	}
+	for id, be := range l.backendByID {
+		switch {
+		case !be.written:
+		case be.addr.Addr.Is4():
+			w.backends4[id] = backend4Value(be.addr, be.state)
+		default:
+			w.backends6[id] = backend6Value(be.addr, be.state)
+		}
+	}
+	return w
+}
+
+// resyncLocked repairs drift of every load-balancing map (see resyncMap)
+// against the mirror. The repairs count as map operations too.
+func (l *LB) resyncLocked() error {
+	if l.drift == nil || l.maps == nil {
+		return nil
+	}
+	w := l.want()
+	return errors.Join(
+		resyncLBMap(l, lb4Services, w.services4),
+		resyncLBMap(l, lb6Services, w.services6),
+		resyncLBMap(l, lb4Backends, w.backends4),
+		resyncLBMap(l, lb6Backends, w.backends6),
+		resyncLBMap(l, lb4RevNat, w.revNat4),
+		resyncLBMap(l, lb6RevNat, w.revNat6),
+		resyncLBMap(l, lbAffinityMatch, w.affinity),
+	)
+}
+
+func resyncLBMap[K, V comparable](l *LB, kind lbMapKind, want map[K]V) error {
+	c, err := resyncMap(l.maps[kind], want)
+	l.Ops.add(kind, false, c.Missing+c.Changed)
+	l.Ops.add(kind, true, c.Stray)
+	return errors.Join(err, l.drift.Report(lbMapNames[kind], c))
+}
+
+// The values the maps hold, made in one place for writes and resyncs.
+
+func masterValue(id, count, qcount uint16, flags bpf.ServiceFlags, affinity uint32) bpf.LB4ServiceValue {
+	return bpf.LB4ServiceValue{BackendID: affinity, Count: count, QCount: qcount, RevNat: bpf.NewBe16(id), Flags: flags}
+}
+
+func slotValue(backend uint32, id uint16, flags bpf.ServiceFlags) bpf.LB4ServiceValue {
+	return bpf.LB4ServiceValue{BackendID: backend, RevNat: bpf.NewBe16(id), Flags: flags}
+}
+
+func backend4Value(addr tables.L4Addr, state bpf.BackendState) bpf.LB4BackendValue {
+	return bpf.LB4BackendValue{Address: addr.Addr.As4(), Port: bpf.NewBe16(addr.Port), Proto: uint8(addr.Proto), State: state}
+}
+
+func backend6Value(addr tables.L4Addr, state bpf.BackendState) bpf.LB6BackendValue {
+	return bpf.LB6BackendValue{Address: addr.Addr.As16(), Port: bpf.NewBe16(addr.Port), Proto: uint8(addr.Proto), State: state}
+}
+
+func revNat4Value(addr tables.L4Addr) bpf.LB4RevNatValue {
+	return bpf.LB4RevNatValue{Address: addr.Addr.As4(), Port: bpf.NewBe16(addr.Port)}
+}
+
+func revNat6Value(addr tables.L4Addr) bpf.LB6RevNatValue {
+	return bpf.LB6RevNatValue{Address: addr.Addr.As16(), Port: bpf.NewBe16(addr.Port)}
+}
