@@ -25,16 +25,16 @@ func driftMetric(mapName, kind string) string {
 	return fmt.Sprintf("apiary_bpf_map_drift_repaired_total{kind=%q,map=%q}", kind, mapName)
 }
 
-// waitDriftRepaired waits until the agent has counted at least one repair
-// of each kind of mapName.
-func (a *agent) waitDriftRepaired(t *testing.T, mapName string, kinds ...string) {
+// waitDriftRepaired waits until the agent has counted at least atLeast
+// repairs of each kind of mapName.
+func (a *agent) waitDriftRepaired(t *testing.T, mapName string, atLeast int, kinds ...string) {
 	t.Helper()
 	testenv.Eventually(t, waitTimeout, mapName+" repaired", func() (bool, string) {
 		var state []string
 		ok := true
 		for _, kind := range kinds {
 			n, err := a.metric(driftMetric(mapName, kind))
-			if err != nil || n < 1 {
+			if err != nil || n < float64(atLeast) {
 				ok = false
 			}
 			state = append(state, fmt.Sprintf("%s=%v (%v)", kind, n, err))
@@ -135,7 +135,7 @@ func TestLBDriftRepaired(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	a.waitDriftRepaired(t, bpf.LB4BackendsMap, "missing", "changed")
+	a.waitDriftRepaired(t, bpf.LB4BackendsMap, 1, "missing", "changed")
 	got, err := a.lbMaps()
 	if err != nil {
 		t.Fatal(err)
@@ -167,7 +167,8 @@ func TestLBDriftRepaired(t *testing.T) {
 
 // TestIPCacheDriftRepaired deletes one of the node's prefixes from the
 // ipcache map, gives the other another identity and adds a stray prefix,
-// behind the agent's back: the resync puts the map back as it was.
+// behind the agent's back, three resyncs in a row: each resync puts the map
+// back as it was, and the third says the map keeps drifting.
 func TestIPCacheDriftRepaired(t *testing.T) {
 	t.Parallel()
 	a := startAgent(t, agentOptions{flags: []string{"--node-ips=192.0.2.1,192.0.2.2", "--bpf-map-resync-interval=1s"}})
@@ -185,21 +186,27 @@ func TestIPCacheDriftRepaired(t *testing.T) {
 
 	m := a.openPinned(t, bpf.IPCacheMap)
 	key := func(s string) bpf.IPCacheKey { return bpf.NewIPCacheKey(netip.MustParsePrefix(s)) }
-	for _, err := range []error{
-		m.Delete(key("192.0.2.1/32")),
-		m.Put(key("192.0.2.2/32"), bpf.IPCacheValue{Identity: want["192.0.2.2/32"] + 1000}),
-		m.Put(key("203.0.113.0/24"), bpf.IPCacheValue{Identity: 2}),
-	} {
+	for round := 1; round <= 3; round++ {
+		for _, err := range []error{
+			m.Delete(key("192.0.2.1/32")),
+			m.Put(key("192.0.2.2/32"), bpf.IPCacheValue{Identity: want["192.0.2.2/32"] + 1000}),
+			m.Put(key("203.0.113.0/24"), bpf.IPCacheValue{Identity: 2}),
+		} {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		a.waitDriftRepaired(t, bpf.IPCacheMap, round, "missing", "changed", "stray")
+		got, err := a.ipcacheMap()
 		if err != nil {
 			t.Fatal(err)
 		}
+		if !maps.Equal(got, want) {
+			t.Fatalf("round %d: after the repair the ipcache map holds %v, want %v", round, got, want)
+		}
 	}
-	a.waitDriftRepaired(t, bpf.IPCacheMap, "missing", "changed", "stray")
-	got, err := a.ipcacheMap()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !maps.Equal(got, want) {
-		t.Fatalf("after the repair the ipcache map holds %v, want %v", got, want)
+	rec := a.waitLog(t, "Reconciler: failed to prune objects")
+	if msg := fmt.Sprint(rec["error"]); !strings.Contains(msg, "map ipcache drifted in 3 resyncs in a row") {
+		t.Errorf("the failed prune says %q, want the map reported as drifting", msg)
 	}
 }
