@@ -82,6 +82,9 @@ type LB struct {
 	// drift, if set, makes Prune a resync: the maps are read and what
 	// differs from the mirror is repaired.
 	drift *Drift
+	// prunedOnce is set once a prune has deleted the strays of the maps
+	// as they were opened.
+	prunedOnce bool
 }
 
 // feState is what the maps hold for one frontend.
@@ -274,6 +277,13 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 	if err := l.ensureOpen(); err != nil {
 		return err
 	}
+	// What a crash or an older agent left is deleted as stray, not
+	// counted as drift: the first prune after opening the maps prunes
+	// before it resyncs. Later the resync finds the strays itself.
+	var strayErr error
+	if l.drift != nil && !l.prunedOnce {
+		strayErr = l.pruneStray()
+	}
 	resyncErr := l.resyncLocked()
 	want := map[tables.L4Addr]struct{}{}
 	used := map[tables.L4Addr]struct{}{}
@@ -329,10 +339,11 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 	if len(l.orphans) > 0 {
 		errs = append(errs, fmt.Errorf("%d unused backends could not be deleted", len(l.orphans)))
 	}
-	if err := l.pruneStray(); err != nil {
-		errs = append(errs, err)
+	if l.drift == nil || resyncErr != nil {
+		strayErr = l.pruneStray()
 	}
-	return errors.Join(append(errs, resyncErr)...)
+	l.prunedOnce = strayErr == nil
+	return errors.Join(append(errs, strayErr, resyncErr)...)
 }
 
 // allocServiceID returns the next free service ID after the last one handed

@@ -107,7 +107,7 @@ func (l *LB) ensureOpen() error {
 		maps.close()
 		return fmt.Errorf("restore load-balancing state: %w", err)
 	}
-	l.maps = &maps
+	l.maps, l.prunedOnce = &maps, false
 	return nil
 }
 

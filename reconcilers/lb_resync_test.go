@@ -146,3 +146,70 @@ func TestLBDriftRepaired(t *testing.T) {
 		t.Fatalf("a resync after the repair made %d map operations", n)
 	}
 }
+
+// TestLBLeftoversNotDrift: what the maps held when they were opened and
+// the mirror cannot explain (a crash's leftovers) is deleted by the first
+// prune, as before, and not counted as drift; a stray added later is.
+func TestLBLeftoversNotDrift(t *testing.T) {
+	testenv.RequireRoot(t)
+	pinDir := testenv.BPFPinDir(t)
+	db := statedb.New()
+	backends, err := tables.NewBackendsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := LBConfig{PinDir: pinDir, MaxEntries: 1024, MaxEntriesFlag: "bpf-lb-map-max"}
+	first := NewLB(slog.New(slog.DiscardHandler), cfg, backends)
+	if err := first.Maps(func(LBMaps) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	first.Close()
+	revNat, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, bpf.LB4RevNatMap), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { revNat.Close() })
+	leftover := revNat4Value(tables.L4Addr{Addr: netip.MustParseAddr("10.96.0.77"), Port: 80})
+	if err := revNat.Put(bpf.NewBe16(77), leftover); err != nil {
+		t.Fatal(err)
+	}
+
+	lb := NewLB(slog.New(slog.DiscardHandler), cfg, backends)
+	t.Cleanup(func() { lb.Close() })
+	drift, err := NewDrift(nil, prometheus.NewPedanticRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb.ResyncWith(drift)
+	prune := func() {
+		t.Helper()
+		if err := lb.Prune(context.Background(), db.ReadTxn(), func(func(*tables.Frontend, statedb.Revision) bool) {}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	strays := func() float64 {
+		var metric dto.Metric
+		if err := drift.Counter().WithLabelValues(bpf.LB4RevNatMap, DriftStray).Write(&metric); err != nil {
+			t.Fatal(err)
+		}
+		return metric.GetCounter().GetValue()
+	}
+	prune()
+	var v bpf.LB4RevNatValue
+	if err := revNat.Lookup(bpf.NewBe16(77), &v); err == nil {
+		t.Fatal("the leftover rev-NAT entry is still there after the first prune")
+	}
+	if n := strays(); n != 0 {
+		t.Fatalf("the leftover counted as %v strays of drift", n)
+	}
+	if err := revNat.Put(bpf.NewBe16(77), leftover); err != nil {
+		t.Fatal(err)
+	}
+	prune()
+	if err := revNat.Lookup(bpf.NewBe16(77), &v); err == nil {
+		t.Fatal("the stray rev-NAT entry is still there after the second prune")
+	}
+	if n := strays(); n != 1 {
+		t.Fatalf("a stray added later counted %v times, want 1", n)
+	}
+}
