@@ -61,8 +61,8 @@ func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) 
 
 // run attaches (or detaches) once and then keeps its health scope open
 // with what is attached where. A failure is returned: the job retries it
-// with backoff (attachRetry), and its health scope shows the error until an
-// attempt succeeds.
+// with backoff (attachRetry), and its health scope shows the error between
+// attempts (hive's job says "Running", OK, during each one).
 func (a *attacher) run(ctx context.Context, health cell.Health) error {
 	var msg string
 	var err error
