@@ -91,7 +91,7 @@ func (d *Drift) Report(mapName string, c DriftCounts) error {
 // repairs m: missing and changed entries are written again, strays
 // deleted. Correct entries are never touched, so the datapath never misses
 // one. Without drift it reads the map once and writes nothing.
-func resyncMap[K, V comparable](m *ebpf.Map, want map[K]V) (DriftCounts, error) {
+func resyncMap[K, V comparable](m bpf.Map, want map[K]V) (DriftCounts, error) {
 	var c DriftCounts
 	var rewrite, strays []K
 	matched := 0

@@ -34,7 +34,7 @@ type IPCache struct {
 	// mu guards m and shadow. Reconciler operations run one at a time, but
 	// Dump and Close come from other goroutines.
 	mu     sync.Mutex
-	m      *ebpf.Map
+	m      bpf.Map
 	shadow map[bpf.IPCacheKey]bpf.IPCacheValue
 	// drift, if set, makes Prune a resync: the map is read and what
 	// differs from shadow is repaired.
@@ -68,7 +68,12 @@ type IPCacheRestored struct {
 // identity allocator which numbers the datapath is using. A pin of another
 // size is replaced by a new map holding the old one's entries.
 func (c *IPCache) Open(pinDir string, maxEntries uint32) ([]IPCacheRestored, error) {
-	pinned, err := bpf.OpenPinnedMap(c.log, bpf.IPCacheMapSpec(maxEntries), pinDir, copyIPCache)
+	return c.OpenWith(bpf.KernelMaps, pinDir, maxEntries)
+}
+
+// OpenWith is Open with the maps of opener (bpf.KernelMaps in the agent).
+func (c *IPCache) OpenWith(opener bpf.Opener, pinDir string, maxEntries uint32) ([]IPCacheRestored, error) {
+	pinned, err := opener.OpenMap(c.log, bpf.IPCacheMapSpec(maxEntries), pinDir, copyIPCache)
 	if err != nil {
 		return nil, err
 	}
@@ -107,14 +112,18 @@ func (c *IPCache) Close() error {
 }
 
 // WithMap calls fn with the open ipcache map, for the datapath loader. fn
-// must not keep it.
+// must not keep it. A map in memory (tests) is refused.
 func (c *IPCache) WithMap(fn func(*ebpf.Map) error) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.m == nil {
 		return errors.New("ipcache map not open")
 	}
-	return fn(c.m)
+	km, err := bpf.KernelMap(c.m)
+	if err != nil {
+		return err
+	}
+	return fn(km)
 }
 
 // Writes returns how many map updates and deletes the operations made.
@@ -318,7 +327,7 @@ func (c *IPCache) DeleteBatch(ctx context.Context, txn statedb.ReadTxn, batch []
 }
 
 // readIPCache reads every entry of an ipcache map with batch lookups.
-func readIPCache(m *ebpf.Map) (map[bpf.IPCacheKey]bpf.IPCacheValue, error) {
+func readIPCache(m bpf.Map) (map[bpf.IPCacheKey]bpf.IPCacheValue, error) {
 	out := map[bpf.IPCacheKey]bpf.IPCacheValue{}
 	keys := make([]bpf.IPCacheKey, 1024)
 	values := make([]bpf.IPCacheValue, 1024)

@@ -102,6 +102,7 @@ type resolverParams struct {
 	Config    Config
 	Node      node.Config
 	PinDir    bpffs.PinDir
+	Maps      bpffs.Maps
 	Lifecycle cell.Lifecycle
 	Jobs      job.Group
 	Prefixes  *prefixes
@@ -132,7 +133,7 @@ func registerResolver(p resolverParams) error {
 	// identities are the hints that keep every prefix's number.
 	p.Lifecycle.Append(cell.Hook{
 		OnStart: func(cell.HookContext) error {
-			restored, err := p.Ops.Open(string(p.PinDir), p.Config.BPFIPCacheMapMax)
+			restored, err := p.Ops.OpenWith(p.Maps, string(p.PinDir), p.Config.BPFIPCacheMapMax)
 			if err != nil {
 				return fmt.Errorf("open ipcache map: %w", err)
 			}
