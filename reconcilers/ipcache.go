@@ -267,22 +267,26 @@ func (c *IPCache) UpdateBatch(ctx context.Context, txn statedb.ReadTxn, batch []
 		c.mu.Unlock()
 		return
 	}
-	var err error
+	var (
+		n   int
+		err error
+	)
 	if c.m == nil {
 		err = errors.New("ipcache map not open")
 	} else {
-		_, err = c.m.BatchUpdate(keys, values, nil)
+		n, err = c.m.BatchUpdate(keys, values, nil)
 	}
+	// The entries before a failure are written: the record must know
+	// them, or a later delete would skip them.
+	for i, k := range keys[:n] {
+		c.shadow[k] = values[i]
+	}
+	c.writes.Add(uint64(n))
+	c.mu.Unlock()
 	if err == nil {
-		for i, k := range keys {
-			c.shadow[k] = values[i]
-		}
-		c.writes.Add(uint64(len(keys)))
-		c.mu.Unlock()
 		return
 	}
-	c.mu.Unlock()
-	for _, i := range idx {
+	for _, i := range idx[n:] {
 		batch[i].Result = c.Update(ctx, txn, batch[i].Revision, batch[i].Object)
 	}
 }
@@ -304,24 +308,26 @@ func (c *IPCache) DeleteBatch(ctx context.Context, txn statedb.ReadTxn, batch []
 		c.mu.Unlock()
 		return
 	}
-	var err error
+	var (
+		n   int
+		err error
+	)
 	if c.m == nil {
 		err = errors.New("ipcache map not open")
 	} else {
-		_, err = c.m.BatchDelete(keys, nil)
+		n, err = c.m.BatchDelete(keys, nil)
 	}
+	for _, k := range keys[:n] {
+		delete(c.shadow, k)
+	}
+	c.deletes.Add(uint64(n))
+	c.mu.Unlock()
 	if err == nil {
-		for _, k := range keys {
-			delete(c.shadow, k)
-		}
-		c.deletes.Add(uint64(len(keys)))
-		c.mu.Unlock()
 		return
 	}
-	c.mu.Unlock()
 	// Some key may have vanished meanwhile; one by one, a missing key is
 	// not an error.
-	for _, i := range idx {
+	for _, i := range idx[n:] {
 		batch[i].Result = c.Delete(ctx, txn, batch[i].Revision, batch[i].Object)
 	}
 }

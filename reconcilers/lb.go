@@ -9,7 +9,6 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 
@@ -31,6 +30,8 @@ var ErrLBIDsExhausted = errors.New("load-balancing IDs exhausted")
 type LBConfig struct {
 	// PinDir is the directory on bpffs the maps are pinned in.
 	PinDir string
+	// Maps opens them (nil: bpf.KernelMaps).
+	Maps bpf.Opener
 	// MaxEntries is the size of each map.
 	MaxEntries uint32
 	// MaxEntriesFlag names the flag that sets MaxEntries, for the error
@@ -114,6 +115,11 @@ type feState struct {
 	matched []uint32
 	// revNat is set when the reverse NAT entry for id holds addr.
 	revNat bool
+	// unsure is set while an update of the frontend has failed partway:
+	// its slots may hold the values of the new write or of the old one
+	// (slotsID and slotsFlags are those of the last complete update), so
+	// the resync leaves its service entries to the update's retry.
+	unsure bool
 	// wildcard is set when this frontend counts a reference on its
 	// address's wildcard entry; refs counts them on a wildcard.
 	wildcard bool
@@ -163,16 +169,17 @@ func (l *LB) Close() error {
 	return err
 }
 
-// LBMaps are the open load-balancing maps.
+// LBMaps are the open load-balancing maps (kernel maps in the agent; see
+// bpf.KernelMap for what needs one).
 type LBMaps struct {
-	Services4, Backends4, RevNat4 *ebpf.Map
-	Services6, Backends6, RevNat6 *ebpf.Map
-	AffinityMatch                 *ebpf.Map
+	Services4, Backends4, RevNat4 bpf.Map
+	Services6, Backends6, RevNat6 bpf.Map
+	AffinityMatch                 bpf.Map
 }
 
 // All returns the maps in the order of bpf.LBMapNames.
-func (m LBMaps) All() []*ebpf.Map {
-	return []*ebpf.Map{m.Services4, m.Backends4, m.RevNat4, m.Services6, m.Backends6, m.RevNat6, m.AffinityMatch}
+func (m LBMaps) All() []bpf.Map {
+	return []bpf.Map{m.Services4, m.Backends4, m.RevNat4, m.Services6, m.Backends6, m.RevNat6, m.AffinityMatch}
 }
 
 // Maps calls fn with the open maps, opening and restoring them first if
@@ -221,8 +228,11 @@ func (l *LB) UpdateBatch(_ context.Context, txn statedb.ReadTxn, batch []reconci
 	l.planWildcardReleases(run)
 	l.execute(run)
 	for _, p := range plans {
-		if p.err == nil {
+		switch {
+		case p.err == nil:
 			l.finishUpdate(run, p)
+		case p.fe != nil:
+			p.fe.unsure = true
 		}
 	}
 	l.executeReleases(run)

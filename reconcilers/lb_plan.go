@@ -441,7 +441,7 @@ func (l *LB) addMatches(run *lbRun, p *lbPlan, want []uint32) {
 // frontend no longer uses.
 func (l *LB) finishUpdate(run *lbRun, p *lbPlan) {
 	fe := p.fe
-	fe.slotsID, fe.slotsFlags = fe.id, p.flags
+	fe.slotsID, fe.slotsFlags, fe.unsure = fe.id, p.flags, false
 	kept := fe.held[:0]
 	for _, id := range fe.held {
 		if _, ok := slices.BinarySearch(p.want, id); ok {

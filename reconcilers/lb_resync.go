@@ -28,7 +28,8 @@ type lbWant struct {
 }
 
 // want derives the maps' contents from the mirror. Slots the mirror knows
-// to be missing (backend ID 0) are left out.
+// to be missing (backend ID 0) are left out, and so are the service
+// entries of frontends whose update failed partway (feState.unsure).
 func (l *LB) want() lbWant {
 	w := lbWant{
 		services4: map[bpf.LB4ServiceKey]bpf.LB4ServiceValue{},
@@ -47,11 +48,13 @@ func (l *LB) want() lbWant {
 		}
 	}
 	for fe := range l.allFrontends() {
-		if fe.master {
+		// The service entries of a frontend whose update failed partway
+		// are left to the update's retry.
+		if fe.master && !fe.unsure {
 			service(fe.addr, 0, masterValue(fe.id, fe.count, fe.qcount, fe.flags, fe.affinity))
 		}
 		for i, id := range fe.slots {
-			if id != 0 {
+			if id != 0 && !fe.unsure {
 				service(fe.addr, uint16(i+1), slotValue(id, fe.slotsID, fe.slotsFlags))
 			}
 		}
@@ -85,19 +88,21 @@ func (l *LB) resyncLocked() error {
 		return nil
 	}
 	w := l.want()
+	unsure4 := func(k bpf.LB4ServiceKey) bool { fe := l.frontend(keyAddr(k)); return fe != nil && fe.unsure }
+	unsure6 := func(k bpf.LB6ServiceKey) bool { fe := l.frontend(key6Addr(k)); return fe != nil && fe.unsure }
 	return errors.Join(
-		resyncLBMap(l, lb4Services, w.services4),
-		resyncLBMap(l, lb6Services, w.services6),
-		resyncLBMap(l, lb4Backends, w.backends4),
-		resyncLBMap(l, lb6Backends, w.backends6),
-		resyncLBMap(l, lb4RevNat, w.revNat4),
-		resyncLBMap(l, lb6RevNat, w.revNat6),
-		resyncLBMap(l, lbAffinityMatch, w.affinity),
+		resyncLBMap(l, lb4Services, w.services4, unsure4),
+		resyncLBMap(l, lb6Services, w.services6, unsure6),
+		resyncLBMap[uint32](l, lb4Backends, w.backends4, nil),
+		resyncLBMap[uint32](l, lb6Backends, w.backends6, nil),
+		resyncLBMap[bpf.Be16](l, lb4RevNat, w.revNat4, nil),
+		resyncLBMap[bpf.Be16](l, lb6RevNat, w.revNat6, nil),
+		resyncLBMap[bpf.LBAffinityMatchKey](l, lbAffinityMatch, w.affinity, nil),
 	)
 }
 
-func resyncLBMap[K, V comparable](l *LB, kind lbMapKind, want map[K]V) error {
-	c, err := resyncMap(l.maps[kind], want)
+func resyncLBMap[K, V comparable](l *LB, kind lbMapKind, want map[K]V, leave func(K) bool) error {
+	c, err := resyncMapLeaving(l.maps[kind], want, leave)
 	l.Ops.add(kind, false, c.Missing+c.Changed)
 	l.Ops.add(kind, true, c.Stray)
 	return errors.Join(err, l.drift.Report(lbMapNames[kind], c))

@@ -38,8 +38,9 @@ type Fault struct {
 	// Err is the error the operation returns (wrapped, as *ebpf.Map wraps
 	// the kernel's).
 	Err error
-	// After is how many entries of a batch are done before it fails; a
-	// single-entry operation fails whatever After says.
+	// After is how many entries of a batch are done before it fails (at
+	// most all but the last); a single-entry operation fails whatever
+	// After says.
 	After int
 	// Times is how many operations fail; 0 is every one from now on.
 	Times int
@@ -144,7 +145,7 @@ func (f *Faulty) BatchUpdate(keys, values any, opts *ebpf.BatchOptions) (int, er
 	if fault == nil {
 		return f.Map.BatchUpdate(keys, values, opts)
 	}
-	n := min(fault.After, reflect.ValueOf(keys).Len())
+	n := failAt(fault, keys)
 	done, err := f.Map.BatchUpdate(head(keys, n), head(values, n), opts)
 	if err != nil {
 		return done, err
@@ -159,7 +160,7 @@ func (f *Faulty) BatchDelete(keys any, opts *ebpf.BatchOptions) (int, error) {
 	if fault == nil {
 		return f.Map.BatchDelete(keys, opts)
 	}
-	n := min(fault.After, reflect.ValueOf(keys).Len())
+	n := failAt(fault, keys)
 	done, err := f.Map.BatchDelete(head(keys, n), opts)
 	if err != nil {
 		return done, err
@@ -173,6 +174,13 @@ func (f *Faulty) BatchLookup(cursor *ebpf.MapBatchCursor, keysOut, valuesOut any
 		return 0, fault.error("batch lookup")
 	}
 	return f.Map.BatchLookup(cursor, keysOut, valuesOut, opts)
+}
+
+// failAt is the entry of the batch keys at which fault fails it: After,
+// or the last entry of a shorter batch (as in the kernel, a batch that
+// fails has an entry that failed).
+func failAt(fault *Fault, keys any) int {
+	return max(0, min(fault.After, reflect.ValueOf(keys).Len()-1))
 }
 
 // head returns the first n elements of the slice s.

@@ -90,12 +90,13 @@ type Maps interface {
 	Maps(fn func(reconcilers.LBMaps) error) error
 }
 
-func newLBOps(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, backends statedb.RWTable[*tables.Backend], lc cell.Lifecycle) (*reconcilers.LB, error) {
+func newLBOps(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, maps bpffs.Maps, backends statedb.RWTable[*tables.Backend], lc cell.Lifecycle) (*reconcilers.LB, error) {
 	if cfg.BPFLBMapMax < 16 || cfg.BPFLBMapMax > 1<<24 {
 		return nil, fmt.Errorf("--%s=%d is out of range 16-%d", MapMaxFlag, cfg.BPFLBMapMax, 1<<24)
 	}
 	ops := reconcilers.NewLB(log, reconcilers.LBConfig{
 		PinDir:         string(pinDir),
+		Maps:           maps.Opener,
 		MaxEntries:     cfg.BPFLBMapMax,
 		MaxEntriesFlag: MapMaxFlag,
 		Preallocate:    cfg.BPFLBPreallocate,

@@ -107,10 +107,17 @@ func (a *attacher) attach() (string, error) {
 	}
 	var progs map[string]*ebpf.Program
 	err = a.lbMaps.Maps(func(lm reconcilers.LBMaps) error {
+		// The programs reference the kernel's maps.
+		var km [7]*ebpf.Map
+		for i, m := range lm.All() {
+			if km[i], err = bpf.KernelMap(m); err != nil {
+				return err
+			}
+		}
 		progs, err = socklb.Load(socklb.Maps{
-			Services4: lm.Services4, Backends4: lm.Backends4, RevNat4: lm.RevNat4,
-			Services6: lm.Services6, Backends6: lm.Backends6, RevNat6: lm.RevNat6,
-			AffinityMatch: lm.AffinityMatch,
+			Services4: km[0], Backends4: km[1], RevNat4: km[2],
+			Services6: km[3], Backends6: km[4], RevNat6: km[5],
+			AffinityMatch: km[6],
 			SockRevNat4:   own[socklb.SockRevNat4Map],
 			SockRevNat6:   own[socklb.SockRevNat6Map],
 			Affinity4:     own[bpf.LB4AffinityMap],
