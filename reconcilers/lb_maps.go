@@ -449,11 +449,11 @@ func runOps[K, V any](m bpf.Map, ops []*lbOp, key func(*lbOp) K, value func(*lbO
 }
 
 func serviceKey4(addr tables.L4Addr, slot uint16) bpf.LB4ServiceKey {
-	return bpf.LB4ServiceKey{Address: addr.Addr.As4(), Port: bpf.NewBe16(addr.Port), Slot: slot, Proto: uint8(addr.Proto)}
+	return bpf.NewLB4ServiceKey(ap(addr), uint8(addr.Proto), slot)
 }
 
 func serviceKey6(addr tables.L4Addr, slot uint16) bpf.LB6ServiceKey {
-	return bpf.LB6ServiceKey{Address: addr.Addr.As16(), Port: bpf.NewBe16(addr.Port), Slot: slot, Proto: uint8(addr.Proto)}
+	return bpf.NewLB6ServiceKey(ap(addr), uint8(addr.Proto), slot)
 }
 
 func serviceValue(o *lbOp) bpf.LB4ServiceValue { return o.svc }

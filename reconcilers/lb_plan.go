@@ -352,7 +352,9 @@ func (l *LB) holdWildcard(run *lbRun, p *lbPlan) {
 		return
 	}
 	op := run.newOp()
-	*op = lbOp{m: lbMapFor(roleServices, wc.addr), fe: wc, addr: wc.addr, owners: []*lbPlan{p}}
+	// No service ID (nothing translates back to it), no backends.
+	*op = lbOp{m: lbMapFor(roleServices, wc.addr), fe: wc, addr: wc.addr, owners: []*lbPlan{p},
+		svc: masterValue(0, 0, 0, 0, 0)}
 	if run.wildcardWrites == nil {
 		run.wildcardWrites = map[*feState]*lbOp{}
 	}

@@ -2,6 +2,7 @@ package reconcilers
 
 import (
 	"errors"
+	"net/netip"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/tables"
@@ -108,28 +109,26 @@ func resyncLBMap[K, V comparable](l *LB, kind lbMapKind, want map[K]V, leave fun
 	return errors.Join(err, l.drift.Report(lbMapNames[kind], c))
 }
 
-// The values the maps hold, made in one place for writes and resyncs.
+// The values the maps hold, for writes and resyncs (built by package bpf).
+
+func ap(addr tables.L4Addr) netip.AddrPort { return netip.AddrPortFrom(addr.Addr, addr.Port) }
 
 func masterValue(id, count, qcount uint16, flags bpf.ServiceFlags, affinity uint32) bpf.LB4ServiceValue {
-	return bpf.LB4ServiceValue{BackendID: affinity, Count: count, QCount: qcount, RevNat: bpf.NewBe16(id), Flags: flags}
+	return bpf.NewLBMasterValue(id, count, qcount, flags, affinity)
 }
 
 func slotValue(backend uint32, id uint16, flags bpf.ServiceFlags) bpf.LB4ServiceValue {
-	return bpf.LB4ServiceValue{BackendID: backend, RevNat: bpf.NewBe16(id), Flags: flags}
+	return bpf.NewLBSlotValue(backend, id, flags)
 }
 
 func backend4Value(addr tables.L4Addr, state bpf.BackendState) bpf.LB4BackendValue {
-	return bpf.LB4BackendValue{Address: addr.Addr.As4(), Port: bpf.NewBe16(addr.Port), Proto: uint8(addr.Proto), State: state}
+	return bpf.NewLB4BackendValue(ap(addr), uint8(addr.Proto), state)
 }
 
 func backend6Value(addr tables.L4Addr, state bpf.BackendState) bpf.LB6BackendValue {
-	return bpf.LB6BackendValue{Address: addr.Addr.As16(), Port: bpf.NewBe16(addr.Port), Proto: uint8(addr.Proto), State: state}
+	return bpf.NewLB6BackendValue(ap(addr), uint8(addr.Proto), state)
 }
 
-func revNat4Value(addr tables.L4Addr) bpf.LB4RevNatValue {
-	return bpf.LB4RevNatValue{Address: addr.Addr.As4(), Port: bpf.NewBe16(addr.Port)}
-}
+func revNat4Value(addr tables.L4Addr) bpf.LB4RevNatValue { return bpf.NewLB4RevNatValue(ap(addr)) }
 
-func revNat6Value(addr tables.L4Addr) bpf.LB6RevNatValue {
-	return bpf.LB6RevNatValue{Address: addr.Addr.As16(), Port: bpf.NewBe16(addr.Port)}
-}
+func revNat6Value(addr tables.L4Addr) bpf.LB6RevNatValue { return bpf.NewLB6RevNatValue(ap(addr)) }
