@@ -39,7 +39,9 @@ import (
 	"github.com/spf13/pflag"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/apiary-net/apiary/bpf/memmap"
 	"github.com/apiary-net/apiary/cells/api"
+	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/infra"
 	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
@@ -58,6 +60,15 @@ func RunCells(t *testing.T, pattern string, cells ...cell.Cell) {
 	})
 }
 
+// RunCellsInMemory is RunCells on maps in memory (see MemoryMaps): for
+// cells that need no kernel, whose scripts then run without root.
+func RunCellsInMemory(t *testing.T, pattern string, cells ...cell.Cell) {
+	t.Helper()
+	Run(t, pattern, func(fakeClient cell.Cell) []cell.Cell {
+		return append([]cell.Cell{infra.Cell, fakeClient}, cells...)
+	}, MemoryMaps())
+}
+
 // Run runs the scripts matching pattern, each against hives made from the
 // cells newCells returns, given the fake Kubernetes client cell to include.
 // newCells is called for every hive, restarts included; the fake clientset
@@ -71,7 +82,7 @@ func Run(t *testing.T, pattern string, newCells func(fakeClient cell.Cell) []cel
 	ctx, cancel := context.WithTimeout(context.Background(), ScriptTimeout)
 	t.Cleanup(cancel)
 	newEngine := func(tb testing.TB, args []string) *script.Engine {
-		a := newAgent(tb, newCells, args)
+		a := newAgent(tb, newCells, args, o.memoryMaps)
 		e := a.engine()
 		for name, newCmd := range o.cmds {
 			e.Cmds[name] = newCmd(a.apiURL)
@@ -91,6 +102,15 @@ type Option func(*options)
 type options struct {
 	cmds       map[string]func(apiURL func() (string, error)) script.Cmd
 	sequential bool
+	memoryMaps bool
+}
+
+// MemoryMaps runs the hives on maps in memory (bpffs.MemoryMaps) and a pin
+// directory that is any temporary directory, so that the scripts need no
+// root: for cells whose maps all open through bpffs.Maps. The maps keep
+// their contents across a restart, as pinned maps do.
+func MemoryMaps() Option {
+	return func(o *options) { o.memoryMaps = true }
 }
 
 // Sequential runs the script files one after another instead of in
@@ -120,6 +140,8 @@ type agent struct {
 	fakeClient cell.Cell
 	args       []string
 	configDir  string
+	// memory, if set, holds the hive's maps.
+	memory *bpffs.MemoryMaps
 
 	mu     sync.Mutex
 	hive   *hive.Hive
@@ -127,8 +149,15 @@ type agent struct {
 	server *api.Server
 }
 
-func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string) *agent {
-	pinDir := testenv.BPFPinDir(tb)
+func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string, memoryMaps bool) *agent {
+	var memory *bpffs.MemoryMaps
+	var pinDir string
+	if memoryMaps {
+		memory = &bpffs.MemoryMaps{Pins: memmap.NewPins(nil)}
+		pinDir = filepath.Join(tb.TempDir(), "pins")
+	} else {
+		pinDir = testenv.BPFPinDir(tb)
+	}
 	stateDir := tb.TempDir()
 	configDir := filepath.Join(tb.TempDir(), "config")
 	if err := os.Mkdir(configDir, 0o755); err != nil {
@@ -148,6 +177,7 @@ func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string
 		fakeClient: k8sfake.NewCell(newFakeClientset()),
 		args:       append(defaults, args...),
 		configDir:  configDir,
+		memory:     memory,
 	}
 	if err := a.build(); err != nil {
 		tb.Fatal(err)
@@ -167,6 +197,9 @@ func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string
 func (a *agent) build() error {
 	var server *api.Server
 	cells := append(a.newCells(a.fakeClient), cell.Invoke(func(s *api.Server) { server = s }))
+	if a.memory != nil {
+		cells = append(cells, cell.Provide(func() *bpffs.MemoryMaps { return a.memory }))
+	}
 	h := hive.NewWithOptions(core.HiveOptions(), cells...)
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
 	h.RegisterFlags(fs)

@@ -327,3 +327,54 @@ type LBAffinityValue struct {
 	BackendID uint32
 	Pad       uint32
 }
+
+// The keys and values of the load-balancing maps, built in one place: the
+// LB reconciler writes these, and tests that fill maps by hand use them
+// too, so that they hold what the agent writes.
+
+// NewLB4ServiceKey returns the lb4_services key of slot (0: the master
+// entry) of the frontend addr (IPv4) with protocol proto (0: any).
+func NewLB4ServiceKey(addr netip.AddrPort, proto uint8, slot uint16) LB4ServiceKey {
+	return LB4ServiceKey{Address: addr.Addr().As4(), Port: NewBe16(addr.Port()), Slot: slot, Proto: proto}
+}
+
+// NewLB6ServiceKey is NewLB4ServiceKey for lb6_services.
+func NewLB6ServiceKey(addr netip.AddrPort, proto uint8, slot uint16) LB6ServiceKey {
+	return LB6ServiceKey{Address: addr.Addr().As16(), Port: NewBe16(addr.Port()), Slot: slot, Proto: proto}
+}
+
+// NewLBMasterValue returns the master entry (slot 0) of the frontend with
+// service ID id: count active and qcount terminating backends, the
+// frontend's flags, and with SvcFlagSessionAffinity its affinity timeout
+// in seconds. Both families' maps hold this value.
+func NewLBMasterValue(id, count, qcount uint16, flags ServiceFlags, affinityTimeout uint32) LB4ServiceValue {
+	return LB4ServiceValue{BackendID: affinityTimeout, Count: count, QCount: qcount, RevNat: NewBe16(id), Flags: flags}
+}
+
+// NewLBSlotValue returns a backend slot of the frontend with service ID id
+// and flags: the backend's ID.
+func NewLBSlotValue(backend uint32, id uint16, flags ServiceFlags) LB4ServiceValue {
+	return LB4ServiceValue{BackendID: backend, RevNat: NewBe16(id), Flags: flags}
+}
+
+// NewLB4BackendValue returns the lb4_backends value of the backend at addr
+// (IPv4) with protocol proto in state.
+func NewLB4BackendValue(addr netip.AddrPort, proto uint8, state BackendState) LB4BackendValue {
+	return LB4BackendValue{Address: addr.Addr().As4(), Port: NewBe16(addr.Port()), Proto: proto, State: state}
+}
+
+// NewLB6BackendValue is NewLB4BackendValue for lb6_backends.
+func NewLB6BackendValue(addr netip.AddrPort, proto uint8, state BackendState) LB6BackendValue {
+	return LB6BackendValue{Address: addr.Addr().As16(), Port: NewBe16(addr.Port()), Proto: proto, State: state}
+}
+
+// NewLB4RevNatValue returns the lb4_reverse_nat value of the frontend addr
+// (IPv4), which replies are translated back to.
+func NewLB4RevNatValue(addr netip.AddrPort) LB4RevNatValue {
+	return LB4RevNatValue{Address: addr.Addr().As4(), Port: NewBe16(addr.Port())}
+}
+
+// NewLB6RevNatValue is NewLB4RevNatValue for lb6_reverse_nat.
+func NewLB6RevNatValue(addr netip.AddrPort) LB6RevNatValue {
+	return LB6RevNatValue{Address: addr.Addr().As16(), Port: NewBe16(addr.Port())}
+}

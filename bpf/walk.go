@@ -14,7 +14,7 @@ import (
 //
 // Entries that others add or remove during the walk may or may not be seen,
 // and one that moves between hash buckets may be seen twice.
-func Walk[K, V any](m *ebpf.Map, batchSize int, fn func(keys []K, values []V) error) error {
+func Walk[K, V any](m Map, batchSize int, fn func(keys []K, values []V) error) error {
 	if batchSize <= 0 {
 		return fmt.Errorf("walk map %s: batch size %d", m, batchSize)
 	}

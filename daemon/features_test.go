@@ -111,8 +111,11 @@ spec:
 			t.Fatalf("the proxy's health names no address: %s", msg)
 		}
 		// An answer is labelled only for the selectors the proxy knows:
-		// the policy must have been read first.
+		// the policy must have been read first, and its selector handed to
+		// the proxy, which its job reports after the selectors table has
+		// the row.
 		waitRow(t, base, "selectors", `"fqdn:*.example.com"`)
+		waitRow(t, base, "health", `"fqdn.job-selectors"`, "1 FQDN selectors")
 		q := new(dns.Msg).SetQuestion("api.example.com.", dns.TypeA)
 		for _, proto := range []string{"udp", "tcp"} {
 			resp, _, err := (&dns.Client{Net: proto, Timeout: 5 * time.Second}).Exchange(q, m[1])

@@ -91,7 +91,14 @@ func (d *Drift) Report(mapName string, c DriftCounts) error {
 // repairs m: missing and changed entries are written again, strays
 // deleted. Correct entries are never touched, so the datapath never misses
 // one. Without drift it reads the map once and writes nothing.
-func resyncMap[K, V comparable](m *ebpf.Map, want map[K]V) (DriftCounts, error) {
+func resyncMap[K, V comparable](m bpf.Map, want map[K]V) (DriftCounts, error) {
+	return resyncMapLeaving(m, want, nil)
+}
+
+// resyncMapLeaving is resyncMap, except that it leaves alone the entries
+// whose key leave (if not nil) accepts: entries the agent is not sure of,
+// which want leaves out.
+func resyncMapLeaving[K, V comparable](m bpf.Map, want map[K]V, leave func(K) bool) (DriftCounts, error) {
 	var c DriftCounts
 	var rewrite, strays []K
 	matched := 0
@@ -99,6 +106,7 @@ func resyncMap[K, V comparable](m *ebpf.Map, want map[K]V) (DriftCounts, error) 
 		for i, k := range keys {
 			w, ok := want[k]
 			switch {
+			case !ok && leave != nil && leave(k):
 			case !ok:
 				strays = append(strays, k)
 			case w != values[i]:

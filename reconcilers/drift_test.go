@@ -3,15 +3,18 @@ package reconcilers_test
 import (
 	"context"
 	"maps"
+	"net/netip"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/statedb"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -102,6 +105,92 @@ func TestPolicyDriftRepaired(t *testing.T) {
 	// A resync that finds nothing ends the streak.
 	txn := f.db.ReadTxn()
 	if err := f.ops.Ops(f.entries).Prune(context.Background(), txn, f.endpoints.All(txn)); err != nil {
+		t.Fatalf("a resync without drift: %v", err)
+	}
+}
+
+// driftCount reads apiary_bpf_map_drift_repaired_total{map,kind}.
+func driftCount(t *testing.T, d *reconcilers.Drift, mapName, kind string) float64 {
+	t.Helper()
+	var metric dto.Metric
+	if err := d.Counter().WithLabelValues(mapName, kind).Write(&metric); err != nil {
+		t.Fatal(err)
+	}
+	return metric.GetCounter().GetValue()
+}
+
+// TestIPCacheDriftRepaired corrupts the ipcache map through a handle of
+// its own three ways (a prefix deleted, one given another identity, a
+// stray prefix added): the resync (Prune) repairs each, counts it, writes
+// nothing when nothing drifted, and three drifting resyncs in a row make
+// Prune fail (health Degraded).
+func TestIPCacheDriftRepaired(t *testing.T) {
+	dir := testenv.BPFPinDir(t)
+	ctx := context.Background()
+	c := reconcilers.NewIPCache(nil)
+	if _, err := c.Open(dir, 1024); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	drift, err := reconcilers.NewDrift(nil, prometheus.NewPedanticRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.ResyncWith(drift)
+	rows := []*tables.IPCacheEntry{ipcEntry("10.0.0.0/8", 100), ipcEntry("10.1.2.3/32", 101), ipcEntry("fd00::/64", 102)}
+	for _, e := range rows {
+		if err := c.Update(ctx, nil, 0, e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	all := func(yield func(*tables.IPCacheEntry, statedb.Revision) bool) {
+		for _, e := range rows {
+			if !yield(e, 1) {
+				return
+			}
+		}
+	}
+	want := mapEntries(t, c)
+	u0, d0 := c.Writes()
+	if err := c.Prune(ctx, nil, all); err != nil {
+		t.Fatal(err)
+	}
+	if u, d := c.Writes(); u != u0 || d != d0 {
+		t.Fatalf("a resync without drift wrote %d and deleted %d", u-u0, d-d0)
+	}
+
+	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, bpf.IPCacheMap), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	for round := 1; round <= 3; round++ {
+		for _, err := range []error{
+			m.Delete(bpf.NewIPCacheKey(netip.MustParsePrefix("10.0.0.0/8"))),
+			m.Put(bpf.NewIPCacheKey(netip.MustParsePrefix("fd00::/64")), bpf.IPCacheValue{Identity: 2}),
+			m.Put(bpf.NewIPCacheKey(netip.MustParsePrefix("0.0.0.0/0")), bpf.IPCacheValue{Identity: 1}),
+		} {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		err := c.Prune(ctx, nil, all)
+		if round < 3 && err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		if round == 3 && (err == nil || !strings.Contains(err.Error(), "map ipcache drifted in 3 resyncs in a row")) {
+			t.Fatalf("round 3: %v; want the map reported as drifting", err)
+		}
+		if got := mapEntries(t, c); !maps.Equal(got, want) {
+			t.Fatalf("round %d: map %v, want %v", round, got, want)
+		}
+		for _, kind := range []string{reconcilers.DriftMissing, reconcilers.DriftChanged, reconcilers.DriftStray} {
+			if n := driftCount(t, drift, bpf.IPCacheMap, kind); n != float64(round) {
+				t.Errorf("round %d: drift %s counted %v, want %d", round, kind, n, round)
+			}
+		}
+	}
+	if err := c.Prune(ctx, nil, all); err != nil {
 		t.Fatalf("a resync without drift: %v", err)
 	}
 }

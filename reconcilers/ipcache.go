@@ -34,8 +34,11 @@ type IPCache struct {
 	// mu guards m and shadow. Reconciler operations run one at a time, but
 	// Dump and Close come from other goroutines.
 	mu     sync.Mutex
-	m      *ebpf.Map
+	m      bpf.Map
 	shadow map[bpf.IPCacheKey]bpf.IPCacheValue
+	// drift, if set, makes Prune a resync: the map is read and what
+	// differs from shadow is repaired.
+	drift *Drift
 
 	writes, deletes atomic.Uint64
 }
@@ -65,7 +68,12 @@ type IPCacheRestored struct {
 // identity allocator which numbers the datapath is using. A pin of another
 // size is replaced by a new map holding the old one's entries.
 func (c *IPCache) Open(pinDir string, maxEntries uint32) ([]IPCacheRestored, error) {
-	pinned, err := bpf.OpenPinnedMap(c.log, bpf.IPCacheMapSpec(maxEntries), pinDir, copyIPCache)
+	return c.OpenWith(bpf.KernelMaps, pinDir, maxEntries)
+}
+
+// OpenWith is Open with the maps of opener (bpf.KernelMaps in the agent).
+func (c *IPCache) OpenWith(opener bpf.Opener, pinDir string, maxEntries uint32) ([]IPCacheRestored, error) {
+	pinned, err := opener.OpenMap(c.log, bpf.IPCacheMapSpec(maxEntries), pinDir, copyIPCache)
 	if err != nil {
 		return nil, err
 	}
@@ -104,14 +112,18 @@ func (c *IPCache) Close() error {
 }
 
 // WithMap calls fn with the open ipcache map, for the datapath loader. fn
-// must not keep it.
+// must not keep it. A map in memory (tests) is refused.
 func (c *IPCache) WithMap(fn func(*ebpf.Map) error) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.m == nil {
 		return errors.New("ipcache map not open")
 	}
-	return fn(c.m)
+	km, err := bpf.KernelMap(c.m)
+	if err != nil {
+		return err
+	}
+	return fn(km)
 }
 
 // Writes returns how many map updates and deletes the operations made.
@@ -190,8 +202,26 @@ func (c *IPCache) deleteLocked(k bpf.IPCacheKey) error {
 	return nil
 }
 
-// Prune implements reconciler.Operations: entries the table doesn't hold
-// (left by an earlier run, or for prefixes without identity) are deleted.
+// ResyncWith makes every Prune first compare the map with what the
+// operations wrote and repair it, reporting to d (nil: no resync).
+func (c *IPCache) ResyncWith(d *Drift) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.drift = d
+}
+
+// resyncLocked repairs drift of the map (see resyncMap).
+func (c *IPCache) resyncLocked() error {
+	if c.drift == nil || c.m == nil {
+		return nil
+	}
+	n, err := resyncMap(c.m, c.shadow)
+	return errors.Join(err, c.drift.Report(bpf.IPCacheMap, n))
+}
+
+// Prune implements reconciler.Operations: it repairs drift of the map
+// (ResyncWith), then entries the table doesn't hold (left by an earlier
+// run, or for prefixes without identity) are deleted.
 func (c *IPCache) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*tables.IPCacheEntry, statedb.Revision]) error {
 	want := map[bpf.IPCacheKey]struct{}{}
 	for e := range objs {
@@ -201,7 +231,7 @@ func (c *IPCache) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*ta
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	var errs []error
+	errs := []error{c.resyncLocked()}
 	for k := range c.shadow {
 		if _, ok := want[k]; !ok {
 			if err := c.deleteLocked(k); err != nil {
@@ -237,22 +267,26 @@ func (c *IPCache) UpdateBatch(ctx context.Context, txn statedb.ReadTxn, batch []
 		c.mu.Unlock()
 		return
 	}
-	var err error
+	var (
+		n   int
+		err error
+	)
 	if c.m == nil {
 		err = errors.New("ipcache map not open")
 	} else {
-		_, err = c.m.BatchUpdate(keys, values, nil)
+		n, err = c.m.BatchUpdate(keys, values, nil)
 	}
+	// The entries before a failure are written: the record must know
+	// them, or a later delete would skip them.
+	for i, k := range keys[:n] {
+		c.shadow[k] = values[i]
+	}
+	c.writes.Add(uint64(n))
+	c.mu.Unlock()
 	if err == nil {
-		for i, k := range keys {
-			c.shadow[k] = values[i]
-		}
-		c.writes.Add(uint64(len(keys)))
-		c.mu.Unlock()
 		return
 	}
-	c.mu.Unlock()
-	for _, i := range idx {
+	for _, i := range idx[n:] {
 		batch[i].Result = c.Update(ctx, txn, batch[i].Revision, batch[i].Object)
 	}
 }
@@ -274,30 +308,32 @@ func (c *IPCache) DeleteBatch(ctx context.Context, txn statedb.ReadTxn, batch []
 		c.mu.Unlock()
 		return
 	}
-	var err error
+	var (
+		n   int
+		err error
+	)
 	if c.m == nil {
 		err = errors.New("ipcache map not open")
 	} else {
-		_, err = c.m.BatchDelete(keys, nil)
+		n, err = c.m.BatchDelete(keys, nil)
 	}
+	for _, k := range keys[:n] {
+		delete(c.shadow, k)
+	}
+	c.deletes.Add(uint64(n))
+	c.mu.Unlock()
 	if err == nil {
-		for _, k := range keys {
-			delete(c.shadow, k)
-		}
-		c.deletes.Add(uint64(len(keys)))
-		c.mu.Unlock()
 		return
 	}
-	c.mu.Unlock()
 	// Some key may have vanished meanwhile; one by one, a missing key is
 	// not an error.
-	for _, i := range idx {
+	for _, i := range idx[n:] {
 		batch[i].Result = c.Delete(ctx, txn, batch[i].Revision, batch[i].Object)
 	}
 }
 
 // readIPCache reads every entry of an ipcache map with batch lookups.
-func readIPCache(m *ebpf.Map) (map[bpf.IPCacheKey]bpf.IPCacheValue, error) {
+func readIPCache(m bpf.Map) (map[bpf.IPCacheKey]bpf.IPCacheValue, error) {
 	out := map[bpf.IPCacheKey]bpf.IPCacheValue{}
 	keys := make([]bpf.IPCacheKey, 1024)
 	values := make([]bpf.IPCacheValue, 1024)

@@ -9,7 +9,6 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 
@@ -31,6 +30,8 @@ var ErrLBIDsExhausted = errors.New("load-balancing IDs exhausted")
 type LBConfig struct {
 	// PinDir is the directory on bpffs the maps are pinned in.
 	PinDir string
+	// Maps opens them (nil: bpf.KernelMaps).
+	Maps bpf.Opener
 	// MaxEntries is the size of each map.
 	MaxEntries uint32
 	// MaxEntriesFlag names the flag that sets MaxEntries, for the error
@@ -79,6 +80,12 @@ type LB struct {
 	orphans       []*beState
 	nextServiceID uint16
 	nextBackendID uint32
+	// drift, if set, makes Prune a resync: the maps are read and what
+	// differs from the mirror is repaired.
+	drift *Drift
+	// prunedOnce is set once a prune has deleted the strays of the maps
+	// as they were opened.
+	prunedOnce bool
 }
 
 // feState is what the maps hold for one frontend.
@@ -108,6 +115,11 @@ type feState struct {
 	matched []uint32
 	// revNat is set when the reverse NAT entry for id holds addr.
 	revNat bool
+	// unsure is set while an update of the frontend has failed partway:
+	// its slots may hold the values of the new write or of the old one
+	// (slotsID and slotsFlags are those of the last complete update), so
+	// the resync leaves its service entries to the update's retry.
+	unsure bool
 	// wildcard is set when this frontend counts a reference on its
 	// address's wildcard entry; refs counts them on a wildcard.
 	wildcard bool
@@ -157,16 +169,17 @@ func (l *LB) Close() error {
 	return err
 }
 
-// LBMaps are the open load-balancing maps.
+// LBMaps are the open load-balancing maps (kernel maps in the agent; see
+// bpf.KernelMap for what needs one).
 type LBMaps struct {
-	Services4, Backends4, RevNat4 *ebpf.Map
-	Services6, Backends6, RevNat6 *ebpf.Map
-	AffinityMatch                 *ebpf.Map
+	Services4, Backends4, RevNat4 bpf.Map
+	Services6, Backends6, RevNat6 bpf.Map
+	AffinityMatch                 bpf.Map
 }
 
 // All returns the maps in the order of bpf.LBMapNames.
-func (m LBMaps) All() []*ebpf.Map {
-	return []*ebpf.Map{m.Services4, m.Backends4, m.RevNat4, m.Services6, m.Backends6, m.RevNat6, m.AffinityMatch}
+func (m LBMaps) All() []bpf.Map {
+	return []bpf.Map{m.Services4, m.Backends4, m.RevNat4, m.Services6, m.Backends6, m.RevNat6, m.AffinityMatch}
 }
 
 // Maps calls fn with the open maps, opening and restoring them first if
@@ -215,8 +228,11 @@ func (l *LB) UpdateBatch(_ context.Context, txn statedb.ReadTxn, batch []reconci
 	l.planWildcardReleases(run)
 	l.execute(run)
 	for _, p := range plans {
-		if p.err == nil {
+		switch {
+		case p.err == nil:
 			l.finishUpdate(run, p)
+		case p.fe != nil:
+			p.fe.unsure = true
 		}
 	}
 	l.executeReleases(run)
@@ -261,15 +277,24 @@ func (l *LB) DeleteBatch(_ context.Context, _ statedb.ReadTxn, batch []reconcile
 }
 
 // Prune implements reconciler.Operations. It runs once every source of
-// frontends has synced, and removes what the maps hold for frontends that
-// no longer exist, backends no frontend uses, and entries that the mirror
-// cannot explain (written by someone else, or left by a crash).
+// frontends has synced: it repairs drift of the maps (ResyncWith), then
+// removes what the maps hold for frontends that no longer exist, backends
+// no frontend uses, and entries that the mirror cannot explain (written by
+// someone else, or left by a crash).
 func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tables.Frontend, statedb.Revision]) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if err := l.ensureOpen(); err != nil {
 		return err
 	}
+	// What a crash or an older agent left is deleted as stray, not
+	// counted as drift: the first prune after opening the maps prunes
+	// before it resyncs. Later the resync finds the strays itself.
+	var strayErr error
+	if l.drift != nil && !l.prunedOnce {
+		strayErr = l.pruneStray()
+	}
+	resyncErr := l.resyncLocked()
 	want := map[tables.L4Addr]struct{}{}
 	used := map[tables.L4Addr]struct{}{}
 	for f := range desired {
@@ -324,10 +349,11 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 	if len(l.orphans) > 0 {
 		errs = append(errs, fmt.Errorf("%d unused backends could not be deleted", len(l.orphans)))
 	}
-	if err := l.pruneStray(); err != nil {
-		errs = append(errs, err)
+	if l.drift == nil || resyncErr != nil {
+		strayErr = l.pruneStray()
 	}
-	return errors.Join(errs...)
+	l.prunedOnce = strayErr == nil
+	return errors.Join(append(errs, strayErr, resyncErr)...)
 }
 
 // allocServiceID returns the next free service ID after the last one handed

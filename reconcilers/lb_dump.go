@@ -146,7 +146,7 @@ func WriteLBMaps(w io.Writer, m LBMaps) error {
 
 // walkIfOpen is bpf.Walk for a map that may be missing (nil), which has
 // no entries.
-func walkIfOpen[K, V any](m *ebpf.Map, batchSize int, fn func([]K, []V) error) error {
+func walkIfOpen[K, V any](m bpf.Map, batchSize int, fn func([]K, []V) error) error {
 	if m == nil {
 		return nil
 	}

@@ -47,7 +47,7 @@ func b2i(b bool) int {
 }
 
 // lbMaps are the open load-balancing maps, by kind.
-type lbMaps [numLBMaps]*ebpf.Map
+type lbMaps [numLBMaps]bpf.Map
 
 func (m *lbMaps) close() error {
 	var errs []error
@@ -107,12 +107,12 @@ func (l *LB) ensureOpen() error {
 		maps.close()
 		return fmt.Errorf("restore load-balancing state: %w", err)
 	}
-	l.maps = &maps
+	l.maps, l.prunedOnce = &maps, false
 	return nil
 }
 
 // openMap opens (creating or migrating) the pinned map called name.
-func (l *LB) openMap(name string, migrate bpf.MigrateFunc, check func(*ebpf.MapSpec) error) (*ebpf.Map, error) {
+func (l *LB) openMap(name string, migrate bpf.MigrateFunc, check func(*ebpf.MapSpec) error) (bpf.Map, error) {
 	spec, err := bpf.LBMapSpec(name, l.cfg.MaxEntries)
 	if err != nil {
 		return nil, err
@@ -123,7 +123,11 @@ func (l *LB) openMap(name string, migrate bpf.MigrateFunc, check func(*ebpf.MapS
 	if err := check(spec); err != nil {
 		return nil, err
 	}
-	pm, err := bpf.OpenPinnedMap(l.log, spec, l.cfg.PinDir, migrate)
+	opener := l.cfg.Maps
+	if opener == nil {
+		opener = bpf.KernelMaps
+	}
+	pm, err := opener.OpenMap(l.log, spec, l.cfg.PinDir, migrate)
 	if err != nil {
 		return nil, err
 	}
@@ -239,7 +243,7 @@ func (l *LB) sameFamilyBackend(fe *feState, id uint32) bool {
 
 // restoreServices fills the mirror's frontends from a services map whose
 // keys addrOf decodes.
-func restoreServices[K any](l *LB, m *ebpf.Map, name string, addrOf func(K) (tables.L4Addr, uint16)) error {
+func restoreServices[K any](l *LB, m bpf.Map, name string, addrOf func(K) (tables.L4Addr, uint16)) error {
 	err := bpf.Walk(m, lbWalkBatch, func(keys []K, values []bpf.LB4ServiceValue) error {
 		for i, k := range keys {
 			v := values[i]
@@ -272,7 +276,7 @@ func restoreServices[K any](l *LB, m *ebpf.Map, name string, addrOf func(K) (tab
 // restoreBackends fills the mirror's backends from a backends map whose
 // values decode decodes. An ID the other family's map already holds is
 // left out, so its entry goes as stray.
-func restoreBackends[V any](l *LB, m *ebpf.Map, name string, decode func(V) (tables.L4Addr, bpf.BackendState)) error {
+func restoreBackends[V any](l *LB, m bpf.Map, name string, decode func(V) (tables.L4Addr, bpf.BackendState)) error {
 	err := bpf.Walk(m, lbWalkBatch, func(ids []uint32, values []V) error {
 		for i, id := range ids {
 			addr, state := decode(values[i])
@@ -293,7 +297,7 @@ func restoreBackends[V any](l *LB, m *ebpf.Map, name string, decode func(V) (tab
 }
 
 // restoreRevNat marks the frontends whose reverse NAT entry is in place.
-func restoreRevNat[V any](l *LB, m *ebpf.Map, name string, addrOf func(V) netip.AddrPort) error {
+func restoreRevNat[V any](l *LB, m bpf.Map, name string, addrOf func(V) netip.AddrPort) error {
 	err := bpf.Walk(m, lbWalkBatch, func(keys []bpf.Be16, values []V) error {
 		for i, k := range keys {
 			fe := l.frontendByID[k.Uint16()]
@@ -365,7 +369,7 @@ func (l *LB) pruneStray() error {
 
 // pruneMap deletes the keys of m that stray says the mirror does not
 // explain, and returns how many it deleted.
-func pruneMap[K, V any](m *ebpf.Map, stray func(K) bool) (int, error) {
+func pruneMap[K, V any](m bpf.Map, stray func(K) bool) (int, error) {
 	var keys []K
 	err := bpf.Walk(m, lbWalkBatch, func(batch []K, _ []V) error {
 		for _, k := range batch {
@@ -399,21 +403,13 @@ func (m *lbMaps) run(ops []*lbOp) (int, error) {
 	case lb6Services:
 		return runOps(mm, ops, func(o *lbOp) bpf.LB6ServiceKey { return serviceKey6(o.addr, o.slot) }, serviceValue)
 	case lb4Backends:
-		return runOps(mm, ops, backendID, func(o *lbOp) bpf.LB4BackendValue {
-			return bpf.LB4BackendValue{Address: o.addr.Addr.As4(), Port: bpf.NewBe16(o.addr.Port), Proto: uint8(o.addr.Proto), State: o.state}
-		})
+		return runOps(mm, ops, backendID, func(o *lbOp) bpf.LB4BackendValue { return backend4Value(o.addr, o.state) })
 	case lb6Backends:
-		return runOps(mm, ops, backendID, func(o *lbOp) bpf.LB6BackendValue {
-			return bpf.LB6BackendValue{Address: o.addr.Addr.As16(), Port: bpf.NewBe16(o.addr.Port), Proto: uint8(o.addr.Proto), State: o.state}
-		})
+		return runOps(mm, ops, backendID, func(o *lbOp) bpf.LB6BackendValue { return backend6Value(o.addr, o.state) })
 	case lb4RevNat:
-		return runOps(mm, ops, revNatKey, func(o *lbOp) bpf.LB4RevNatValue {
-			return bpf.LB4RevNatValue{Address: o.addr.Addr.As4(), Port: bpf.NewBe16(o.addr.Port)}
-		})
+		return runOps(mm, ops, revNatKey, func(o *lbOp) bpf.LB4RevNatValue { return revNat4Value(o.addr) })
 	case lb6RevNat:
-		return runOps(mm, ops, revNatKey, func(o *lbOp) bpf.LB6RevNatValue {
-			return bpf.LB6RevNatValue{Address: o.addr.Addr.As16(), Port: bpf.NewBe16(o.addr.Port)}
-		})
+		return runOps(mm, ops, revNatKey, func(o *lbOp) bpf.LB6RevNatValue { return revNat6Value(o.addr) })
 	default:
 		return runOps(mm, ops, func(o *lbOp) bpf.LBAffinityMatchKey {
 			return bpf.LBAffinityMatchKey{BackendID: o.id, RevNat: bpf.NewBe16(o.revNat)}
@@ -423,7 +419,7 @@ func (m *lbMaps) run(ops []*lbOp) (int, error) {
 
 // runOps performs ops on m: one plain operation when there is one, else a
 // batch. key and value make the map's own types from an operation.
-func runOps[K, V any](m *ebpf.Map, ops []*lbOp, key func(*lbOp) K, value func(*lbOp) V) (int, error) {
+func runOps[K, V any](m bpf.Map, ops []*lbOp, key func(*lbOp) K, value func(*lbOp) V) (int, error) {
 	if len(ops) == 1 {
 		k := key(ops[0])
 		var err error
@@ -453,11 +449,11 @@ func runOps[K, V any](m *ebpf.Map, ops []*lbOp, key func(*lbOp) K, value func(*l
 }
 
 func serviceKey4(addr tables.L4Addr, slot uint16) bpf.LB4ServiceKey {
-	return bpf.LB4ServiceKey{Address: addr.Addr.As4(), Port: bpf.NewBe16(addr.Port), Slot: slot, Proto: uint8(addr.Proto)}
+	return bpf.NewLB4ServiceKey(ap(addr), uint8(addr.Proto), slot)
 }
 
 func serviceKey6(addr tables.L4Addr, slot uint16) bpf.LB6ServiceKey {
-	return bpf.LB6ServiceKey{Address: addr.Addr.As16(), Port: bpf.NewBe16(addr.Port), Slot: slot, Proto: uint8(addr.Proto)}
+	return bpf.NewLB6ServiceKey(ap(addr), uint8(addr.Proto), slot)
 }
 
 func serviceValue(o *lbOp) bpf.LB4ServiceValue { return o.svc }

@@ -295,7 +295,7 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 		}
 		op := run.newOp()
 		*op = lbOp{m: services, owner: p, fe: fe, addr: fe.addr, slot: uint16(i + 1),
-			svc: bpf.LB4ServiceValue{BackendID: id, RevNat: bpf.NewBe16(fe.id), Flags: p.flags},
+			svc: slotValue(id, fe.id, p.flags),
 		}
 		run.add(stepSlots, op)
 	}
@@ -352,7 +352,9 @@ func (l *LB) holdWildcard(run *lbRun, p *lbPlan) {
 		return
 	}
 	op := run.newOp()
-	*op = lbOp{m: lbMapFor(roleServices, wc.addr), fe: wc, addr: wc.addr, owners: []*lbPlan{p}}
+	// No service ID (nothing translates back to it), no backends.
+	*op = lbOp{m: lbMapFor(roleServices, wc.addr), fe: wc, addr: wc.addr, owners: []*lbPlan{p},
+		svc: masterValue(0, 0, 0, 0, 0)}
 	if run.wildcardWrites == nil {
 		run.wildcardWrites = map[*feState]*lbOp{}
 	}
@@ -401,7 +403,7 @@ func (l *LB) addMaster(run *lbRun, step int, p *lbPlan, count, qcount uint16, fl
 	fe := p.fe
 	op := run.newOp()
 	*op = lbOp{m: lbMapFor(roleServices, fe.addr), owner: p, fe: fe, addr: fe.addr,
-		svc: bpf.LB4ServiceValue{BackendID: affinity, Count: count, QCount: qcount, RevNat: bpf.NewBe16(fe.id), Flags: flags},
+		svc: masterValue(fe.id, count, qcount, flags, affinity),
 	}
 	run.add(step, op)
 }
@@ -441,7 +443,7 @@ func (l *LB) addMatches(run *lbRun, p *lbPlan, want []uint32) {
 // frontend no longer uses.
 func (l *LB) finishUpdate(run *lbRun, p *lbPlan) {
 	fe := p.fe
-	fe.slotsID, fe.slotsFlags = fe.id, p.flags
+	fe.slotsID, fe.slotsFlags, fe.unsure = fe.id, p.flags, false
 	kept := fe.held[:0]
 	for _, id := range fe.held {
 		if _, ok := slices.BinarySearch(p.want, id); ok {

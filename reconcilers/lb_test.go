@@ -171,7 +171,8 @@ func TestReopenKeepsEntries(t *testing.T) {
 				}
 				var dump strings.Builder
 				if err := lb.Maps(func(maps LBMaps) error {
-					for _, m := range maps.All() {
+					for _, bm := range maps.All() {
+						m := bm.(*ebpf.Map)
 						if m.MaxEntries() != cfg.MaxEntries {
 							t.Errorf("map has %d entries, want %d", m.MaxEntries(), cfg.MaxEntries)
 						}

@@ -18,6 +18,8 @@ import (
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/testenv"
+	"github.com/apiary-net/apiary/reconcilers"
+	"github.com/apiary-net/apiary/tables"
 )
 
 // testEndpoint is the endpoint ID of the tests' pod cgroup.
@@ -142,10 +144,23 @@ func cgroupID(t testing.TB, dir string) uint64 {
 }
 
 // endpoint makes the pod cgroup the test endpoint, with flags
-// (bpf.PolicyEnforce*, bpf.PolicyAudit).
+// (bpf.PolicyEnforce*, bpf.PolicyAudit*, bpf.PolicyPodTree), written as the
+// agent writes the endpoint-policy row that has them.
 func (d *datapath) endpoint(flags uint32) {
 	d.t.Helper()
-	v := bpf.PolicyEndpointValue{EndpointID: testEndpoint, Flags: flags}
+	row := &tables.EndpointPolicy{ID: testEndpoint, Ingress: tables.EnforceOff, Egress: tables.EnforceOff,
+		Audit: flags&bpf.PolicyAudit != 0, AuditDefaultIngress: flags&bpf.PolicyAuditDefaultIngress != 0,
+		AuditDefaultEgress: flags&bpf.PolicyAuditDefaultEgress != 0, PodTree: flags&bpf.PolicyPodTree != 0}
+	if flags&bpf.PolicyEnforceIngress != 0 {
+		row.Ingress = tables.EnforceDefaultDeny
+	}
+	if flags&bpf.PolicyEnforceEgress != 0 {
+		row.Egress = tables.EnforceDefaultDeny
+	}
+	v := reconcilers.EndpointValue(row)
+	if v.Flags != flags {
+		d.t.Fatalf("no endpoint-policy row makes the flags %#x (the nearest makes %#x)", flags, v.Flags)
+	}
 	if err := d.maps.Endpoints.Put(cgroupID(d.t, d.pod), v); err != nil {
 		d.t.Fatal(err)
 	}
@@ -176,14 +191,19 @@ type rule struct {
 func (d *datapath) rules(rules ...rule) {
 	d.t.Helper()
 	for _, r := range rules {
-		k := bpf.NewPolicyKey(testEndpoint, r.identity, r.dir, r.proto, r.port, r.portBits)
-		v := bpf.PolicyValue{PortPrefixLen: uint8(k.PrefixLen - bpf.PolicyStaticPrefixBits), Cookie: max(r.cookie, 1)}
-		if r.deny {
-			v.Flags |= bpf.PolicyFlagDeny
+		if r.audit && !r.deny {
+			d.t.Fatalf("rule %+v: only a deny entry audits", r)
 		}
-		if r.audit {
-			v.Flags |= bpf.PolicyFlagAudit
+		dir := tables.DirIngress
+		if r.dir == bpf.PolicyEgress {
+			dir = tables.DirEgress
 		}
+		// The key and value the agent writes for the table entry.
+		k, v := reconcilers.PolicyKeyOf(&tables.PolicyEntry{
+			EndpointID: testEndpoint, Identity: r.identity, Direction: dir,
+			Protocol: r.proto, Port: r.port, PortBits: uint8(r.portBits),
+			Deny: r.deny, Audit: r.audit, Cookie: max(r.cookie, 1),
+		})
 		if err := d.maps.Policy.Put(k, v); err != nil {
 			d.t.Fatalf("put %s: %s", k, err)
 		}

@@ -138,7 +138,7 @@ func TestRefuse(t *testing.T) {
 		served[base.Is4()] = srv
 		l.backend(id+1, srv, tcp, bpf.BackendActive)
 		l.backend(id+2, serve(t, tcp, lo, "draining"), tcp, bpf.BackendTerminating)
-		l.wildcard(uint16(id+1), base)
+		l.wildcard(base)
 		l.service(uint16(id+2), netip.AddrPortFrom(base, 80), tcp, 0, []uint32{id + 1}, nil)
 		l.service(uint16(id+3), netip.AddrPortFrom(base.Next(), 80), tcp, 0, nil, nil)
 		l.service(uint16(id+4), netip.AddrPortFrom(base.Next(), 53), udp, 0, nil, nil)

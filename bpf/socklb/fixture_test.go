@@ -104,57 +104,54 @@ func (l *lb) put(m *ebpf.Map, k, v any) {
 // backend adds (or changes) backend id.
 func (l *lb) backend(id uint32, addr netip.AddrPort, proto uint8, state bpf.BackendState) {
 	l.tb.Helper()
-	port := bpf.NewBe16(addr.Port())
-	if a := addr.Addr(); a.Is4() {
-		l.put(l.Backends4, id, bpf.LB4BackendValue{Address: a.As4(), Port: port, Proto: proto, State: state})
+	if addr.Addr().Is4() {
+		l.put(l.Backends4, id, bpf.NewLB4BackendValue(addr, proto, state))
 	} else {
-		l.put(l.Backends6, id, bpf.LB6BackendValue{Address: a.As16(), Port: port, Proto: proto, State: state})
+		l.put(l.Backends6, id, bpf.NewLB6BackendValue(addr, proto, state))
 	}
 }
 
 // service adds the frontend fe/proto of service revNat with the active
 // backends given, then the terminating ones, and affinity (seconds; 0 for
-// none), as the agent writes it: slot 0, a slot per backend, the rev-NAT
-// entry and, with affinity, a match entry per active backend.
+// none), as the agent writes it (with package bpf's builders, which the
+// LB reconciler uses): slot 0, a slot per backend, the rev-NAT entry and,
+// with affinity, a match entry per active backend.
 func (l *lb) service(revNat uint16, fe netip.AddrPort, proto uint8, affinity uint32, active, terminating []uint32) {
 	l.tb.Helper()
-	rn := bpf.NewBe16(revNat)
-	master := bpf.LB4ServiceValue{Count: uint16(len(active)), QCount: uint16(len(terminating)), RevNat: rn}
+	var flags bpf.ServiceFlags
 	if affinity != 0 {
-		master.Flags |= bpf.SvcFlagSessionAffinity
-		master.BackendID = affinity & bpf.AffinityTimeoutMask
+		flags |= bpf.SvcFlagSessionAffinity
 		for _, id := range active {
-			l.put(l.AffinityMatch, bpf.LBAffinityMatchKey{BackendID: id, RevNat: rn}, uint8(0))
+			l.put(l.AffinityMatch, bpf.LBAffinityMatchKey{BackendID: id, RevNat: bpf.NewBe16(revNat)}, uint8(0))
 		}
 	}
-	values := []bpf.LB4ServiceValue{master}
+	values := []bpf.LB4ServiceValue{bpf.NewLBMasterValue(revNat, uint16(len(active)), uint16(len(terminating)), flags, affinity&bpf.AffinityTimeoutMask)}
 	for _, id := range append(append([]uint32(nil), active...), terminating...) {
-		values = append(values, bpf.LB4ServiceValue{BackendID: id, RevNat: rn})
+		values = append(values, bpf.NewLBSlotValue(id, revNat, flags))
 	}
-	port := bpf.NewBe16(fe.Port())
 	for slot, v := range values {
-		if a := fe.Addr(); a.Is4() {
-			l.put(l.Services4, bpf.LB4ServiceKey{Address: a.As4(), Port: port, Slot: uint16(slot), Proto: proto}, v)
+		if fe.Addr().Is4() {
+			l.put(l.Services4, bpf.NewLB4ServiceKey(fe, proto, uint16(slot)), v)
 		} else {
-			l.put(l.Services6, bpf.LB6ServiceKey{Address: a.As16(), Port: port, Slot: uint16(slot), Proto: proto}, v)
+			l.put(l.Services6, bpf.NewLB6ServiceKey(fe, proto, uint16(slot)), v)
 		}
 	}
-	if a := fe.Addr(); a.Is4() {
-		l.put(l.RevNat4, rn, bpf.LB4RevNatValue{Address: a.As4(), Port: port})
+	if fe.Addr().Is4() {
+		l.put(l.RevNat4, bpf.NewBe16(revNat), bpf.NewLB4RevNatValue(fe))
 	} else {
-		l.put(l.RevNat6, rn, bpf.LB6RevNatValue{Address: a.As16(), Port: port})
+		l.put(l.RevNat6, bpf.NewBe16(revNat), bpf.NewLB6RevNatValue(fe))
 	}
 }
 
 // wildcard adds the agent's wildcard entry of a service address: port 0,
-// protocol ANY, no backends.
-func (l *lb) wildcard(revNat uint16, addr netip.Addr) {
+// protocol ANY, no backends and no service ID.
+func (l *lb) wildcard(addr netip.Addr) {
 	l.tb.Helper()
-	v := bpf.LB4ServiceValue{RevNat: bpf.NewBe16(revNat)}
+	v := bpf.NewLBMasterValue(0, 0, 0, 0, 0)
 	if addr.Is4() {
-		l.put(l.Services4, bpf.LB4ServiceKey{Address: addr.As4()}, v)
+		l.put(l.Services4, bpf.NewLB4ServiceKey(netip.AddrPortFrom(addr, 0), 0, 0), v)
 	} else {
-		l.put(l.Services6, bpf.LB6ServiceKey{Address: addr.As16()}, v)
+		l.put(l.Services6, bpf.NewLB6ServiceKey(netip.AddrPortFrom(addr, 0), 0, 0), v)
 	}
 }
 

@@ -16,6 +16,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/memmap"
 	"github.com/apiary-net/apiary/internal/dirlock"
 	"github.com/apiary-net/apiary/reconcilers"
 )
@@ -29,7 +30,7 @@ var Cell = cell.Module(
 	"BPF filesystem and pin directory",
 
 	cell.Config(Config{PinDir: DefaultPinDir, BPFMapResyncInterval: time.Minute}),
-	cell.Provide(newPinDir, newResync),
+	cell.Provide(providePinDir, newResync, newMaps),
 	// Checked even before any feature pins a map, so a bad --bpf-pin-dir or
 	// a missing privilege is reported at start.
 	cell.Invoke(func(PinDir) {}),
@@ -98,8 +99,51 @@ func newResync(cfg Config, log *slog.Logger, reg prometheus.Registerer) (Resync,
 	return Resync{Interval: cfg.BPFMapResyncInterval, Drift: d}, nil
 }
 
+// Maps opens the pinned maps of the cells that take it (the ipcache so
+// far): the kernel's, on the pin directory, unless a test's hive provides
+// MemoryMaps.
+type Maps struct{ bpf.Opener }
+
+// MemoryMaps, provided by a test's hive, puts the maps opened through Maps
+// in memory: such a hive needs neither root nor bpffs, and its pin
+// directory may be any directory. The agent never provides it.
+type MemoryMaps struct{ *memmap.Pins }
+
+type mapsParams struct {
+	cell.In
+
+	Memory *MemoryMaps `optional:"true"`
+}
+
+func newMaps(p mapsParams) Maps {
+	if p.Memory != nil {
+		return Maps{p.Memory.Pins}
+	}
+	return Maps{bpf.KernelMaps}
+}
+
+type pinDirParams struct {
+	cell.In
+
+	Config    Config
+	Log       *slog.Logger
+	Lifecycle cell.Lifecycle
+	Memory    *MemoryMaps `optional:"true"`
+}
+
+func providePinDir(p pinDirParams) (PinDir, error) {
+	if p.Memory != nil {
+		return openPinDir(p.Config, p.Log, p.Lifecycle, prepareAnyDir)
+	}
+	return newPinDir(p.Config, p.Log, p.Lifecycle)
+}
+
 func newPinDir(cfg Config, log *slog.Logger, lc cell.Lifecycle) (PinDir, error) {
-	dir, err := Prepare(cfg.PinDir)
+	return openPinDir(cfg, log, lc, Prepare)
+}
+
+func openPinDir(cfg Config, log *slog.Logger, lc cell.Lifecycle, prepare func(string) (string, error)) (PinDir, error) {
+	dir, err := prepare(cfg.PinDir)
 	if err != nil {
 		return "", err
 	}
@@ -139,6 +183,22 @@ func Lock(dir string) (*dirlock.Lock, error) {
 		return nil, fmt.Errorf("--bpf-pin-dir %s: %w", dir, err)
 	}
 	return lock, nil
+}
+
+// prepareAnyDir makes dir absolute and creates it, wherever it is: for
+// maps in memory, which pin nothing there.
+func prepareAnyDir(dir string) (string, error) {
+	if dir == "" {
+		return "", fmt.Errorf("--bpf-pin-dir is empty")
+	}
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return "", fmt.Errorf("--bpf-pin-dir %s: %w", dir, err)
+	}
+	if err := os.MkdirAll(abs, 0o750); err != nil {
+		return "", fmt.Errorf("--bpf-pin-dir %s: %w", abs, err)
+	}
+	return abs, nil
 }
 
 // Prepare makes dir absolute, mounts bpffs at /sys/fs/bpf if dir lies below

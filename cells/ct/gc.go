@@ -125,6 +125,11 @@ func deleteKeys[K any](m *ebpf.Map, keys []K) (uint64, error) {
 // expired entries from the maps the reconciler opened. The datapath only
 // refreshes lifetimes; without it, closed connections would sit in the maps
 // until the LRU evicts them, pushing out live ones.
+//
+// It writes no entry, and deletes only entries the datapath created: the
+// agent never inserts a conntrack entry of its own (the reconciler only
+// copies the datapath's live ones into a resized map). That is the rule
+// for writers of BPF maps outside reconcilers (docs/architecture.md).
 type gc struct {
 	log     *slog.Logger
 	db      *statedb.DB

@@ -11,5 +11,5 @@ import (
 )
 
 func TestScript(t *testing.T) {
-	apiarytest.RunCells(t, "testdata/*.txtar", identity.Cell, ipcache.Cell, selectors.Cell, endpoints.Cell)
+	apiarytest.RunCellsInMemory(t, "testdata/*.txtar", identity.Cell, ipcache.Cell, selectors.Cell, endpoints.Cell)
 }

@@ -1,6 +1,7 @@
 package fqdn_test
 
 import (
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -97,20 +98,20 @@ func BenchmarkProxyNewIPPolicy(b *testing.B) {
 		b.Fatal("no FQDN identity")
 	}
 	var epID uint32
-	waitFor(b, func() bool {
+	testenv.Eventually(b, 10*time.Second, "the client's egress entry for the FQDN identity", func() (bool, string) {
 		txn := a.db.ReadTxn()
 		row, _, found := endpointPolicy.Get(txn, tables.EndpointPolicyNameIndex.Query("default/client"))
 		if !found || row.ID == 0 || row.CgroupID != cgroupID || row.Egress != tables.EnforceDefaultDeny ||
 			row.Status.Kind != reconciler.StatusKindDone {
-			return false
+			return false, fmt.Sprintf("endpoint-policy row: %v", row)
 		}
 		epID = row.ID
 		for e := range entries.List(txn, tables.PolicyEntryIdentityIndex.Query(fqdnID)) {
 			if e.Endpoint == row.Name && e.Direction == tables.DirEgress { // written: the row is Done
-				return true
+				return true, ""
 			}
 		}
-		return false
+		return false, "no egress entry yet"
 	})
 	eps, mapEntries, err := policy.ReadPinned(a.pinDir)
 	if err != nil {

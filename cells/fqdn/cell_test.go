@@ -92,19 +92,11 @@ func startAgentWith(t testing.TB, upstream string, extra []cell.Cell, objects []
 	}
 	t.Cleanup(func() { h.Stop(log, context.Background()) })
 	// The selector has come once its identity is pre-allocated.
-	waitFor(t, func() bool { return a.fqdnIdentities() == 1 })
+	testenv.Eventually(t, 10*time.Second, "one FQDN identity", func() (bool, string) {
+		n := a.fqdnIdentities()
+		return n == 1, fmt.Sprintf("%d FQDN identities", n)
+	})
 	return a
-}
-
-func waitFor(t testing.TB, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 10s")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }
 
 // fqdnIdentities counts the identities carrying fqdn: labels.
@@ -244,7 +236,10 @@ func TestMaxIPsAndMinTTL(t *testing.T) {
 	if got[0] == "192.0.2.1" {
 		evicted = netip.MustParseAddr("192.0.2.2")
 	}
-	waitFor(t, func() bool { _, in := a.mapIdentity(t, evicted); return !in })
+	testenv.Eventually(t, 10*time.Second, evicted.String()+" out of the ipcache map", func() (bool, string) {
+		id, in := a.mapIdentity(t, evicted)
+		return !in, fmt.Sprintf("identity %v", id)
+	})
 }
 
 // With nothing listening at the upstream's address the client gets

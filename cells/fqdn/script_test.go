@@ -37,7 +37,7 @@ func TestScript(t *testing.T) {
 	})
 	apiarytest.Run(t, "testdata/*.txtar", func(fakeClient cell.Cell) []cell.Cell {
 		return []cell.Cell{infra.Cell, fakeClient, identity.Cell, ipcache.Cell, selectors.Cell, fqdn.Cell}
-	}, apiarytest.WithCommand("dns/set", func(func() (string, error)) script.Cmd {
+	}, apiarytest.MemoryMaps(), apiarytest.WithCommand("dns/set", func(func() (string, error)) script.Cmd {
 		return script.Command(
 			script.CmdUsage{Summary: "Set the records of a name in the test's upstream DNS server", Args: "name record..."},
 			func(s *script.State, args ...string) (script.WaitFunc, error) {

@@ -93,15 +93,16 @@ func (a *agent) rows() []string {
 	return out
 }
 
+// waitFor waits until cond holds, showing what show returns if it never
+// does.
 func waitFor(t *testing.T, what string, cond func() bool, show func() any) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s; have %v", what, show())
+	testenv.Eventually(t, 20*time.Second, what, func() (bool, string) {
+		if cond() {
+			return true, ""
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return false, fmt.Sprint(show())
+	})
 }
 
 func listIdentities(t testing.TB, f *fake.Clientset) []v1alpha1.Identity {

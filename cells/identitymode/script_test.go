@@ -12,6 +12,6 @@ import (
 )
 
 func TestScript(t *testing.T) {
-	apiarytest.RunCells(t, "testdata/*.txtar",
+	apiarytest.RunCellsInMemory(t, "testdata/*.txtar",
 		identitymode.Cell, identity.Cell, ipcache.Cell, selectors.Cell, endpoints.Cell)
 }

@@ -9,10 +9,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/apiary-net/apiary/internal/testenv"
 )
 
 // agentArgsEnv makes the test binary run as an agent (a hive with the ipam
@@ -149,18 +152,17 @@ func TestPluginOutlivesAgent(t *testing.T) {
 	}
 	// Kill the agent while its ADD is running.
 	marker := filepath.Join(e.binDir, "slow-ADD")
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(time.Millisecond) {
-		if _, err := os.Stat(marker); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			cmd.Process.Kill()
-			cmd.Wait()
-			t.Fatal("the agent never started its ADD")
-		}
-	}
-	cmd.Process.Kill()
-	cmd.Wait()
+	kill := sync.OnceFunc(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	defer kill() // also when the wait below fails the test
+	// The fake plugin's ADD takes a second after leaving its marker.
+	testenv.Eventually(t, 20*time.Second, "the agent to start its ADD", func() (bool, string) {
+		_, err := os.Stat(marker)
+		return err == nil, fmt.Sprint(err)
+	})
+	kill()
 
 	lockPath := filepath.Join(e.stateDir, "ipam", ".lock")
 	f, err := os.OpenFile(lockPath, os.O_RDWR, 0)

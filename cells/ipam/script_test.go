@@ -10,5 +10,5 @@ import (
 // TestScript runs testdata/*.txtar. Their plugins are the scripts in
 // testdata (--cni-bin-dir=testdata), so they need no CNI installation.
 func TestScript(t *testing.T) {
-	apiarytest.RunCells(t, "testdata/*.txtar", ipam.Cell)
+	apiarytest.RunCellsInMemory(t, "testdata/*.txtar", ipam.Cell)
 }

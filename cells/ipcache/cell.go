@@ -102,6 +102,7 @@ type resolverParams struct {
 	Config    Config
 	Node      node.Config
 	PinDir    bpffs.PinDir
+	Maps      bpffs.Maps
 	Lifecycle cell.Lifecycle
 	Jobs      job.Group
 	Prefixes  *prefixes
@@ -132,7 +133,7 @@ func registerResolver(p resolverParams) error {
 	// identities are the hints that keep every prefix's number.
 	p.Lifecycle.Append(cell.Hook{
 		OnStart: func(cell.HookContext) error {
-			restored, err := p.Ops.Open(string(p.PinDir), p.Config.BPFIPCacheMapMax)
+			restored, err := p.Ops.OpenWith(p.Maps, string(p.PinDir), p.Config.BPFIPCacheMapMax)
 			if err != nil {
 				return fmt.Errorf("open ipcache map: %w", err)
 			}
@@ -154,13 +155,17 @@ func registerResolver(p resolverParams) error {
 	return nil
 }
 
-func registerReconciler(rp reconciler.Params, table statedb.RWTable[*tables.IPCacheEntry], ops *reconcilers.IPCache, p *prefixes) error {
+func registerReconciler(rp reconciler.Params, table statedb.RWTable[*tables.IPCacheEntry], ops *reconcilers.IPCache, p *prefixes, resync bpffs.Resync) error {
+	// Prune resyncs the map (--bpf-map-resync-interval).
+	ops.ResyncWith(resync.DriftReport())
 	rec, err := reconciler.Register(rp, table,
 		(*tables.IPCacheEntry).Clone, (*tables.IPCacheEntry).SetStatus, (*tables.IPCacheEntry).GetStatus,
 		ops, ops,
-		// Update skips entries the map already holds, so a refresh would
-		// only compare; the map is not written by anyone else.
+		// Update skips entries the operations already wrote, so a refresh
+		// would only compare with their own record; the map itself is
+		// compared and repaired by the prune's resync.
 		reconciler.WithRefreshing(0, nil),
+		reconciler.WithPruning(resync.PruneInterval()),
 		// The DNS proxy holds answers until their addresses are in the
 		// map, so a round must start as soon as a change lands; rounds
 		// still grow on their own while the map is busy.

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -302,7 +303,8 @@ func waitMapsEmpty(b testing.TB, ops *reconcilers.LB) {
 	for time.Now().Before(deadline) {
 		empty := true
 		err := ops.Maps(func(maps reconcilers.LBMaps) error {
-			for _, m := range maps.All() {
+			for _, bm := range maps.All() {
+				m := bm.(*ebpf.Map)
 				var k []byte = make([]byte, m.KeySize())
 				if err := m.NextKey(nil, &k); err == nil {
 					empty = false

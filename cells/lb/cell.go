@@ -90,12 +90,13 @@ type Maps interface {
 	Maps(fn func(reconcilers.LBMaps) error) error
 }
 
-func newLBOps(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, backends statedb.RWTable[*tables.Backend], lc cell.Lifecycle) (*reconcilers.LB, error) {
+func newLBOps(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, maps bpffs.Maps, backends statedb.RWTable[*tables.Backend], lc cell.Lifecycle) (*reconcilers.LB, error) {
 	if cfg.BPFLBMapMax < 16 || cfg.BPFLBMapMax > 1<<24 {
 		return nil, fmt.Errorf("--%s=%d is out of range 16-%d", MapMaxFlag, cfg.BPFLBMapMax, 1<<24)
 	}
 	ops := reconcilers.NewLB(log, reconcilers.LBConfig{
 		PinDir:         string(pinDir),
+		Maps:           maps.Opener,
 		MaxEntries:     cfg.BPFLBMapMax,
 		MaxEntriesFlag: MapMaxFlag,
 		Preallocate:    cfg.BPFLBPreallocate,
@@ -176,14 +177,21 @@ const (
 	roundsPerSecond = 200
 )
 
-func registerReconciler(p reconciler.Params, frontends statedb.RWTable[*tables.Frontend], ops *reconcilers.LB) error {
+func registerReconciler(p reconciler.Params, frontends statedb.RWTable[*tables.Frontend], ops *reconcilers.LB, resync bpffs.Resync) error {
+	// Prune resyncs the maps (--bpf-map-resync-interval); without resync
+	// it only deletes strays, so half an hour is soon enough.
+	ops.ResyncWith(resync.DriftReport())
+	prune := 30 * time.Minute
+	if resync.Interval > 0 {
+		prune = resync.Interval
+	}
 	_, err := reconciler.Register(p, frontends,
 		(*tables.Frontend).Clone, (*tables.Frontend).SetStatus, (*tables.Frontend).GetStatus,
 		ops, ops,
 		// Update works from a mirror of the maps, so a periodic refresh
 		// would find nothing to do.
 		reconciler.WithRefreshing(0, nil),
-		reconciler.WithPruning(30*time.Minute),
+		reconciler.WithPruning(prune),
 		reconciler.WithRetry(100*time.Millisecond, time.Minute),
 		// Fewer, bigger rounds: the map writes of a round go out in one
 		// batch per map and step, and a round costs a write transaction.

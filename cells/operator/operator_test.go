@@ -32,6 +32,7 @@ import (
 	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/operator"
+	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -201,20 +202,13 @@ func identities(t *testing.T, f *fake.Clientset) []string {
 	return out
 }
 
-// eventually waits until identities(f) equals want.
-func eventually(t *testing.T, f *fake.Clientset, want ...string) {
+// waitIdentities waits until identities(f) equals want.
+func waitIdentities(t *testing.T, f *fake.Clientset, want ...string) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	testenv.Eventually(t, 20*time.Second, "identities:\n  "+strings.Join(want, "\n  "), func() (bool, string) {
 		got := identities(t, f)
-		if slices.Equal(got, want) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("identities:\n  %s\nwant:\n  %s", strings.Join(got, "\n  "), strings.Join(want, "\n  "))
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return slices.Equal(got, want), strings.Join(got, "\n")
+	})
 }
 
 // creates counts the Identity create calls made on f.
@@ -256,7 +250,7 @@ func TestOneIdentityPerLabelSet(t *testing.T) {
 	mustCreate(t, pods.Create, hostPod)
 
 	o := startOperator(t, f)
-	eventually(t, f, dbDefault+" -> 1", webDefault+" -> 1")
+	waitIdentities(t, f, dbDefault+" -> 1", webDefault+" -> 1")
 	// Settled: no second Identity of either set comes later.
 	o.waitKnown(t, 2, 2)
 	o.gcRuns(t, 2)
@@ -267,7 +261,7 @@ func TestOneIdentityPerLabelSet(t *testing.T) {
 	// A pod added later with a known label set reuses its Identity.
 	mustCreate(t, pods.Create, pod("default", "web-new", "node-9", map[string]string{"app": "web"}))
 	mustCreate(t, pods.Create, pod("default", "cache-0", "node-9", map[string]string{"app": "cache"}))
-	eventually(t, f, "k8s:app=cache,k8s:io.kubernetes.pod.namespace=default -> 1", dbDefault+" -> 1", webDefault+" -> 1")
+	waitIdentities(t, f, "k8s:app=cache,k8s:io.kubernetes.pod.namespace=default -> 1", dbDefault+" -> 1", webDefault+" -> 1")
 	o.waitKnown(t, 3, 3)
 	o.gcRuns(t, 2)
 	if n := creates(f); n != 3 {
@@ -285,14 +279,14 @@ func TestNamespaceRelabelAndGC(t *testing.T) {
 	o := startOperator(t, f)
 	oldSet := "k8s:app=web,k8s:io.cilium.k8s.namespace.labels.team=a,k8s:io.kubernetes.pod.namespace=prod"
 	newSet := "k8s:app=web,k8s:io.cilium.k8s.namespace.labels.team=b,k8s:io.kubernetes.pod.namespace=prod"
-	eventually(t, f, oldSet+" -> 1")
+	waitIdentities(t, f, oldSet+" -> 1")
 
 	if _, err := f.CoreV1().Namespaces().Update(context.Background(), namespace("prod", map[string]string{"team": "b"}), metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	// The new one comes at once, the old one is collected later (the
 	// test's grace period is 300ms), never both for the new set.
-	eventually(t, f, newSet+" -> 1")
+	waitIdentities(t, f, newSet+" -> 1")
 	o.waitKnown(t, 1, 1)
 	o.gcRuns(t, 2)
 	if n := creates(f); n != 2 {
@@ -305,7 +299,7 @@ func TestNamespaceRelabelAndGC(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, f)
+	waitIdentities(t, f)
 }
 
 // An Identity is kept for the grace period after its last pod goes, so a
@@ -315,7 +309,7 @@ func TestGCGracePeriod(t *testing.T) {
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
 	o := startOperator(t, f, "--identity-gc-grace-period=1h")
-	eventually(t, f, webDefault+" -> 1")
+	waitIdentities(t, f, webDefault+" -> 1")
 	if err := f.CoreV1().Pods("default").Delete(context.Background(), "web-1", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -376,7 +370,7 @@ func TestRestartNoChurn(t *testing.T) {
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "db-1", "n1", map[string]string{"app": "db"}))
 	first := startOperator(t, f)
-	eventually(t, f, dbDefault+" -> 1", webDefault+" -> 1")
+	waitIdentities(t, f, dbDefault+" -> 1", webDefault+" -> 1")
 	first.stop()
 	before := len(f.Actions())
 	o := startOperator(t, f)
@@ -402,7 +396,7 @@ func TestLeaderElection(t *testing.T) {
 	}
 	// a starts alone and leads; b then waits on the Lease.
 	a := startOperator(t, f, "--leader-election-identity=a")
-	eventually(t, f, webDefault+" -> 1")
+	waitIdentities(t, f, webDefault+" -> 1")
 	a.waitKnown(t, 1, 1)
 	b := startOperator(t, f, "--leader-election-identity=b")
 	// b has read the Lease and found a leading: it stands by.
@@ -425,7 +419,7 @@ func TestLeaderElection(t *testing.T) {
 	}
 	a.stop() // releases the Lease: b takes over within a retry period
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "db-0", "n", map[string]string{"app": "db"}))
-	eventually(t, f, dbDefault+" -> 1", webDefault+" -> 1")
+	waitIdentities(t, f, dbDefault+" -> 1", webDefault+" -> 1")
 	if h := holder(); h != "b" {
 		t.Fatalf("after a stopped, lease holder = %s, want b", h)
 	}
@@ -452,7 +446,7 @@ func TestTakenNumberNoDuplicate(t *testing.T) {
 		return true, nil, k8serrors.NewAlreadyExists(v1alpha1.IdentityGVR.GroupResource(), obj.Name)
 	})
 	o := startOperator(t, f)
-	eventually(t, f, webDefault+" -> 1")
+	waitIdentities(t, f, webDefault+" -> 1")
 	// The leader has the taken number's Identity from the watch, for the
 	// label set, and has reconciled every label set twice since: a second
 	// Identity would have been created by then. (The retry after a taken

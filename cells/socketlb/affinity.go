@@ -34,6 +34,12 @@ const walkBatch = 4096
 // overwrite it on the client's next connection; the LRU would evict it
 // eventually. Sweeping keeps the maps to the services that have affinity,
 // so that a service that goes leaves nothing behind.
+//
+// It writes no entry, and deletes only entries the datapath created: only
+// the socket programs insert into the affinity maps, while the agent's
+// own decisions (lb_affinity_match) are the LB reconciler's, which the
+// sweep only reads. That is the rule for writers of BPF maps outside
+// reconcilers (docs/architecture.md).
 type affinityGC struct {
 	log       *slog.Logger
 	db        *statedb.DB

@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -49,7 +48,6 @@ type attacher struct {
 	root   cgroups.Root
 	pinDir string
 	lbMaps lb.Maps
-	retry  time.Duration
 
 	// attached is closed once the programs are attached.
 	attached chan struct{}
@@ -61,35 +59,28 @@ type attacher struct {
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
 
-// run attaches (or detaches), retrying until it succeeds, and then keeps
-// its health scope open with what is attached where.
+// run attaches (or detaches) once and then keeps its health scope open
+// with what is attached where. A failure is returned: the job retries it
+// with backoff (attachRetry), and its health scope shows the error between
+// attempts (hive's job says "Running", OK, during each one).
 func (a *attacher) run(ctx context.Context, health cell.Health) error {
-	for {
-		var msg string
-		var err error
-		if a.cfg.EnableSocketLB {
-			msg, err = a.attach()
-		} else {
-			msg, err = a.detach()
-		}
-		if err == nil {
-			a.log.Info(msg)
-			health.OK(msg)
-			if a.cfg.EnableSocketLB {
-				close(a.attached)
-				// Programs that must run after these (policy) move
-				// behind them now.
-				a.root.Attached()
-			}
-			break
-		}
-		a.log.Error("Socket load balancing", "error", err)
-		health.Degraded("Socket load balancing failed; retrying", err)
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-time.After(a.retry):
-		}
+	var msg string
+	var err error
+	if a.cfg.EnableSocketLB {
+		msg, err = a.attach()
+	} else {
+		msg, err = a.detach()
+	}
+	if err != nil {
+		return fmt.Errorf("socket load balancing failed: %w", err)
+	}
+	a.log.Info(msg)
+	health.OK(msg)
+	if a.cfg.EnableSocketLB {
+		close(a.attached)
+		// Programs that must run after these (policy) move behind them
+		// now.
+		a.root.Attached()
 	}
 	<-ctx.Done()
 	return nil
@@ -116,10 +107,17 @@ func (a *attacher) attach() (string, error) {
 	}
 	var progs map[string]*ebpf.Program
 	err = a.lbMaps.Maps(func(lm reconcilers.LBMaps) error {
+		// The programs reference the kernel's maps.
+		var km [7]*ebpf.Map
+		for i, m := range lm.All() {
+			if km[i], err = bpf.KernelMap(m); err != nil {
+				return err
+			}
+		}
 		progs, err = socklb.Load(socklb.Maps{
-			Services4: lm.Services4, Backends4: lm.Backends4, RevNat4: lm.RevNat4,
-			Services6: lm.Services6, Backends6: lm.Backends6, RevNat6: lm.RevNat6,
-			AffinityMatch: lm.AffinityMatch,
+			Services4: km[0], Backends4: km[1], RevNat4: km[2],
+			Services6: km[3], Backends6: km[4], RevNat6: km[5],
+			AffinityMatch: km[6],
 			SockRevNat4:   own[socklb.SockRevNat4Map],
 			SockRevNat6:   own[socklb.SockRevNat6Map],
 			Affinity4:     own[bpf.LB4AffinityMap],

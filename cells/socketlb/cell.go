@@ -58,8 +58,15 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Load-balance connections to service frontends, IPv4 and IPv6, in cgroup socket hooks (connect, sendmsg, recvmsg, getpeername) of --"+cgroups.RootFlag+"; false detaches them")
 }
 
+// attachRetry is how a failed attach or detach is retried: after 1 s,
+// doubling up to a minute, so that a fixed privilege or mount is picked up
+// soon and a lasting failure does not fill the log.
+func attachRetry() job.RetryBackoff {
+	return &job.ExponentialBackoff{Min: time.Second, Max: time.Minute}
+}
+
 func registerJobs(jobs job.Group, a *attacher, gc *affinityGC, lc cell.Lifecycle) {
-	jobs.Add(job.OneShot("attach", a.run))
+	jobs.Add(job.OneShot("attach", a.run, job.WithRetry(-1, attachRetry())))
 	if a.cfg.EnableSocketLB {
 		jobs.Add(job.OneShot("affinity-gc", gc.run))
 	}
@@ -69,6 +76,6 @@ func registerJobs(jobs job.Group, a *attacher, gc *affinityGC, lc cell.Lifecycle
 }
 
 func newAttacher(log *slog.Logger, cfg Config, root cgroups.Root, pinDir bpffs.PinDir, maps lb.Maps) *attacher {
-	return &attacher{log: log, cfg: cfg, root: root, pinDir: string(pinDir), lbMaps: maps, retry: 5 * time.Second,
+	return &attacher{log: log, cfg: cfg, root: root, pinDir: string(pinDir), lbMaps: maps,
 		attached: make(chan struct{})}
 }

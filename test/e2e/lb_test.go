@@ -251,6 +251,48 @@ func TestLoadBalancing(t *testing.T) {
 
 // TestSocketLB: with --enable-socket-lb, curl run inside the agent's cgroup
 // reaches both HTTP backends of a Service through its VIP.
+// TestSocketLBRetry: a --cgroup-root that is no cgroup yet leaves the
+// socket LB degraded, naming the reason, and the job retries until the
+// directory appears; then the programs attach there.
+func TestSocketLBRetry(t *testing.T) {
+	t.Parallel()
+	cgroup := testenv.Cgroup(t)
+	late := filepath.Join(cgroup, "late")
+	t.Cleanup(func() { os.Remove(late) }) // before the parent's cleanup
+	a := startAgent(t, agentOptions{configDir: t.TempDir(), flags: []string{"--enable-socket-lb", "--cgroup-root=" + late}})
+
+	type row struct{ Scope, Level, Message, Error string }
+	attach := func() (row, error) {
+		var health []row
+		if err := a.dump("health", &health); err != nil {
+			return row{}, err
+		}
+		for _, h := range health {
+			if h.Scope == "socketlb.job-attach" {
+				return h, nil
+			}
+		}
+		return row{}, fmt.Errorf("no socketlb.job-attach scope in %v", health)
+	}
+	testenv.Eventually(t, waitTimeout, "the socket LB degraded for want of its cgroup", func() (bool, string) {
+		h, err := attach()
+		if err != nil {
+			return false, err.Error()
+		}
+		return h.Level == "Degraded" && strings.Contains(h.Error, late+" is not a cgroup v2 directory"), fmt.Sprint(h)
+	})
+	if err := os.Mkdir(late, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, waitTimeout, "the socket LB attached once the cgroup exists", func() (bool, string) {
+		h, err := attach()
+		if err != nil {
+			return false, err.Error()
+		}
+		return h.Level == "OK" && strings.HasPrefix(h.Message, "Attached to cgroup "+late+":"), fmt.Sprint(h)
+	})
+}
+
 func TestSocketLB(t *testing.T) {
 	t.Parallel()
 	curl := testenv.RequireProgram(t, "curl")

@@ -492,10 +492,17 @@ func TestPolicy(t *testing.T) {
 		if err := a.dump("policies", &policies); err != nil {
 			t.Fatal(err)
 		}
+		found := false
 		for _, p := range policies {
-			if p.Name == "cnp/default/broken" && (p.Status != "Error" || !strings.Contains(p.Error, "endPort")) {
-				t.Errorf("the invalid policy's row: %+v", p)
+			if p.Name == "cnp/default/broken" {
+				found = true
+				if p.Status != "Error" || !strings.Contains(p.Error, "endPort") {
+					t.Errorf("the invalid policy's row: %+v", p)
+				}
 			}
+		}
+		if !found {
+			t.Errorf("the policies table has no row of the invalid policy: %+v", policies)
 		}
 		// The agent is unhealthy while a policy is invalid; the next
 		// steps start it again and wait for /healthz.

@@ -1,0 +1,90 @@
+package bpf
+
+import (
+	"fmt"
+	"log/slog"
+
+	"github.com/cilium/ebpf"
+)
+
+// Map is what the reconcilers do with a BPF map: write, delete and read it,
+// one entry or a batch at a time, with the semantics and errors of
+// *ebpf.Map, which implements it. Keys and values are the Go types of the
+// map's layout (or pointers to them); batches are slices of them.
+//
+// Other implementations (package bpf/memmap: a map in memory, and a wrapper
+// that injects faults) let the reconcilers and the cells that use them run
+// without the kernel.
+type Map interface {
+	// Put creates or replaces the entry of key.
+	Put(key, value any) error
+	// Update writes the entry of key as flags allow.
+	Update(key, value any, flags ebpf.MapUpdateFlags) error
+	// Lookup reads the value of key into valueOut (a pointer); a missing
+	// key is ebpf.ErrKeyNotExist.
+	Lookup(key, valueOut any) error
+	// Delete removes the entry of key; a missing key is
+	// ebpf.ErrKeyNotExist.
+	Delete(key any) error
+	// BatchUpdate writes the entries in order and returns how many were
+	// written before the first failure.
+	BatchUpdate(keys, values any, opts *ebpf.BatchOptions) (int, error)
+	// BatchDelete removes the keys in order and returns how many were
+	// removed before the first failure (a missing key fails with
+	// ebpf.ErrKeyNotExist).
+	BatchDelete(keys any, opts *ebpf.BatchOptions) (int, error)
+	// BatchLookup reads the next entries after cursor into the slices
+	// keysOut and valuesOut; ebpf.ErrKeyNotExist says that no entry
+	// follows the ones returned.
+	BatchLookup(cursor *ebpf.MapBatchCursor, keysOut, valuesOut any, opts *ebpf.BatchOptions) (int, error)
+	// Close releases the handle; a pinned map's contents stay.
+	Close() error
+	// String names the map in errors.
+	String() string
+}
+
+var _ Map = (*ebpf.Map)(nil)
+
+// OpenedMap is a map an Opener opened, together with how it was obtained
+// (see PinnedMap).
+type OpenedMap struct {
+	Map
+	// Path is where the map is pinned.
+	Path string
+	// Outcome says whether the map was created, reused or replaced.
+	Outcome PinOutcome
+	// Mismatch says, when Outcome is PinReplaced, which attributes of the
+	// old pin differed from the spec.
+	Mismatch string
+}
+
+// Opener opens (creating or replacing) the map of spec pinned in pinDir,
+// as OpenPinnedMap does. The agent's is KernelMaps; tests may use maps in
+// memory (memmap.Pins).
+type Opener interface {
+	OpenMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate MigrateFunc) (*OpenedMap, error)
+}
+
+// KernelMaps opens maps pinned on bpffs with OpenPinnedMap.
+var KernelMaps Opener = kernelMaps{}
+
+type kernelMaps struct{}
+
+func (kernelMaps) OpenMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate MigrateFunc) (*OpenedMap, error) {
+	pm, err := OpenPinnedMap(log, spec, pinDir, migrate)
+	if err != nil {
+		return nil, err
+	}
+	return &OpenedMap{Map: pm.Map, Path: pm.Path, Outcome: pm.Outcome, Mismatch: pm.Mismatch}, nil
+}
+
+// KernelMap returns the *ebpf.Map behind m, for what only the kernel's maps
+// can do (a program's map references): an error names m when it is not
+// one.
+func KernelMap(m Map) (*ebpf.Map, error) {
+	km, ok := m.(*ebpf.Map)
+	if !ok {
+		return nil, fmt.Errorf("%s is not a kernel map", m)
+	}
+	return km, nil
+}
