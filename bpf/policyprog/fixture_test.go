@@ -157,6 +157,9 @@ func (d *datapath) endpoint(flags uint32) {
 	if flags&bpf.PolicyEnforceEgress != 0 {
 		row.Egress = tables.EnforceDefaultDeny
 	}
+	if flags&bpf.PolicyDNS != 0 {
+		row.DNS = []tables.DNSRule{{Pattern: "*"}}
+	}
 	v := reconcilers.EndpointValue(row)
 	if v.Flags != flags {
 		d.t.Fatalf("no endpoint-policy row makes the flags %#x (the nearest makes %#x)", flags, v.Flags)
