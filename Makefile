@@ -20,12 +20,27 @@ BENCHTIME ?= 1s
 # race detector. ./daemon is left out: under -race it takes over 4 minutes.
 RACE_PKGS ?= ./cells/... ./reconcilers/... ./bpf/... ./internal/... ./apis/...
 
-.PHONY: all build test test-race bench run lint deps clean bpf demo
+# `make image`: the image's repository; it is tagged $(VERSION) and latest.
+IMAGE     ?= ghcr.io/apiary-net/apiary
+IMAGE_TAR ?= bin/apiary-image.tar
+# A tag allows letters, digits, '.', '_' and '-': anything else in the
+# version (a '+', a '/') becomes '-'.
+IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
+
+.PHONY: all build image test test-race test-cluster bench run lint deps clean bpf demo
 
 all: build
 
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./daemon
+
+## image: a container image of the static binary, as an archive that
+## `ctr -n k8s.io images import` and `docker load` accept ($(IMAGE_TAR)),
+## built from Go alone (no Docker daemon, no registry).
+image:
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS) -s -w" -o bin/image/apiary ./daemon
+	$(GO) run ./scripts/mkimage -o $(IMAGE_TAR) -tag $(IMAGE):$(IMAGE_TAG) -tag $(IMAGE):latest \
+		-entrypoint /usr/bin/apiary bin/image/apiary=/usr/bin/apiary
 
 ## deps: install what the tests need (Debian packages, Go modules); a no-op when present.
 deps:
