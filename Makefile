@@ -54,6 +54,12 @@ test: deps
 test-race: deps
 	$(GO) test -race -count=1 -timeout 15m $(TESTFLAGS) $(RACE_PKGS)
 
+## test-cluster: test/cluster, a real single-node cluster (kubelet, containerd,
+## runc) with apiary installed from deploy/ and its image (as root; one per
+## machine; CI runs it after test-race).
+test-cluster: deps image
+	$(GO) test -tags cluster -count=1 -timeout 15m $(TESTFLAGS) ./test/cluster
+
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
 
@@ -75,6 +81,7 @@ demo:
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	$(GO) vet -tags cluster ./test/cluster
 
 clean:
 	rm -rf bin
