@@ -314,7 +314,7 @@ func (n *node) removeNewUnder(dir string) func() {
 // killPodProcesses kills, by PID, every process left in a kubepods cgroup
 // (only this test's kubelet makes them: one cluster per machine).
 func (n *node) killPodProcesses() {
-	for range 5 {
+	for range 20 {
 		pids := n.podPIDs()
 		if len(pids) == 0 {
 			return
@@ -329,12 +329,20 @@ func (n *node) killPodProcesses() {
 	}
 }
 
+// podPIDs returns the processes in the kubelet's cgroups: those whose
+// cgroup, in any hierarchy, lies below the root's kubepods (other tests
+// make kubepods trees of their own, below their own cgroups), zombies left
+// out.
 func (n *node) podPIDs() []int {
 	var pids []int
 	procs, _ := filepath.Glob("/proc/[0-9]*/cgroup")
 	for _, p := range procs {
 		data, err := os.ReadFile(p)
-		if err != nil || !strings.Contains(string(data), "/kubepods") {
+		if err != nil || !inKubepods(string(data)) {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join(filepath.Dir(p), "stat"))
+		if err != nil || strings.Contains(string(stat), ") Z ") {
 			continue
 		}
 		pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(p)))
@@ -343,6 +351,18 @@ func (n *node) podPIDs() []int {
 		}
 	}
 	return pids
+}
+
+// inKubepods says whether a /proc/PID/cgroup names a cgroup below the
+// root's kubepods in some hierarchy.
+func inKubepods(cgroups string) bool {
+	for _, line := range strings.Split(cgroups, "\n") {
+		parts := strings.SplitN(line, ":", 3)
+		if len(parts) == 3 && (strings.HasPrefix(parts[2], "/kubepods/") || strings.HasPrefix(parts[2], "/kubepods.slice/")) {
+			return true
+		}
+	}
+	return false
 }
 
 // removeKubepods removes the kubelet's cgroups, deepest first, from every
