@@ -18,6 +18,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -479,8 +480,8 @@ func testAgentRestart(t *testing.T, n *node, w *workloads) {
 
 // testUninstall: deleting the DaemonSet leaves enforcement in place (by
 // design); `apiary cleanup` on the node then detaches everything: nothing
-// is attached to the cgroup root, the pins are gone and the client
-// reaches the other pod.
+// is attached to the cgroup root or to the pods' interfaces, the pins are
+// gone and the client reaches the other pod.
 func testUninstall(t *testing.T, n *node, w *workloads) {
 	ctx := context.Background()
 	if err := n.cs.AppsV1().DaemonSets("kube-system").Delete(ctx, "apiary-agent", metav1.DeleteOptions{}); err != nil {
@@ -494,6 +495,9 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 	if got := connect(t, w.client, other); got != "EPERM" {
 		t.Errorf("with the agent gone, client to other: %s, want EPERM (enforcement holds)", got)
 	}
+	if on := podInterfacePrograms(t); len(on) == 0 {
+		t.Errorf("with the agent gone, no program on the pods' interfaces; want the agent's, kept")
+	}
 	out, err := exec.Command(n.apiaryBin, "cleanup", "--bpf-pin-dir", n.pinDir).CombinedOutput()
 	if err != nil {
 		t.Fatalf("apiary cleanup: %v\n%s", err, out)
@@ -505,6 +509,9 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 	}
 	if left := attachedTo(t, root); len(left) != 0 {
 		t.Errorf("programs still attached to %s: %v", root, left)
+	}
+	if left := podInterfacePrograms(t); len(left) != 0 {
+		t.Errorf("programs still on the pods' interfaces: %v", left)
 	}
 	if _, err := os.Stat(n.pinDir); !os.IsNotExist(err) {
 		t.Errorf("%s after cleanup: %v, want it gone", n.pinDir, err)
@@ -538,6 +545,42 @@ func attachedTo(t *testing.T, dir string) map[ebpf.AttachType]int {
 		}
 		if n := len(res.Programs); n > 0 {
 			got[hook] = n
+		}
+	}
+	return got
+}
+
+// podInterfacePrograms returns, per interface on the pods' bridge (the
+// host sides of their veths), the tcx and tc programs attached to it.
+func podInterfacePrograms(t *testing.T) map[string]int {
+	t.Helper()
+	br, err := netlink.LinkByName(bridgeName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	links, err := netlink.LinkList()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]int{}
+	for _, l := range links {
+		if l.Attrs().MasterIndex != br.Attrs().Index {
+			continue
+		}
+		name := l.Attrs().Name
+		for _, hook := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
+			res, err := link.QueryPrograms(link.QueryOptions{Target: l.Attrs().Index, Attach: hook})
+			if err != nil {
+				t.Fatalf("query %s of %s: %v", hook, name, err)
+			}
+			got[name] += len(res.Programs)
+		}
+		for _, parent := range []uint32{netlink.HANDLE_MIN_INGRESS, netlink.HANDLE_MIN_EGRESS} {
+			filters, _ := netlink.FilterList(l, parent)
+			got[name] += len(filters)
+		}
+		if got[name] == 0 {
+			delete(got, name)
 		}
 	}
 	return got
