@@ -34,8 +34,8 @@ import (
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/operator"
-	"github.com/apiary-net/apiary/cells/socketlb"
 	"github.com/apiary-net/apiary/cells/selectors"
+	"github.com/apiary-net/apiary/cells/socketlb"
 )
 
 // manifests holds every object of every YAML file under deploy/.
