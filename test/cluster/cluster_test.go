@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"context"
 	"crypto/rand"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -59,6 +60,7 @@ func TestCluster(t *testing.T) {
 		{"FirstConnection", testFirstConnection},
 		{"Monitor", testMonitor},
 		{"AgentRestart", testAgentRestart},
+		{"OperatorMode", testOperatorMode},
 		{"Uninstall", testUninstall},
 	}
 	for _, s := range steps {
@@ -584,4 +586,82 @@ func podInterfacePrograms(t *testing.T) map[string]int {
 		}
 	}
 	return got
+}
+
+// endpointRow is what the test reads of an endpoints row.
+type endpointRow struct {
+	Name           string
+	Identity       uint32
+	IdentitySource string
+}
+
+// endpoints returns the agent's endpoints table by name.
+func endpoints(t *testing.T) map[string]endpointRow {
+	t.Helper()
+	code, body, err := httpGet(agentAPI + "/statedb/dump/endpoints")
+	if err != nil || code != http.StatusOK {
+		t.Fatalf("GET /statedb/dump/endpoints: %d %v %s", code, err, body)
+	}
+	var all map[string][]endpointRow
+	if err := json.Unmarshal([]byte(body), &all); err != nil {
+		t.Fatalf("GET /statedb/dump/endpoints: %v: %s", err, body)
+	}
+	out := map[string]endpointRow{}
+	for _, r := range all["endpoints"] {
+		out[r.Name] = r
+	}
+	return out
+}
+
+// testOperatorMode: with identity-management-mode switched to operator
+// in the config map and the agents restarted (docs/kubernetes.md,
+// "Migrating"), the pods' identities are the operator's Identities, made
+// by the operator's Deployment from deploy/, and policy holds.
+func testOperatorMode(t *testing.T, n *node, w *workloads) {
+	ctx := context.Background()
+	testenv.Eventually(t, waitTimeout, "an operator replica Ready", func() (bool, string) {
+		pods, err := n.cs.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=apiary-operator"})
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, p := range pods.Items {
+			if podReady(&p) {
+				return true, ""
+			}
+		}
+		return false, fmt.Sprintf("%d operator pods, none Ready", len(pods.Items))
+	})
+	patch := `{"data":{"identity-management-mode":"operator"}}`
+	if _, err := n.cs.CoreV1().ConfigMaps("kube-system").Patch(ctx, "apiary-config", types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	before := n.waitAgentReady()
+	patch = fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"apiary.test/mode":%q}}}}}`, "operator")
+	if _, err := n.cs.AppsV1().DaemonSets("kube-system").Patch(ctx, "apiary-agent", types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 2*waitTimeout, "a new agent pod Ready", func() (bool, string) {
+		pods, err := n.cs.CoreV1().Pods("kube-system").List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=apiary-agent"})
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, p := range pods.Items {
+			if p.Name != before && podReady(&p) {
+				return true, ""
+			}
+		}
+		return false, fmt.Sprintf("%d agent pods", len(pods.Items))
+	})
+	n.waitAgentHealthy()
+	testenv.Eventually(t, waitTimeout, "the test pods' identities from the operator's Identities", func() (bool, string) {
+		eps := endpoints(t)
+		for _, name := range []string{ns + "/client", ns + "/other"} {
+			if e := eps[name]; e.IdentitySource != "cluster" || e.Identity == 0 {
+				return false, fmt.Sprintf("%s: %+v", name, e)
+			}
+		}
+		return true, ""
+	})
+	wantConnect(t, w.client, w.other.Status.PodIP+":8080", "EPERM")
+	wantConnect(t, w.client, w.clusterIP+":80", "ok: hello from server-")
 }
