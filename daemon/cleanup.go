@@ -6,10 +6,8 @@ import (
 	"io"
 	"io/fs"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"slices"
-	"syscall"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -22,7 +20,6 @@ import (
 
 func newCleanupCmd() *cobra.Command {
 	pinDir := bpffs.DefaultPinDir
-	wait := false
 	cmd := &cobra.Command{
 		Use:   "cleanup",
 		Short: "Detach every program the agent attached and remove its pins (uninstall)",
@@ -42,17 +39,10 @@ func newCleanupCmd() *cobra.Command {
 			if err := detachTC(cmd.OutOrStdout(), maps); err != nil {
 				return err
 			}
-			if wait {
-				sig := make(chan os.Signal, 1)
-				signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
-				<-sig
-			}
 			return nil
 		},
 	}
 	cmd.Flags().StringVar(&pinDir, "bpf-pin-dir", pinDir, "The agent's pin directory, removed with everything in it")
-	cmd.Flags().BoolVar(&wait, "wait", wait,
-		"After cleaning up, keep running until SIGTERM (for a DaemonSet whose pods are Ready once their node is clean)")
 	return cmd
 }
 
