@@ -481,7 +481,8 @@ func testAgentRestart(t *testing.T, n *node, w *workloads) {
 }
 
 // testUninstall: deleting the DaemonSet leaves enforcement in place (by
-// design); `apiary cleanup` on the node then detaches everything: nothing
+// design), a pod created then is denied (unclassified); `apiary cleanup`
+// on the node then detaches everything: nothing
 // is attached to the cgroup root or to the pods' interfaces, the pins are
 // gone and the client reaches the other pod.
 func testUninstall(t *testing.T, n *node, w *workloads) {
@@ -496,6 +497,19 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 	other := w.other.Status.PodIP + ":8080"
 	if got := connect(t, w.client, other); got != "EPERM" {
 		t.Errorf("with the agent gone, client to other: %s, want EPERM (enforcement holds)", got)
+	}
+	// A pod created while no agent runs is no endpoint: the pinned
+	// programs deny it both ways (fail closed), from its first connection.
+	late := testPod("late", map[string]string{"app": "late"}, corev1.EnvVar{Name: "FIRST_CONNECT", Value: other})
+	if _, err := n.cs.CoreV1().Pods(ns).Create(ctx, late, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, waitTimeout, "pod late's first connection made", func() (bool, string) {
+		log := n.podLog(ns, "late", "main")
+		return strings.Contains(log, "first connection to"), log
+	})
+	if log := n.podLog(ns, "late", "main"); !strings.Contains(log, "first connection to "+other+": EPERM") {
+		t.Errorf("pod late, created with the agent gone: %s; want its first connection denied", log)
 	}
 	if on := podInterfacePrograms(t); len(on) == 0 {
 		t.Errorf("with the agent gone, no program on the pods' interfaces; want the agent's, kept")
@@ -519,6 +533,11 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 		t.Errorf("%s after cleanup: %v, want it gone", n.pinDir, err)
 	}
 	wantConnect(t, w.client, other, "ok: hello from other")
+	p, err := n.cs.CoreV1().Pods(ns).Get(ctx, "late", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantConnect(t, p, other, "ok: hello from other")
 }
 
 // cgroupHooks are the cgroup attach types the agent's programs use.
