@@ -38,7 +38,7 @@ type policyFixture struct {
 
 // newPolicyFixture opens empty maps, the policy map with room for
 // maxEntries entries.
-func newPolicyFixture(t *testing.T, maxEntries uint32) *policyFixture {
+func newPolicyFixture(t testing.TB, maxEntries uint32) *policyFixture {
 	t.Helper()
 	f := &policyFixture{dir: testenv.BPFPinDir(t), db: statedb.New()}
 	var err error
@@ -57,7 +57,7 @@ func newPolicyFixture(t *testing.T, maxEntries uint32) *policyFixture {
 
 // open opens the pinned maps with new operations (as a restarted agent
 // does), closing the previous ones, and returns what Open restored.
-func (f *policyFixture) open(t *testing.T, maxEntries uint32) map[uint64]uint32 {
+func (f *policyFixture) open(t testing.TB, maxEntries uint32) map[uint64]uint32 {
 	t.Helper()
 	if f.ops != nil {
 		if err := f.ops.Close(); err != nil {
@@ -74,7 +74,7 @@ func (f *policyFixture) open(t *testing.T, maxEntries uint32) map[uint64]uint32 
 
 // insert puts rows (*tables.PolicyEntry or *tables.EndpointPolicy) into
 // their tables, pending, as the policy controller does.
-func (f *policyFixture) insert(t *testing.T, rows ...any) {
+func (f *policyFixture) insert(t testing.TB, rows ...any) {
 	t.Helper()
 	wtxn := f.db.WriteTxn(f.entries, f.endpoints)
 	defer wtxn.Abort()
@@ -97,7 +97,7 @@ func (f *policyFixture) insert(t *testing.T, rows ...any) {
 }
 
 // remove deletes rows from their tables.
-func (f *policyFixture) remove(t *testing.T, rows ...any) {
+func (f *policyFixture) remove(t testing.TB, rows ...any) {
 	t.Helper()
 	wtxn := f.db.WriteTxn(f.entries, f.endpoints)
 	defer wtxn.Abort()
@@ -120,7 +120,7 @@ func (f *policyFixture) remove(t *testing.T, rows ...any) {
 
 // updateEndpoint runs Update on the row name, as the reconciler does, and
 // records the outcome in the row's status.
-func (f *policyFixture) updateEndpoint(t *testing.T, name string) error {
+func (f *policyFixture) updateEndpoint(t testing.TB, name string) error {
 	t.Helper()
 	txn := f.db.ReadTxn()
 	row, rev, found := f.endpoints.Get(txn, tables.EndpointPolicyNameIndex.Query(name))
@@ -139,7 +139,7 @@ func (f *policyFixture) updateEndpoint(t *testing.T, name string) error {
 }
 
 // prune runs Prune with what the tables hold.
-func (f *policyFixture) prune(t *testing.T) {
+func (f *policyFixture) prune(t testing.TB) {
 	t.Helper()
 	txn := f.db.ReadTxn()
 	if err := f.ops.Ops(f.entries).Prune(context.Background(), txn, f.endpoints.All(txn)); err != nil {

@@ -2,6 +2,7 @@ package reconcilers
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"testing"
@@ -60,18 +61,28 @@ func BenchmarkIPCacheResync(b *testing.B) {
 }
 
 // BenchmarkLBResync measures one prune of the load-balancing maps holding
-// 10,000 ClusterIP frontends of 3 backends each (30,000 backends, 50,000
-// service entries), nothing drifted, with the resync and without it.
+// 10,000 or 50,000 ClusterIP frontends of 3 backends each (3 backends and
+// 5 service entries per frontend, with the wildcards), nothing drifted,
+// with the resync and without it.
 func BenchmarkLBResync(b *testing.B) {
-	const n = 10_000
-	for _, resync := range []bool{true, false} {
-		b.Run(map[bool]string{true: "resync", false: "off"}[resync], func(b *testing.B) {
+	for _, n := range []int{10_000, 50_000} {
+		for _, resync := range []bool{true, false} {
+			b.Run(fmt.Sprintf("%d/%s", n, map[bool]string{true: "resync", false: "off"}[resync]), func(b *testing.B) {
+				benchLBResync(b, n, resync)
+			})
+		}
+	}
+}
+
+func benchLBResync(b *testing.B, n int, resync bool) {
+	{
+		{
 			db := statedb.New()
 			backends, err := tables.NewBackendsTable(db)
 			if err != nil {
 				b.Fatal(err)
 			}
-			lb := NewLB(slog.New(slog.DiscardHandler), LBConfig{PinDir: testenv.BPFPinDir(b), MaxEntries: 131072, MaxEntriesFlag: "bpf-lb-map-max"}, backends)
+			lb := NewLB(slog.New(slog.DiscardHandler), LBConfig{PinDir: testenv.BPFPinDir(b), MaxEntries: 524288, MaxEntriesFlag: "bpf-lb-map-max"}, backends)
 			b.Cleanup(func() { lb.Close() })
 			if resync {
 				d, err := NewDrift(nil, prometheus.NewRegistry())
@@ -88,7 +99,7 @@ func BenchmarkLBResync(b *testing.B) {
 				}
 				for j := range 3 {
 					f.Backends = append(f.Backends, tables.FrontendBackend{Address: tables.L4Addr{
-						Addr: netip.AddrFrom4([4]byte{10, byte(1 + j), byte(i >> 8), byte(i)}), Port: 8080, Proto: tables.TCP}})
+						Addr: netip.AddrFrom4([4]byte{10, byte(1+j) + 4*byte(i>>16), byte(i >> 8), byte(i)}), Port: 8080, Proto: tables.TCP}})
 				}
 				frontends[i] = f
 			}
@@ -118,6 +129,6 @@ func BenchmarkLBResync(b *testing.B) {
 				}
 			}
 			b.ReportMetric(float64(opCounts(lb)-ops)/float64(b.N), "writes/op")
-		})
+		}
 	}
 }

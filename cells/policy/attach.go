@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/bpf/cgrouplink"
@@ -48,7 +49,6 @@ type attacher struct {
 	ipcache ipcache.Map
 	dns     *dnsMaps
 	opened  <-chan struct{}
-	retry   time.Duration
 
 	mu     sync.Mutex
 	links  map[string]link.Link
@@ -63,35 +63,29 @@ type attacher struct {
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
 
-// run attaches (or, with --enable-policy=never, detaches), retrying until it
-// succeeds, then keeps the program order right.
+// run attaches (or, with --enable-policy=never, detaches), then keeps the
+// program order right. A failure returns, and the job runs it again after
+// attachRetry's backoff.
 func (a *attacher) run(ctx context.Context, health cell.Health) error {
 	select {
 	case <-a.opened:
 	case <-ctx.Done():
 		return nil
 	}
-	for {
-		var msg string
-		var err error
-		if a.cfg.EnablePolicy == ModeNever {
-			msg, err = a.detach()
-		} else {
-			msg, err = a.attach()
-		}
-		if err == nil {
-			a.log.Info(msg)
-			health.OK(msg)
-			break
-		}
-		a.log.Error("Policy enforcement programs", "error", err)
-		health.Degraded("Attaching the policy programs failed; retrying", err)
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-time.After(a.retry):
-		}
+	var msg string
+	var err error
+	if a.cfg.EnablePolicy == ModeNever {
+		msg, err = a.detach()
+	} else {
+		msg, err = a.attach()
 	}
+	if err != nil {
+		a.log.Error("Policy enforcement programs; retrying", "error", err)
+		health.Degraded("Attaching the policy programs failed; retrying", err)
+		return fmt.Errorf("policy programs: %w", err)
+	}
+	a.log.Info(msg)
+	health.OK(msg)
 	if a.cfg.EnablePolicy == ModeNever {
 		<-ctx.Done()
 		return nil
@@ -108,6 +102,13 @@ func (a *attacher) run(ctx context.Context, health cell.Health) error {
 		case <-ticker.C:
 		}
 	}
+}
+
+// attachRetry is how a failed attach or detach is retried: after 1 s,
+// doubling up to a minute, so that a fixed privilege or mount is picked up
+// soon and a lasting failure does not fill the log.
+func attachRetry() job.RetryBackoff {
+	return &job.ExponentialBackoff{Min: time.Second, Max: time.Minute}
 }
 
 // attach loads the programs and puts them into the pinned links.

@@ -11,7 +11,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"time"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -319,10 +318,10 @@ type attacherParams struct {
 func registerAttacher(p attacherParams) error {
 	a := &attacher{
 		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), root: p.Root, ops: p.Ops,
-		ipcache: p.IPCache, opened: p.Opened, retry: 5 * time.Second, attached: make(chan struct{}),
+		ipcache: p.IPCache, opened: p.Opened, attached: make(chan struct{}),
 		dns: p.DNSMaps,
 	}
-	p.Jobs.Add(job.OneShot("attach", a.run))
+	p.Jobs.Add(job.OneShot("attach", a.run, job.WithRetry(-1, attachRetry())))
 	// The socket LB attached after the policy programs: back behind it at
 	// once, before its first connection can be judged on a service
 	// address.
