@@ -20,12 +20,27 @@ BENCHTIME ?= 1s
 # race detector. ./daemon is left out: under -race it takes over 4 minutes.
 RACE_PKGS ?= ./cells/... ./reconcilers/... ./bpf/... ./internal/... ./apis/...
 
-.PHONY: all build test test-race bench run lint deps clean bpf demo
+# `make image`: the image's repository; it is tagged $(VERSION) and latest.
+IMAGE     ?= ghcr.io/apiary-net/apiary
+IMAGE_TAR ?= bin/apiary-image.tar
+# A tag allows letters, digits, '.', '_' and '-': anything else in the
+# version (a '+', a '/') becomes '-'.
+IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
+
+.PHONY: all build image test test-race test-cluster bench run lint deps clean bpf demo
 
 all: build
 
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./daemon
+
+## image: a container image of the static binary, as an archive that
+## `ctr -n k8s.io images import` and `docker load` accept ($(IMAGE_TAR)),
+## built from Go alone (no Docker daemon, no registry).
+image:
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS) -s -w" -o bin/image/apiary ./daemon
+	$(GO) run ./scripts/mkimage -o $(IMAGE_TAR) -tag $(IMAGE):$(IMAGE_TAG) -tag $(IMAGE):latest \
+		-entrypoint /usr/bin/apiary bin/image/apiary=/usr/bin/apiary
 
 ## deps: install what the tests need (Debian packages, Go modules); a no-op when present.
 deps:
@@ -38,6 +53,12 @@ test: deps
 ## test-race: RACE_PKGS under the race detector (as root, like test; CI runs it after test).
 test-race: deps
 	$(GO) test -race -count=1 -timeout 15m $(TESTFLAGS) $(RACE_PKGS)
+
+## test-cluster: test/cluster, a real single-node cluster (kubelet, containerd,
+## runc) with apiary installed from deploy/ and its image (as root; one per
+## machine; CI runs it after test-race).
+test-cluster: deps image
+	$(GO) test -tags cluster -count=1 -timeout 15m $(TESTFLAGS) ./test/cluster
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
@@ -60,6 +81,7 @@ demo:
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	$(GO) vet -tags cluster ./test/cluster
 
 clean:
 	rm -rf bin

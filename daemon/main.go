@@ -35,6 +35,8 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 		newDBCmd(),
 		newMonitorCmd(),
 		newBPFCmd(),
+		newCleanupCmd(),
+		newInitNodeCmd(),
 		newVersionCmd(),
 	)
 	return root

@@ -35,6 +35,7 @@ import (
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/operator"
 	"github.com/apiary-net/apiary/cells/selectors"
+	"github.com/apiary-net/apiary/cells/socketlb"
 )
 
 // manifests holds every object of every YAML file under deploy/.
@@ -349,11 +350,12 @@ func checkContainer(t *testing.T, m *manifests, who string, spec corev1.PodSpec,
 
 func TestAgentDaemonSet(t *testing.T) {
 	m := load(t)
-	if len(m.daemonSets) != 1 || m.crds != 1 {
-		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 1", len(m.daemonSets), m.crds)
+	// The Identity CRD and the two Cilium policy CRDs.
+	if len(m.daemonSets) != 1 || m.crds != 3 {
+		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 3", len(m.daemonSets), m.crds)
 	}
 	spec := m.daemonSets[0].Spec.Template.Spec
-	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell)
+	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell)
 	env := checkContainer(t, m, "agent", spec, flags)
 	c := spec.Containers[0]
 	if !spec.HostNetwork {
@@ -380,8 +382,33 @@ func TestAgentDaemonSet(t *testing.T) {
 			t.Errorf("agent: volume %s is not from the host", v.Name)
 		}
 	}
-	if cm := m.configMaps[ns+"/apiary-config"]; cm == nil || cm.Data["identity-management-mode"] != identitymode.ModeAgent {
-		t.Error("config map: identity-management-mode must default to agent (switch after the operator runs)")
+	cm := m.configMaps[ns+"/apiary-config"]
+	if cm == nil || cm.Data["identity-management-mode"] != identitymode.ModeAgent {
+		t.Fatal("config map: identity-management-mode must default to agent (switch after the operator runs)")
+	}
+	// As shipped, the agent is the Service load balancer and reaches the
+	// API server where the config map says (empty: in-cluster).
+	if env[socketlb.EnableFlag] != "" || cm.Data[socketlb.EnableFlag] != "true" {
+		t.Errorf("socket LB: env %q, config map %q; want it on through the config map", env[socketlb.EnableFlag], cm.Data[socketlb.EnableFlag])
+	}
+	if v, ok := cm.Data[k8s.APIServerFlag]; !ok || v != "" {
+		t.Errorf("config map %s = %q (present %v), want it empty: the in-cluster default", k8s.APIServerFlag, v, ok)
+	}
+	// A locally imported image must run: never pulled when present.
+	for _, c := range append(spec.InitContainers, spec.Containers...) {
+		if c.Image != m.deployments[0].Spec.Template.Spec.Containers[0].Image || c.ImagePullPolicy != corev1.PullIfNotPresent {
+			t.Errorf("agent container %s: image %s, pull policy %q; want the operator's image, IfNotPresent", c.Name, c.Image, c.ImagePullPolicy)
+		}
+	}
+	// Bidirectional propagation fails on hosts whose bpffs is not a shared
+	// mount; the init step mounts bpffs on the host instead.
+	for _, vm := range c.VolumeMounts {
+		if vm.MountPropagation != nil && *vm.MountPropagation != corev1.MountPropagationNone {
+			t.Errorf("agent: mount %s propagates (%s): fails where the host mount is not shared", vm.Name, *vm.MountPropagation)
+		}
+	}
+	if len(spec.InitContainers) != 1 || !slices.Equal(spec.InitContainers[0].Command[:2], []string{"apiary", "init-node"}) {
+		t.Errorf("agent: init containers %+v, want apiary init-node", spec.InitContainers)
 	}
 }
 
@@ -392,7 +419,13 @@ func TestOperatorDeployment(t *testing.T) {
 	}
 	d := m.deployments[0]
 	flags := flagsOf(statedb.Cell, health.Cell, job.Cell, metrics.Cell, api.Cell, k8s.SourcesCell, k8s.ClientCell, operator.Cell)
-	checkContainer(t, m, "operator", d.Spec.Template.Spec, flags)
+	env := checkContainer(t, m, "operator", d.Spec.Template.Spec, flags)
+	if _, ok := env[k8s.APIServerFlag]; !ok {
+		t.Errorf("operator: does not read %s from the config map", k8s.APIServerFlag)
+	}
+	if c := d.Spec.Template.Spec.Containers[0]; c.ImagePullPolicy != corev1.PullIfNotPresent {
+		t.Errorf("operator: pull policy %q, want IfNotPresent", c.ImagePullPolicy)
+	}
 	if d.Spec.Replicas == nil || *d.Spec.Replicas < 2 {
 		t.Error("operator: fewer than 2 replicas; leader election is there to allow a standby")
 	}

@@ -116,7 +116,8 @@ func (p *Policy) Open(pinDir string, maxEntries, maxEndpoints uint32) (map[uint6
 	err = bpf.Walk(eps.Map, 1024, func(keys []uint64, values []bpf.PolicyEndpointValue) error {
 		for i, k := range keys {
 			cgroups[k] = values[i]
-			if values[i].Flags&bpf.PolicyPodTree == 0 {
+			// A pod tree's or the agent's entry holds no endpoint ID.
+			if values[i].Flags&bpf.PolicyPodTree == 0 && values[i].EndpointID != 0 {
 				restored[k] = values[i].EndpointID
 			}
 		}
@@ -330,7 +331,7 @@ func EndpointValue(e *tables.EndpointPolicy) bpf.PolicyEndpointValue {
 func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revision, e *tables.EndpointPolicy) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if e.PodTree {
+	if e.PodTree || e.Agent {
 		return o.putTreeLocked(e)
 	}
 	if e.ID == 0 {
@@ -405,8 +406,8 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 	return nil
 }
 
-// putTreeLocked writes the policy_endpoints entry of a pod tree's row
-// (no endpoint, no entries), and deletes the one of the cgroup the tree had
+// putTreeLocked writes the policy_endpoints entry of a pod tree's row or
+// the agent's (no endpoint ID, no entries), and deletes the one of the cgroup the tree had
 // before (the kubelet made it anew).
 func (p *Policy) putTreeLocked(e *tables.EndpointPolicy) error {
 	v := EndpointValue(e)
@@ -539,7 +540,7 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 			}
 			continue
 		}
-		if e.PodTree {
+		if e.PodTree || e.Agent {
 			wantCgroups[e.CgroupID] = struct{}{}
 			continue
 		}

@@ -9,7 +9,8 @@ set -euo pipefail
 #   dnsmasq-base, dnsutils       a DNS upstream (dnsmasq) and dig (test/e2e's DNS proxy test)
 #   curl                         HTTP through a Service VIP (test/e2e's socket LB test, make demo)
 #   gcc, libc6-dev               cgo, which the race detector needs (make test-race)
-packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl gcc libc6-dev)
+#   containerd, runc             the container runtime of test/cluster's node (make test-cluster)
+packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl gcc libc6-dev containerd runc)
 
 missing=()
 for p in "${packages[@]}"; do

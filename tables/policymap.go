@@ -194,6 +194,12 @@ type EndpointPolicy struct {
 	// it look up, by pattern. Not empty: its DNS is intercepted by the
 	// DNS proxy, which refuses other names (bpf.PolicyDNS).
 	DNS []DNSRule `json:"dns,omitempty" yaml:"dns,omitempty"`
+	// Agent marks the row of the agent's own container cgroup (Name
+	// "agent:<cgroup>"): an endpoint that no policy enforces, written at
+	// start, before anything else, so that the pinned programs of an
+	// earlier agent never deny the agent's own pod as unclassified while
+	// it cannot reach the API server yet to learn of that pod.
+	Agent bool `json:"agent,omitempty" yaml:"agent,omitempty"`
 	// Status is the reconciliation status of the endpoint's map entry,
 	// which is written once all its policy entries are in the map.
 	Status reconciler.Status `json:"status" yaml:"status"`
@@ -258,6 +264,10 @@ func (e *EndpointPolicy) TableRow() []string {
 // PodTreeRowPrefix begins the names of EndpointPolicy rows that are pod
 // trees.
 const PodTreeRowPrefix = "pod-tree:"
+
+// AgentRowPrefix begins the name of the EndpointPolicy row of the agent's
+// own container cgroup.
+const AgentRowPrefix = "agent:"
 
 // EndpointPolicyNameIndex is the primary index of the endpoint-policy
 // table.

@@ -232,3 +232,47 @@ func Live(pin string, h Hook) bool {
 	}
 	return hasTC(h)
 }
+
+// DetachAllTC removes the tc filters of ours whose program ours accepts
+// from both hooks of every interface of the current network namespace:
+// what tc mode attached, which no pin holds (uninstall, `apiary
+// cleanup`). Other agents' filters, whose programs use other maps, are
+// told apart by ours. It returns the hooks it cleared.
+func DetachAllTC(ours func(*ebpf.Program) bool) ([]Hook, error) {
+	links, err := netlink.LinkList()
+	if err != nil {
+		return nil, fmt.Errorf("list interfaces: %w", err)
+	}
+	var gone []Hook
+	var errs []error
+	for _, l := range links {
+		for _, egress := range []bool{false, true} {
+			h := Hook{Ifindex: l.Attrs().Index, Egress: egress}
+			filters, err := netlink.FilterList(l, h.tcParent())
+			if err != nil {
+				continue
+			}
+			for _, f := range filters {
+				bf, ok := f.(*netlink.BpfFilter)
+				if !ok || bf.Handle != tcHandle || bf.Priority != tcPriority {
+					continue
+				}
+				prog, err := ebpf.NewProgramFromID(ebpf.ProgramID(bf.Id))
+				if err != nil {
+					continue
+				}
+				mine := ours(prog)
+				prog.Close()
+				if !mine {
+					continue
+				}
+				if err := detachTC(h); err != nil {
+					errs = append(errs, err)
+					continue
+				}
+				gone = append(gone, h)
+			}
+		}
+	}
+	return gone, errors.Join(errs...)
+}

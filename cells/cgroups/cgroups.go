@@ -78,7 +78,10 @@ func newRoot(cfg Config) (Root, error) {
 }
 
 // NewRoot checks dir (the value of --cgroup-root) and returns it as a Root.
-// Nothing is mounted or even looked at yet: see Prepare and Check.
+// Nothing is mounted yet (see Prepare and Check). A dir that is a hybrid
+// host's cgroup mount point (a tmpfs of v1 hierarchies, such as the host's
+// /sys/fs/cgroup mounted at the default root by the agent's DaemonSet)
+// stands for the cgroup v2 hierarchy mounted in it, at HybridSubdir.
 func NewRoot(dir string) (Root, error) {
 	if strings.TrimSpace(dir) == "" {
 		return Root{}, fmt.Errorf("--%s is empty", RootFlag)
@@ -87,8 +90,17 @@ func NewRoot(dir string) (Root, error) {
 	if err != nil {
 		return Root{}, fmt.Errorf("--%s %s: %w", RootFlag, dir, err)
 	}
+	if ok, _ := isCgroup2(abs); !ok {
+		if ok, _ := isCgroup2(filepath.Join(abs, HybridSubdir)); ok {
+			abs = filepath.Join(abs, HybridSubdir)
+		}
+	}
 	return Root{path: abs, mountAt: DefaultRoot, mu: &sync.Mutex{}, onAttach: &attachHooks{}}, nil
 }
+
+// HybridSubdir is where systemd and most distributions mount cgroup v2 in
+// the cgroup mount point of a host in hybrid mode (v1 controllers).
+const HybridSubdir = "unified"
 
 // OnAttach registers fn to run each time a feature reports, with Attached,
 // that it attached programs to the root: the features whose programs must

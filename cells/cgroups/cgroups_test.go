@@ -211,3 +211,34 @@ func TestIDOfCgroup(t *testing.T) {
 		t.Fatalf("ID(%s) = %d, %v; want %d", cg, id, err, want)
 	}
 }
+
+// TestNewRootHybrid: the cgroup mount point of a hybrid host (a tmpfs with
+// cgroup v2 at unified/) stands for its cgroup v2 hierarchy, which is what
+// the DaemonSet's mount of the host's /sys/fs/cgroup shows on such hosts.
+func TestNewRootHybrid(t *testing.T) {
+	testenv.RequireRoot(t)
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	r, err := NewRoot(dir)
+	if err != nil || r.Path() != dir {
+		t.Fatalf("no cgroup v2 below: NewRoot = %q, %v; want %s", r.Path(), err, dir)
+	}
+	unified := filepath.Join(dir, HybridSubdir)
+	if err := os.Mkdir(unified, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("none", unified, "cgroup2", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(unified, unix.MNT_DETACH) })
+	r, err = NewRoot(dir)
+	if err != nil || r.Path() != unified {
+		t.Fatalf("NewRoot = %q, %v; want %s", r.Path(), err, unified)
+	}
+	if err := r.Check(); err != nil {
+		t.Errorf("Check: %v", err)
+	}
+}

@@ -77,10 +77,48 @@ func TestClientCell(t *testing.T) {
 			require.ErrorContains(t, err, "load kubeconfig "+path)
 		})
 	}
+	t.Run("kubeconfig with api server", func(t *testing.T) {
+		cs, _, err := populateWithFlags(t, "--kubeconfig", good, "--k8s-api-server", "https://10.1.2.3:6443")
+		require.NoError(t, err)
+		require.Equal(t, "https://10.1.2.3:6443", cs.RESTConfig.Host)
+		require.Equal(t, "secret", cs.RESTConfig.BearerToken, "the kubeconfig's credentials are kept")
+	})
+	t.Run("api server outside a pod", func(t *testing.T) {
+		_, _, err := populateWithFlags(t, "--k8s-api-server", "https://10.1.2.3:6443")
+		require.ErrorContains(t, err, "--k8s-api-server https://10.1.2.3:6443 without --kubeconfig needs a ServiceAccount token")
+	})
 	t.Run("config-dir", func(t *testing.T) {
 		_, dir, err := populateWithFlags(t, "--config-dir", tmp)
 		require.NoError(t, err)
 		require.Equal(t, tmp, dir.Dir())
 	})
 	require.False(t, (*Clientset)(nil).IsEnabled())
+}
+
+// TestServerConfig: --k8s-api-server without a kubeconfig is the in-cluster
+// configuration (the ServiceAccount's token and CA) at that address.
+func TestServerConfig(t *testing.T) {
+	sa := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(sa, "token"), []byte("tok"), 0o600))
+	for _, tc := range []struct {
+		server, host, ca, err string
+	}{
+		{server: "https://192.0.2.1:6443", host: "https://192.0.2.1:6443", ca: filepath.Join(sa, "ca.crt")},
+		{server: "192.0.2.1:6443", host: "https://192.0.2.1:6443", ca: filepath.Join(sa, "ca.crt")},
+		{server: "http://127.0.0.1:8080", host: "http://127.0.0.1:8080"},
+		{server: "ftp://192.0.2.1", err: `--k8s-api-server "ftp://192.0.2.1": want https://HOST[:PORT]`},
+		{server: "https://", err: `--k8s-api-server "https://": want https://HOST[:PORT]`},
+	} {
+		t.Run(tc.server, func(t *testing.T) {
+			cfg, err := serverConfig(tc.server, sa)
+			if tc.err != "" {
+				require.EqualError(t, err, tc.err)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.host, cfg.Host)
+			require.Equal(t, filepath.Join(sa, "token"), cfg.BearerTokenFile)
+			require.Equal(t, tc.ca, cfg.TLSClientConfig.CAFile)
+		})
+	}
 }

@@ -51,6 +51,9 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		return fmt.Errorf("open policy maps: %w", err)
 	}
 	close(c.Opened)
+	if err := c.writeAgentRow(); err != nil {
+		return fmt.Errorf("write the agent's own row: %w", err)
+	}
 	if len(restored) > 0 {
 		c.Log.Info("Read the old policy maps", "endpoints", len(restored), "entries", c.Ops.Entries())
 	}

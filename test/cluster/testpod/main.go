@@ -1,0 +1,106 @@
+// Command testpod is the program of test/cluster's pods, built into a
+// container image by the test:
+//
+//   - testpod serve: an HTTP server on :8080 that answers "hello from
+//     <hostname>" on /, and on /connect?addr=HOST:PORT makes a connection
+//     from inside the pod (its cgroup, its network namespace) and answers
+//     with the outcome: "ok: <the peer's answer>", "EPERM", "timeout" or
+//     the error. With $FIRST_CONNECT set, the very first thing it does,
+//     before listening, is such a connection, whose outcome /first
+//     answers: a pod's first connection, made as soon as it runs.
+//   - testpod pause: the pod sandbox's process (containerd's
+//     sandbox_image): it waits for SIGTERM or SIGINT.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+)
+
+func main() {
+	mode := ""
+	if len(os.Args) > 1 {
+		mode = os.Args[1]
+	}
+	switch mode {
+	case "serve":
+		serve()
+	case "pause":
+		sig := make(chan os.Signal, 1)
+		signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+		<-sig
+	default:
+		fmt.Fprintln(os.Stderr, "usage: testpod serve|pause")
+		os.Exit(2)
+	}
+}
+
+func serve() {
+	first := "none"
+	if addr := os.Getenv("FIRST_CONNECT"); addr != "" {
+		first = connect(addr)
+		fmt.Printf("first connection to %s: %s\n", addr, first)
+	}
+	host, _ := os.Hostname()
+	mux := http.NewServeMux()
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "hello from %s", host)
+	})
+	mux.HandleFunc("/first", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, first)
+	})
+	mux.HandleFunc("/connect", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, connect(r.URL.Query().Get("addr")))
+	})
+	srv := &http.Server{Addr: ":8080", Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		sig := make(chan os.Signal, 1)
+		signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+		<-sig
+		srv.Close()
+	}()
+	if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+}
+
+// connect makes an HTTP request to addr and says how it went.
+func connect(addr string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/", nil)
+	if err != nil {
+		return err.Error()
+	}
+	resp, err := client.Do(req)
+	switch {
+	case errors.Is(err, syscall.EPERM):
+		return "EPERM"
+	case errors.Is(err, context.DeadlineExceeded), isTimeout(err):
+		return "timeout"
+	case err != nil:
+		return strings.TrimSpace(err.Error())
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "read: " + err.Error()
+	}
+	return "ok: " + string(body)
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
