@@ -306,7 +306,7 @@ func dial(af, proto int, dst netip.AddrPort) (exchange, error) {
 		return exchange{}, err
 	}
 	defer unix.Close(fd)
-	if err := unix.Connect(fd, sockaddr(af, dst)); err != nil {
+	if err := connect(fd, sockaddr(af, dst)); err != nil {
 		return exchange{}, fmt.Errorf("connect %s: %w", dst, err)
 	}
 	sa, err := unix.Getpeername(fd)
@@ -324,6 +324,21 @@ func dial(af, proto int, dst netip.AddrPort) (exchange, error) {
 		return exchange{}, fmt.Errorf("read from %s: %w", dst, err)
 	}
 	return exchange{reply: strings.TrimSpace(string(buf[:n])), peer: addrPort(sa)}, nil
+}
+
+// connect is connect(2) through a signal: the Go runtime's preemption
+// signal can interrupt a blocking connect (EINTR), which then goes on in
+// the background; it is done once connect says the socket is connected.
+func connect(fd int, sa unix.Sockaddr) error {
+	err := unix.Connect(fd, sa)
+	for errors.Is(err, unix.EINTR) || errors.Is(err, unix.EALREADY) {
+		time.Sleep(time.Millisecond)
+		err = unix.Connect(fd, sa)
+	}
+	if errors.Is(err, unix.EISCONN) {
+		return nil
+	}
+	return err
 }
 
 // sendTo sends a datagram to dst from an unconnected UDP socket of family
