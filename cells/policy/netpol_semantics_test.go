@@ -90,8 +90,8 @@ func runNetpolCases(t *testing.T, cases []semanticsCase) {
 	}
 }
 
-func udp(p probe) probe   { p.proto = protoUDP; return p }
-func sctp(p probe) probe  { p.proto = 132; return p }
+func udp(p probe) probe  { p.proto = protoUDP; return p }
+func sctp(p probe) probe { p.proto = 132; return p }
 func withCIDRs(c cluster, cidrs ...string) cluster {
 	c.cidrs = cidrs
 	return c
