@@ -278,6 +278,7 @@ func TestAgentRBAC(t *testing.T) {
 	need = append(need, informer(k8s.NamespaceKind)...)
 	need = append(need, informer(selectors.CNPKind)...)
 	need = append(need, informer(selectors.CCNPKind)...)
+	need = append(need, informer(selectors.NetworkPolicyKind)...)
 	need = append(need, informer(v1alpha1.IdentityKind)...)
 	need = append(need, kindGrants(v1alpha1.GroupVersion.Group, v1alpha1.IdentityResource, v1alpha1.AgentReadVerbs)...)
 	need = append(need, kindGrants(v1alpha1.GroupVersion.Group, v1alpha1.IdentityResource, v1alpha1.AgentWriteVerbs)...)

@@ -15,10 +15,11 @@ const (
 	SelectorsTableName = "selectors"
 )
 
-// Policy is one CiliumNetworkPolicy or CiliumClusterwideNetworkPolicy as the
-// agent understood it.
+// Policy is one CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy or
+// NetworkPolicy as the agent understood it.
 type Policy struct {
-	// Name is "cnp/<namespace>/<name>" or "ccnp/<name>".
+	// Name is "cnp/<namespace>/<name>", "ccnp/<name>" or, for a
+	// NetworkPolicy, "netpol/<namespace>/<name>".
 	Name string `json:"name" yaml:"name"`
 	// Subjects are the selectors of the endpoints the policy applies to.
 	Subjects []string `json:"subjects" yaml:"subjects"`

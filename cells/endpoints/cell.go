@@ -87,6 +87,25 @@ func SecurityLabels(pod *corev1.Pod, nsLabels map[string]string, filter *LabelFi
 	return tables.NewLabels(out...)
 }
 
+// NamespaceNameLabel is the label the API server gives every namespace:
+// its name. Policies select a namespace by name with it.
+const NamespaceNameLabel = "kubernetes.io/metadata.name"
+
+// NamespaceLabels returns the labels of ns that its pods' security labels
+// carry: its own, with NamespaceNameLabel set to its name as the API
+// server sets it (a namespace from --config-dir may lack it).
+func NamespaceLabels(ns *corev1.Namespace) map[string]string {
+	if ns.Labels[NamespaceNameLabel] == ns.Name {
+		return ns.Labels
+	}
+	out := make(map[string]string, len(ns.Labels)+1)
+	for k, v := range ns.Labels {
+		out[k] = v
+	}
+	out[NamespaceNameLabel] = ns.Name
+	return out
+}
+
 // podIPs returns the addresses of a pod that holds them: not one on the
 // host's network (those are the node's), nor one that has terminated.
 func podIPs(pod *corev1.Pod) []netip.Addr {
@@ -361,7 +380,7 @@ func (c *controller) namespaceChanged(ev k8s.Event[*corev1.Namespace]) {
 	if ev.Kind == k8s.Delete {
 		delete(c.nsLabels, ns)
 	} else {
-		c.nsLabels[ns] = ev.Object.Labels
+		c.nsLabels[ns] = NamespaceLabels(ev.Object)
 	}
 	for key, old := range c.pods {
 		if key.Namespace != ns {

@@ -218,7 +218,7 @@ func (c *controller) namespaceChanged(ev k8s.Event[*corev1.Namespace]) {
 	if ev.Kind == k8s.Delete {
 		delete(c.nsLabels, ns)
 	} else {
-		c.nsLabels[ns] = ev.Object.Labels
+		c.nsLabels[ns] = endpoints.NamespaceLabels(ev.Object)
 	}
 	for key, pod := range c.podsByNS[ns] {
 		c.setPod(key, pod)

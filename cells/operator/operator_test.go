@@ -230,8 +230,8 @@ func mustCreate[T any](t *testing.T, create func(context.Context, T, metav1.Crea
 }
 
 const (
-	webDefault = "k8s:app=web,k8s:io.kubernetes.pod.namespace=default"
-	dbDefault  = "k8s:app=db,k8s:io.kubernetes.pod.namespace=default"
+	webDefault = "k8s:app=web,k8s:io.cilium.k8s.namespace.labels.kubernetes.io/metadata.name=default,k8s:io.kubernetes.pod.namespace=default"
+	dbDefault  = "k8s:app=db,k8s:io.cilium.k8s.namespace.labels.kubernetes.io/metadata.name=default,k8s:io.kubernetes.pod.namespace=default"
 )
 
 // One Identity per label set however many pods (on however many nodes)
@@ -261,7 +261,7 @@ func TestOneIdentityPerLabelSet(t *testing.T) {
 	// A pod added later with a known label set reuses its Identity.
 	mustCreate(t, pods.Create, pod("default", "web-new", "node-9", map[string]string{"app": "web"}))
 	mustCreate(t, pods.Create, pod("default", "cache-0", "node-9", map[string]string{"app": "cache"}))
-	waitIdentities(t, f, "k8s:app=cache,k8s:io.kubernetes.pod.namespace=default -> 1", dbDefault+" -> 1", webDefault+" -> 1")
+	waitIdentities(t, f, "k8s:app=cache,k8s:io.cilium.k8s.namespace.labels.kubernetes.io/metadata.name=default,k8s:io.kubernetes.pod.namespace=default -> 1", dbDefault+" -> 1", webDefault+" -> 1")
 	o.waitKnown(t, 3, 3)
 	o.gcRuns(t, 2)
 	if n := creates(f); n != 3 {
@@ -277,8 +277,8 @@ func TestNamespaceRelabelAndGC(t *testing.T) {
 	mustCreate(t, f.CoreV1().Pods("prod").Create, pod("prod", "web-1", "n1", map[string]string{"app": "web"}))
 	mustCreate(t, f.CoreV1().Pods("prod").Create, pod("prod", "web-2", "n2", map[string]string{"app": "web"}))
 	o := startOperator(t, f)
-	oldSet := "k8s:app=web,k8s:io.cilium.k8s.namespace.labels.team=a,k8s:io.kubernetes.pod.namespace=prod"
-	newSet := "k8s:app=web,k8s:io.cilium.k8s.namespace.labels.team=b,k8s:io.kubernetes.pod.namespace=prod"
+	oldSet := "k8s:app=web,k8s:io.cilium.k8s.namespace.labels.kubernetes.io/metadata.name=prod,k8s:io.cilium.k8s.namespace.labels.team=a,k8s:io.kubernetes.pod.namespace=prod"
+	newSet := "k8s:app=web,k8s:io.cilium.k8s.namespace.labels.kubernetes.io/metadata.name=prod,k8s:io.cilium.k8s.namespace.labels.team=b,k8s:io.kubernetes.pod.namespace=prod"
 	waitIdentities(t, f, oldSet+" -> 1")
 
 	if _, err := f.CoreV1().Namespaces().Update(context.Background(), namespace("prod", map[string]string{"team": "b"}), metav1.UpdateOptions{}); err != nil {

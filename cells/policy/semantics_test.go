@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
@@ -41,7 +42,11 @@ func (p testPod) key() string { return p.ns + "/" + p.name }
 type cluster struct {
 	namespaces map[string]map[string]string // name → labels
 	pods       []testPod
-	policies   []string // YAML, CNP or CCNP
+	policies   []string // YAML, CNP, CCNP or NetworkPolicy
+	// cidrs are addresses outside the cluster, each with the identity of
+	// the policy prefix it falls in (its cidr: label, and world), as the
+	// ipcache gives it; a probe names one as "cidr:<prefix>".
+	cidrs []string
 	// identityLabels is --identity-labels; policyMode --allow-localhost.
 	identityLabels []string
 	localhost      string
@@ -54,8 +59,10 @@ var reservedIdentities = map[uint32]tables.Labels{
 	4:                tables.NewLabels(tables.LabelHealth),
 }
 
-// decodePolicy decodes a CNP or CCNP written in YAML, as the cell gets it.
-func decodePolicy(t testing.TB, doc string) (string, selectors.Parsed, error) {
+// decodePolicy decodes a CNP, CCNP or NetworkPolicy written in YAML, as
+// the cell gets it; a NetworkPolicy through the input path netpolPath
+// (see decodeNetworkPolicy).
+func decodePolicy(t testing.TB, doc, netpolPath string) (string, selectors.Parsed, error) {
 	t.Helper()
 	js, err := yaml.YAMLToJSON([]byte(doc))
 	if err != nil {
@@ -63,6 +70,11 @@ func decodePolicy(t testing.TB, doc string) (string, selectors.Parsed, error) {
 	}
 	var kind struct{ Kind string }
 	json.Unmarshal(js, &kind)
+	if kind.Kind == "NetworkPolicy" {
+		np := decodeNetworkPolicy(t, doc, netpolPath)
+		parsed, err := selectors.ParseNetworkPolicy(np)
+		return selectors.NetpolPrefix + np.Namespace + "/" + np.Name, parsed, err
+	}
 	if kind.Kind == "CiliumClusterwideNetworkPolicy" {
 		var p selectors.CiliumClusterwideNetworkPolicy
 		if err := json.Unmarshal(js, &p); err != nil {
@@ -96,6 +108,11 @@ type agentModel struct {
 	warnings  map[string][]string
 	// byGroup indexes the entries by endpoint, identity and direction.
 	byGroup map[string][]*tables.PolicyEntry
+	// cidrIDs are the identities of the cluster's cidrs.
+	cidrIDs map[string]uint32
+	// netpolPath is how NetworkPolicies reach the agent: pathK8s or
+	// pathConfigDir (see decodeNetworkPolicy).
+	netpolPath string
 }
 
 func groupOf(ep string, id uint32, dir string) string { return fmt.Sprintf("%s %d %s", ep, id, dir) }
@@ -130,22 +147,25 @@ func (m *agentModel) apply(c cluster) {
 	live := map[uint32]bool{1: true, 2: true, 4: true}
 	m.podIDs = map[string]uint32{}
 	for _, p := range c.pods {
-		l := endpoints.SecurityLabels(podObject(p), c.namespaces[p.ns], filter)
-		id, ok := m.ids[l.Key()]
-		if !ok {
-			id = m.next
-			m.next++
-			m.ids[l.Key()] = id
-			m.labels[id] = l
+		var nsLabels map[string]string
+		if labels, ok := c.namespaces[p.ns]; ok {
+			nsLabels = endpoints.NamespaceLabels(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: p.ns, Labels: labels}})
 		}
-		live[id] = true
-		m.podIDs[p.key()] = id
+		l := endpoints.SecurityLabels(podObject(p), nsLabels, filter)
+		live[m.identity(l)] = true
+		m.podIDs[p.key()] = m.identity(l)
+	}
+	m.cidrIDs = map[string]uint32{}
+	for _, c := range c.cidrs {
+		l := tables.NewLabels(tables.CIDRLabel(netip.MustParsePrefix(c)), tables.LabelWorld)
+		m.cidrIDs[c] = m.identity(l)
+		live[m.cidrIDs[c]] = true
 	}
 	// Policies, then the selectors they name.
 	sels := map[string]selectors.Selector{}
 	seen := map[string]bool{}
 	for _, doc := range c.policies {
-		name, parsed, err := decodePolicy(m.t, doc)
+		name, parsed, err := decodePolicy(m.t, doc, m.netpolPath)
 		seen[name] = true
 		if err != nil {
 			m.eng.setPolicy(name, nil, false, "")
@@ -206,9 +226,29 @@ func (m *agentModel) apply(c cluster) {
 	}
 }
 
+// identity returns the identity of the label set l, allocating one for a
+// new set; unused ones stay (harmless).
+func (m *agentModel) identity(l tables.Labels) uint32 {
+	id, ok := m.ids[l.Key()]
+	if !ok {
+		id = m.next
+		m.next++
+		m.ids[l.Key()] = id
+		m.labels[id] = l
+	}
+	return id
+}
+
 // peerID returns the identity of a probe's peer: "host", "world",
-// "health" or a pod's key.
+// "health", "cidr:<prefix>" of the cluster's cidrs or a pod's key.
 func (m *agentModel) peerID(peer string) uint32 {
+	if c, ok := strings.CutPrefix(peer, "cidr:"); ok {
+		id, ok := m.cidrIDs[c]
+		if !ok {
+			m.t.Fatalf("no cidr %s in the cluster", c)
+		}
+		return id
+	}
 	switch peer {
 	case "host":
 		return identity.IDHost

@@ -1,6 +1,6 @@
 // Package selectors owns the policies and selectors tables: it decodes
-// CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy objects (from
-// Kubernetes or --config-dir), keeps every distinct selector with the
+// CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy and NetworkPolicy
+// objects (from Kubernetes or --config-dir), keeps every distinct selector with the
 // identities it selects, and labels the prefixes the policies name
 // (owner "policy", reference-counted across policies) so that they get
 // CIDR identities. See docs/identities.md.
@@ -19,6 +19,7 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
+	networkingv1 "k8s.io/api/networking/v1"
 
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/k8s"
@@ -28,7 +29,7 @@ import (
 )
 
 // Cell provides the read-only policies and selectors tables and the
-// Resources of the two policy kinds.
+// Resources of the three policy kinds.
 var Cell = cell.Module(
 	"selectors",
 	"Policies and the identities their selectors select",
@@ -44,6 +45,9 @@ var Cell = cell.Module(
 		func(p k8s.ResourceParams) k8s.Resource[*CiliumNetworkPolicy] { return k8s.NewResource(p, CNPKind) },
 		func(p k8s.ResourceParams) k8s.Resource[*CiliumClusterwideNetworkPolicy] {
 			return k8s.NewResource(p, CCNPKind)
+		},
+		func(p k8s.ResourceParams) k8s.Resource[*networkingv1.NetworkPolicy] {
+			return k8s.NewResource(p, NetworkPolicyKind)
 		},
 	),
 	cell.Provide(newVerdictCounter, newPolicyWarnings),
@@ -68,6 +72,7 @@ type controllerParams struct {
 	Prefixes   ipcache.Prefixes
 	CNPs       k8s.Resource[*CiliumNetworkPolicy]
 	CCNPs      k8s.Resource[*CiliumClusterwideNetworkPolicy]
+	NetPols    k8s.Resource[*networkingv1.NetworkPolicy]
 	Warnings   *PolicyWarnings
 }
 
@@ -133,8 +138,8 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 	}
 	defer idChanges.Close()
 
-	cnps, ccnps := c.CNPs.Events(ctx), c.CCNPs.Events(ctx)
-	cnpSynced, ccnpSynced, initDone := false, false, false
+	cnps, ccnps, netpols := c.CNPs.Events(ctx), c.CCNPs.Events(ctx), c.NetPols.Events(ctx)
+	cnpSynced, ccnpSynced, netpolSynced, initDone := false, false, false, false
 	onCNP := k8s.TrackSync(&cnpSynced, func(ev k8s.Event[*CiliumNetworkPolicy]) {
 		name := "cnp/" + ev.Key.String()
 		if ev.Kind == k8s.Delete {
@@ -155,6 +160,14 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 				withAudit(ev.Object.Annotations))
 		}
 	})
+	onNetpol := k8s.TrackSync(&netpolSynced, func(ev k8s.Event[*networkingv1.NetworkPolicy]) {
+		name := NetpolPrefix + ev.Key.String()
+		if ev.Kind == k8s.Delete {
+			c.setPolicy(name, nil)
+		} else {
+			c.setPolicy(name, parseNetworkPolicy(name, ev.Object).withAudit(ev.Object.Annotations))
+		}
+	})
 	tablesInit := false
 	for {
 		rtxn := c.DB.ReadTxn()
@@ -171,7 +184,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			return err
 		}
 		c.reportHealth(h)
-		if !initDone && cnpSynced && ccnpSynced {
+		if !initDone && cnpSynced && ccnpSynced && netpolSynced {
 			initDone = true
 			synced()
 		}
@@ -192,7 +205,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		}
 
 		// Apply a batch of policy events, or wait for identities.
-		_, ok := k8s.ReceiveBatch2(ctx, idWatch, maxBatch, cnps, onCNP, ccnps, onCCNP)
+		_, ok := k8s.ReceiveBatch3(ctx, idWatch, maxBatch, cnps, onCNP, ccnps, onCCNP, netpols, onNetpol)
 		stopWait()
 		if !ok {
 			return nil // the context ended
