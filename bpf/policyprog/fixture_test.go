@@ -51,21 +51,25 @@ func newDatapath(t testing.TB) *datapath {
 	return newDatapathEvents(t, bpf.DefaultPolicyEventsSize)
 }
 
+// newTestMap creates an unpinned map of spec, closed when the test ends.
+func newTestMap(t testing.TB, spec *ebpf.MapSpec) *ebpf.Map {
+	t.Helper()
+	spec = spec.Copy()
+	spec.Pinning = ebpf.PinNone
+	m, err := ebpf.NewMap(spec)
+	if err != nil {
+		t.Fatalf("create map %s: %s", spec.Name, err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return m
+}
+
 // newDatapathEvents is newDatapath with a policy_events of eventsSize
 // bytes.
 func newDatapathEvents(t testing.TB, eventsSize uint32) *datapath {
 	t.Helper()
 	testenv.RequireRoot(t)
-	newMap := func(spec *ebpf.MapSpec) *ebpf.Map {
-		spec = spec.Copy()
-		spec.Pinning = ebpf.PinNone
-		m, err := ebpf.NewMap(spec)
-		if err != nil {
-			t.Fatalf("create map %s: %s", spec.Name, err)
-		}
-		t.Cleanup(func() { m.Close() })
-		return m
-	}
+	newMap := func(spec *ebpf.MapSpec) *ebpf.Map { return newTestMap(t, spec) }
 	d := &datapath{t: t, maps: Maps{
 		Policy:    newMap(bpf.PolicyMapSpec(1024)),
 		Endpoints: newMap(bpf.PolicyEndpointsMapSpec(64)),

@@ -36,16 +36,7 @@ const ifacePodCgroup = 4242
 func newIfaceDatapath(t testing.TB, podAddrs ...string) *ifaceDatapath {
 	t.Helper()
 	testenv.RequireRoot(t)
-	newMap := func(spec *ebpf.MapSpec) *ebpf.Map {
-		spec = spec.Copy()
-		spec.Pinning = ebpf.PinNone
-		m, err := ebpf.NewMap(spec)
-		if err != nil {
-			t.Fatalf("create map %s: %s", spec.Name, err)
-		}
-		t.Cleanup(func() { m.Close() })
-		return m
-	}
+	newMap := func(spec *ebpf.MapSpec) *ebpf.Map { return newTestMap(t, spec) }
 	d := &ifaceDatapath{t: t, maps: InterfaceMaps{
 		Policy:     newMap(bpf.PolicyMapSpec(1024)),
 		Endpoints:  newMap(bpf.PolicyEndpointsMapSpec(64)),
