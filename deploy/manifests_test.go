@@ -28,6 +28,7 @@ import (
 	"github.com/apiary-net/apiary/cells/api"
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/endpoints"
+	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/cells/health"
 	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/infra"
@@ -326,6 +327,11 @@ func checkContainer(t *testing.T, m *manifests, who string, spec corev1.PodSpec,
 	}
 	env := map[string]string{}
 	for _, e := range spec.Containers[0].Env {
+		// A variable of the pod's own (the downward API) that a flag's
+		// value refers to, $(NAME), is no flag.
+		if !strings.HasPrefix(e.Name, core.EnvPrefix) && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+			continue
+		}
 		name, ok := strings.CutPrefix(e.Name, core.EnvPrefix)
 		flag := strings.ToLower(strings.ReplaceAll(name, "_", "-"))
 		if !ok || !flags[flag] {
@@ -356,7 +362,7 @@ func TestAgentDaemonSet(t *testing.T) {
 		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 3", len(m.daemonSets), m.crds)
 	}
 	spec := m.daemonSets[0].Spec.Template.Spec
-	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell)
+	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell)
 	env := checkContainer(t, m, "agent", spec, flags)
 	c := spec.Containers[0]
 	if !spec.HostNetwork {
