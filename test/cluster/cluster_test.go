@@ -59,6 +59,7 @@ func TestCluster(t *testing.T) {
 		{"IngressPolicyKeepsProbes", testIngressPolicy},
 		{"FirstConnection", testFirstConnection},
 		{"Monitor", testMonitor},
+		{"DNSThroughClusterService", testDNS},
 		{"AgentRestart", testAgentRestart},
 		{"OperatorMode", testOperatorMode},
 		{"Uninstall", testUninstall},
@@ -278,6 +279,74 @@ func testServices(t *testing.T, n *node, w *workloads) {
 			return len(seen) == 2, fmt.Sprintf("last %q, seen %v", got, seen)
 		})
 	}
+}
+
+// lookup asks pod to resolve name with its own resolver (see testpod).
+func lookup(t *testing.T, pod *corev1.Pod, name string) string {
+	t.Helper()
+	code, body, err := httpGet(fmt.Sprintf("http://%s:8080/lookup?name=%s", pod.Status.PodIP, name))
+	if err != nil {
+		return "ask the pod: " + err.Error()
+	}
+	if code != http.StatusOK {
+		return fmt.Sprintf("ask the pod: %d %s", code, body)
+	}
+	return body
+}
+
+// testDNS: a pod whose resolv.conf names the cluster DNS Service (what
+// dnsPolicy ClusterFirst writes; set here through dnsConfig, as the test's
+// kubelet has no clusterDNS) resolves through it, to a DNS server pod,
+// unchanged. Once a policy with a DNS rule selects it, its queries go to
+// the agent's DNS proxy (on the node's address, as deploy/ sets it)
+// without the pod knowing: a name the rule allows still resolves, another
+// is refused.
+func testDNS(t *testing.T, n *node, w *workloads) {
+	ctx := context.Background()
+	n.runPod(testPod("dns", map[string]string{"app": "dns"}, corev1.EnvVar{Name: "DNS_SERVER", Value: "1"}))
+	svc, err := n.cs.CoreV1().Services(ns).Create(ctx, &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "cluster-dns", Namespace: ns},
+		Spec: corev1.ServiceSpec{
+			Selector: map[string]string{"app": "dns"},
+			Ports: []corev1.ServicePort{
+				{Name: "dns", Port: 53, TargetPort: intstr.FromInt32(53), Protocol: corev1.ProtocolUDP},
+				{Name: "dns-tcp", Port: 53, TargetPort: intstr.FromInt32(53), Protocol: corev1.ProtocolTCP},
+			},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := testPod("dnsclient", map[string]string{"app": "dnsclient"})
+	pod.Spec.DNSPolicy = corev1.DNSNone
+	pod.Spec.DNSConfig = &corev1.PodDNSConfig{Nameservers: []string{svc.Spec.ClusterIP}, Searches: []string{}}
+	client := n.runPod(pod)
+	wantLookup := func(name, want string) {
+		t.Helper()
+		testenv.Eventually(t, waitTimeout, fmt.Sprintf("%s resolves %s: %s", client.Name, name, want), func() (bool, string) {
+			got := lookup(t, client, name)
+			return strings.HasPrefix(got, want), got
+		})
+	}
+	wantLookup("www.allowed.test", "ok: 192.0.2.10")
+	wantLookup("www.denied.test", "ok: 192.0.2.20")
+
+	n.createPolicy(t, `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: dnsclient, namespace: `+ns+`}
+spec:
+  endpointSelector: {matchLabels: {app: dnsclient}}
+  egress:
+  - toEndpoints: [{matchLabels: {app: dns}}]
+    toPorts:
+    - ports: [{port: "53", protocol: ANY}]
+      rules: {dns: [{matchPattern: "*.allowed.test"}]}
+`)
+	// Refused by the proxy (Go says "server misbehaving" for REFUSED),
+	// as from the Service's address: not EPERM, which would mean the
+	// pod's DNS could not be intercepted.
+	wantLookup("www.denied.test", "error: lookup www.denied.test on "+svc.Spec.ClusterIP+":53: server misbehaving")
+	wantLookup("www.allowed.test", "ok: 192.0.2.10")
 }
 
 // createPolicy creates a CiliumNetworkPolicy from YAML through the CRD in

@@ -8,6 +8,11 @@
 //     the error. With $FIRST_CONNECT set, the very first thing it does,
 //     before listening, is such a connection, whose outcome /first
 //     answers: a pod's first connection, made as soon as it runs.
+//     /lookup?name=NAME resolves NAME with the pod's resolver (its
+//     /etc/resolv.conf, as any program does) and answers "ok: <addresses>"
+//     or the error. With $DNS_SERVER set, it also answers DNS on port 53
+//     (UDP and TCP): *.allowed.test and *.denied.test have an address
+//     each, other names none.
 //   - testpod pause: the pod sandbox's process (containerd's
 //     sandbox_image): it waits for SIGTERM or SIGINT.
 package main
@@ -24,6 +29,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/miekg/dns"
 )
 
 func main() {
@@ -61,6 +68,20 @@ func serve() {
 	mux.HandleFunc("/connect", func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprint(w, connect(r.URL.Query().Get("addr")))
 	})
+	mux.HandleFunc("/lookup", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, lookup(r.URL.Query().Get("name")))
+	})
+	if os.Getenv("DNS_SERVER") != "" {
+		for _, network := range []string{"udp", "tcp"} {
+			srv := &dns.Server{Addr: ":53", Net: network, Handler: dns.HandlerFunc(answer)}
+			go func() {
+				if err := srv.ListenAndServe(); err != nil {
+					fmt.Fprintln(os.Stderr, err)
+					os.Exit(1)
+				}
+			}()
+		}
+	}
 	srv := &http.Server{Addr: ":8080", Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		sig := make(chan os.Signal, 1)
@@ -98,6 +119,42 @@ func connect(addr string) string {
 		return "read: " + err.Error()
 	}
 	return "ok: " + string(body)
+}
+
+// lookup resolves name's IPv4 addresses as any program of the pod would.
+func lookup(name string) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	ips, err := net.DefaultResolver.LookupIP(ctx, "ip4", name)
+	if err != nil {
+		return "error: " + err.Error()
+	}
+	out := make([]string, len(ips))
+	for i, ip := range ips {
+		out[i] = ip.String()
+	}
+	return "ok: " + strings.Join(out, ",")
+}
+
+// answer is the DNS server of a pod with $DNS_SERVER.
+func answer(w dns.ResponseWriter, req *dns.Msg) {
+	resp := new(dns.Msg).SetReply(req)
+	for _, q := range req.Question {
+		ip := ""
+		switch {
+		case strings.HasSuffix(q.Name, ".allowed.test."):
+			ip = "192.0.2.10"
+		case strings.HasSuffix(q.Name, ".denied.test."):
+			ip = "192.0.2.20"
+		}
+		if ip != "" && q.Qtype == dns.TypeA {
+			resp.Answer = append(resp.Answer, &dns.A{
+				Hdr: dns.RR_Header{Name: q.Name, Rrtype: dns.TypeA, Class: dns.ClassINET, Ttl: 30},
+				A:   net.ParseIP(ip),
+			})
+		}
+	}
+	w.WriteMsg(resp)
 }
 
 func isTimeout(err error) bool {
