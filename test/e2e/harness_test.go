@@ -213,6 +213,10 @@ type agentOptions struct {
 	// viaEnv passes --api-addr, --state-dir, --bpf-pin-dir and
 	// --config-dir as APIARY_ environment variables instead of flags.
 	viaEnv bool
+	// startsDegraded: the test expects the agent to be unhealthy at
+	// first (it takes away something the agent needs); starting waits
+	// only for /healthz to answer.
+	startsDegraded bool
 }
 
 // agent is an `apiary agent` with its own directories, started and
@@ -294,6 +298,10 @@ func (a *agent) start(t testing.TB, extraFlags ...string) {
 			t.Logf("%s exited with status 0 %s after SIGTERM", p.name, took.Round(time.Millisecond))
 		}
 	})
+	if a.opts.startsDegraded {
+		a.waitAnswers(t)
+		return
+	}
 	a.waitHealthy(t)
 }
 
@@ -342,6 +350,19 @@ func (a *agent) waitHealthy(t testing.TB) {
 			return false, err.Error()
 		}
 		return code == http.StatusOK, fmt.Sprintf("%d %s", code, body)
+	})
+}
+
+// waitAnswers waits until /healthz answers, healthy or not.
+func (a *agent) waitAnswers(t testing.TB) {
+	t.Helper()
+	testenv.Eventually(t, waitTimeout, a.proc.name+" /healthz answering", func() (bool, string) {
+		a.alive(t)
+		code, body, err := httpGet(a.url("/healthz"))
+		if err != nil {
+			return false, err.Error()
+		}
+		return code == http.StatusOK || code == http.StatusServiceUnavailable, fmt.Sprintf("%d %s", code, body)
 	})
 }
 

@@ -259,7 +259,7 @@ func TestSocketLBRetry(t *testing.T) {
 	cgroup := testenv.Cgroup(t)
 	late := filepath.Join(cgroup, "late")
 	t.Cleanup(func() { os.Remove(late) }) // before the parent's cleanup
-	a := startAgent(t, agentOptions{configDir: t.TempDir(), flags: []string{"--enable-socket-lb", "--cgroup-root=" + late}})
+	a := startAgent(t, agentOptions{configDir: t.TempDir(), flags: []string{"--enable-socket-lb", "--cgroup-root=" + late}, startsDegraded: true})
 
 	type row struct{ Scope, Level, Message, Error string }
 	attach := func() (row, error) {
@@ -291,6 +291,8 @@ func TestSocketLBRetry(t *testing.T) {
 		}
 		return h.Level == "OK" && strings.HasPrefix(h.Message, "Attached to cgroup "+late+":"), fmt.Sprint(h)
 	})
+	// Policy's programs, retried alike, attach too: the agent is healthy.
+	a.waitHealthy(t)
 }
 
 func TestSocketLB(t *testing.T) {
