@@ -345,14 +345,22 @@ func (a *attacher) verdicts() ([bpf.PolicyStatsEntries]uint64, error) {
 	if a.stats == nil {
 		return out, nil
 	}
+	err := sumPerCPU(a.stats, bpf.PolicyStatsMap, out[:])
+	return out, err
+}
+
+// sumPerCPU fills out with the counters of the per-CPU array m (named
+// name), each summed over the CPUs.
+func sumPerCPU(m *ebpf.Map, name string, out []uint64) error {
 	for i := range out {
 		var perCPU []uint64
-		if err := a.stats.Lookup(uint32(i), &perCPU); err != nil {
-			return out, fmt.Errorf("read policy_stats: %w", err)
+		if err := m.Lookup(uint32(i), &perCPU); err != nil {
+			return fmt.Errorf("read %s: %w", name, err)
 		}
+		out[i] = 0
 		for _, v := range perCPU {
 			out[i] += v
 		}
 	}
-	return out, nil
+	return nil
 }

@@ -376,16 +376,8 @@ func (o *ifaceOps) stats() ([bpf.PolicyIfaceStatsEntries]uint64, error) {
 	if o.maps == nil {
 		return out, nil
 	}
-	for i := range out {
-		var perCPU []uint64
-		if err := o.maps.stats.Lookup(uint32(i), &perCPU); err != nil {
-			return out, fmt.Errorf("read %s: %w", bpf.PolicyIfaceStatsMap, err)
-		}
-		for _, v := range perCPU {
-			out[i] += v
-		}
-	}
-	return out, nil
+	err := sumPerCPU(o.maps.stats, bpf.PolicyIfaceStatsMap, out[:])
+	return out, err
 }
 
 // registerIfaceReconciler registers the reconciler of the pod-interfaces

@@ -134,13 +134,12 @@ func (d *ifaceDiscovery) scan() (found, missing int) {
 		}
 	}
 	for _, row := range want {
-		if old, _, ok := d.interfaces.Get(wtxn, tables.PodInterfaceNameIndex.Query(row.Name)); ok && sameInterface(old, row) {
+		old, _, ok := d.interfaces.Get(wtxn, tables.PodInterfaceNameIndex.Query(row.Name))
+		if ok && sameInterface(old, row) {
 			continue
 		}
-		if old, _, ok := d.interfaces.Get(wtxn, tables.PodInterfaceNameIndex.Query(row.Name)); !ok || old.Ifindex != row.Ifindex {
-			if row.Ifindex != 0 {
-				d.log.Info("Pod interface", "endpoint", row.Name, "interface", row.Interface, "ifindex", row.Ifindex)
-			}
+		if row.Ifindex != 0 && (!ok || old.Ifindex != row.Ifindex) {
+			d.log.Info("Pod interface", "endpoint", row.Name, "interface", row.Interface, "ifindex", row.Ifindex)
 		}
 		if _, _, err := d.interfaces.Insert(wtxn, row); err != nil {
 			d.log.Error("Write a pod interface row", "endpoint", row.Name, "error", err)
