@@ -27,7 +27,7 @@ IMAGE_TAR ?= bin/apiary-image.tar
 # version (a '+', a '/') becomes '-'.
 IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
 
-.PHONY: all build image test test-race test-cluster bench run lint deps clean bpf demo
+.PHONY: all build image test test-race test-cluster conformance bench run lint deps clean bpf demo
 
 all: build
 
@@ -55,10 +55,17 @@ test-race: deps
 	$(GO) test -race -count=1 -timeout 15m $(TESTFLAGS) $(RACE_PKGS)
 
 ## test-cluster: test/cluster, a real single-node cluster (kubelet, containerd,
-## runc) with apiary installed from deploy/ and its image (as root; one per
+## runc) with apiary installed from deploy/ and its image, and a part of
+## Kubernetes' NetworkPolicy e2e suite against it (as root; one per
 ## machine; CI runs it after test-race).
 test-cluster: deps image
-	$(GO) test -tags cluster -count=1 -timeout 15m $(TESTFLAGS) ./test/cluster
+	$(GO) test -tags cluster -count=1 -timeout 30m $(TESTFLAGS) ./test/cluster
+
+## conformance: all of Kubernetes' NetworkPolicy e2e suite against apiary on
+## test/cluster's node; writes docs/conformance.md (as root).
+conformance: deps image
+	APIARY_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance.md \
+		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestNetworkPolicyConformance$$' $(TESTFLAGS) ./test/cluster
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)

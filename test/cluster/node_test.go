@@ -553,7 +553,10 @@ func (n *node) startControlPlane(bins map[string]string) {
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file="+saKey, "--service-account-signing-key-file="+saKey,
 		"--service-cluster-ip-range="+serviceCIDR, "--service-node-port-range=30000-30100",
-		"--allow-privileged=true")
+		"--allow-privileged=true",
+		// The kubelet is known by its InternalIP (its name resolves
+		// nowhere): exec and logs go there.
+		"--kubelet-preferred-address-types=InternalIP")
 	probe := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 	testenv.Eventually(t, upTimeout, "kube-apiserver /readyz", func() (bool, string) {
 		req, _ := http.NewRequest(http.MethodGet, n.server+"/readyz", nil)
@@ -714,7 +717,7 @@ oomScoreAdj: 0
 containerRuntimeEndpoint: unix://%s
 authentication: {anonymous: {enabled: true}, webhook: {enabled: false}}
 authorization: {mode: AlwaysAllow}
-address: 127.0.0.1
+address: %s
 port: %d
 readOnlyPort: 0
 healthzPort: 0
@@ -726,8 +729,8 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 localStorageCapacityIsolation: false
 serializeImagePulls: false
-maxPods: 30
-`, n.ctrSock, freePort(t), n.podLogs))
+maxPods: 60
+`, n.ctrSock, nodeIP, freePort(t), n.podLogs))
 	// Without /usr/sbin on its PATH the kubelet finds no iptables and adds
 	// no chains to the host's tables.
 	env := []string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + d}

@@ -1,0 +1,335 @@
+//go:build cluster
+
+package cluster
+
+import (
+	"bufio"
+	"bytes"
+	"crypto/rand"
+	"encoding/xml"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/apiary-net/apiary/internal/imagetar"
+	"github.com/apiary-net/apiary/internal/testenv"
+)
+
+// The NetworkPolicy suite of Kubernetes' own e2e tests
+// (k8s.io/kubernetes/test/e2e/network/netpol), selected from e2e.test by
+// the Describe texts of its files.
+const netpolFocus = `\[sig-network\] Netpol`
+
+// unsupported are the suite's tests that need what this kind of machine
+// lacks, each with its reason: they are skipped and listed as such.
+var unsupported = []struct{ pattern, reason string }{
+	{`\[Feature:SCTPConnectivity\]`, "needs SCTP sockets: the kernel has no CONFIG_IP_SCTP (pods cannot serve SCTP)"},
+}
+
+// ciSubset is the part of the suite TestNetworkPolicyConformance runs by
+// default (CI, make test-cluster): one test of each kind of rule, chosen to
+// finish in under 10 minutes on 2 cores. make conformance runs them all.
+var ciSubset = []string{
+	`should support a 'default-deny-ingress' policy`,
+	`should support a 'default-deny-all' policy`,
+	`should enforce policy based on PodSelector and NamespaceSelector`,
+	`should enforce policy based on Ports`,
+	`should allow ingress access on one named port`,
+	`should allow egress access on one named port`,
+	`should enforce updated policy`,
+	`should allow egress access to server in CIDR block`,
+	`should enforce except clause while egress access to server in CIDR block`,
+	`should deny egress from all pods in a namespace`,
+	`should not allow access by TCP when a policy specifies only UDP`,
+	`should stop enforcing policies after they are deleted`,
+	`should support creating NetworkPolicy API operations`,
+}
+
+// TestNetworkPolicyConformance runs Kubernetes' NetworkPolicy e2e suite
+// (e2e.test, with agnhost imported under the name the suite asks for)
+// against apiary installed from deploy/ on the real node. Every test run
+// must pass.
+//
+// APIARY_CONFORMANCE=all runs the whole suite instead of ciSubset, and
+// APIARY_CONFORMANCE_REPORT=FILE writes the results as a Markdown table
+// (make conformance writes docs/conformance.md).
+func TestNetworkPolicyConformance(t *testing.T) {
+	bins := conformanceRequirements(t)
+	all := os.Getenv("APIARY_CONFORMANCE") == "all"
+
+	start := time.Now()
+	n := startNode(t)
+	t.Logf("cluster up in %s", time.Since(start).Round(time.Millisecond))
+	agnhost := n.importAgnhost(bins)
+	n.pinDir = "/sys/fs/bpf/apiary-conformance-" + strings.ToLower(rand.Text()[:8])
+	n.install(agentDirs{pinDir: n.pinDir, stateDir: filepath.Join(n.dir, "agent-state")})
+	n.waitAgentReady()
+	n.waitAgentHealthy()
+	t.Logf("apiary installed; %s imported as %s", bins["agnhost"], agnhost)
+
+	focus := netpolFocus
+	if !all {
+		quoted := make([]string, len(ciSubset))
+		for i, s := range ciSubset {
+			quoted[i] = regexp.QuoteMeta(s)
+		}
+		focus = netpolFocus + `.*(` + strings.Join(quoted, "|") + `)`
+	}
+	var skip []string
+	for _, u := range unsupported {
+		skip = append(skip, u.pattern)
+	}
+	reportDir := filepath.Join(n.dir, "e2e-report")
+	logPath := filepath.Join(n.dir, "e2e.log")
+	start = time.Now()
+	runErr := n.runE2E(bins["e2e.test"], reportDir, logPath, focus, strings.Join(skip, "|"))
+	t.Logf("e2e.test ran in %s", time.Since(start).Round(time.Second))
+
+	results, err := readJUnit(filepath.Join(reportDir, "junit_01.xml"))
+	if err != nil {
+		t.Fatalf("e2e.test: %v (exit: %v)\n%s", err, runErr, tail(logPath, 60))
+	}
+	ran, failed := 0, 0
+	for _, r := range results {
+		switch r.Result {
+		case "passed":
+			ran++
+		case "failed":
+			ran++
+			failed++
+			t.Errorf("FAILED: %s\n%s", r.Name, r.Reason)
+		}
+	}
+	t.Logf("%d of the suite's %d tests ran: %d passed, %d failed, %d skipped", ran, len(results), ran-failed, failed, len(results)-ran)
+	if failed > 0 {
+		t.Logf("the end of e2e.test's log:\n%s", tail(logPath, 150))
+	}
+	if ran == 0 {
+		t.Fatalf("no test of the suite ran (exit: %v)\n%s", runErr, tail(logPath, 60))
+	}
+	if runErr != nil && failed == 0 {
+		t.Errorf("e2e.test failed outside the tests: %v\n%s", runErr, tail(logPath, 60))
+	}
+	if report := os.Getenv("APIARY_CONFORMANCE_REPORT"); report != "" {
+		if !all {
+			t.Fatalf("APIARY_CONFORMANCE_REPORT needs APIARY_CONFORMANCE=all: the report lists the whole suite")
+		}
+		if err := os.WriteFile(report, conformanceTable(results, time.Since(start)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("wrote %s", report)
+	}
+}
+
+// conformanceRequirements are what the conformance run needs beyond the
+// node's own requirements: e2e.test and agnhost from kube-testbin.
+func conformanceRequirements(t *testing.T) map[string]string {
+	testenv.RequireRoot(t)
+	dir := testbinDir(t)
+	bins := map[string]string{}
+	for _, b := range []string{"e2e.test", "agnhost"} {
+		p := filepath.Join(dir, b)
+		if st, err := os.Stat(p); err != nil || st.Mode()&0o111 == 0 {
+			testenv.Skip(t, fmt.Sprintf("needs %s: build it with scripts/kube-testbin/build.sh (make deps does)", p))
+		}
+		bins[b] = p
+	}
+	return bins
+}
+
+// importAgnhost imports agnhost into containerd under the name the suite
+// asks for, which e2e.test --list-images prints, and returns that name.
+func (n *node) importAgnhost(bins map[string]string) string {
+	t := n.t
+	out, err := exec.Command(bins["e2e.test"], "--list-images").Output()
+	if err != nil {
+		t.Fatalf("e2e.test --list-images: %v", err)
+	}
+	var image string
+	for _, l := range strings.Fields(string(out)) {
+		if strings.Contains(l, "/agnhost:") && !strings.Contains(l, "invalid") && (image == "" || l > image) {
+			image = l
+		}
+	}
+	// --list-images lists every agnhost the suites use (the current one
+	// and older ones); the NetworkPolicy suite uses the current one, the
+	// highest version.
+	if image == "" {
+		t.Fatalf("e2e.test --list-images names no agnhost image:\n%s", out)
+	}
+	data, err := os.ReadFile(bins["agnhost"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(n.dir, "agnhost.tar")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := imagetar.Write(f, imagetar.Image{
+		Tags:         []string{image},
+		Files:        []imagetar.File{{Path: "/agnhost", Data: data, Mode: 0o755}},
+		Entrypoint:   []string{"/agnhost"},
+		Architecture: runtime.GOARCH,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	ctr := testenv.RequireProgram(t, "ctr", "/usr/sbin", "/usr/bin")
+	n.run(ctr, "--address", n.ctrSock, "-n", "k8s.io", "images", "import", path)
+	return image
+}
+
+// runE2E runs e2e.test against the node, its output to logPath and its
+// JUnit report to reportDir.
+func (n *node) runE2E(e2e, reportDir, logPath, focus, skip string) error {
+	log, err := os.Create(logPath)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	defer log.Close()
+	args := []string{
+		"--kubeconfig=" + n.kubeconfigPath,
+		"--provider=skeleton",
+		"--report-dir=" + reportDir,
+		"--ginkgo.focus=" + focus,
+		"--ginkgo.skip=" + skip,
+		"--ginkgo.no-color",
+		"--ginkgo.timeout=2h",
+		// The node runs no cluster add-ons and kubelet logs are the
+		// test's own to show.
+		"--disable-log-dump",
+		"--minStartupPods=0",
+		"--allowed-not-ready-nodes=0",
+		"--e2e-output-dir=" + filepath.Join(n.dir, "e2e-output"),
+	}
+	cmd := exec.Command(e2e, args...)
+	cmd.Dir = n.dir
+	cmd.Stdout, cmd.Stderr = log, log
+	// e2e.test finds kubectl, which it does not need for this suite, on
+	// PATH; HOME keeps its caches in the test's directory.
+	cmd.Env = append(os.Environ(), "HOME="+n.dir)
+	n.t.Logf("running e2e.test (log: %s)", logPath)
+	return cmd.Run()
+}
+
+// specResult is one test of the suite and how it ended.
+type specResult struct {
+	Name   string // without the [It] and [sig-network] decorations
+	Result string // passed, failed or skipped
+	Reason string // why it failed or was skipped
+}
+
+// readJUnit reads the suite's tests from e2e.test's JUnit report, leaving
+// out the suite's own setup and the specs of other suites.
+func readJUnit(path string) ([]specResult, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read JUnit report: %w", err)
+	}
+	var doc struct {
+		Suites []struct {
+			Cases []struct {
+				Name    string `xml:"name,attr"`
+				Status  string `xml:"status,attr"`
+				Skipped *struct {
+					Message string `xml:"message,attr"`
+				} `xml:"skipped"`
+				Failure *struct {
+					Message string `xml:"message,attr"`
+					Text    string `xml:",chardata"`
+				} `xml:"failure"`
+			} `xml:"testcase"`
+		} `xml:"testsuite"`
+	}
+	if err := xml.Unmarshal(data, &doc); err != nil {
+		return nil, fmt.Errorf("parse JUnit report %s: %w", path, err)
+	}
+	var out []specResult
+	for _, s := range doc.Suites {
+		for _, c := range s.Cases {
+			if !strings.Contains(c.Name, "[sig-network] Netpol") {
+				continue
+			}
+			r := specResult{Name: cleanName(c.Name), Result: c.Status}
+			switch {
+			case c.Failure != nil:
+				r.Result = "failed"
+				r.Reason = firstLines(c.Failure.Message+"\n"+c.Failure.Text, 6)
+			case c.Skipped != nil || c.Status == "skipped" || c.Status == "pending":
+				r.Result = "skipped"
+				r.Reason = skipReason(c.Name)
+			}
+			out = append(out, r)
+		}
+	}
+	slices.SortFunc(out, func(a, b specResult) int { return strings.Compare(a.Name, b.Name) })
+	return out, nil
+}
+
+// skipReason is why a test the run left out was left out.
+func skipReason(name string) string {
+	for _, u := range unsupported {
+		if regexp.MustCompile(u.pattern).MatchString(name) {
+			return u.reason
+		}
+	}
+	return "not in this run (APIARY_CONFORMANCE=all runs it)"
+}
+
+var decorations = regexp.MustCompile(`^\[It\] |\[sig-network\] `)
+
+func cleanName(s string) string { return strings.TrimSpace(decorations.ReplaceAllString(s, "")) }
+
+func firstLines(s string, n int) string {
+	var lines []string
+	sc := bufio.NewScanner(strings.NewReader(strings.TrimSpace(s)))
+	for sc.Scan() && len(lines) < n {
+		if l := strings.TrimSpace(sc.Text()); l != "" {
+			lines = append(lines, l)
+		}
+	}
+	return strings.Join(lines, " ")
+}
+
+// conformanceTable is docs/conformance.md: the results of a whole run.
+func conformanceTable(results []specResult, took time.Duration) []byte {
+	var b bytes.Buffer
+	count := map[string]int{}
+	for _, r := range results {
+		count[r.Result]++
+	}
+	fmt.Fprintf(&b, `# NetworkPolicy conformance
+
+Kubernetes' own NetworkPolicy e2e suite (`+"`k8s.io/kubernetes/test/e2e/network/netpol`"+`,
+v1.36.4) run against apiary on a real single-node cluster (kubelet, containerd,
+runc, the bridge CNI plugin; no kube-proxy: Service cluster IPs, which the
+suite probes, go through apiary's socket load balancer). apiary is installed
+from `+"`deploy/`"+` with its image; the suite's `+"`agnhost`"+` image is built from
+Kubernetes' sources and imported under the name the suite asks for.
+
+Generated by `+"`make conformance`"+` (test/cluster `+"`TestNetworkPolicyConformance`"+`
+with APIARY_CONFORMANCE=all); do not edit by hand. CI runs a part of the
+suite (`+"`ciSubset`"+` in test/cluster/conformance_test.go) on every change.
+
+**%d passed, %d failed, %d skipped** of %d, in %s.
+
+| Test | Result | Reason |
+| --- | --- | --- |
+`, count["passed"], count["failed"], count["skipped"], len(results), took.Round(time.Second))
+	for _, r := range results {
+		fmt.Fprintf(&b, "| %s | %s | %s |\n", mdEscape(r.Name), r.Result, mdEscape(r.Reason))
+	}
+	return b.Bytes()
+}
+
+func mdEscape(s string) string {
+	return strings.NewReplacer("|", `\|`, "\n", " ").Replace(s)
+}
