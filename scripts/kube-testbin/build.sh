@@ -49,7 +49,7 @@ for b in "${missing[@]}"; do
 	etcd)
 		"${nice[@]}" go build -trimpath -ldflags "-s -w" -o "$tmp/etcd" go.etcd.io/etcd/server/v3 ;;
 	e2e.test)
-		"${nice[@]}" go test -c -trimpath -ldflags "$kflags" -o "$tmp/e2e.test" k8s.io/kubernetes/test/e2e ;;
+		"${nice[@]}" go test -c -vet=off -trimpath -ldflags "$kflags" -o "$tmp/e2e.test" k8s.io/kubernetes/test/e2e ;;
 	agnhost)
 		"${nice[@]}" go build -trimpath -ldflags "-s -w" -o "$tmp/agnhost" k8s.io/kubernetes/test/images/agnhost ;;
 	*)

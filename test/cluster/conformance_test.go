@@ -144,24 +144,22 @@ func conformanceRequirements(t *testing.T) map[string]string {
 	return bins
 }
 
-// importAgnhost imports agnhost into containerd under the name the suite
-// asks for, which e2e.test --list-images prints, and returns that name.
-func (n *node) importAgnhost(bins map[string]string) string {
+// importAgnhost imports agnhost into containerd under the names the
+// suites ask for, which e2e.test --list-images prints (the current one and
+// older ones that some suites pin), and returns them.
+func (n *node) importAgnhost(bins map[string]string) []string {
 	t := n.t
 	out, err := exec.Command(bins["e2e.test"], "--list-images").Output()
 	if err != nil {
 		t.Fatalf("e2e.test --list-images: %v", err)
 	}
-	var image string
+	var tags []string
 	for _, l := range strings.Fields(string(out)) {
-		if strings.Contains(l, "/agnhost:") && !strings.Contains(l, "invalid") && (image == "" || l > image) {
-			image = l
+		if strings.Contains(l, "/e2e-test-images/agnhost:") {
+			tags = append(tags, l)
 		}
 	}
-	// --list-images lists every agnhost the suites use (the current one
-	// and older ones); the NetworkPolicy suite uses the current one, the
-	// highest version.
-	if image == "" {
+	if len(tags) == 0 {
 		t.Fatalf("e2e.test --list-images names no agnhost image:\n%s", out)
 	}
 	data, err := os.ReadFile(bins["agnhost"])
@@ -174,7 +172,7 @@ func (n *node) importAgnhost(bins map[string]string) string {
 		t.Fatal(err)
 	}
 	if _, err := imagetar.Write(f, imagetar.Image{
-		Tags:         []string{image},
+		Tags:         tags,
 		Files:        []imagetar.File{{Path: "/agnhost", Data: data, Mode: 0o755}},
 		Entrypoint:   []string{"/agnhost"},
 		Architecture: runtime.GOARCH,
@@ -184,7 +182,7 @@ func (n *node) importAgnhost(bins map[string]string) string {
 	f.Close()
 	ctr := testenv.RequireProgram(t, "ctr", "/usr/sbin", "/usr/bin")
 	n.run(ctr, "--address", n.ctrSock, "-n", "k8s.io", "images", "import", path)
-	return image
+	return tags
 }
 
 // runE2E runs e2e.test against the node, its output to logPath and its
