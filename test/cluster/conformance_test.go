@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/apiary-net/apiary/internal/imagetar"
 	"github.com/apiary-net/apiary/internal/testenv"
 )
@@ -27,10 +29,25 @@ import (
 // the Describe texts of its files.
 const netpolFocus = `\[sig-network\] Netpol`
 
-// unsupported are the suite's tests that need what this kind of machine
-// lacks, each with its reason: they are skipped and listed as such.
-var unsupported = []struct{ pattern, reason string }{
-	{`\[Feature:SCTPConnectivity\]`, "needs SCTP sockets: the kernel has no CONFIG_IP_SCTP (pods cannot serve SCTP)"},
+// unsupported are the suite's tests that need what this machine lacks,
+// each with its reason: they are skipped and listed as such.
+func unsupported() []struct{ pattern, reason string } {
+	var u []struct{ pattern, reason string }
+	if !sctpSupported() {
+		u = append(u, struct{ pattern, reason string }{`\[Feature:SCTPConnectivity\]`,
+			"needs SCTP sockets, which this kernel does not have (no CONFIG_IP_SCTP: socket() gives EPROTONOSUPPORT), so pods cannot serve SCTP"})
+	}
+	return u
+}
+
+// sctpSupported reports whether this kernel makes SCTP sockets.
+func sctpSupported() bool {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, unix.IPPROTO_SCTP)
+	if err != nil {
+		return false
+	}
+	unix.Close(fd)
+	return true
 }
 
 // ciSubset is the part of the suite TestNetworkPolicyConformance runs by
@@ -83,7 +100,7 @@ func TestNetworkPolicyConformance(t *testing.T) {
 		focus = netpolFocus + `.*(` + strings.Join(quoted, "|") + `)`
 	}
 	var skip []string
-	for _, u := range unsupported {
+	for _, u := range unsupported() {
 		skip = append(skip, u.pattern)
 	}
 	reportDir := filepath.Join(n.dir, "e2e-report")
@@ -274,7 +291,7 @@ func readJUnit(path string) ([]specResult, error) {
 
 // skipReason is why a test the run left out was left out.
 func skipReason(name string) string {
-	for _, u := range unsupported {
+	for _, u := range unsupported() {
 		if regexp.MustCompile(u.pattern).MatchString(name) {
 			return u.reason
 		}
