@@ -74,12 +74,15 @@ var ciSubset = []string{
 // against apiary installed from deploy/ on the real node. Every test run
 // must pass.
 //
-// APIARY_CONFORMANCE=all runs the whole suite instead of ciSubset, and
-// APIARY_CONFORMANCE_REPORT=FILE writes the results as a Markdown table
-// (make conformance writes docs/conformance.md).
+// APIARY_CONFORMANCE=all runs the whole suite instead of ciSubset, any
+// other value the suite's tests whose names it matches (a regular
+// expression), and APIARY_CONFORMANCE_REPORT=FILE writes the results of a
+// whole run as a Markdown table (make conformance writes
+// docs/conformance.md).
 func TestNetworkPolicyConformance(t *testing.T) {
 	bins := conformanceRequirements(t)
-	all := os.Getenv("APIARY_CONFORMANCE") == "all"
+	which := os.Getenv("APIARY_CONFORMANCE")
+	all := which == "all"
 
 	start := time.Now()
 	n := startNode(t)
@@ -92,7 +95,11 @@ func TestNetworkPolicyConformance(t *testing.T) {
 	t.Logf("apiary installed; %s imported as %s", bins["agnhost"], agnhost)
 
 	focus := netpolFocus
-	if !all {
+	switch {
+	case all:
+	case which != "":
+		focus = netpolFocus + `.*(` + which + `)`
+	default:
 		quoted := make([]string, len(ciSubset))
 		for i, s := range ciSubset {
 			quoted[i] = regexp.QuoteMeta(s)
