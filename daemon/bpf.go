@@ -123,6 +123,7 @@ func newBPFPolicyCmd(pinDir *string) *cobra.Command {
 		Long: "Print policy_endpoints and the policy LPM trie, grouped by endpoint: a line per endpoint\n" +
 			"(ID, cgroup ID, enforced directions), then its entries, one per line:\n" +
 			"  <direction> identity=<id|any> <protocol/port or range|ANY> <allow|deny>\n" +
+			"(\"allow pod-addrs\": a NetworkPolicy ipBlock's allow, which matches pods' addresses too).\n" +
 			"--endpoint takes an endpoint ID, or a name (namespace/pod) that the running agent\n" +
 			"translates (found like `apiary db`: --server, APIARY_SERVER, APIARY_API_ADDR).\n" +
 			"`apiary db show policy-entries` shows the policies behind each entry.",
