@@ -506,3 +506,42 @@ ingressDeny: [{fromEndpoints: [{matchLabels: {app: client}}], toPorts: [{ports: 
 		}},
 	})
 }
+
+// Upstream's "should ensure an IP overlapping both IPBlock.CIDR and
+// IPBlock.Except is allowed" as it runs: the policy allowing a /4 less a
+// pod's /32 is then updated to allow that /32 alone, on the same agent.
+func TestNetpolIPBlockUpdate(t *testing.T) {
+	block := func(to string) cluster {
+		return withPodAddrs(baseCluster(netpol("beta", "p", `
+podSelector: {matchLabels: {app: client}}
+policyTypes: [Egress]
+egress: [{to: [{ipBlock: `+to+`}]}]`)))
+	}
+	for _, path := range []string{pathK8s, pathConfigDir} {
+		t.Run(path, func(t *testing.T) {
+			m := newAgentModel(t, "")
+			m.netpolPath = path
+			for _, step := range []struct {
+				cluster cluster
+				probes  []probe
+			}{
+				{block(`{cidr: 0.0.0.0/4, except: [` + addrBetaServer + `/32]}`), []probe{
+					out("beta/client", "beta/server", 80, "deny"),
+					out("beta/client", "gamma/server", 80, "allow"),
+				}},
+				{block(`{cidr: ` + addrBetaServer + `/32}`), []probe{
+					out("beta/client", "beta/server", 80, "allow"),
+					out("beta/client", "gamma/server", 80, "deny"),
+					out("beta/client", "alpha/web", 80, "deny"),
+				}},
+			} {
+				m.apply(step.cluster)
+				for _, p := range step.probes {
+					if got := m.verdictOf(p); got != p.want {
+						t.Errorf("%s: %s, want %s (upstream's)\nentries of %s: %v", p, got, p.want, p.ep, m.out.list(p.ep))
+					}
+				}
+			}
+		})
+	}
+}
