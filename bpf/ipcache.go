@@ -99,6 +99,22 @@ func (k IPCacheKey) Prefix() (netip.Prefix, error) {
 	return netip.PrefixFrom(addr, bits), nil
 }
 
+// PolicyPrefixesMap is the name (and pin file name) of the map from the
+// prefixes policies name to the identities an address outside the cluster
+// inside them has. Keys and values are the ipcache's; it never holds a
+// pod's, node's or the host's own address, so that the policy programs
+// find, for any address, the policy prefix holding it (see
+// PolicyFlagPodAddrs).
+const PolicyPrefixesMap = "policy_prefixes"
+
+// PolicyPrefixesMapSpec returns the spec of the policy prefixes map with
+// room for maxEntries prefixes.
+func PolicyPrefixesMapSpec(maxEntries uint32) *ebpf.MapSpec {
+	spec := IPCacheMapSpec(maxEntries)
+	spec.Name = PolicyPrefixesMap
+	return spec
+}
+
 // IPCacheMapSpec returns the spec of the ipcache map with room for
 // maxEntries prefixes. The map is an LPM trie allocated as it fills
 // (BPF_F_NO_PREALLOC, which LPM tries require).

@@ -93,6 +93,11 @@ const (
 	// matches is allowed and counted as audited, unless another deny
 	// entry that matches denies it.
 	PolicyFlagAudit uint8 = 1 << 1
+	// PolicyFlagPodAddrs, on an allow entry for a CIDR identity, makes it
+	// match by address: a peer whose own identity no entry allows is
+	// allowed when its address is inside the entry's prefix
+	// (PolicyPrefixesMap), a pod's too. NetworkPolicy ipBlock sets it.
+	PolicyFlagPodAddrs uint8 = 1 << 2
 )
 
 // PolicyValue is the value of the policy map (struct policy_value).

@@ -9,6 +9,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/ipcache"
@@ -86,6 +87,24 @@ func newBPFCmd() *cobra.Command {
 		},
 	})
 	cmd.AddCommand(ipcacheCmd)
+	prefixesCmd := &cobra.Command{
+		Use:   "policy-prefixes",
+		Short: "The policy prefixes map (policy prefix → CIDR identity)",
+	}
+	prefixesCmd.AddCommand(&cobra.Command{
+		Use:   "list",
+		Short: "Print the policy prefixes entries, one per line",
+		Long: "Print every entry of the policy prefixes LPM trie, sorted by prefix, one per line:\n" +
+			"  <prefix> identity=<id>\n" +
+			"It holds the prefixes policies name, each with the identity an address outside the\n" +
+			"cluster inside it has; the datapath looks a pod's address up in it for the entries\n" +
+			"of NetworkPolicy ipBlocks. `apiary db show policy-prefixes` shows the labels.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return ipcache.WritePinnedMap(cmd.OutOrStdout(), pinDir, bpf.PolicyPrefixesMap)
+		},
+	})
+	cmd.AddCommand(prefixesCmd)
 	cmd.AddCommand(newBPFPolicyCmd(&pinDir))
 	return cmd
 }
@@ -104,6 +123,7 @@ func newBPFPolicyCmd(pinDir *string) *cobra.Command {
 		Long: "Print policy_endpoints and the policy LPM trie, grouped by endpoint: a line per endpoint\n" +
 			"(ID, cgroup ID, enforced directions), then its entries, one per line:\n" +
 			"  <direction> identity=<id|any> <protocol/port or range|ANY> <allow|deny>\n" +
+			"(\"allow pod-addrs\": a NetworkPolicy ipBlock's allow, which matches pods' addresses too).\n" +
 			"--endpoint takes an endpoint ID, or a name (namespace/pod) that the running agent\n" +
 			"translates (found like `apiary db`: --server, APIARY_SERVER, APIARY_API_ADDR).\n" +
 			"`apiary db show policy-entries` shows the policies behind each entry.",

@@ -43,6 +43,7 @@ func rowDecoders() map[string]func([]byte) (statedb.TableWritable, error) {
 		tables.IdentitiesTableName:     decodeRow[tables.Identity],
 		tables.PrefixesTableName:       decodeRow[tables.PrefixLabels],
 		tables.IPCacheTableName:        decodeRow[tables.IPCacheEntry],
+		tables.PolicyPrefixesTableName: decodeRow[tables.IPCacheEntry],
 		tables.PoliciesTableName:       decodeRow[tables.Policy],
 		tables.SelectorsTableName:      decodeRow[tables.Selector],
 		tables.EndpointsTableName:      decodeRow[tables.Endpoint],

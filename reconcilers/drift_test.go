@@ -2,6 +2,7 @@ package reconcilers_test
 
 import (
 	"context"
+	"log/slog"
 	"maps"
 	"net/netip"
 	"path/filepath"
@@ -119,15 +120,27 @@ func driftCount(t *testing.T, d *reconcilers.Drift, mapName, kind string) float6
 	return metric.GetCounter().GetValue()
 }
 
-// TestIPCacheDriftRepaired corrupts the ipcache map through a handle of
-// its own three ways (a prefix deleted, one given another identity, a
-// stray prefix added): the resync (Prune) repairs each, counts it, writes
-// nothing when nothing drifted, and three drifting resyncs in a row make
-// Prune fail (health Degraded).
+// TestIPCacheDriftRepaired corrupts the ipcache map, and the policy
+// prefixes map its operations also keep, through a handle of its own three
+// ways (a prefix deleted, one given another identity, a stray prefix
+// added): the resync (Prune) repairs each, counts it under the map's name,
+// writes nothing when nothing drifted, and three drifting resyncs in a row
+// make Prune fail (health Degraded).
 func TestIPCacheDriftRepaired(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		ops  func(*slog.Logger) *reconcilers.IPCache
+	}{
+		{bpf.IPCacheMap, reconcilers.NewIPCache},
+		{bpf.PolicyPrefixesMap, reconcilers.NewPolicyPrefixes},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testPrefixMapDrift(t, tc.name, tc.ops(nil)) })
+	}
+}
+
+func testPrefixMapDrift(t *testing.T, name string, c *reconcilers.IPCache) {
 	dir := testenv.BPFPinDir(t)
 	ctx := context.Background()
-	c := reconcilers.NewIPCache(nil)
 	if _, err := c.Open(dir, 1024); err != nil {
 		t.Fatal(err)
 	}
@@ -159,7 +172,7 @@ func TestIPCacheDriftRepaired(t *testing.T) {
 		t.Fatalf("a resync without drift wrote %d and deleted %d", u-u0, d-d0)
 	}
 
-	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, bpf.IPCacheMap), nil)
+	m, err := ebpf.LoadPinnedMap(filepath.Join(dir, name), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -178,14 +191,14 @@ func TestIPCacheDriftRepaired(t *testing.T) {
 		if round < 3 && err != nil {
 			t.Fatalf("round %d: %v", round, err)
 		}
-		if round == 3 && (err == nil || !strings.Contains(err.Error(), "map ipcache drifted in 3 resyncs in a row")) {
+		if round == 3 && (err == nil || !strings.Contains(err.Error(), "map "+name+" drifted in 3 resyncs in a row")) {
 			t.Fatalf("round 3: %v; want the map reported as drifting", err)
 		}
 		if got := mapEntries(t, c); !maps.Equal(got, want) {
 			t.Fatalf("round %d: map %v, want %v", round, got, want)
 		}
 		for _, kind := range []string{reconcilers.DriftMissing, reconcilers.DriftChanged, reconcilers.DriftStray} {
-			if n := driftCount(t, drift, bpf.IPCacheMap, kind); n != float64(round) {
+			if n := driftCount(t, drift, name, kind); n != float64(round) {
 				t.Errorf("round %d: drift %s counted %v, want %d", round, kind, n, round)
 			}
 		}

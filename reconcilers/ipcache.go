@@ -18,7 +18,9 @@ import (
 	"github.com/apiary-net/apiary/tables"
 )
 
-// IPCache converges the ipcache table into the pinned ipcache LPM trie.
+// IPCache converges the ipcache table into the pinned ipcache LPM trie
+// (NewIPCache), or the policy-prefixes table into the policy prefixes map,
+// whose keys and values are the ipcache's (NewPolicyPrefixes).
 //
 // It keeps a copy of what the map holds, read from the map when it is opened,
 // so that an entry whose value is already in the map costs no write: a
@@ -30,6 +32,10 @@ import (
 // *tables.IPCacheEntry.
 type IPCache struct {
 	log *slog.Logger
+	// name is the map's (bpf.IPCacheMap, bpf.PolicyPrefixesMap); spec
+	// gives its spec for a capacity.
+	name string
+	spec func(maxEntries uint32) *ebpf.MapSpec
 
 	// mu guards m and shadow. Reconciler operations run one at a time, but
 	// Dump and Close come from other goroutines.
@@ -51,11 +57,24 @@ var (
 // NewIPCache returns operations on no map yet; call Open before the
 // reconciler starts. A nil log discards log messages.
 func NewIPCache(log *slog.Logger) *IPCache {
+	return newPrefixMap(log, bpf.IPCacheMap, bpf.IPCacheMapSpec)
+}
+
+// NewPolicyPrefixes returns operations on the policy prefixes map
+// (bpf.PolicyPrefixesMap), none open yet, as NewIPCache.
+func NewPolicyPrefixes(log *slog.Logger) *IPCache {
+	return newPrefixMap(log, bpf.PolicyPrefixesMap, bpf.PolicyPrefixesMapSpec)
+}
+
+func newPrefixMap(log *slog.Logger, name string, spec func(uint32) *ebpf.MapSpec) *IPCache {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &IPCache{log: log, shadow: map[bpf.IPCacheKey]bpf.IPCacheValue{}}
+	return &IPCache{log: log, name: name, spec: spec, shadow: map[bpf.IPCacheKey]bpf.IPCacheValue{}}
 }
+
+// errNotOpen is the error of an operation before Open.
+func (c *IPCache) errNotOpen() error { return fmt.Errorf("%s map not open", c.name) }
 
 // IPCacheRestored is an entry found in the pinned map when it was opened.
 type IPCacheRestored struct {
@@ -73,12 +92,12 @@ func (c *IPCache) Open(pinDir string, maxEntries uint32) ([]IPCacheRestored, err
 
 // OpenWith is Open with the maps of opener (bpf.KernelMaps in the agent).
 func (c *IPCache) OpenWith(opener bpf.Opener, pinDir string, maxEntries uint32) ([]IPCacheRestored, error) {
-	pinned, err := opener.OpenMap(c.log, bpf.IPCacheMapSpec(maxEntries), pinDir, copyIPCache)
+	pinned, err := opener.OpenMap(c.log, c.spec(maxEntries), pinDir, copyIPCache)
 	if err != nil {
 		return nil, err
 	}
 	if pinned.Outcome != bpf.PinReused {
-		c.log.Info("ipcache map", "pin", pinned.Outcome, "change", pinned.Mismatch, "maxEntries", maxEntries)
+		c.log.Info("Prefix map", "map", c.name, "pin", pinned.Outcome, "change", pinned.Mismatch, "maxEntries", maxEntries)
 	}
 	shadow, err := readIPCache(pinned.Map)
 	if err != nil {
@@ -117,7 +136,7 @@ func (c *IPCache) WithMap(fn func(*ebpf.Map) error) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.m == nil {
-		return errors.New("ipcache map not open")
+		return c.errNotOpen()
 	}
 	km, err := bpf.KernelMap(c.m)
 	if err != nil {
@@ -136,7 +155,7 @@ func (c *IPCache) Dump(fn func(bpf.IPCacheKey, bpf.IPCacheValue)) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.m == nil {
-		return errors.New("ipcache map not open")
+		return c.errNotOpen()
 	}
 	entries, err := readIPCache(c.m)
 	if err != nil {
@@ -177,10 +196,10 @@ func (c *IPCache) putLocked(k bpf.IPCacheKey, v bpf.IPCacheValue) error {
 		return nil
 	}
 	if c.m == nil {
-		return errors.New("ipcache map not open")
+		return c.errNotOpen()
 	}
 	if err := c.m.Put(k, v); err != nil {
-		return fmt.Errorf("write ipcache entry: %w", err)
+		return fmt.Errorf("write %s entry: %w", c.name, err)
 	}
 	c.writes.Add(1)
 	c.shadow[k] = v
@@ -192,10 +211,10 @@ func (c *IPCache) deleteLocked(k bpf.IPCacheKey) error {
 		return nil
 	}
 	if c.m == nil {
-		return errors.New("ipcache map not open")
+		return c.errNotOpen()
 	}
 	if err := c.m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("delete ipcache entry: %w", err)
+		return fmt.Errorf("delete %s entry: %w", c.name, err)
 	}
 	c.deletes.Add(1)
 	delete(c.shadow, k)
@@ -216,7 +235,7 @@ func (c *IPCache) resyncLocked() error {
 		return nil
 	}
 	n, err := resyncMap(c.m, c.shadow)
-	return errors.Join(err, c.drift.Report(bpf.IPCacheMap, n))
+	return errors.Join(err, c.drift.Report(c.name, n))
 }
 
 // Prune implements reconciler.Operations: it repairs drift of the map
@@ -272,7 +291,7 @@ func (c *IPCache) UpdateBatch(ctx context.Context, txn statedb.ReadTxn, batch []
 		err error
 	)
 	if c.m == nil {
-		err = errors.New("ipcache map not open")
+		err = c.errNotOpen()
 	} else {
 		n, err = c.m.BatchUpdate(keys, values, nil)
 	}
@@ -313,7 +332,7 @@ func (c *IPCache) DeleteBatch(ctx context.Context, txn statedb.ReadTxn, batch []
 		err error
 	)
 	if c.m == nil {
-		err = errors.New("ipcache map not open")
+		err = c.errNotOpen()
 	} else {
 		n, err = c.m.BatchDelete(keys, nil)
 	}

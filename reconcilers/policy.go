@@ -228,11 +228,14 @@ func PolicyKeyOf(e *tables.PolicyEntry) (bpf.PolicyKey, bpf.PolicyValue) {
 	}
 	k := bpf.NewPolicyKey(e.EndpointID, e.Identity, dir, e.Protocol, e.Port, int(e.PortBits))
 	v := bpf.PolicyValue{PortPrefixLen: uint8(k.PrefixLen - bpf.PolicyStaticPrefixBits), Cookie: e.Cookie}
-	if e.Deny {
+	switch {
+	case e.Deny:
 		v.Flags |= bpf.PolicyFlagDeny
 		if e.Audit {
 			v.Flags |= bpf.PolicyFlagAudit
 		}
+	case e.PodAddrs:
+		v.Flags |= bpf.PolicyFlagPodAddrs
 	}
 	return k, v
 }

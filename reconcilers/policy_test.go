@@ -693,3 +693,25 @@ func TestPolicyOffBeforeEntriesGo(t *testing.T) {
 		t.Errorf("the entry is still in the map")
 	}
 }
+
+// The flags of an entry's map value: a deny (audited or not), and an allow
+// that matches pods' addresses; a deny never carries the latter.
+func TestPolicyKeyOfFlags(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		e     tables.PolicyEntry
+		flags uint8
+	}{
+		{"allow", tables.PolicyEntry{}, 0},
+		{"deny", tables.PolicyEntry{Deny: true}, bpf.PolicyFlagDeny},
+		{"audited deny", tables.PolicyEntry{Deny: true, Audit: true}, bpf.PolicyFlagDeny | bpf.PolicyFlagAudit},
+		{"allow of pods' addresses", tables.PolicyEntry{PodAddrs: true}, bpf.PolicyFlagPodAddrs},
+		{"deny with PodAddrs", tables.PolicyEntry{Deny: true, PodAddrs: true}, bpf.PolicyFlagDeny},
+	} {
+		e := tc.e
+		e.Direction = tables.DirEgress
+		if _, v := reconcilers.PolicyKeyOf(&e); v.Flags != tc.flags {
+			t.Errorf("%s: flags %#x, want %#x", tc.name, v.Flags, tc.flags)
+		}
+	}
+}

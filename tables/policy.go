@@ -183,6 +183,18 @@ const (
 // identity-0 entry of the policy map rather than a selector.
 const AnyPeer = "entity:all"
 
+// IPBlockPeerPrefix starts the text of a NetworkPolicy ipBlock's peer
+// selector ("ipblock:10.0.0.0/8 except 10.1.0.0/16"). It selects the CIDR
+// identities a CNP's CIDR of the same prefixes selects, but its allow
+// entries also match the pods whose addresses are inside the block
+// (PolicyEntry.PodAddrs).
+const IPBlockPeerPrefix = "ipblock:"
+
+// MatchesPodAddrs reports whether a rule's peer (a selector's text)
+// matches addresses, pods' included, rather than identities alone: a
+// NetworkPolicy ipBlock.
+func MatchesPodAddrs(peer string) bool { return strings.HasPrefix(peer, IPBlockPeerPrefix) }
+
 // Port protocols of a PortRule.
 const (
 	ProtoTCP  = "TCP"

@@ -39,6 +39,12 @@ type PolicyEntry struct {
 	// Audit is true for a deny that only audited policies make: it lets
 	// traffic through and reports it as audited.
 	Audit bool `json:"audit,omitempty" yaml:"audit,omitempty"`
+	// PodAddrs, on an allow entry for a CIDR identity, makes it match by
+	// address: a pod whose own identity no entry allows is allowed when
+	// its address is inside the entry's prefix (the policy-prefixes
+	// table). A NetworkPolicy ipBlock sets it (MatchesPodAddrs); a CNP's
+	// CIDR rule does not, as in the reference.
+	PodAddrs bool `json:"podAddrs,omitempty" yaml:"podAddrs,omitempty"`
 	// Policies are the policies that put the entry there.
 	Policies []string `json:"policies" yaml:"policies"`
 	// Cookie names the first of Policies in the datapath's verdicts.
@@ -92,6 +98,8 @@ func (e *PolicyEntry) TableRow() []string {
 	}
 	verdict := "allow"
 	switch {
+	case e.PodAddrs && !e.Deny:
+		verdict = "allow (pod addresses too)"
 	case e.Deny && e.Audit:
 		verdict = "deny (audit)"
 	case e.Deny:

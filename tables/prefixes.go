@@ -9,11 +9,19 @@ import (
 	"github.com/cilium/statedb/reconciler"
 )
 
-// PrefixesTableName and IPCacheTableName are the statedb names of the
-// prefix label tables.
+// PrefixesTableName, IPCacheTableName and PolicyPrefixesTableName are the
+// statedb names of the prefix label tables.
 const (
 	PrefixesTableName = "prefixes"
 	IPCacheTableName  = "ipcache"
+	// PolicyPrefixesTableName is the table of the prefixes policies name
+	// (those an owner gives a cidr: label), each with the labels and
+	// identity an address outside the cluster inside it has, even where
+	// the ipcache gives the prefix a pod's or the host's identity. Its
+	// rows are IPCacheEntry; it is reconciled into the policy prefixes
+	// map, where the datapath finds the policy prefix holding any
+	// address (a NetworkPolicy ipBlock matches pods by address).
+	PolicyPrefixesTableName = "policy-prefixes"
 )
 
 // PrefixLabels is what one owner says about one prefix: the labels it gives
@@ -162,6 +170,11 @@ var IPCachePrefixIndex = statedb.Index[*IPCacheEntry, netip.Prefix]{
 	FromKey:    PrefixKey,
 	FromString: prefixFromString,
 	Unique:     true,
+}
+
+// NewPolicyPrefixesTable registers the policy-prefixes table with db.
+func NewPolicyPrefixesTable(db *statedb.DB) (statedb.RWTable[*IPCacheEntry], error) {
+	return statedb.NewTable(db, PolicyPrefixesTableName, IPCachePrefixIndex)
 }
 
 // NewIPCacheTable registers the ipcache table with db.

@@ -60,7 +60,7 @@ struct policy_key {
 };
 
 struct policy_value {
-	__u8 flags;           /* POLICY_DENY, POLICY_AUDIT */
+	__u8 flags;           /* POLICY_DENY, POLICY_AUDIT, POLICY_POD_ADDRS */
 	__u8 port_prefix_len; /* for people: the lookup does not return it */
 	__u16 pad;
 	__u32 cookie;
@@ -180,6 +180,20 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } ipcache SEC(".maps");
 
+/*
+ * policy_prefixes: the prefixes policies name, alone, each with the
+ * identity an address outside the cluster inside it has (its cidr:
+ * labels), where the ipcache gives a pod's, node's or the host's address
+ * their own identity. See by_address.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct ipcache_key);
+	__type(value, struct remote_endpoint_info);
+	__uint(max_entries, 512000);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} policy_prefixes SEC(".maps");
+
 /* policy_ifaces: the host side of a pod's interface -> the pod. */
 #define IFACE_ADDRS 4
 
@@ -262,6 +276,9 @@ struct {
 #define POLICY_DENY 0x1
 /* A deny entry that only audits: what it matches is allowed, as audited. */
 #define POLICY_AUDIT 0x2
+/* An allow entry a NetworkPolicy ipBlock made: it matches the addresses
+ * inside the block, a pod's too (by_address). */
+#define POLICY_POD_ADDRS 0x4
 
 #define EP_ENFORCE_INGRESS 0x1
 #define EP_ENFORCE_EGRESS 0x2
@@ -287,6 +304,9 @@ struct {
 #define IPCACHE_FAMILY_IPV6 2
 /* reserved:world, the identity of any address the ipcache does not know. */
 #define IDENTITY_WORLD 2
+/* The first identity that is no reserved one (host, world, remote-node...):
+ * workloads', then CIDRs'. */
+#define IDENTITY_MIN_CLUSTER 256
 
 /* Deeper endpoint cgroups than this are not found; a pod's cgroup sits a
  * handful of levels down (kubepods/<qos>/<pod>), so this is plenty. */
@@ -430,9 +450,11 @@ static __always_inline void set_v4(union addr *a, __be32 v4)
 	a->p[3] = v4;
 }
 
-/* identity_of returns the identity of a peer's address: IPv4 (mapped) in
- * the ipcache's IPv4 family, anything else in its IPv6 family. */
-static __always_inline __u32 identity_of(const union addr *a)
+/* prefix_identity returns the identity an LPM map keyed like the ipcache
+ * (ipcache, policy_prefixes) gives an address, or none when it has no
+ * prefix holding it: IPv4 (mapped) is looked up in the IPv4 family,
+ * anything else in the IPv6 family. */
+static __always_inline __u32 prefix_identity(void *map, const union addr *a, __u32 none)
 {
 	struct ipcache_key key = {};
 	struct remote_endpoint_info *info;
@@ -446,8 +468,14 @@ static __always_inline __u32 identity_of(const union addr *a)
 		key.family = IPCACHE_FAMILY_IPV6;
 		__builtin_memcpy(key.addr, a->b, 16);
 	}
-	info = bpf_map_lookup_elem(&ipcache, &key);
-	return info ? info->sec_identity : IDENTITY_WORLD;
+	info = bpf_map_lookup_elem(map, &key);
+	return info ? info->sec_identity : none;
+}
+
+/* identity_of returns the identity of a peer's address. */
+static __always_inline __u32 identity_of(const union addr *a)
+{
+	return prefix_identity(&ipcache, a, IDENTITY_WORLD);
 }
 
 /* An entry's cookie (upper half) and flags, with ENTRY_FOUND set, or 0
@@ -538,6 +566,42 @@ static __always_inline void count(enum direction dir, enum verdict v)
 	count_at((__u32)dir * VERDICTS + (__u32)v);
 }
 
+/*
+ * by_address gives a peer that no entry allows for its identity a second
+ * chance, by its address: a NetworkPolicy ipBlock selects addresses,
+ * pods' included, where every other peer a policy names (a CNP's CIDR
+ * rule too, as in the reference) selects identities. The address is
+ * looked up among the policy prefixes alone (policy_prefixes), and the
+ * endpoint's entry for that prefix's identity decides if it is an allow
+ * an ipBlock made (POLICY_POD_ADDRS); else d, a default deny, stands.
+ * Only a workload's address needs this: reserved identities (the host,
+ * other nodes) keep the reference's semantics, and an address outside
+ * the cluster had its prefix's identity already.
+ */
+static __always_inline void by_address(struct decision *d, __u32 endpoint_id, const union addr *a,
+				       enum direction dir, __u8 protocol, __be16 dport)
+{
+	struct policy_key key = {
+		.prefixlen = POLICY_LOOKUP_BITS,
+		.endpoint_id = endpoint_id,
+		.egress = (__u8)dir,
+		.protocol = protocol,
+		.dport = dport,
+	};
+	__u64 entry;
+
+	if (d->identity < IDENTITY_MIN_CLUSTER)
+		return;
+	key.identity = prefix_identity(&policy_prefixes, a, 0);
+	if (!key.identity || key.identity == d->identity)
+		return;
+	entry = lookup_entry(&key);
+	if ((entry & (ENTRY_FOUND | POLICY_DENY | POLICY_POD_ADDRS)) != (ENTRY_FOUND | POLICY_POD_ADDRS))
+		return;
+	*d = by_entry(entry, VERDICT_ALLOWED);
+	d->identity = key.identity;
+}
+
 /* A connection or packet, seen from the endpoint. */
 struct conn {
 	union addr local_addr;
@@ -551,7 +615,8 @@ struct conn {
  * judge applies the endpoint's policy in direction dir to c. A denial is
  * audited instead when the endpoint audits everything, or when it is a
  * default deny that the endpoint audits in that direction. An
- * unclassified process is denied whatever the entries.
+ * unclassified process is denied whatever the entries. A default deny
+ * may yet be an allow by the peer's address (by_address).
  */
 static __always_inline struct decision judge(const struct ep_ref *ep, const struct conn *c,
 					     enum direction dir)
@@ -561,11 +626,15 @@ static __always_inline struct decision judge(const struct ep_ref *ep, const stru
 	__u32 identity = identity_of(&c->remote_addr);
 	struct decision d;
 
-	if (ep->flags & EP_UNCLASSIFIED)
+	if (ep->flags & EP_UNCLASSIFIED) {
 		d = (struct decision){ .verdict = VERDICT_DENIED, .reason = REASON_UNCLASSIFIED };
-	else
+		d.identity = identity;
+	} else {
 		d = lookup_verdict(ep->id, identity, dir, c->protocol, dport);
-	d.identity = identity;
+		d.identity = identity;
+		if (d.reason == REASON_DEFAULT_DENY)
+			by_address(&d, ep->id, &c->remote_addr, dir, c->protocol, dport);
+	}
 	if (d.verdict == VERDICT_DENIED &&
 	    ((ep->flags & EP_AUDIT) ||
 	     (d.reason == REASON_DEFAULT_DENY && (ep->flags & audit_default))))

@@ -76,6 +76,7 @@ func newDatapathEvents(t testing.TB, eventsSize uint32) *datapath {
 		Sock:      newMap(sockSpec(t)),
 		Stats:     newMap(bpf.PolicyStatsMapSpec()),
 		IPCache:   newMap(bpf.IPCacheMapSpec(1024)),
+		Prefixes:  newMap(bpf.PolicyPrefixesMapSpec(1024)),
 		Events:    newMap(bpf.PolicyEventsMapSpec(eventsSize)),
 		DNSSock:   newMap(dnsSockSpec(t)),
 		DNSOrigin: newMap(bpf.DNSOriginMapSpec()),

@@ -42,6 +42,7 @@ func newIfaceDatapath(t testing.TB, podAddrs ...string) *ifaceDatapath {
 		Endpoints:  newMap(bpf.PolicyEndpointsMapSpec(64)),
 		Stats:      newMap(bpf.PolicyStatsMapSpec()),
 		IPCache:    newMap(bpf.IPCacheMapSpec(1024)),
+		Prefixes:   newMap(bpf.PolicyPrefixesMapSpec(1024)),
 		Events:     newMap(bpf.PolicyEventsMapSpec(bpf.DefaultPolicyEventsSize)),
 		Ifaces:     newMap(bpf.PolicyIfacesMapSpec(64)),
 		Flows:      newMap(bpf.PolicyIfaceFlowsMapSpec(64, 16)),

@@ -152,6 +152,7 @@ func TestLoad(t *testing.T) {
 		Sock:      open(sockSpec(t)),
 		Stats:     open(bpf.PolicyStatsMapSpec()),
 		IPCache:   open(bpf.IPCacheMapSpec(1024)),
+		Prefixes:  open(bpf.PolicyPrefixesMapSpec(1024)),
 		Events:    open(bpf.PolicyEventsMapSpec(1 << 16)),
 	}
 	progs, err := Load(m)

@@ -68,6 +68,9 @@ type Maps struct {
 	Stats *ebpf.Map
 	// IPCache gives peers' identities (bpf.IPCacheMapSpec).
 	IPCache *ebpf.Map
+	// Prefixes gives the policy prefix holding a peer's address
+	// (bpf.PolicyPrefixesMapSpec), for entries with bpf.PolicyFlagPodAddrs.
+	Prefixes *ebpf.Map
 	// Events receives a bpf.PolicyEvent per decision
 	// (bpf.PolicyEventsMapSpec); the programs never wait for its reader,
 	// and wake it only once an eighth of the ring waits: it must poll.
@@ -109,6 +112,7 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 		policyprogMapPolicySk:        m.Sock,
 		policyprogMapPolicyStats:     m.Stats,
 		policyprogMapIpcache:         m.IPCache,
+		policyprogMapPolicyPrefixes:  m.Prefixes,
 		policyprogMapPolicyEvents:    m.Events,
 	}
 	for name, dm := range map[string]*ebpf.Map{
@@ -137,6 +141,7 @@ type InterfaceMaps struct {
 	Endpoints *ebpf.Map
 	Stats     *ebpf.Map
 	IPCache   *ebpf.Map
+	Prefixes  *ebpf.Map
 	Events    *ebpf.Map
 	// Ifaces maps pod interfaces to pods (bpf.PolicyIfacesMapSpec).
 	Ifaces *ebpf.Map
@@ -174,6 +179,7 @@ func LoadInterface(m InterfaceMaps) (map[string]*ebpf.Program, error) {
 		policyprogMapPolicyEndpoints:  m.Endpoints,
 		policyprogMapPolicyStats:      m.Stats,
 		policyprogMapIpcache:          m.IPCache,
+		policyprogMapPolicyPrefixes:   m.Prefixes,
 		policyprogMapPolicyEvents:     m.Events,
 		policyprogMapPolicyIfaces:     m.Ifaces,
 		policyprogMapPolicyIfaceFlows: m.Flows,

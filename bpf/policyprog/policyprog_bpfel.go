@@ -27,6 +27,7 @@ const (
 	policyprogMapPolicyIfaceFrags    = "policy_iface_frags"
 	policyprogMapPolicyIfaceStats    = "policy_iface_stats"
 	policyprogMapPolicyIfaces        = "policy_ifaces"
+	policyprogMapPolicyPrefixes      = "policy_prefixes"
 	policyprogMapPolicySk            = "policy_sk"
 	policyprogMapPolicyStats         = "policy_stats"
 	policyprogProgPolicyConnect4     = "policy_connect4"
@@ -116,6 +117,7 @@ type policyprogMapSpecs struct {
 	PolicyIfaceFrags *ebpf.MapSpec `ebpf:"policy_iface_frags"`
 	PolicyIfaceStats *ebpf.MapSpec `ebpf:"policy_iface_stats"`
 	PolicyIfaces     *ebpf.MapSpec `ebpf:"policy_ifaces"`
+	PolicyPrefixes   *ebpf.MapSpec `ebpf:"policy_prefixes"`
 	PolicySk         *ebpf.MapSpec `ebpf:"policy_sk"`
 	PolicyStats      *ebpf.MapSpec `ebpf:"policy_stats"`
 }
@@ -157,6 +159,7 @@ type policyprogMaps struct {
 	PolicyIfaceFrags *ebpf.Map `ebpf:"policy_iface_frags"`
 	PolicyIfaceStats *ebpf.Map `ebpf:"policy_iface_stats"`
 	PolicyIfaces     *ebpf.Map `ebpf:"policy_ifaces"`
+	PolicyPrefixes   *ebpf.Map `ebpf:"policy_prefixes"`
 	PolicySk         *ebpf.Map `ebpf:"policy_sk"`
 	PolicyStats      *ebpf.Map `ebpf:"policy_stats"`
 }
@@ -174,6 +177,7 @@ func (m *policyprogMaps) Close() error {
 		m.PolicyIfaceFrags,
 		m.PolicyIfaceStats,
 		m.PolicyIfaces,
+		m.PolicyPrefixes,
 		m.PolicySk,
 		m.PolicyStats,
 	)

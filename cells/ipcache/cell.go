@@ -1,12 +1,15 @@
 // Package ipcache owns the prefixes table (labels by prefix and owner), the
 // ipcache table (resolved labels and identity per prefix) and the ipcache
-// BPF map they are reconciled into.
+// BPF map they are reconciled into, and the policy-prefixes table (the
+// prefixes policies name, with the identity an address outside the cluster
+// inside them has) and its map.
 //
 // Other cells label prefixes through Prefixes; the cell itself labels the
 // node's own addresses reserved:host. See docs/identities.md.
 package ipcache
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -39,29 +42,59 @@ var Cell = cell.Module(
 	cell.ProvidePrivate(
 		tables.NewPrefixesTable,
 		tables.NewIPCacheTable,
+		newPolicyPrefixesTable,
 		newOps,
+		newPolicyPrefixesOps,
 		newPrefixesImpl,
 	),
 	cell.Provide(
 		statedb.RWTable[*tables.PrefixLabels].ToTable,
 		statedb.RWTable[*tables.IPCacheEntry].ToTable,
 		func(p *prefixes) Prefixes { return p },
-		func(ops *reconcilers.IPCache) Map { return ops },
+		func(ops *reconcilers.IPCache, pp policyPrefixesOps) Map { return prefixMaps{ops, pp.IPCache} },
 		scriptCommands,
 	),
 	cell.Invoke(
 		registerReconciler,
+		registerPolicyPrefixesReconciler,
 		registerResolver,
 		registerNodeIPs,
 		registerMetrics,
 	),
 )
 
-// Map gives the datapath loader the ipcache map the cell keeps pinned.
+// Map gives the datapath loader the maps the cell keeps pinned.
 type Map interface {
-	// WithMap calls fn with the open map (an error until the cell has
-	// started); fn must not keep it.
-	WithMap(fn func(*ebpf.Map) error) error
+	// WithMap calls fn with the open ipcache and policy prefixes maps (an
+	// error until the cell has started); fn must not keep them.
+	WithMap(fn func(ipcache, prefixes *ebpf.Map) error) error
+}
+
+// prefixMaps implements Map.
+type prefixMaps struct{ ipcache, prefixes *reconcilers.IPCache }
+
+func (m prefixMaps) WithMap(fn func(ipcache, prefixes *ebpf.Map) error) error {
+	return m.ipcache.WithMap(func(ipc *ebpf.Map) error {
+		return m.prefixes.WithMap(func(pfx *ebpf.Map) error { return fn(ipc, pfx) })
+	})
+}
+
+// policyPrefixesTable is the policy-prefixes table, a type of its own
+// for hive (its rows are the ipcache's).
+type policyPrefixesTable struct {
+	statedb.RWTable[*tables.IPCacheEntry]
+}
+
+func newPolicyPrefixesTable(db *statedb.DB) (policyPrefixesTable, error) {
+	t, err := tables.NewPolicyPrefixesTable(db)
+	return policyPrefixesTable{t}, err
+}
+
+// policyPrefixesOps are the operations on the policy prefixes map.
+type policyPrefixesOps struct{ *reconcilers.IPCache }
+
+func newPolicyPrefixesOps(log *slog.Logger) policyPrefixesOps {
+	return policyPrefixesOps{reconcilers.NewPolicyPrefixes(log)}
 }
 
 // OwnerNode owns the node's own addresses.
@@ -108,8 +141,10 @@ type resolverParams struct {
 	Prefixes  *prefixes
 	Table     statedb.RWTable[*tables.PrefixLabels]
 	IPCache   statedb.RWTable[*tables.IPCacheEntry]
+	Policy    policyPrefixesTable
 	Alloc     *identity.Allocator
 	Ops       *reconcilers.IPCache
+	PolicyOps policyPrefixesOps
 }
 
 func registerResolver(p resolverParams) error {
@@ -119,37 +154,46 @@ func registerResolver(p resolverParams) error {
 	if p.Config.BPFIPCacheMapMax < 1 {
 		return fmt.Errorf("--bpf-ipcache-map-max=%d: want at least 1", p.Config.BPFIPCacheMapMax)
 	}
-	wtxn := p.DB.WriteTxn(p.IPCache)
+	wtxn := p.DB.WriteTxn(p.IPCache, p.Policy)
 	markInit := p.IPCache.RegisterInitializer(wtxn, "prefixes-resolved")
+	markPolicyInit := p.Policy.RegisterInitializer(wtxn, "prefixes-resolved")
 	wtxn.Commit()
 
 	r := &resolver{
-		log: p.Log, db: p.DB, prefixes: p.Prefixes, table: p.Table, ipcache: p.IPCache, alloc: p.Alloc,
+		log: p.Log, db: p.DB, prefixes: p.Prefixes, table: p.Table, alloc: p.Alloc,
+		ipcache:   view{table: p.IPCache, hints: map[netip.Prefix]uint32{}},
+		policy:    view{table: p.Policy.RWTable, hints: map[netip.Prefix]uint32{}},
 		dualStack: p.Node.EnableIPv6, chunkSize: p.Config.IPCacheChunkSize,
-		present: map[netip.Prefix]struct{}{}, hints: map[netip.Prefix]uint32{}, failed: map[netip.Prefix]string{},
-		markInitialized: markInit,
+		present: map[netip.Prefix]struct{}{}, failed: map[netip.Prefix]string{},
+		markInitialized: func(wtxn statedb.WriteTxn) { markInit(wtxn); markPolicyInit(wtxn) },
 	}
-	// The old map is read before the resolver's first write: its
+	// The old maps are read before the resolver's first write: their
 	// identities are the hints that keep every prefix's number.
 	p.Lifecycle.Append(cell.Hook{
 		OnStart: func(cell.HookContext) error {
-			restored, err := p.Ops.OpenWith(p.Maps, string(p.PinDir), p.Config.BPFIPCacheMapMax)
-			if err != nil {
-				return fmt.Errorf("open ipcache map: %w", err)
-			}
-			ids := make([]uint32, 0, len(restored))
-			for _, e := range restored {
-				r.hints[e.Prefix] = e.Identity
-				ids = append(ids, e.Identity)
+			var ids []uint32
+			for _, m := range []struct {
+				ops  *reconcilers.IPCache
+				name string
+				v    view
+			}{{p.Ops, bpf.IPCacheMap, r.ipcache}, {p.PolicyOps.IPCache, bpf.PolicyPrefixesMap, r.policy}} {
+				restored, err := m.ops.OpenWith(p.Maps, string(p.PinDir), p.Config.BPFIPCacheMapMax)
+				if err != nil {
+					return fmt.Errorf("open %s map: %w", m.name, err)
+				}
+				for _, e := range restored {
+					m.v.hints[e.Prefix] = e.Identity
+					ids = append(ids, e.Identity)
+				}
+				if len(restored) > 0 {
+					p.Log.Info("Read the old prefix map", "map", m.name, "entries", len(restored))
+				}
 			}
 			p.Alloc.Withhold(ids)
-			if len(restored) > 0 {
-				p.Log.Info("Read the old ipcache map", "entries", len(restored))
-			}
 			return nil
 		},
-		// Jobs, the reconciler among them, stop before this.
-		OnStop: func(cell.HookContext) error { return p.Ops.Close() },
+		// Jobs, the reconcilers among them, stop before this.
+		OnStop: func(cell.HookContext) error { return errors.Join(p.Ops.Close(), p.PolicyOps.Close()) },
 	})
 	p.Jobs.Add(job.OneShot("resolve", r.run))
 	return nil
@@ -172,6 +216,22 @@ func registerReconciler(rp reconciler.Params, table statedb.RWTable[*tables.IPCa
 		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),
 	)
 	p.rec = rec
+	return err
+}
+
+// registerPolicyPrefixesReconciler reconciles the policy-prefixes table
+// into its map as the ipcache is, resynced with it.
+func registerPolicyPrefixesReconciler(rp reconciler.Params, table policyPrefixesTable, ops policyPrefixesOps, p *prefixes, resync bpffs.Resync) error {
+	ops.ResyncWith(resync.DriftReport())
+	rec, err := reconciler.Register(rp, table.RWTable,
+		(*tables.IPCacheEntry).Clone, (*tables.IPCacheEntry).SetStatus, (*tables.IPCacheEntry).GetStatus,
+		ops.IPCache, ops.IPCache,
+		reconciler.WithName(tables.PolicyPrefixesTableName),
+		reconciler.WithRefreshing(0, nil),
+		reconciler.WithPruning(resync.PruneInterval()),
+		reconciler.WithRoundLimits(1000, rate.NewLimiter(rate.Inf, 1)),
+	)
+	p.policyRec = rec
 	return err
 }
 

@@ -1,7 +1,6 @@
 package ipcache
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"net/netip"
@@ -80,7 +79,13 @@ func WriteEntries(w io.Writer, entries []Entry) error {
 // WritePinned prints the entries of the ipcache map pinned in pinDir, as
 // WriteEntries does, reading the map directly (`apiary bpf ipcache list`).
 func WritePinned(w io.Writer, pinDir string) error {
-	path := filepath.Join(pinDir, bpf.IPCacheMap)
+	return WritePinnedMap(w, pinDir, bpf.IPCacheMap)
+}
+
+// WritePinnedMap is WritePinned for the map name, bpf.IPCacheMap or
+// bpf.PolicyPrefixesMap (`apiary bpf policy-prefixes list`).
+func WritePinnedMap(w io.Writer, pinDir, name string) error {
+	path := filepath.Join(pinDir, name)
 	m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
 	if err != nil {
 		return fmt.Errorf("open %s: %w", path, err)
@@ -105,15 +110,15 @@ func WritePinned(w io.Writer, pinDir string) error {
 	return WriteEntries(w, entries)
 }
 
-// scriptCommands provides ipcache/dump.
-func scriptCommands(ops *reconcilers.IPCache) hive.ScriptCmdsOut {
-	return hive.NewScriptCmds(map[string]script.Cmd{
-		"ipcache/dump": script.Command(
+// scriptCommands provides ipcache/dump and policy-prefixes/dump.
+func scriptCommands(ops *reconcilers.IPCache, pp policyPrefixesOps) hive.ScriptCmdsOut {
+	dump := func(name string, ops *reconcilers.IPCache) script.Cmd {
+		return script.Command(
 			script.CmdUsage{
-				Summary: "Print the entries of the ipcache map",
+				Summary: "Print the entries of the " + name + " map",
 				Detail: []string{
 					"Prints one line per entry of the pinned map, read from the kernel,",
-					"sorted by prefix, as `apiary bpf ipcache list` does:",
+					"sorted by prefix, as `apiary bpf " + strings.ReplaceAll(name, "_", "-") + " list` does:",
 					"  <prefix> identity=<id>",
 				},
 			},
@@ -123,13 +128,17 @@ func scriptCommands(ops *reconcilers.IPCache) hive.ScriptCmdsOut {
 				}
 				var entries []Entry
 				if err := ops.Dump(func(k bpf.IPCacheKey, v bpf.IPCacheValue) { entries = append(entries, Entry{k, v}) }); err != nil {
-					return nil, errors.Join(errors.New("ipcache/dump"), err)
+					return nil, fmt.Errorf("dump %s: %w", name, err)
 				}
 				return func(*script.State) (string, string, error) {
 					var out strings.Builder
 					err := WriteEntries(&out, entries)
 					return out.String(), "", err
 				}, nil
-			}),
+			})
+	}
+	return hive.NewScriptCmds(map[string]script.Cmd{
+		"ipcache/dump":         dump(bpf.IPCacheMap, ops),
+		"policy-prefixes/dump": dump(bpf.PolicyPrefixesMap, pp.IPCache),
 	})
 }

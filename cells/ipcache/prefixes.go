@@ -10,6 +10,7 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 
+	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -38,8 +39,8 @@ type Prefixes interface {
 	// DeleteOwner deletes every prefix of owner, in one write transaction.
 	DeleteOwner(owner string) (Revision, error)
 	// Wait blocks until every change up to rev has been resolved into the
-	// ipcache table and written to the ipcache map, or until ctx ends
-	// (then it returns ctx's error).
+	// ipcache and policy-prefixes tables and written to their maps, or
+	// until ctx ends (then it returns ctx's error).
 	Wait(ctx context.Context, rev Revision) error
 	// RegisterInitializer tells the ipcache cell that an owner has prefixes
 	// to add before the ipcache map may be pruned of entries an earlier run
@@ -80,13 +81,16 @@ type prefixes struct {
 	progress resolvedProgress
 	changed  chan struct{}
 
-	rec reconciler.Reconciler[*tables.IPCacheEntry]
+	// rec and policyRec are the reconcilers of the ipcache and
+	// policy-prefixes tables.
+	rec, policyRec reconciler.Reconciler[*tables.IPCacheEntry]
 }
 
 // resolvedProgress: every change of the prefixes table up to PrefixesRev
-// is in the ipcache table as of IPCacheRev.
+// is in the ipcache table as of IPCacheRev, and in the policy-prefixes
+// table as of PolicyRev.
 type resolvedProgress struct {
-	PrefixesRev, IPCacheRev Revision
+	PrefixesRev, IPCacheRev, PolicyRev Revision
 }
 
 func newPrefixes(db *statedb.DB, table statedb.RWTable[*tables.PrefixLabels], ipcache statedb.Table[*tables.IPCacheEntry]) *prefixes {
@@ -162,14 +166,14 @@ func (p *prefixes) resolved(progress resolvedProgress) {
 }
 
 func (p *prefixes) Wait(ctx context.Context, rev Revision) error {
-	// First the resolver, then the reconciler.
-	var target Revision
+	// First the resolver, then the reconcilers.
+	var target resolvedProgress
 	for {
 		p.mu.Lock()
 		progress, changed := p.progress, p.changed
 		p.mu.Unlock()
 		if progress.PrefixesRev >= rev {
-			target = progress.IPCacheRev
+			target = progress
 			break
 		}
 		select {
@@ -178,13 +182,22 @@ func (p *prefixes) Wait(ctx context.Context, rev Revision) error {
 		case <-changed:
 		}
 	}
-	if p.rec == nil {
-		return fmt.Errorf("ipcache reconciler not running")
+	if p.rec == nil || p.policyRec == nil {
+		return fmt.Errorf("ipcache reconcilers not running")
 	}
+	if err := waitReconciled(ctx, p.rec, target.IPCacheRev, bpf.IPCacheMap); err != nil {
+		return err
+	}
+	return waitReconciled(ctx, p.policyRec, target.PolicyRev, bpf.PolicyPrefixesMap)
+}
+
+// waitReconciled waits until rec has written every entry up to target to
+// the map name.
+func waitReconciled(ctx context.Context, rec reconciler.Reconciler[*tables.IPCacheEntry], target Revision, name string) error {
 	for {
-		done, retryLow, err := p.rec.WaitUntilReconciled(ctx, target)
+		done, retryLow, err := rec.WaitUntilReconciled(ctx, target)
 		if err != nil {
-			return fmt.Errorf("wait for the ipcache map: %w", err)
+			return fmt.Errorf("wait for the %s map: %w", name, err)
 		}
 		// An entry up to target that failed is retried: not written yet.
 		if done >= target && (retryLow == 0 || retryLow > target) {
@@ -192,7 +205,7 @@ func (p *prefixes) Wait(ctx context.Context, rev Revision) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("wait for the ipcache map: %w", ctx.Err())
+			return fmt.Errorf("wait for the %s map: %w", name, ctx.Err())
 		case <-time.After(5 * time.Millisecond):
 		}
 	}

@@ -21,7 +21,12 @@ import (
 // resolver turns the prefixes table into the ipcache table: for each
 // prefix, the union of its owners' labels and of the labels of every
 // shorter prefix containing it, normalised, with the identity of that label
-// set.
+// set. It writes the policy-prefixes table along: the prefixes an owner
+// gives a cidr: label (those policies name), each with the labels only
+// such owners give it and the prefixes containing it, as an address outside
+// the cluster would have them. Where the ipcache gives a prefix the identity
+// of a pod or the host, the policy-prefixes table keeps its CIDR identity,
+// by which a NetworkPolicy ipBlock matches the pod's address.
 //
 // A change of a prefix re-resolves the prefix and the prefixes inside it,
 // found with one range scan of the prefixes table (its keys sort by
@@ -34,8 +39,10 @@ type resolver struct {
 	db       *statedb.DB
 	prefixes *prefixes
 	table    statedb.RWTable[*tables.PrefixLabels]
-	ipcache  statedb.RWTable[*tables.IPCacheEntry]
-	alloc    *identity.Allocator
+	// ipcache and policy are the tables written, the ipcache and
+	// policy-prefixes.
+	ipcache, policy view
+	alloc           *identity.Allocator
 	// dualStack: world-ipv4/world-ipv6 instead of world.
 	dualStack bool
 	chunkSize int
@@ -45,9 +52,6 @@ type resolver struct {
 	// uses.
 	lengths [2][129]int
 	present map[netip.Prefix]struct{}
-	// hints are the identities the old ipcache map had, until the grace
-	// period starts.
-	hints map[netip.Prefix]uint32
 	// failed are prefixes whose identity could not be allocated; they are
 	// retried whenever identities are released and periodically.
 	failed map[netip.Prefix]string
@@ -57,6 +61,14 @@ type resolver struct {
 
 	markInitialized func(statedb.WriteTxn)
 	initialized     bool
+}
+
+// view is a table the resolver writes, and the identities the map it is
+// reconciled into had when the agent started (hints), kept until the grace
+// period starts.
+type view struct {
+	table statedb.RWTable[*tables.IPCacheEntry]
+	hints map[netip.Prefix]uint32
 }
 
 // retryInterval is how often prefixes without identity are retried.
@@ -109,12 +121,13 @@ func (r *resolver) run(ctx context.Context, health cell.Health) error {
 			}
 			r.released = false
 		}
-		ipcacheRev, err := r.process(slices.SortedFunc(maps.Keys(dirty), comparePrefixes))
+		progress, err := r.process(slices.SortedFunc(maps.Keys(dirty), comparePrefixes))
 		if err != nil {
 			return err
 		}
 		r.reportHealth(health)
-		r.prefixes.resolved(resolvedProgress{PrefixesRev: r.table.Revision(rtxn), IPCacheRev: ipcacheRev})
+		progress.PrefixesRev = r.table.Revision(rtxn)
+		r.prefixes.resolved(progress)
 
 		initWatch := (<-chan struct{})(nil)
 		if !r.initialized {
@@ -161,19 +174,22 @@ func (r *resolver) run(ctx context.Context, health cell.Health) error {
 // same transaction as the identities, then retries the prefixes that had
 // no identity, for which a number may have appeared.
 func (r *resolver) renumber() error {
-	wtxn := r.db.WriteTxn(r.ipcache, r.alloc.Table())
+	wtxn := r.db.WriteTxn(r.ipcache.table, r.policy.table, r.alloc.Table())
 	defer wtxn.Abort()
 	moved, err := r.alloc.Renumber(wtxn)
 	if err != nil {
 		return fmt.Errorf("renumber identities: %w", err)
 	}
-	if len(moved) > 0 {
-		for e := range r.ipcache.All(wtxn) {
+	for _, t := range []statedb.RWTable[*tables.IPCacheEntry]{r.ipcache.table, r.policy.table} {
+		if len(moved) == 0 {
+			break
+		}
+		for e := range t.All(wtxn) {
 			if n, ok := moved[e.Identity]; ok {
 				c := e.Clone()
 				c.Identity = n
 				c.Status = reconciler.StatusPending()
-				if _, _, err := r.ipcache.Insert(wtxn, c); err != nil {
+				if _, _, err := t.Insert(wtxn, c); err != nil {
 					return err
 				}
 			}
@@ -192,11 +208,11 @@ func (r *resolver) renumber() error {
 // initial prefixes are resolved: the reconciler may now prune the map of
 // entries an earlier run left, and the restore grace period starts.
 func (r *resolver) finishInit() {
-	wtxn := r.db.WriteTxn(r.ipcache)
+	wtxn := r.db.WriteTxn(r.ipcache.table, r.policy.table)
 	r.markInitialized(wtxn)
 	wtxn.Commit()
 	r.initialized = true
-	r.hints = nil
+	r.ipcache.hints, r.policy.hints = nil, nil
 	r.alloc.StartGracePeriod()
 	r.log.Info("ipcache initialized", "prefixes", len(r.present))
 }
@@ -252,21 +268,22 @@ func (r *resolver) addDescendants(txn statedb.ReadTxn, p netip.Prefix, dirty map
 	return true
 }
 
-// process resolves the prefixes, in chunks, and returns the revision of the
-// ipcache table after the last one. A chunk closes once it holds chunkSize
+// process resolves the prefixes, in chunks, and returns the revisions of
+// the ipcache and policy-prefixes tables after the last one. A chunk closes once it holds chunkSize
 // relabels (prefixes that change identity), or maxChunkPrefixes prefixes of
 // any kind: new and deleted prefixes never hold two identities, but a
 // transaction over all of a bulk change would keep every other writer of
 // ipcache and identities waiting for as long as it takes.
-func (r *resolver) process(dirty []netip.Prefix) (Revision, error) {
+func (r *resolver) process(dirty []netip.Prefix) (resolvedProgress, error) {
 	for len(dirty) > 0 {
 		n, err := r.processChunk(dirty)
 		if err != nil {
-			return 0, err
+			return resolvedProgress{}, err
 		}
 		dirty = dirty[n:]
 	}
-	return r.ipcache.Revision(r.db.ReadTxn()), nil
+	txn := r.db.ReadTxn()
+	return resolvedProgress{IPCacheRev: r.ipcache.table.Revision(txn), PolicyRev: r.policy.table.Revision(txn)}, nil
 }
 
 // maxChunkPrefixes bounds the prefixes one transaction resolves, whatever
@@ -275,69 +292,51 @@ func (r *resolver) process(dirty []netip.Prefix) (Revision, error) {
 // prefixes take 25-130 ms there, a few hundred ms at worst.
 const maxChunkPrefixes = 4096
 
-// relabel is the new state of one prefix within a chunk.
+// relabel is the new state of one prefix of one table within a chunk.
 type relabel struct {
+	table  statedb.RWTable[*tables.IPCacheEntry]
 	entry  *tables.IPCacheEntry
 	labels tables.Labels
 	hint   uint32
 }
 
+// chunk is what processChunk gathers: the entries that need an identity,
+// grouped by label set so that each identity is written once per chunk
+// however many prefixes (of either table) share it, and how many times
+// each old identity is released.
+type chunk struct {
+	groups  map[string][]*relabel
+	order   []string
+	release map[uint32]uint32
+}
+
 // processChunk resolves prefixes from the start of dirty until a chunk is
 // full, and returns how many it took.
 func (r *resolver) processChunk(dirty []netip.Prefix) (int, error) {
-	wtxn := r.db.WriteTxn(r.ipcache, r.alloc.Table())
+	wtxn := r.db.WriteTxn(r.ipcache.table, r.policy.table, r.alloc.Table())
 	defer wtxn.Abort()
-	release := map[uint32]uint32{}
-	// Entries that need an identity, grouped by label set so that each
-	// identity is written once per chunk however many prefixes share it.
-	groups := map[string][]*relabel{}
-	var order []string
+	c := &chunk{groups: map[string][]*relabel{}, release: map[uint32]uint32{}}
 	relabels, taken := 0, 0
 	for _, p := range dirty {
 		if relabels >= r.chunkSize || taken >= maxChunkPrefixes {
 			break
 		}
 		taken++
-		old, _, hadOld := r.ipcache.Get(wtxn, tables.IPCachePrefixIndex.Query(p))
-		labels, owners := r.resolve(wtxn, p)
-		if len(owners) == 0 {
-			delete(r.failed, p)
-			if hadOld {
-				if _, _, err := r.ipcache.Delete(wtxn, old); err != nil {
-					return 0, err
-				}
-				if old.Identity != 0 {
-					release[old.Identity]++
-				}
-			}
-			continue
+		// Failed again below if it still gets no identity.
+		delete(r.failed, p)
+		res := r.resolve(wtxn, p)
+		n, err := r.stage(wtxn, c, r.ipcache, p, res.labels, res.owners)
+		if err != nil {
+			return 0, err
 		}
-		if hadOld && old.Identity != 0 && old.Labels.Equal(labels) {
-			if !slices.Equal(old.Owners, owners) {
-				e := old.Clone()
-				e.Owners = owners
-				if _, _, err := r.ipcache.Insert(wtxn, e); err != nil {
-					return 0, err
-				}
-			}
-			continue
+		m, err := r.stage(wtxn, c, r.policy, p, res.policyLabels, res.policyOwners)
+		if err != nil {
+			return 0, err
 		}
-		if hadOld && old.Identity != 0 {
-			relabels++
-			release[old.Identity]++
-		}
-		key := labels.Key()
-		if _, ok := groups[key]; !ok {
-			order = append(order, key)
-		}
-		groups[key] = append(groups[key], &relabel{
-			entry:  &tables.IPCacheEntry{Prefix: p, Labels: labels, Owners: owners, Status: reconciler.StatusPending()},
-			labels: labels,
-			hint:   r.hints[p],
-		})
+		relabels += n + m
 	}
-	for _, key := range order {
-		group := groups[key]
+	for _, key := range c.order {
+		group := c.groups[key]
 		hint := uint32(0)
 		for _, rl := range group {
 			if rl.hint != 0 {
@@ -353,9 +352,8 @@ func (r *resolver) processChunk(dirty []netip.Prefix) (int, error) {
 				r.failed[e.Prefix] = e.Error
 			} else {
 				e.Identity = id.ID
-				delete(r.failed, e.Prefix)
 			}
-			if _, _, err := r.ipcache.Insert(wtxn, e); err != nil {
+			if _, _, err := rl.table.Insert(wtxn, e); err != nil {
 				return 0, err
 			}
 		}
@@ -363,8 +361,8 @@ func (r *resolver) processChunk(dirty []netip.Prefix) (int, error) {
 	// Old identities go last, after the new ones are taken, so that an
 	// identity moving from one prefix to another within the chunk is never
 	// deleted and recreated with a new number.
-	for _, id := range slices.Sorted(maps.Keys(release)) {
-		if err := r.alloc.ReleaseN(wtxn, id, release[id]); err != nil {
+	for _, id := range slices.Sorted(maps.Keys(c.release)) {
+		if err := r.alloc.ReleaseN(wtxn, id, c.release[id]); err != nil {
 			return 0, err
 		}
 		r.released = r.released || len(r.failed) > 0
@@ -373,18 +371,75 @@ func (r *resolver) processChunk(dirty []netip.Prefix) (int, error) {
 	return taken, nil
 }
 
-// resolve returns the labels of p and its owners (none: p is gone).
-func (r *resolver) resolve(txn statedb.ReadTxn, p netip.Prefix) (tables.Labels, []string) {
+// stage puts the new state of prefix p in the table of v into c: deleted
+// without owners, unchanged (but for its owners) with the labels and an
+// identity it has, else to be given the identity of labels. It returns 1
+// for a relabel (p had an identity, now another).
+func (r *resolver) stage(wtxn statedb.WriteTxn, c *chunk, v view, p netip.Prefix, labels tables.Labels, owners []string) (int, error) {
+	old, _, hadOld := v.table.Get(wtxn, tables.IPCachePrefixIndex.Query(p))
+	if len(owners) == 0 {
+		if hadOld {
+			if _, _, err := v.table.Delete(wtxn, old); err != nil {
+				return 0, err
+			}
+			if old.Identity != 0 {
+				c.release[old.Identity]++
+			}
+		}
+		return 0, nil
+	}
+	if hadOld && old.Identity != 0 && old.Labels.Equal(labels) {
+		if !slices.Equal(old.Owners, owners) {
+			e := old.Clone()
+			e.Owners = owners
+			if _, _, err := v.table.Insert(wtxn, e); err != nil {
+				return 0, err
+			}
+		}
+		return 0, nil
+	}
+	n := 0
+	if hadOld && old.Identity != 0 {
+		n = 1
+		c.release[old.Identity]++
+	}
+	key := labels.Key()
+	if _, ok := c.groups[key]; !ok {
+		c.order = append(c.order, key)
+	}
+	c.groups[key] = append(c.groups[key], &relabel{
+		table:  v.table,
+		entry:  &tables.IPCacheEntry{Prefix: p, Labels: labels, Owners: owners, Status: reconciler.StatusPending()},
+		labels: labels,
+		hint:   v.hints[p],
+	})
+	return n, nil
+}
+
+// resolved is what resolve says of a prefix: the labels and owners of its
+// ipcache entry (no owners: p is gone), and those of its policy-prefixes
+// entry (no owners: no owner gives p a cidr: label).
+type resolved struct {
+	labels, policyLabels tables.Labels
+	owners, policyOwners []string
+}
+
+// resolve returns the labels and owners of p in either table.
+func (r *resolver) resolve(txn statedb.ReadTxn, p netip.Prefix) resolved {
 	var (
-		owners []string
-		all    []string
+		res               resolved
+		all, policyLabels []string
 	)
 	for row := range r.table.Prefix(txn, tables.PrefixOwners(p)) {
-		owners = append(owners, row.Owner)
+		res.owners = append(res.owners, row.Owner)
 		all = append(all, row.Labels...)
+		if hasCIDRLabel(row.Labels) {
+			res.policyOwners = append(res.policyOwners, row.Owner)
+			policyLabels = append(policyLabels, row.Labels...)
+		}
 	}
-	if len(owners) == 0 {
-		return nil, nil
+	if len(res.owners) == 0 {
+		return res
 	}
 	fam := familyIndex(p)
 	for bits := p.Bits() - 1; bits >= 0; bits-- {
@@ -399,9 +454,37 @@ func (r *resolver) resolve(txn statedb.ReadTxn, p netip.Prefix) (tables.Labels, 
 		}
 		for row := range r.table.Prefix(txn, tables.PrefixOwners(parent)) {
 			all = append(all, row.Labels...)
+			if hasCIDRLabel(row.Labels) {
+				policyLabels = append(policyLabels, row.Labels...)
+			}
 		}
 	}
-	return normalize(p, all, r.dualStack), owners
+	res.labels = normalize(p, all, r.dualStack)
+	switch {
+	case len(res.policyOwners) == 0:
+	case outsideCluster(res.labels):
+		// The ipcache's identity is a CIDR one already (with fqdn:
+		// labels, say): the same, not one more.
+		res.policyLabels = res.labels
+	default:
+		res.policyLabels = normalize(p, policyLabels, r.dualStack)
+	}
+	return res
+}
+
+// outsideCluster reports whether normalized labels are those of an address
+// outside the cluster: normalize gives them, and only them, a world label.
+func outsideCluster(labels tables.Labels) bool {
+	return labels.Has(tables.LabelWorld) || labels.Has(tables.LabelWorldIPv4) || labels.Has(tables.LabelWorldIPv6)
+}
+
+// hasCIDRLabel reports whether labels hold a cidr: label: an owner that
+// gives one (a policy) names the prefix as a CIDR.
+func hasCIDRLabel(labels tables.Labels) bool {
+	return slices.ContainsFunc(labels, func(l string) bool {
+		_, ok := tables.ParseCIDRLabel(l)
+		return ok
+	})
 }
 
 // inClusterLabels mark addresses of the cluster itself, which never carry

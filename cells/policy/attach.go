@@ -157,9 +157,10 @@ func (a *attacher) attach() (string, error) {
 	}
 	var progs map[string]*ebpf.Program
 	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
-		return a.ipcache.WithMap(func(ipc *ebpf.Map) error {
+		return a.ipcache.WithMap(func(ipc, prefixes *ebpf.Map) error {
 			progs, err = policyprog.Load(policyprog.Maps{
-				Policy: policy, Endpoints: endpoints, Sock: sock.Map, Stats: stats.Map, IPCache: ipc, Events: events.Map,
+				Policy: policy, Endpoints: endpoints, Sock: sock.Map, Stats: stats.Map, IPCache: ipc, Prefixes: prefixes,
+				Events:  events.Map,
 				DNSSock: dnsSock, DNSOrigin: dnsOrigin, DNSConfig: dnsConfig,
 			})
 			return err

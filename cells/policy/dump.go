@@ -79,7 +79,9 @@ func withPinned(path string, fn func(*ebpf.Map) error) error {
 //
 //	egress identity=256 TCP/80-95 allow
 //
-// identity=any for identity 0. endpointID, when not 0, keeps one endpoint
+// identity=any for identity 0, "allow pod-addrs" for an allow that matches
+// pods' addresses too (bpf.PolicyFlagPodAddrs). endpointID, when not 0,
+// keeps one endpoint
 // (an error if the maps do not have it).
 // Entries of an endpoint without a policy_endpoints entry (not enforced
 // yet) are printed under "endpoint N (no cgroup)".
@@ -155,8 +157,11 @@ func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint3
 				peer = fmt.Sprint(e.Key.Identity)
 			}
 			verdict := "allow"
-			if e.Value.Flags&bpf.PolicyFlagDeny != 0 {
+			switch {
+			case e.Value.Flags&bpf.PolicyFlagDeny != 0:
 				verdict = "deny"
+			case e.Value.Flags&bpf.PolicyFlagPodAddrs != 0:
+				verdict = "allow pod-addrs"
 			}
 			if _, err := fmt.Fprintf(w, "  %s identity=%s %s %s\n", dir, peer,
 				tables.PortPrefixString(e.Key.Protocol, e.Key.Port.Uint16(), uint8(e.Key.PortBits())), verdict); err != nil {

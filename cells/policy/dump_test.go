@@ -25,7 +25,8 @@ const listGolden = `endpoint 1 cgroup 1001 enforce=ingress,egress
   egress identity=257 TCP/8000-8063 allow
   egress identity=257 TCP/8000 deny
 endpoint 2 cgroup 1002 enforce=egress audit
-  egress identity=16777217 TCP/443 allow
+  egress identity=16777217 TCP/443 allow pod-addrs
+  egress identity=16777217 TCP/8080 allow
 endpoint 3 (no cgroup)
   egress identity=any ANY allow
 endpoint 4 cgroup 1004 enforce=none
@@ -44,9 +45,15 @@ func TestPolicyList(t *testing.T) {
 		e.Value.Flags = bpf.PolicyFlagDeny
 		return e
 	}
+	podAddrs := func(k bpf.PolicyKey) policy.Entry {
+		e := allow(k)
+		e.Value.Flags = bpf.PolicyFlagPodAddrs
+		return e
+	}
 	// In no particular order: the output is sorted.
 	entries := []policy.Entry{
-		allow(bpf.NewPolicyKey(2, 0x01000001, bpf.PolicyEgress, tcp, 443, 16)),
+		podAddrs(bpf.NewPolicyKey(2, 0x01000001, bpf.PolicyEgress, tcp, 443, 16)),
+		allow(bpf.NewPolicyKey(2, 0x01000001, bpf.PolicyEgress, tcp, 8080, 16)),
 		deny(bpf.NewPolicyKey(1, 257, bpf.PolicyEgress, tcp, 8000, 16)),
 		allow(bpf.NewPolicyKey(1, 257, bpf.PolicyEgress, tcp, 8000, 10)),
 		deny(bpf.NewPolicyKey(1, 2, bpf.PolicyEgress, udp, 53, 16)),
@@ -91,7 +98,7 @@ func TestPolicyList(t *testing.T) {
 		wantErr  string
 	}{
 		{"every endpoint", 0, listGolden, ""},
-		{"--endpoint 2", 2, "endpoint 2 cgroup 1002 enforce=egress audit\n  egress identity=16777217 TCP/443 allow\n", ""},
+		{"--endpoint 2", 2, "endpoint 2 cgroup 1002 enforce=egress audit\n  egress identity=16777217 TCP/443 allow pod-addrs\n  egress identity=16777217 TCP/8080 allow\n", ""},
 		{"--endpoint of no cgroup", 3, "endpoint 3 (no cgroup)\n  egress identity=any ANY allow\n", ""},
 		{"--endpoint without entries", 4, "endpoint 4 cgroup 1004 enforce=none\n", ""},
 		{"--endpoint unknown", 99, "", "endpoint 99 is not in the policy maps"},

@@ -54,10 +54,13 @@ type groupKey struct {
 	dir      uint8
 }
 
-// contrib is a rule's contribution to an entry: allow or deny, by a policy.
+// contrib is a rule's contribution to an entry: allow or deny, by a policy;
+// podAddrs for an allow through a peer that matches pods' addresses too
+// (tables.MatchesPodAddrs).
 type contrib struct {
-	policy string
-	deny   bool
+	policy   string
+	deny     bool
+	podAddrs bool
 }
 
 // contribCount is a contribution and how many rules make it. An entry has
@@ -73,12 +76,15 @@ type contribCount struct {
 type entryValue struct {
 	deny bool
 	// audit: a deny that only audited policies make.
-	audit    bool
+	audit bool
+	// podAddrs: an allow that matches pods' addresses too
+	// (tables.PolicyEntry.PodAddrs).
+	podAddrs bool
 	policies []string
 }
 
 func (v entryValue) equal(o entryValue) bool {
-	return v.deny == o.deny && v.audit == o.audit && slices.Equal(v.policies, o.policies)
+	return v.deny == o.deny && v.audit == o.audit && v.podAddrs == o.podAddrs && slices.Equal(v.policies, o.policies)
 }
 
 // rule is one rule of a policy as it applies to one endpoint: its ports
@@ -271,15 +277,16 @@ func (e *engine) setSelector(name string, ids []uint32) {
 	}
 	// As a peer: the rules naming it gain and lose entries. Endpoints to
 	// be recomputed in full anyway are left alone.
+	podAddrs := tables.MatchesPodAddrs(name)
 	for r := range e.peerUsers[name] {
 		if _, ok := e.dirty[r.ep]; ok {
 			continue
 		}
 		for _, id := range added {
-			r.ep.addIdentity(r, id, 1)
+			r.ep.addIdentity(r, id, 1, podAddrs)
 		}
 		for _, id := range removed {
-			r.ep.addIdentity(r, id, -1)
+			r.ep.addIdentity(r, id, -1, podAddrs)
 		}
 	}
 }
@@ -560,15 +567,16 @@ func (e *engine) recompute(ep *endpoint) {
 			ep.rules = append(ep.rules, r)
 			for _, p := range r.peers {
 				if p == tables.AnyPeer {
-					ep.addIdentity(r, 0, 1)
+					ep.addIdentity(r, 0, 1, false)
 					continue
 				}
 				if e.peerUsers[p] == nil {
 					e.peerUsers[p] = map[*rule]struct{}{}
 				}
 				e.peerUsers[p][r] = struct{}{}
+				podAddrs := tables.MatchesPodAddrs(p)
 				for id := range e.selectors[p] {
-					ep.addIdentity(r, id, 1)
+					ep.addIdentity(r, id, 1, podAddrs)
 				}
 			}
 		}
@@ -612,10 +620,12 @@ func (e *engine) allocateID(ep *endpoint) uint32 {
 }
 
 // addIdentity adds (n=1) or removes (n=-1) the contributions of rule r
-// for one remote identity.
-func (ep *endpoint) addIdentity(r *rule, id uint32, n int) {
+// for one remote identity, selected by a peer that matches pods' addresses
+// too (podAddrs) or not.
+func (ep *endpoint) addIdentity(r *rule, id uint32, n int, podAddrs bool) {
+	c := contrib{policy: r.policy, deny: r.deny, podAddrs: podAddrs && !r.deny}
 	for _, pk := range r.ports {
-		ep.add(entryKey{identity: id, dir: r.dir, port: pk}, contrib{policy: r.policy, deny: r.deny}, n)
+		ep.add(entryKey{identity: id, dir: r.dir, port: pk}, c, n)
 	}
 }
 
@@ -659,20 +669,28 @@ func (ep *endpoint) add(k entryKey, c contrib, n int) {
 // The map's longest-prefix match returns one entry, so an entry inside a
 // deny of the same group becomes a deny itself: then deny wins whatever
 // prefix matches. (A deny of identity 0 is found by the datapath's second
-// lookup.)
+// lookup.) Likewise an allow inside an allow that matches pods' addresses
+// matches them too: the datapath's lookup by address finds the longer.
 func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool, single func(policy string) []string) map[portKey]entryValue {
 	keys := ep.groups[gk]
 	if len(keys) == 0 {
 		return nil
 	}
-	var denies []portKey
+	var denies, pods []portKey
 	for _, pk := range keys {
+		deny, podAddrs := false, false
 		for _, c := range ep.contribs[entryKey{gk.identity, gk.dir, pk}] {
-			if c.deny {
-				denies = append(denies, pk)
-				break
-			}
+			deny, podAddrs = deny || c.deny, podAddrs || c.podAddrs
 		}
+		if deny {
+			denies = append(denies, pk)
+		}
+		if podAddrs {
+			pods = append(pods, pk)
+		}
+	}
+	podsCover := func(pk portKey) bool {
+		return slices.ContainsFunc(pods, func(p portKey) bool { return p.covers(pk) })
 	}
 	out := make(map[portKey]entryValue, len(keys))
 	for _, pk := range keys {
@@ -680,6 +698,7 @@ func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool
 		if cs := ep.contribs[entryKey{gk.identity, gk.dir, pk}]; len(denies) == 0 && len(cs) == 1 {
 			// The common case: one policy allows it.
 			v.policies = single(cs[0].policy)
+			v.podAddrs = len(pods) > 0 && podsCover(pk)
 			out[pk] = v
 			continue
 		}
@@ -699,6 +718,7 @@ func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool
 					v.policies = append(v.policies, c.policy)
 				}
 			}
+			v.podAddrs = podsCover(pk)
 		}
 		slices.Sort(v.policies)
 		if v.deny {
@@ -858,6 +878,6 @@ func (ep *endpoint) entry(name string, gk groupKey, pk portKey, v entryValue) *t
 	return &tables.PolicyEntry{
 		Endpoint: name, EndpointID: ep.id, Identity: gk.identity, Direction: dirName(gk.dir),
 		Protocol: pk.proto, Port: pk.port, PortBits: pk.bits, Deny: v.deny, Audit: v.audit,
-		Policies: pol, Cookie: cookie,
+		PodAddrs: v.podAddrs, Policies: pol, Cookie: cookie,
 	}
 }

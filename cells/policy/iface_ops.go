@@ -100,9 +100,9 @@ func (o *ifaceOps) load() error {
 	}
 	var progs map[string]*ebpf.Program
 	err = o.policy.Maps(func(policy, endpoints *ebpf.Map) error {
-		return o.ipcache.WithMap(func(ipc *ebpf.Map) error {
+		return o.ipcache.WithMap(func(ipc, prefixes *ebpf.Map) error {
 			progs, err = policyprog.LoadInterface(policyprog.InterfaceMaps{
-				Policy: policy, Endpoints: endpoints, Stats: stats, IPCache: ipc, Events: events,
+				Policy: policy, Endpoints: endpoints, Stats: stats, IPCache: ipc, Prefixes: prefixes, Events: events,
 				Ifaces: o.maps.ifaces, Flows: o.maps.flows, Frags: o.maps.frags, IfaceStats: o.maps.stats,
 				DNSConfig: dnsConfig,
 			})

@@ -80,7 +80,7 @@ func runNetpolCases(t *testing.T, cases []semanticsCase) {
 					m.netpolPath = path
 					m.apply(tc.cluster)
 					for _, p := range tc.probes {
-						if got := m.verdict(p.ep, p.dir, m.peerID(p.peer), p.proto, p.port); got != p.want {
+						if got := m.verdictOf(p); got != p.want {
 							t.Errorf("%s: %s, want %s (upstream's)\nentries of %s: %v", p, got, p.want, p.ep, m.out.list(p.ep))
 						}
 					}
@@ -262,9 +262,27 @@ egress: [{to: [{namespaceSelector: {matchLabels: {env: prod}}, podSelector: {mat
 	})
 }
 
-// ipBlock selects addresses outside the cluster, less its excepts; a pod's
-// address has the pod's identity, which an ipBlock does not select (as in
-// the reference).
+// withPodAddrs gives the pods of c addresses: 10.244.<n>.<n> for the n-th.
+func withPodAddrs(c cluster) cluster {
+	for i := range c.pods {
+		c.pods[i].addr = fmt.Sprintf("10.244.%d.%d", i+1, i+1)
+	}
+	return c
+}
+
+// Addresses withPodAddrs gives the pods of baseCluster.
+const (
+	addrAlphaWeb    = "10.244.1.1"
+	addrBetaClient  = "10.244.3.3"
+	addrBetaServer  = "10.244.4.4"
+	addrGammaServer = "10.244.5.5"
+)
+
+// ipBlock selects addresses, less its excepts: those outside the cluster
+// by their CIDR identities, and, unlike the reference, pods' addresses
+// inside it too, as upstream's suite expects (its "egress access to server
+// in CIDR block" tests). A CNP's CIDR rule still selects no pod, as in the
+// reference, and a deny of a pod still wins.
 func TestNetpolIPBlock(t *testing.T) {
 	runNetpolCases(t, []semanticsCase{
 		{"ipBlock with except", withCIDRs(baseCluster(netpol("beta", "p", `
@@ -275,12 +293,13 @@ egress: [{to: [{ipBlock: {cidr: 192.0.2.0/24, except: [192.0.2.128/25]}}]}]`)), 
 			out("beta/client", "cidr:192.0.2.128/25", 443, "deny"),
 			out("beta/client", "world", 443, "deny"),
 		}},
-		{"0.0.0.0/0: the world, not pods", baseCluster(netpol("beta", "p", `
+		{"0.0.0.0/0: the world and every pod, by address", withPodAddrs(baseCluster(netpol("beta", "p", `
 podSelector: {matchLabels: {app: server}}
-ingress: [{from: [{ipBlock: {cidr: 0.0.0.0/0}}]}]`)), []probe{
+ingress: [{from: [{ipBlock: {cidr: 0.0.0.0/0}}]}]`))), []probe{
 			in("beta/server", "world", 80, "allow"),
-			in("beta/server", "beta/client", 80, "deny"),
-			in("beta/server", "alpha/web", 80, "deny"),
+			in("beta/server", "beta/client", 80, "allow"),
+			in("beta/server", "alpha/web", 80, "allow"),
+			in("beta/server", "host", 80, "allow"), // --allow-localhost=always
 		}},
 		{"ipBlock or pods", withCIDRs(baseCluster(netpol("beta", "p", `
 podSelector: {matchLabels: {app: server}}
@@ -293,6 +312,80 @@ ingress:
 			in("beta/server", "beta/client", 443, "allow"),
 			in("beta/server", "beta/client", 80, "deny"),
 			in("beta/server", "world", 443, "deny"),
+		}},
+		// Upstream: "should allow egress access to server in CIDR block".
+		{"a pod's /32: that pod, no other", withPodAddrs(baseCluster(netpol("beta", "p", `
+podSelector: {matchLabels: {app: client}}
+policyTypes: [Egress]
+egress: [{to: [{ipBlock: {cidr: `+addrBetaServer+`/32}}]}]`))), []probe{
+			out("beta/client", "beta/server", 80, "allow"),
+			out("beta/client", "gamma/server", 80, "deny"),
+			out("beta/client", "alpha/web", 80, "deny"),
+			out("beta/client", "world", 80, "deny"),
+		}},
+		// Upstream: "should enforce except clause while egress access to
+		// server in CIDR block" (makeLargeCIDRForIP: a /4).
+		{"a large block less a pod's /32", withPodAddrs(baseCluster(netpol("beta", "p", `
+podSelector: {matchLabels: {app: client}}
+policyTypes: [Egress]
+egress: [{to: [{ipBlock: {cidr: 0.0.0.0/4, except: [`+addrBetaServer+`/32]}}], ports: [{port: 80}]}]`))), []probe{
+			out("beta/client", "beta/server", 80, "deny"),
+			out("beta/client", "gamma/server", 80, "allow"),
+			out("beta/client", "alpha/web", 80, "allow"),
+			out("beta/client", "alpha/web", 81, "deny"),
+		}},
+		// Upstream: "should ensure an IP overlapping both IPBlock.CIDR and
+		// IPBlock.Except is allowed": another policy allows the except.
+		{"an except another policy allows", withPodAddrs(baseCluster(netpol("beta", "p", `
+podSelector: {matchLabels: {app: client}}
+policyTypes: [Egress]
+egress: [{to: [{ipBlock: {cidr: 0.0.0.0/4, except: [`+addrBetaServer+`/32]}}]}]`), netpol("beta", "q", `
+podSelector: {matchLabels: {app: client}}
+policyTypes: [Egress]
+egress: [{to: [{ipBlock: {cidr: `+addrBetaServer+`/32}}]}]`))), []probe{
+			out("beta/client", "beta/server", 80, "allow"),
+			out("beta/client", "gamma/server", 80, "allow"),
+		}},
+		{"ingress from a block: the pods inside it", withPodAddrs(baseCluster(netpol("beta", "p", `
+podSelector: {matchLabels: {app: server}}
+ingress: [{from: [{ipBlock: {cidr: 10.244.0.0/16, except: [`+addrGammaServer+`/32]}}]}]`))), []probe{
+			in("beta/server", "beta/client", 80, "allow"),
+			in("beta/server", "alpha/web", 80, "allow"),
+			in("beta/server", "gamma/server", 80, "deny"),
+			in("beta/server", "world", 80, "deny"),
+		}},
+		{"a CNP's toCIDR selects no pod", withPodAddrs(baseCluster(cnp("beta", "c", `
+endpointSelector: {matchLabels: {app: client}}
+egress: [{toCIDR: [10.244.0.0/16]}]`))), []probe{
+			out("beta/client", "beta/server", 80, "deny"),
+			out("beta/client", "alpha/web", 80, "deny"),
+		}},
+		{"a CNP's toCIDR of the block takes nothing from the ipBlock", withPodAddrs(baseCluster(netpol("beta", "p", `
+podSelector: {matchLabels: {app: client}}
+policyTypes: [Egress]
+egress: [{to: [{ipBlock: {cidr: 10.244.0.0/16}}], ports: [{port: 80}]}]`), cnp("beta", "c", `
+endpointSelector: {matchLabels: {app: client}}
+egress: [{toCIDR: [10.244.0.0/16], toPorts: [{ports: [{port: "80", protocol: TCP}, {port: "443", protocol: TCP}]}]}]`))), []probe{
+			out("beta/client", "beta/server", 80, "allow"),
+			out("beta/client", "beta/server", 443, "deny"),
+		}},
+		{"an ipBlock allowing all ports inside a CNP's CIDR port", withPodAddrs(baseCluster(netpol("beta", "p", `
+podSelector: {matchLabels: {app: client}}
+policyTypes: [Egress]
+egress: [{to: [{ipBlock: {cidr: 10.244.0.0/16}}]}]`), cnp("beta", "c", `
+endpointSelector: {matchLabels: {app: client}}
+egress: [{toCIDR: [10.244.0.0/16], toPorts: [{ports: [{port: "80", protocol: TCP}]}]}]`))), []probe{
+			out("beta/client", "beta/server", 80, "allow"),
+			out("beta/client", "beta/server", 81, "allow"),
+		}},
+		{"a CNP deny of the pod still wins", withPodAddrs(baseCluster(netpol("beta", "p", `
+podSelector: {matchLabels: {app: client}}
+policyTypes: [Egress]
+egress: [{to: [{ipBlock: {cidr: 10.244.0.0/16}}]}]`), cnp("beta", "d", `
+endpointSelector: {matchLabels: {app: client}}
+egressDeny: [{toEndpoints: [{matchLabels: {app: server}}]}]`))), []probe{
+			out("beta/client", "beta/server", 80, "deny"),
+			out("beta/client", "alpha/web", 80, "allow"),
 		}},
 	})
 }
@@ -412,4 +505,43 @@ ingressDeny: [{fromEndpoints: [{matchLabels: {app: client}}], toPorts: [{ports: 
 			in("beta/server", "beta/web", 443, "allow"),
 		}},
 	})
+}
+
+// Upstream's "should ensure an IP overlapping both IPBlock.CIDR and
+// IPBlock.Except is allowed" as it runs: the policy allowing a /4 less a
+// pod's /32 is then updated to allow that /32 alone, on the same agent.
+func TestNetpolIPBlockUpdate(t *testing.T) {
+	block := func(to string) cluster {
+		return withPodAddrs(baseCluster(netpol("beta", "p", `
+podSelector: {matchLabels: {app: client}}
+policyTypes: [Egress]
+egress: [{to: [{ipBlock: `+to+`}]}]`)))
+	}
+	for _, path := range []string{pathK8s, pathConfigDir} {
+		t.Run(path, func(t *testing.T) {
+			m := newAgentModel(t, "")
+			m.netpolPath = path
+			for _, step := range []struct {
+				cluster cluster
+				probes  []probe
+			}{
+				{block(`{cidr: 0.0.0.0/4, except: [` + addrBetaServer + `/32]}`), []probe{
+					out("beta/client", "beta/server", 80, "deny"),
+					out("beta/client", "gamma/server", 80, "allow"),
+				}},
+				{block(`{cidr: ` + addrBetaServer + `/32}`), []probe{
+					out("beta/client", "beta/server", 80, "allow"),
+					out("beta/client", "gamma/server", 80, "deny"),
+					out("beta/client", "alpha/web", 80, "deny"),
+				}},
+			} {
+				m.apply(step.cluster)
+				for _, p := range step.probes {
+					if got := m.verdictOf(p); got != p.want {
+						t.Errorf("%s: %s, want %s (upstream's)\nentries of %s: %v", p, got, p.want, p.ep, m.out.list(p.ep))
+					}
+				}
+			}
+		})
+	}
 }

@@ -34,6 +34,10 @@ type testPod struct {
 	labels   map[string]string
 	ports    []tables.NamedPort
 	remote   bool // on another node: a peer, not an endpoint here
+	// addr is the pod's address, if the case needs one: a peer pod
+	// without an identity entry allowing it is looked up by address
+	// among the policy prefixes (see verdictOf).
+	addr string
 }
 
 func (p testPod) key() string { return p.ns + "/" + p.name }
@@ -108,8 +112,11 @@ type agentModel struct {
 	warnings  map[string][]string
 	// byGroup indexes the entries by endpoint, identity and direction.
 	byGroup map[string][]*tables.PolicyEntry
-	// cidrIDs are the identities of the cluster's cidrs.
+	// cidrIDs are the identities of the cluster's cidrs and of the
+	// prefixes the policies name: the policy-prefixes table.
 	cidrIDs map[string]uint32
+	// podAddrs are the pods' addresses, by pod key.
+	podAddrs map[string]netip.Addr
 	// netpolPath is how NetworkPolicies reach the agent: pathK8s or
 	// pathConfigDir (see decodeNetworkPolicy).
 	netpolPath string
@@ -146,7 +153,11 @@ func (m *agentModel) apply(c cluster) {
 	// Identities of the pods' label sets; unused ones stay (harmless).
 	live := map[uint32]bool{1: true, 2: true, 4: true}
 	m.podIDs = map[string]uint32{}
+	m.podAddrs = map[string]netip.Addr{}
 	for _, p := range c.pods {
+		if p.addr != "" {
+			m.podAddrs[p.key()] = netip.MustParseAddr(p.addr)
+		}
 		var nsLabels map[string]string
 		if labels, ok := c.namespaces[p.ns]; ok {
 			nsLabels = endpoints.NamespaceLabels(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: p.ns, Labels: labels}})
@@ -156,10 +167,13 @@ func (m *agentModel) apply(c cluster) {
 		m.podIDs[p.key()] = m.identity(l)
 	}
 	m.cidrIDs = map[string]uint32{}
-	for _, c := range c.cidrs {
+	addCIDR := func(c string) {
 		l := tables.NewLabels(tables.CIDRLabel(netip.MustParsePrefix(c)), tables.LabelWorld)
 		m.cidrIDs[c] = m.identity(l)
 		live[m.cidrIDs[c]] = true
+	}
+	for _, c := range c.cidrs {
+		addCIDR(c)
 	}
 	// Policies, then the selectors they name.
 	sels := map[string]selectors.Selector{}
@@ -173,6 +187,17 @@ func (m *agentModel) apply(c cluster) {
 		}
 		m.eng.setPolicy(name, parsed.Specs, parsed.Audit, "")
 		maps.Copy(sels, parsed.Selectors)
+		// The prefixes a policy names get CIDR identities, as the
+		// selectors cell has the ipcache give them.
+		for _, s := range parsed.Selectors {
+			if cs, ok := s.(*selectors.CIDRSelector); ok {
+				for _, p := range cs.Prefixes() {
+					if _, ok := m.cidrIDs[p.String()]; !ok {
+						addCIDR(p.String())
+					}
+				}
+			}
+		}
 	}
 	for name := range m.policies {
 		if !seen[name] {
@@ -264,50 +289,86 @@ func (m *agentModel) peerID(peer string) uint32 {
 	return id
 }
 
+// verdictOf is the verdict of a probe as the datapath gives it: by the
+// peer's identity (verdict), and for a pod peer with an address that no
+// entry decides for (default deny), by its address: the entry of the
+// longest policy prefix holding it, if an allow that matches pods'
+// addresses (tables.PolicyEntry.PodAddrs).
+func (m *agentModel) verdictOf(p probe) string {
+	id := m.peerID(p.peer)
+	v, byEntry := m.judge(p.ep, p.dir, id, p.proto, p.port)
+	addr, ok := m.podAddrs[p.peer]
+	if v == "allow" || byEntry || !ok {
+		return v
+	}
+	var longest netip.Prefix
+	for c := range m.cidrIDs {
+		if pfx := netip.MustParsePrefix(c); pfx.Contains(addr) && (!longest.IsValid() || pfx.Bits() > longest.Bits()) {
+			longest = pfx
+		}
+	}
+	if !longest.IsValid() {
+		return v
+	}
+	if e := m.lookup(p.ep, p.dir, m.cidrIDs[longest.String()], p.proto, p.port); e != nil && !e.Deny && e.PodAddrs {
+		return "allow"
+	}
+	return v
+}
+
 // verdict looks up a connection as the datapath does: an endpoint not
 // enforced in the direction allows; otherwise the longest entry of the
 // peer's identity and the longest of identity 0, a deny in either wins,
 // else an entry in either allows, else default deny.
 func (m *agentModel) verdict(ep, dir string, peer uint32, proto uint8, port uint16) string {
+	v, _ := m.judge(ep, dir, peer, proto, port)
+	return v
+}
+
+// judge is verdict, and whether an entry decided (not the default deny).
+func (m *agentModel) judge(ep, dir string, peer uint32, proto uint8, port uint16) (string, bool) {
 	row := m.out.endpoints[ep]
 	if row == nil {
 		m.t.Fatalf("no endpoint-policy row for %s", ep)
 	}
 	if state := row.Ingress; (dir == tables.DirEgress && row.Egress == tables.EnforceOff) || (dir == tables.DirIngress && state == tables.EnforceOff) {
-		return "allow"
+		return "allow", false
 	}
-	lookup := func(id uint32) *tables.PolicyEntry {
-		var best *tables.PolicyEntry
-		bestLen := -1
-		for _, e := range m.byGroup[groupOf(ep, id, dir)] {
-			l := 0
-			if e.Protocol != 0 {
-				if e.Protocol != proto {
-					continue
-				}
-				mask := ^uint16(0) << (16 - uint(e.PortBits))
-				if e.PortBits == 0 {
-					mask = 0
-				}
-				if port&mask != e.Port&mask {
-					continue
-				}
-				l = 8 + int(e.PortBits)
-			}
-			if l > bestLen {
-				best, bestLen = e, l
-			}
-		}
-		return best
-	}
-	exact, wild := lookup(peer), lookup(0)
+	exact, wild := m.lookup(ep, dir, peer, proto, port), m.lookup(ep, dir, 0, proto, port)
 	switch {
 	case (exact != nil && exact.Deny) || (wild != nil && wild.Deny):
-		return "deny"
+		return "deny", true
 	case exact != nil || wild != nil:
-		return "allow"
+		return "allow", true
 	}
-	return "deny"
+	return "deny", false
+}
+
+// lookup returns the entry of ep for identity id that the datapath's
+// longest-prefix match finds, or nil.
+func (m *agentModel) lookup(ep, dir string, id uint32, proto uint8, port uint16) *tables.PolicyEntry {
+	var best *tables.PolicyEntry
+	bestLen := -1
+	for _, e := range m.byGroup[groupOf(ep, id, dir)] {
+		l := 0
+		if e.Protocol != 0 {
+			if e.Protocol != proto {
+				continue
+			}
+			mask := ^uint16(0) << (16 - uint(e.PortBits))
+			if e.PortBits == 0 {
+				mask = 0
+			}
+			if port&mask != e.Port&mask {
+				continue
+			}
+			l = 8 + int(e.PortBits)
+		}
+		if l > bestLen {
+			best, bestLen = e, l
+		}
+	}
+	return best
 }
 
 // probe is a connection whose verdict a case asserts.
@@ -381,7 +442,7 @@ func runCases(t *testing.T, cases []struct {
 			m := newAgentModel(t, tc.cluster.localhost)
 			m.apply(tc.cluster)
 			for _, p := range tc.probes {
-				if got := m.verdict(p.ep, p.dir, m.peerID(p.peer), p.proto, p.port); got != p.want {
+				if got := m.verdictOf(p); got != p.want {
 					t.Errorf("%s: %s, want %s (the reference's)\nentries of %s: %v", p, got, p.want, p.ep, m.out.list(p.ep))
 				}
 			}

@@ -51,9 +51,10 @@ func ParseNetworkPolicy(np *networkingv1.NetworkPolicy) (Parsed, error) {
 //     without ports to every port;
 //   - a peer is a podSelector (pods of the policy's namespace), a
 //     namespaceSelector (pods of the namespaces it selects), both (pods the
-//     podSelector selects in those namespaces), or an ipBlock (addresses
-//     outside the cluster: a pod's address has the pod's identity, which no
-//     CIDR selects);
+//     podSelector selects in those namespaces), or an ipBlock (addresses,
+//     pods' too: its selector is a CIDR selector whose allow entries the
+//     datapath also applies to the pods whose addresses are inside it, see
+//     tables.MatchesPodAddrs);
 //   - a port's protocol defaults to TCP; a named port is the destination
 //     pod's container port.
 //
@@ -222,6 +223,7 @@ func parseIPBlock(b *networkingv1.IPBlock) (*CIDRSelector, error) {
 	if err != nil {
 		return nil, err
 	}
+	sel.ipBlock()
 	for i, e := range b.Except {
 		ep, err := netip.ParsePrefix(e)
 		if err != nil {

@@ -151,3 +151,49 @@ egress:
 		t.Errorf("specs:\n%s\nwant:\n%s", got, want)
 	}
 }
+
+// An ipBlock's peer is a selector of its own, which the entries of its
+// rules mark as matching pods' addresses (tables.MatchesPodAddrs), where a
+// CNP's toCIDR of the same prefixes is not: both select the same CIDR
+// identities, and neither a pod's.
+func TestNetworkPolicyIPBlockPeer(t *testing.T) {
+	np := decodeNetpol(t, `
+podSelector: {}
+egress: [{to: [{ipBlock: {cidr: 10.0.0.0/8, except: [10.1.0.0/16, 10.0.0.0/16]}}]}]`)
+	p := parseNetworkPolicy("netpol/default/p", np)
+	if p.err != nil {
+		t.Fatal(p.err)
+	}
+	if len(p.peers) != 1 {
+		t.Fatalf("peers %v, want the ipBlock's", p.peers)
+	}
+	block := p.peers[0]
+	cidr, err := ParseCIDR("10.0.0.0/8", []string{"10.1.0.0/16", "10.0.0.0/16"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := block.String(), "ipblock:10.0.0.0/8 except 10.0.0.0/16 except 10.1.0.0/16"; got != want {
+		t.Errorf("ipBlock selector %q, want %q", got, want)
+	}
+	if !tables.MatchesPodAddrs(block.String()) || tables.MatchesPodAddrs(cidr.String()) {
+		t.Errorf("MatchesPodAddrs: ipBlock %v, toCIDR %v; want true, false",
+			tables.MatchesPodAddrs(block.String()), tables.MatchesPodAddrs(cidr.String()))
+	}
+	if got := p.specs[0].Rules[0].Peers; len(got) != 1 || got[0] != block.String() {
+		t.Errorf("rule peers %v, want [%s]", got, block)
+	}
+	for _, tc := range []struct {
+		labels tables.Labels
+		want   bool
+	}{
+		{tables.NewLabels("cidr:10.0.0.0/8", tables.LabelWorld), true},
+		{tables.NewLabels("cidr:10.2.0.0/16", tables.LabelWorld), true},
+		{tables.NewLabels("cidr:10.1.2.0/24", tables.LabelWorld), false},
+		{tables.NewLabels("cidr:10.0.0.5/32", tables.LabelWorld), false},
+		{tables.NewLabels("k8s:app=web", "k8s:io.kubernetes.pod.namespace=default"), false},
+	} {
+		if got := block.Matches(tc.labels); got != tc.want || cidr.Matches(tc.labels) != got {
+			t.Errorf("%v: ipBlock selects %v, toCIDR %v; want both %v", tc.labels, got, cidr.Matches(tc.labels), tc.want)
+		}
+	}
+}

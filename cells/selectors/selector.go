@@ -322,6 +322,17 @@ func ParseCIDR(cidr string, except []string) (*CIDRSelector, error) {
 	return s, nil
 }
 
+// ipBlock makes s a NetworkPolicy ipBlock's selector: the same
+// identities, under its own text (tables.IPBlockPeerPrefix), so that the
+// entries of its rules match pods' addresses inside it and those of a CNP
+// CIDR rule of the same prefixes do not.
+func (s *CIDRSelector) ipBlock() {
+	s.text = tables.IPBlockPeerPrefix + s.Prefix.String()
+	for _, e := range s.Except {
+		s.text += " except " + e.String()
+	}
+}
+
 // parsePrefix parses a CIDR or a bare address (a host prefix).
 func parsePrefix(s string) (netip.Prefix, error) {
 	if p, err := netip.ParsePrefix(s); err == nil {

@@ -210,3 +210,50 @@ func TestIPCacheDriftRepaired(t *testing.T) {
 		t.Errorf("the failed prune says %q, want the map reported as drifting", msg)
 	}
 }
+
+// TestPolicyPrefixesDriftRepaired: the prefixes a NetworkPolicy's ipBlock
+// names are in the policy_prefixes map (`apiary bpf policy-prefixes list`),
+// and a prefix deleted, one given another identity and a stray one added
+// behind the agent's back are put back by the resync, as for the ipcache.
+func TestPolicyPrefixesDriftRepaired(t *testing.T) {
+	t.Parallel()
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "np.yaml"), `apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: block, namespace: default}
+spec:
+  podSelector: {}
+  policyTypes: [Egress]
+  egress: [{to: [{ipBlock: {cidr: 198.51.100.0/24, except: [198.51.100.128/25]}}]}]
+`)
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{"--node-ips=192.0.2.1", "--bpf-map-resync-interval=1s"}})
+	var want map[string]uint32
+	testenv.Eventually(t, waitTimeout, "the ipBlock's prefixes in the policy_prefixes map", func() (bool, string) {
+		var err error
+		want, err = a.prefixMap("policy-prefixes")
+		if err != nil {
+			return false, err.Error()
+		}
+		return len(want) == 2 && want["198.51.100.0/24"] != 0 && want["198.51.100.128/25"] != 0, fmt.Sprint(want)
+	})
+
+	m := a.openPinned(t, bpf.PolicyPrefixesMap)
+	key := func(s string) bpf.IPCacheKey { return bpf.NewIPCacheKey(netip.MustParsePrefix(s)) }
+	for _, err := range []error{
+		m.Delete(key("198.51.100.0/24")),
+		m.Put(key("198.51.100.128/25"), bpf.IPCacheValue{Identity: want["198.51.100.128/25"] + 1000}),
+		m.Put(key("10.0.0.0/8"), bpf.IPCacheValue{Identity: 2}),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	a.waitDriftRepaired(t, bpf.PolicyPrefixesMap, 1, "missing", "changed", "stray")
+	got, err := a.prefixMap("policy-prefixes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !maps.Equal(got, want) {
+		t.Fatalf("after the repair the policy_prefixes map holds %v, want %v", got, want)
+	}
+}

@@ -470,7 +470,13 @@ func (a *agent) showJSON(table string, rows any) error {
 
 // ipcacheMap returns `apiary bpf ipcache list` as prefix → identity.
 func (a *agent) ipcacheMap() (map[string]uint32, error) {
-	out, err := a.bpf("ipcache", "list")
+	return a.prefixMap("ipcache")
+}
+
+// prefixMap is ipcacheMap for `apiary bpf <cmd> list`: ipcache or
+// policy-prefixes.
+func (a *agent) prefixMap(cmd string) (map[string]uint32, error) {
+	out, err := a.bpf(cmd, "list")
 	if err != nil {
 		return nil, err
 	}
@@ -478,11 +484,11 @@ func (a *agent) ipcacheMap() (map[string]uint32, error) {
 	for line := range strings.Lines(out) {
 		f := strings.Fields(line)
 		if len(f) < 2 || !strings.HasPrefix(f[1], "identity=") {
-			return nil, fmt.Errorf("apiary bpf ipcache list: unexpected line %q", line)
+			return nil, fmt.Errorf("apiary bpf %s list: unexpected line %q", cmd, line)
 		}
 		id, err := strconv.ParseUint(strings.TrimPrefix(f[1], "identity="), 10, 32)
 		if err != nil {
-			return nil, fmt.Errorf("apiary bpf ipcache list: %q: %w", line, err)
+			return nil, fmt.Errorf("apiary bpf %s list: %q: %w", cmd, line, err)
 		}
 		ids[f[0]] = uint32(id)
 	}
