@@ -436,7 +436,7 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 	want := map[bpf.PolicyKey]struct{}{}
 	var keys []bpf.PolicyKey
 	var values []bpf.PolicyValue
-	for entry := range o.Entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
+	for entry := range tables.PolicyEntriesOf(txn, o.Entries, e.Name) {
 		if entry.EndpointID != e.ID {
 			continue // written with the row that replaces this one
 		}
@@ -639,7 +639,7 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		if e.CgroupID != 0 {
 			wantCgroups[e.CgroupID] = struct{}{}
 		}
-		for entry := range o.Entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
+		for entry := range tables.PolicyEntriesOf(txn, o.Entries, e.Name) {
 			if entry.EndpointID == e.ID {
 				k, _ := PolicyKeyOf(entry)
 				wantEntries[k] = struct{}{}
