@@ -40,10 +40,11 @@ type ifaceDiscovery struct {
 	finder     ifaceFinder
 
 	// found is what Find returned for each endpoint, by name, when it
-	// found a veth or the host's namespace: a rescan for a change of other
-	// endpoints does not look again at those whose rows are unchanged
-	// (each pod's processes and namespace, for a label change of one of
-	// them). A full rescan does.
+	// found a veth, the host's namespace or no process yet: a rescan for a
+	// change of other endpoints does not look again at those whose rows
+	// are unchanged (each pod's processes and namespace, for a label
+	// change of one of them). A full rescan does, as a pod's veth comes
+	// with a link event. Other errors are retried at every scan.
 	found map[string]ifaceFound
 }
 
@@ -52,6 +53,7 @@ type ifaceFound struct {
 	revision statedb.Revision
 	veth     podnet.HostVeth
 	hostNet  bool
+	err      string // ErrNoProcess's
 }
 
 // run rescans when the endpoints change, when a host interface comes or
@@ -141,6 +143,8 @@ func (d *ifaceDiscovery) scan(full bool) (found, missing int) {
 			switch {
 			case errors.Is(err, podnet.ErrHostNetwork):
 				f = ifaceFound{revision: rev, hostNet: true}
+			case errors.Is(err, podnet.ErrNoProcess):
+				f = ifaceFound{revision: rev, err: err.Error()}
 			case err != nil:
 				delete(d.found, ep.Name)
 				row.Error = err.Error()
@@ -152,8 +156,14 @@ func (d *ifaceDiscovery) scan(full bool) (found, missing int) {
 			}
 			d.found[ep.Name] = f
 		}
-		if f.hostNet {
+		switch {
+		case f.hostNet:
 			// The host's: the socket hooks are all there is.
+			continue
+		case f.err != "":
+			row.Error = f.err
+			missing++
+			want[row.Name] = row
 			continue
 		}
 		row.Interface, row.Ifindex, row.Netns = f.veth.Name, f.veth.Ifindex, f.veth.Netns
