@@ -141,10 +141,19 @@ func PolicyEntriesOf(txn statedb.ReadTxn, t statedb.Table[*PolicyEntry], endpoin
 	return t.Prefix(txn, PolicyEntryKeyIndex.Query(endpoint+"|"))
 }
 
-// PolicyEntryIdentityIndex finds the entries of a remote identity.
+// PolicyEntryIdentityIndex finds the entries of a node-local remote
+// identity (ScopeLocal: CIDR and FQDN label sets), for the DNS proxy's
+// gate. The entries of other identities are not in it: pod identities
+// are the bulk of a node's entries (each one a peer selects, on every
+// endpoint it applies to), and an index costs every row written.
 var PolicyEntryIdentityIndex = statedb.Index[*PolicyEntry, uint32]{
-	Name:       "identity",
-	FromObject: func(e *PolicyEntry) index.KeySet { return index.NewKeySet(index.Uint32(e.Identity)) },
+	Name: "identity",
+	FromObject: func(e *PolicyEntry) index.KeySet {
+		if e.Identity < MinLocalIdentity || e.Identity > MaxLocalIdentity {
+			return index.KeySet{}
+		}
+		return index.NewKeySet(index.Uint32(e.Identity))
+	},
 	FromKey:    index.Uint32,
 	FromString: index.Uint32String,
 	Unique:     false,

@@ -55,3 +55,42 @@ func TestPolicyEntriesOf(t *testing.T) {
 		t.Fatalf("entries of ns/pod: %q, want %q", got, want)
 	}
 }
+
+// TestPolicyEntryIdentityIndex: the entries of node-local identities are
+// found by identity; those of pod and reserved identities are not indexed.
+func TestPolicyEntryIdentityIndex(t *testing.T) {
+	db := statedb.New()
+	tbl, err := NewPolicyEntriesTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := []uint32{2, 300, MinLocalIdentity, MaxLocalIdentity, MaxLocalIdentity + 1}
+	wtxn := db.WriteTxn(tbl)
+	for _, id := range ids {
+		for _, ep := range []string{"ns/a", "ns/b"} {
+			if _, _, err := tbl.Insert(wtxn, &PolicyEntry{Endpoint: ep, Identity: id, Direction: DirEgress}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	txn := wtxn.Commit()
+	for _, id := range ids {
+		want := 0
+		if id >= MinLocalIdentity && id <= MaxLocalIdentity {
+			want = 2
+		}
+		got := 0
+		for e := range tbl.List(txn, PolicyEntryIdentityIndex.Query(id)) {
+			if e.Identity != id {
+				t.Errorf("identity %d: found an entry of %d", id, e.Identity)
+			}
+			got++
+		}
+		if got != want {
+			t.Errorf("identity %d: %d entries by index, want %d", id, got, want)
+		}
+	}
+	if n := tbl.NumObjects(txn); n != 2*len(ids) {
+		t.Errorf("%d rows, want %d", n, 2*len(ids))
+	}
+}
