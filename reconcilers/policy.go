@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"iter"
 	"log/slog"
+	"maps"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -259,6 +261,90 @@ func (p *Policy) putEntryLocked(k bpf.PolicyKey, v bpf.PolicyValue) error {
 	return nil
 }
 
+// batchSize bounds the entries of one batch syscall: the gain per entry
+// is small beyond about a thousand (docs/benchmarks.md), and the kernel
+// copies the whole batch in.
+const batchSize = 4096
+
+// putEntriesLocked writes entries that differ from the copy, in batches
+// (one syscall each instead of one per entry). An entry a batch could not
+// write, and those after it, are written one by one, so that an error
+// names its entry and a full map is reported as such; at most three
+// errors are collected.
+func (p *Policy) putEntriesLocked(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
+	if len(keys) == 0 {
+		return nil
+	}
+	if p.policy == nil {
+		return errors.New("policy map not open")
+	}
+	for len(keys) > 0 {
+		n := min(len(keys), batchSize)
+		done, err := p.policy.BatchUpdate(keys[:n], values[:n], nil)
+		done = max(0, min(done, n))
+		if err != nil && done == n {
+			done = 0 // a count not to be trusted: write them one by one
+		}
+		for i := range done {
+			p.entries[keys[i]] = values[i]
+			addKey(p.byID, keys[i])
+		}
+		p.writes.Add(uint64(done))
+		keys, values = keys[done:], values[done:]
+		if err != nil {
+			return p.putEachLocked(keys, values)
+		}
+	}
+	return nil
+}
+
+// putEachLocked writes entries one by one, collecting up to three errors.
+func (p *Policy) putEachLocked(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
+	var errs []error
+	for i, k := range keys {
+		if err := p.putEntryLocked(k, values[i]); err != nil {
+			errs = append(errs, err)
+			if len(errs) == 3 {
+				break
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// deleteEntriesLocked deletes entries in batches; a batch that fails
+// (an entry already gone from the map, say) is finished one by one.
+func (p *Policy) deleteEntriesLocked(keys []bpf.PolicyKey) error {
+	if len(keys) == 0 {
+		return nil
+	}
+	if p.policy == nil {
+		return errors.New("policy map not open")
+	}
+	for len(keys) > 0 {
+		n := min(len(keys), batchSize)
+		done, err := p.policy.BatchDelete(keys[:n], nil)
+		done = max(0, min(done, n))
+		if err != nil && done == n {
+			done = 0
+		}
+		for _, k := range keys[:done] {
+			p.forgetEntryLocked(k)
+		}
+		p.deletes.Add(uint64(done))
+		keys = keys[done:]
+		if err != nil {
+			for _, k := range keys {
+				if err := p.deleteEntryLocked(k); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+	}
+	return nil
+}
+
 func addKey(byID map[uint32]map[bpf.PolicyKey]struct{}, k bpf.PolicyKey) {
 	if byID[k.EndpointID] == nil {
 		byID[k.EndpointID] = map[bpf.PolicyKey]struct{}{}
@@ -277,6 +363,12 @@ func (p *Policy) deleteEntryLocked(k bpf.PolicyKey) error {
 		return fmt.Errorf("delete policy entry %s: %w", k, err)
 	}
 	p.deletes.Add(1)
+	p.forgetEntryLocked(k)
+	return nil
+}
+
+// forgetEntryLocked removes a deleted entry from the copy.
+func (p *Policy) forgetEntryLocked(k bpf.PolicyKey) {
 	delete(p.entries, k)
 	if keys := p.byID[k.EndpointID]; keys != nil {
 		delete(keys, k)
@@ -284,7 +376,6 @@ func (p *Policy) deleteEntryLocked(k bpf.PolicyKey) error {
 			delete(p.byID, k.EndpointID)
 		}
 	}
-	return nil
 }
 
 // PolicyOps are the operations of the endpoint-policy table's reconciler,
@@ -346,21 +437,19 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 
 	// 1. Every entry of the endpoint first.
 	want := map[bpf.PolicyKey]struct{}{}
-	var errs []error
-	for entry := range o.Entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
+	var keys []bpf.PolicyKey
+	var values []bpf.PolicyValue
+	for entry := range tables.PolicyEntriesOf(txn, o.Entries, e.Name) {
 		if entry.EndpointID != e.ID {
 			continue // written with the row that replaces this one
 		}
 		k, v := PolicyKeyOf(entry)
 		want[k] = struct{}{}
-		if err := o.putEntryLocked(k, v); err != nil {
-			errs = append(errs, err)
-			if len(errs) == 3 {
-				break
-			}
+		if old, ok := o.entries[k]; !ok || old != v {
+			keys, values = append(keys, k), append(values, v)
 		}
 	}
-	if err := errors.Join(errs...); err != nil {
+	if err := o.putEntriesLocked(keys, values); err != nil {
 		return fmt.Errorf("endpoint %s not enforced until its policy is in the map: %w", e.Name, err)
 	}
 	o.applied[e.Name] = appliedEndpoint{id: e.ID, cgroup: e.CgroupID}
@@ -394,12 +483,14 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 	}
 
 	// 3. The entries it no longer has.
+	var stale []bpf.PolicyKey
 	for k := range o.byID[e.ID] {
 		if _, ok := want[k]; !ok {
-			if err := o.deleteEntryLocked(k); err != nil {
-				return err
-			}
+			stale = append(stale, k)
 		}
+	}
+	if err := o.deleteEntriesLocked(stale); err != nil {
+		return err
 	}
 	if hadPrev && prev.id != e.ID {
 		if err := o.deleteEndpointEntriesLocked(prev.id, e.Name); err != nil {
@@ -475,10 +566,8 @@ func (p *Policy) deleteEndpointEntriesLocked(id uint32, name string) error {
 	if owner, ok := p.idOwner[id]; ok && owner != name {
 		return nil
 	}
-	for k := range p.byID[id] {
-		if err := p.deleteEntryLocked(k); err != nil {
-			return err
-		}
+	if err := p.deleteEntriesLocked(slices.Collect(maps.Keys(p.byID[id]))); err != nil {
+		return err
 	}
 	delete(p.idOwner, id)
 	return nil
@@ -553,7 +642,7 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		if e.CgroupID != 0 {
 			wantCgroups[e.CgroupID] = struct{}{}
 		}
-		for entry := range o.Entries.List(txn, tables.PolicyEntryEndpointIndex.Query(e.Name)) {
+		for entry := range tables.PolicyEntriesOf(txn, o.Entries, e.Name) {
 			if entry.EndpointID == e.ID {
 				k, _ := PolicyKeyOf(entry)
 				wantEntries[k] = struct{}{}

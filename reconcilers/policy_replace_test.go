@@ -145,7 +145,7 @@ func (ph *policyHive) diff(t *testing.T) string {
 		if row.CgroupID != 0 {
 			wantCgroups[row.CgroupID] = reconcilers.EndpointValue(row)
 		}
-		for e := range ph.entries.List(txn, tables.PolicyEntryEndpointIndex.Query(row.Name)) {
+		for e := range tables.PolicyEntriesOf(txn, ph.entries, row.Name) {
 			k, v := reconcilers.PolicyKeyOf(e)
 			wantEntries[k] = v
 		}

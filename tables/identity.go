@@ -26,6 +26,12 @@ const (
 	ScopeLocal IdentityScope = "local"
 )
 
+// MinLocalIdentity and MaxLocalIdentity bound ScopeLocal's numbers.
+const (
+	MinLocalIdentity uint32 = 0x01000001
+	MaxLocalIdentity uint32 = 0x0100FFFF
+)
+
 // Identity is a security identity: a number standing for one set of labels.
 // Each distinct label set has at most one identity.
 type Identity struct {

@@ -1,7 +1,7 @@
 package tables
 
 import (
-	"fmt"
+	"iter"
 	"strconv"
 	"strings"
 
@@ -65,24 +65,44 @@ func (e *PolicyEntry) Key() string {
 
 // PolicyEntryKey is the primary key of a policy entry.
 func PolicyEntryKey(endpoint string, identity uint32, dir string, proto uint8, port uint16, bits uint8) string {
-	return endpoint + "|" + formatUint(identity) + "|" + dir + "|" + PortPrefixString(proto, port, bits)
+	// Built in one buffer: a node's entries are written by the hundred
+	// thousand (docs/benchmarks.md).
+	var num [24]byte
+	var b strings.Builder
+	b.Grow(len(endpoint) + len(dir) + 32)
+	b.WriteString(endpoint)
+	b.WriteByte('|')
+	b.Write(strconv.AppendUint(num[:0], uint64(identity), 10))
+	b.WriteByte('|')
+	b.WriteString(dir)
+	b.WriteByte('|')
+	b.Write(appendPortPrefix(num[:0], proto, port, bits))
+	return b.String()
 }
 
 // PortPrefixString formats a protocol and port prefix: "ANY", "TCP",
 // "TCP/80" or the range a partial prefix covers, "TCP/80-95".
 func PortPrefixString(proto uint8, port uint16, bits uint8) string {
+	var buf [24]byte
+	return string(appendPortPrefix(buf[:0], proto, port, bits))
+}
+
+func appendPortPrefix(b []byte, proto uint8, port uint16, bits uint8) []byte {
 	if proto == 0 {
-		return "ANY"
+		return append(b, "ANY"...)
 	}
-	name := Proto(proto).String()
-	switch {
-	case bits == 0:
-		return name
-	case bits >= 16:
-		return fmt.Sprintf("%s/%d", name, port)
+	b = append(b, Proto(proto).String()...)
+	if bits == 0 {
+		return b
+	}
+	b = append(b, '/')
+	b = strconv.AppendUint(b, uint64(port), 10)
+	if bits >= 16 {
+		return b
 	}
 	last := port | (^uint16(0) >> bits)
-	return fmt.Sprintf("%s/%d-%d", name, port, last)
+	b = append(b, '-')
+	return strconv.AppendUint(b, uint64(last), 10)
 }
 
 // TableHeader implements statedb.TableWritable.
@@ -120,19 +140,28 @@ var PolicyEntryKeyIndex = statedb.Index[*PolicyEntry, string]{
 	Unique:     true,
 }
 
-// PolicyEntryEndpointIndex finds the entries of an endpoint.
-var PolicyEntryEndpointIndex = statedb.Index[*PolicyEntry, string]{
-	Name:       "endpoint",
-	FromObject: func(e *PolicyEntry) index.KeySet { return index.NewKeySet(index.String(e.Endpoint)) },
-	FromKey:    index.String,
-	FromString: index.FromString,
-	Unique:     false,
+// PolicyEntriesOf returns the entries of an endpoint, in key order: a
+// prefix of the primary index, whose keys begin with the endpoint's name
+// and a separator no name has. (An index of its own would cost every
+// write a third tree, and a node writes its entries by the hundred
+// thousand.)
+func PolicyEntriesOf(txn statedb.ReadTxn, t statedb.Table[*PolicyEntry], endpoint string) iter.Seq2[*PolicyEntry, statedb.Revision] {
+	return t.Prefix(txn, PolicyEntryKeyIndex.Query(endpoint+"|"))
 }
 
-// PolicyEntryIdentityIndex finds the entries of a remote identity.
+// PolicyEntryIdentityIndex finds the entries of a node-local remote
+// identity (ScopeLocal: CIDR and FQDN label sets), for the DNS proxy's
+// gate. The entries of other identities are not in it: pod identities
+// are the bulk of a node's entries (each one a peer selects, on every
+// endpoint it applies to), and an index costs every row written.
 var PolicyEntryIdentityIndex = statedb.Index[*PolicyEntry, uint32]{
-	Name:       "identity",
-	FromObject: func(e *PolicyEntry) index.KeySet { return index.NewKeySet(index.Uint32(e.Identity)) },
+	Name: "identity",
+	FromObject: func(e *PolicyEntry) index.KeySet {
+		if e.Identity < MinLocalIdentity || e.Identity > MaxLocalIdentity {
+			return index.KeySet{}
+		}
+		return index.NewKeySet(index.Uint32(e.Identity))
+	},
 	FromKey:    index.Uint32,
 	FromString: index.Uint32String,
 	Unique:     false,
@@ -140,7 +169,7 @@ var PolicyEntryIdentityIndex = statedb.Index[*PolicyEntry, uint32]{
 
 // NewPolicyEntriesTable registers the policy-entries table with db.
 func NewPolicyEntriesTable(db *statedb.DB) (statedb.RWTable[*PolicyEntry], error) {
-	return statedb.NewTable(db, PolicyEntriesTableName, PolicyEntryKeyIndex, PolicyEntryEndpointIndex, PolicyEntryIdentityIndex)
+	return statedb.NewTable(db, PolicyEntriesTableName, PolicyEntryKeyIndex, PolicyEntryIdentityIndex)
 }
 
 // Enforcement states of a direction of an endpoint.

@@ -16,8 +16,8 @@ const (
 	MaxCluster uint32 = 65535
 	// MinLocal and MaxLocal bound the node-local identities of CIDR and
 	// FQDN label sets.
-	MinLocal uint32 = 0x01000001
-	MaxLocal uint32 = 0x0100FFFF
+	MinLocal = tables.MinLocalIdentity
+	MaxLocal = tables.MaxLocalIdentity
 	// MinTemporary and MaxTemporary bound the temporary identities the
 	// operator mode gives a workload label set on this node until the
 	// operator's Identity for it appears.

@@ -324,6 +324,29 @@ func (a *policyAgent) mapEntries(b *testing.B) int {
 	return 0
 }
 
+// seconds is the value of one of the agent's counters of seconds, as a
+// duration.
+func (a *policyAgent) seconds(b *testing.B, name string) time.Duration {
+	b.Helper()
+	families, err := a.registry.Gather()
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == name {
+			return time.Duration(f.GetMetric()[0].GetCounter().GetValue() * float64(time.Second))
+		}
+	}
+	b.Fatalf("no %s", name)
+	return 0
+}
+
+// engineTimes are the time the agent spent computing entries and writing
+// them into the tables so far.
+func (a *policyAgent) engineTimes(b *testing.B) (compute, write time.Duration) {
+	return a.seconds(b, "apiary_policy_compute_seconds_total"), a.seconds(b, "apiary_policy_table_write_seconds_total")
+}
+
 // cpuTime is the CPU time the process has used, user and system.
 func cpuTime() time.Duration {
 	var ru syscall.Rusage

@@ -232,13 +232,20 @@ type controllerParams struct {
 	Progress       *progress
 	Opened         mapsOpened
 	Warnings       *selectors.PolicyWarnings
+	Registry       prometheus.Registerer
 }
 
-func registerController(p controllerParams) {
+func registerController(p controllerParams) error {
 	c := newController(p)
+	for _, m := range []prometheus.Collector{c.computeSeconds, c.writeSeconds} {
+		if err := p.Registry.Register(m); err != nil {
+			return err
+		}
+	}
 	c.Jobs.Add(job.OneShot("compute", c.run))
 	// Jobs, the reconcilers among them, stop before this.
 	c.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { return c.Ops.Close() }})
+	return nil
 }
 
 // newGate returns the DNS proxy's gate on the policy map.

@@ -12,7 +12,9 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
+	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -22,6 +24,10 @@ type controller struct {
 	controllerParams
 
 	markEntries, markEndpoints func(statedb.WriteTxn)
+	// computeSeconds is the time spent computing entries (the engine),
+	// writeSeconds the time spent writing them and the endpoints' rows
+	// into the tables: where a change's time goes before the map.
+	computeSeconds, writeSeconds prometheus.Counter
 }
 
 // mapsOpened is closed once the controller has opened the maps (the
@@ -36,6 +42,14 @@ func newController(p controllerParams) *controller {
 		controllerParams: p,
 		markEntries:      p.Entries.RegisterInitializer(wtxn, "policy-computed"),
 		markEndpoints:    p.EndpointPolicy.RegisterInitializer(wtxn, "policy-computed"),
+		computeSeconds: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: metrics.Namespace, Subsystem: "policy", Name: "compute_seconds_total",
+			Help: "Time spent computing the endpoints' policy entries from the policies, selectors and endpoints (table writes not included)",
+		}),
+		writeSeconds: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: metrics.Namespace, Subsystem: "policy", Name: "table_write_seconds_total",
+			Help: "Time spent writing the computed entries and endpoints' rows into the policy-entries and endpoint-policy tables",
+		}),
 	}
 	wtxn.Commit()
 	return c
@@ -133,9 +147,13 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 			if err := trees.sync(); err != nil {
 				return fmt.Errorf("write pod tree rows: %w", err)
 			}
+			t0 := time.Now()
 			w := &writer{c: c}
 			eng.flush(w)
-			if err := w.commit(); err != nil {
+			err := w.commit()
+			c.computeSeconds.Add((time.Since(t0) - w.elapsed).Seconds())
+			c.writeSeconds.Add(w.elapsed.Seconds())
+			if err != nil {
 				return err
 			}
 			c.Warnings.Set(eng.warnings())
@@ -208,6 +226,8 @@ type writer struct {
 	pending []func(statedb.WriteTxn) error
 	// touched are the endpoints whose entries the pending changes write.
 	touched map[string]struct{}
+	// elapsed is the time spent in commit.
+	elapsed time.Duration
 }
 
 func (w *writer) upsertEntry(e *tables.PolicyEntry) {
@@ -265,6 +285,8 @@ func (w *writer) commit() error {
 	if len(w.pending) == 0 {
 		return nil
 	}
+	t0 := time.Now()
+	defer func() { w.elapsed += time.Since(t0) }()
 	wtxn := w.c.DB.WriteTxn(w.c.Entries, w.c.EndpointPolicy)
 	defer wtxn.Abort()
 	for _, f := range w.pending {

@@ -127,7 +127,7 @@ type endpoint struct {
 	contribs                map[entryKey][]contribCount
 	groups                  map[groupKey][]portKey // keys with contributions, each once
 	dirtyGroups             map[groupKey]struct{}
-	emitted                 map[groupKey]map[portKey]entryValue
+	emitted                 map[groupKey][]portEntry // each sorted by port
 	emittedCount            int
 	lastRow                 *tables.EndpointPolicy
 }
@@ -328,7 +328,7 @@ func (e *engine) setEndpoint(name string, row *tables.Endpoint) {
 				ep.id = 0
 			}
 		} else {
-			ep = &endpoint{emitted: map[groupKey]map[portKey]entryValue{}}
+			ep = &endpoint{emitted: map[groupKey][]portEntry{}}
 		}
 		e.endpoints[name] = ep
 		if len(row.NamedPorts) > 0 {
@@ -418,9 +418,13 @@ func (e *engine) warnings() map[string][]string {
 // recompute rebuilds the rules and contributions of ep.
 func (e *engine) recompute(ep *endpoint) {
 	e.unindex(ep)
-	ep.contribs = map[entryKey][]contribCount{}
-	ep.groups = map[groupKey][]portKey{}
-	ep.dirtyGroups = map[groupKey]struct{}{}
+	// Cleared rather than made anew: a recompute usually gives about as
+	// many entries as the last one, and the maps keep their room.
+	if ep.contribs == nil {
+		ep.contribs, ep.groups, ep.dirtyGroups = map[entryKey][]contribCount{}, map[groupKey][]portKey{}, map[groupKey]struct{}{}
+	}
+	clear(ep.contribs)
+	clear(ep.groups)
 	for gk := range ep.emitted {
 		ep.dirtyGroups[gk] = struct{}{}
 	}
@@ -665,13 +669,33 @@ func (ep *endpoint) add(k entryKey, c contrib, n int) {
 	}
 }
 
-// recomputeGroup returns the entries of one (identity, direction) group.
+// portEntry is an entry of a group: its port prefix and what it decides.
+// A group holds a few (the ports of the rules on one peer), so a sorted
+// slice of them costs less than a map, of which a node would keep one
+// per group (a hundred thousand for 1,000 peer identities on 100 pods).
+type portEntry struct {
+	port portKey
+	v    entryValue
+}
+
+func comparePorts(a, b portKey) int {
+	switch {
+	case a.proto != b.proto:
+		return int(a.proto) - int(b.proto)
+	case a.port != b.port:
+		return int(a.port) - int(b.port)
+	}
+	return int(a.bits) - int(b.bits)
+}
+
+// recomputeGroup returns the entries of one (identity, direction) group,
+// sorted by port.
 // The map's longest-prefix match returns one entry, so an entry inside a
 // deny of the same group becomes a deny itself: then deny wins whatever
 // prefix matches. (A deny of identity 0 is found by the datapath's second
 // lookup.) Likewise an allow inside an allow that matches pods' addresses
 // matches them too: the datapath's lookup by address finds the longer.
-func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool, single func(policy string) []string) map[portKey]entryValue {
+func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool, single func(policy string) []string) []portEntry {
 	keys := ep.groups[gk]
 	if len(keys) == 0 {
 		return nil
@@ -692,14 +716,14 @@ func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool
 	podsCover := func(pk portKey) bool {
 		return slices.ContainsFunc(pods, func(p portKey) bool { return p.covers(pk) })
 	}
-	out := make(map[portKey]entryValue, len(keys))
+	out := make([]portEntry, 0, len(keys))
 	for _, pk := range keys {
 		var v entryValue
 		if cs := ep.contribs[entryKey{gk.identity, gk.dir, pk}]; len(denies) == 0 && len(cs) == 1 {
 			// The common case: one policy allows it.
 			v.policies = single(cs[0].policy)
 			v.podAddrs = len(pods) > 0 && podsCover(pk)
-			out[pk] = v
+			out = append(out, portEntry{pk, v})
 			continue
 		}
 		for _, d := range denies {
@@ -727,7 +751,10 @@ func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool
 				v.audit = v.audit && audited(p)
 			}
 		}
-		out[pk] = v
+		out = append(out, portEntry{pk, v})
+	}
+	if len(out) > 1 {
+		slices.SortFunc(out, func(a, b portEntry) int { return comparePorts(a.port, b.port) })
 	}
 	return out
 }
@@ -745,8 +772,8 @@ type output interface {
 func (e *engine) flush(out output) {
 	for name, ep := range e.gone {
 		for gk, entries := range ep.emitted {
-			for pk := range entries {
-				out.deleteEntry(ep.entry(name, gk, pk, entryValue{}))
+			for _, pe := range entries {
+				out.deleteEntry(ep.entry(name, gk, pe.port, entryValue{}))
 			}
 		}
 		out.deleteEndpoint(name)
@@ -780,14 +807,30 @@ func (e *engine) flush(out output) {
 			for gk := range ep.dirtyGroups {
 				next := ep.recomputeGroup(gk, audited, single)
 				old := ep.emitted[gk]
-				for pk, v := range next {
-					if ov, ok := old[pk]; !ok || !ov.equal(v) {
-						out.upsertEntry(ep.entry(name, gk, pk, v))
+				// Both sorted by port: one pass finds what changed.
+				i, j := 0, 0
+				for i < len(next) || j < len(old) {
+					c := 0
+					switch {
+					case i == len(next):
+						c = 1
+					case j == len(old):
+						c = -1
+					default:
+						c = comparePorts(next[i].port, old[j].port)
 					}
-				}
-				for pk := range old {
-					if _, ok := next[pk]; !ok {
-						out.deleteEntry(ep.entry(name, gk, pk, entryValue{}))
+					switch {
+					case c < 0:
+						out.upsertEntry(ep.entry(name, gk, next[i].port, next[i].v))
+						i++
+					case c > 0:
+						out.deleteEntry(ep.entry(name, gk, old[j].port, entryValue{}))
+						j++
+					default:
+						if !old[j].v.equal(next[i].v) {
+							out.upsertEntry(ep.entry(name, gk, next[i].port, next[i].v))
+						}
+						i, j = i+1, j+1
 					}
 				}
 				ep.emittedCount += len(next) - len(old)

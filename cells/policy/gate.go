@@ -109,8 +109,13 @@ func (g *gate) pending(rtxn statedb.ReadTxn, ips []netip.Addr) (<-chan struct{},
 		return changed, "entries not computed yet"
 	}
 	// An endpoint's row is pending from the change of any of its entries
-	// until the reconciler has written them all.
+	// until the reconciler has written them all. Only node-local
+	// identities carry FQDN labels, so only their entries follow from
+	// FQDN selectors (and only theirs are indexed by identity).
 	for id := range ids {
+		if id < tables.MinLocalIdentity || id > tables.MaxLocalIdentity {
+			continue
+		}
 		for e := range g.entries.List(rtxn, tables.PolicyEntryIdentityIndex.Query(id)) {
 			row, _, watch, found := g.endpoints.GetWatch(rtxn, tables.EndpointPolicyNameIndex.Query(e.Endpoint))
 			if found && row.Status.Kind != reconciler.StatusKindDone {

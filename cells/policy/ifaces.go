@@ -38,6 +38,22 @@ type ifaceDiscovery struct {
 	endpoints  statedb.Table[*tables.Endpoint]
 	interfaces statedb.RWTable[*tables.PodInterface]
 	finder     ifaceFinder
+
+	// found is what Find returned for each endpoint, by name, when it
+	// found a veth, the host's namespace or no process yet: a rescan for a
+	// change of other endpoints does not look again at those whose rows
+	// are unchanged (each pod's processes and namespace, for a label
+	// change of one of them). A full rescan does, as a pod's veth comes
+	// with a link event. Other errors are retried at every scan.
+	found map[string]ifaceFound
+}
+
+// ifaceFound is the result of Find for an endpoint's row.
+type ifaceFound struct {
+	revision statedb.Revision
+	veth     podnet.HostVeth
+	hostNet  bool
+	err      string // ErrNoProcess's
 }
 
 // run rescans when the endpoints change, when a host interface comes or
@@ -59,10 +75,12 @@ func (d *ifaceDiscovery) run(ctx context.Context, health cell.Health) error {
 	}
 	ticker := time.NewTicker(ifaceRescanInterval)
 	defer ticker.Stop()
+	full := true
 	for {
 		_, watch := d.endpoints.AllWatch(d.db.ReadTxn())
-		found, missing := d.scan()
+		found, missing := d.scan(full)
 		health.OK(formatIfaceHealth(found, missing))
+		full = false
 		select {
 		case <-ctx.Done():
 			return nil
@@ -73,7 +91,9 @@ func (d *ifaceDiscovery) run(ctx context.Context, health cell.Health) error {
 			}
 			// A veth comes with its peer and addresses in a burst.
 			drain(linkEvents)
+			full = true
 		case <-ticker.C:
+			full = true
 		}
 	}
 }
@@ -99,30 +119,61 @@ func formatIfaceHealth(found, missing int) string {
 }
 
 // scan updates the table from the endpoints; it returns how many rows have
-// an interface, and how many not.
-func (d *ifaceDiscovery) scan() (found, missing int) {
+// an interface, and how many not. full looks for every endpoint's
+// interface again; otherwise only for the endpoints not found before or
+// whose rows changed.
+func (d *ifaceDiscovery) scan(full bool) (found, missing int) {
 	rtxn := d.db.ReadTxn()
+	if full || d.found == nil {
+		d.found = map[string]ifaceFound{}
+	}
 	want := map[string]*tables.PodInterface{}
-	for ep := range d.endpoints.All(rtxn) {
+	seen := map[string]struct{}{}
+	for ep, rev := range d.endpoints.All(rtxn) {
 		if ep.HostNetwork || ep.CgroupID == 0 {
 			continue
 		}
+		seen[ep.Name] = struct{}{}
 		row := &tables.PodInterface{
 			Name: ep.Name, CgroupID: ep.CgroupID, Addrs: slices.Clone(ep.IPs), Status: reconciler.StatusPending(),
 		}
-		v, err := d.finder.Find(filepath.Join(d.root.Path(), ep.Cgroup))
+		f, ok := d.found[ep.Name]
+		if !ok || f.revision != rev {
+			v, err := d.finder.Find(filepath.Join(d.root.Path(), ep.Cgroup))
+			switch {
+			case errors.Is(err, podnet.ErrHostNetwork):
+				f = ifaceFound{revision: rev, hostNet: true}
+			case errors.Is(err, podnet.ErrNoProcess):
+				f = ifaceFound{revision: rev, err: err.Error()}
+			case err != nil:
+				delete(d.found, ep.Name)
+				row.Error = err.Error()
+				missing++
+				want[row.Name] = row
+				continue
+			default:
+				f = ifaceFound{revision: rev, veth: v}
+			}
+			d.found[ep.Name] = f
+		}
 		switch {
-		case errors.Is(err, podnet.ErrHostNetwork):
+		case f.hostNet:
 			// The host's: the socket hooks are all there is.
 			continue
-		case err != nil:
-			row.Error = err.Error()
+		case f.err != "":
+			row.Error = f.err
 			missing++
-		default:
-			row.Interface, row.Ifindex, row.Netns = v.Name, v.Ifindex, v.Netns
-			found++
+			want[row.Name] = row
+			continue
 		}
+		row.Interface, row.Ifindex, row.Netns = f.veth.Name, f.veth.Ifindex, f.veth.Netns
+		found++
 		want[row.Name] = row
+	}
+	for name := range d.found {
+		if _, ok := seen[name]; !ok {
+			delete(d.found, name)
+		}
 	}
 	wtxn := d.db.WriteTxn(d.interfaces)
 	defer wtxn.Abort()

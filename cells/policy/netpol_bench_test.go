@@ -360,9 +360,10 @@ func BenchmarkAgentNetworkPolicies(b *testing.B) {
 			}
 			send(netpols, cnps, k8s.Delete)
 			a.waitEndpoints(b, time.Minute, none, true)
-			var toEntries, toMap, cpu time.Duration
+			var toEntries, toMap, cpu, compute, write time.Duration
 			b.ResetTimer()
 			for range b.N {
+				e0, w0 := a.engineTimes(b)
 				t0, c0 := time.Now(), cpuTime()
 				send(netpols, cnps, k8s.Upsert)
 				a.waitEndpoints(b, time.Minute, want, false)
@@ -370,6 +371,8 @@ func BenchmarkAgentNetworkPolicies(b *testing.B) {
 				a.waitEndpoints(b, time.Minute, want, true)
 				toMap += time.Since(t0)
 				cpu += cpuTime() - c0
+				e1, w1 := a.engineTimes(b)
+				compute, write = compute+e1-e0, write+w1-w0
 				b.StopTimer()
 				send(netpols, cnps, k8s.Delete)
 				a.waitEndpoints(b, time.Minute, none, true)
@@ -378,6 +381,8 @@ func BenchmarkAgentNetworkPolicies(b *testing.B) {
 			b.ReportMetric(ms(toEntries, b.N), "to-entries-ms")
 			b.ReportMetric(ms(toMap, b.N), "to-map-ms")
 			b.ReportMetric(ms(cpu, b.N), "cpu-ms")
+			b.ReportMetric(ms(compute, b.N), "compute-ms")
+			b.ReportMetric(ms(write, b.N), "table-write-ms")
 			b.ReportMetric(float64(total), "entries")
 		})
 		b.Run(fmt.Sprintf("label-change,kind=%s,udp53=%s,pods=%d,namespaces=%d,policies=%d", kind, bench.dns, len(c.pods), npNamespaces, len(c.netpols)), func(b *testing.B) {
@@ -407,23 +412,28 @@ func BenchmarkAgentNetworkPolicies(b *testing.B) {
 			if unselected == selected {
 				b.Fatalf("relabelling changed nothing: %d entries", selected)
 			}
-			var d, cpu time.Duration
+			var d, cpu, compute, write time.Duration
 			b.ResetTimer()
 			for range b.N {
 				for _, step := range []struct {
 					app     string
 					entries int
 				}{{"app-0", selected}, {"app-3", unselected}} {
+					e0, w0 := a.engineTimes(b)
 					t0, c0 := time.Now(), cpuTime()
 					relabel(step.app)
 					all[name] = step.entries // the others' stay
 					a.waitEndpoints(b, time.Minute, all, true)
 					d += time.Since(t0)
 					cpu += cpuTime() - c0
+					e1, w1 := a.engineTimes(b)
+					compute, write = compute+e1-e0, write+w1-w0
 				}
 			}
 			b.ReportMetric(ms(d, 2*b.N), "relabel-ms")
 			b.ReportMetric(ms(cpu, 2*b.N), "cpu-ms")
+			b.ReportMetric(ms(compute, 2*b.N), "compute-ms")
+			b.ReportMetric(ms(write, 2*b.N), "table-write-ms")
 			b.ReportMetric(float64(selected), "entries-selected")
 			b.ReportMetric(float64(unselected), "entries-unselected")
 		})
