@@ -1,0 +1,100 @@
+package fqdn
+
+import (
+	"encoding/binary"
+	"errors"
+	"net"
+	"net/netip"
+	"os"
+	"testing"
+	"time"
+)
+
+// fakeResolver answers each datagram on a loopback UDP socket as answer
+// says (nil: no answer), and reports where each query came from.
+func fakeResolver(t *testing.T, network, addr string, answer func(q []byte) [][]byte) (netip.AddrPort, <-chan netip.AddrPort) {
+	t.Helper()
+	pc, err := net.ListenPacket(network, addr)
+	if err != nil {
+		t.Skipf("listen on %s %s: %v", network, addr, err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	from := make(chan netip.AddrPort, 16)
+	go func() {
+		buf := make([]byte, 512)
+		for {
+			n, src, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			from <- src.(*net.UDPAddr).AddrPort()
+			for _, d := range answer(buf[:n]) {
+				pc.WriteTo(d, src)
+			}
+		}
+	}()
+	return pc.LocalAddr().(*net.UDPAddr).AddrPort(), from
+}
+
+// withID returns the query q as a reply with ID id and a marker byte.
+func withID(q []byte, id uint16, marker byte) []byte {
+	r := append([]byte(nil), q...)
+	binary.BigEndian.PutUint16(r, id)
+	return append(r, marker)
+}
+
+func TestUDPExchange(t *testing.T) {
+	query := []byte{0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0}
+	tests := []struct {
+		name     string
+		network  string
+		addr     string
+		answer   func(q []byte) [][]byte
+		want     byte // the marker of the reply taken
+		deadline bool // no reply: the deadline passes
+	}{
+		{"reply", "udp4", "127.0.0.1:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x1234, 'a')} }, 'a', false},
+		{"IPv6", "udp6", "[::1]:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x1234, 'a')} }, 'a', false},
+		{"another ID first", "udp4", "127.0.0.1:0", func(q []byte) [][]byte {
+			return [][]byte{withID(q, 0x4321, 'x'), {0x12}, withID(q, 0x1234, 'a')}
+		}, 'a', false},
+		{"no reply", "udp4", "127.0.0.1:0", func([]byte) [][]byte { return nil }, 0, true},
+		{"only other IDs", "udp4", "127.0.0.1:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x4321, 'x')} }, 0, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			up, _ := fakeResolver(t, tt.network, tt.addr, tt.answer)
+			buf := make([]byte, 513)
+			n, err := udpExchange(up, query, buf, time.Now().Add(200*time.Millisecond))
+			if tt.deadline {
+				if !errors.Is(err, os.ErrDeadlineExceeded) {
+					t.Fatalf("got %d bytes, error %v; want the deadline exceeded", n, err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n != len(query)+1 || buf[n-1] != tt.want {
+				t.Fatalf("got %q, want the reply marked %q", buf[:n], tt.want)
+			}
+		})
+	}
+}
+
+// Each query leaves from a socket of its own: its source port is the
+// kernel's random pick, not one a spoofer could learn from an earlier
+// query.
+func TestUDPExchangeSourcePorts(t *testing.T) {
+	up, from := fakeResolver(t, "udp4", "127.0.0.1:0", func(q []byte) [][]byte { return [][]byte{q} })
+	ports := map[uint16]bool{}
+	for range 4 {
+		if _, err := udpExchange(up, []byte{0, 1, 1, 0}, make([]byte, 512), time.Now().Add(time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		ports[(<-from).Port()] = true
+	}
+	if len(ports) < 2 {
+		t.Fatalf("4 queries left from ports %v, want a new one for each", ports)
+	}
+}
