@@ -282,7 +282,8 @@ func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upst
 		deadline = d
 	}
 	if network == "udp" {
-		if ap, err := netip.ParseAddrPort(upstream); err == nil {
+		// A name or a zoned address (link-local) is left to net.Dial.
+		if ap, err := netip.ParseAddrPort(upstream); err == nil && ap.Addr().Zone() == "" {
 			buf := make([]byte, min(maxSize+1, dns.MaxMsgSize))
 			n, err := udpExchange(ap, out, buf, deadline)
 			if err != nil {
