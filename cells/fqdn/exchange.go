@@ -28,9 +28,11 @@ func udpExchange(upstream netip.AddrPort, out []byte, buf []byte, deadline time.
 		return 0, errors.New("query too short")
 	}
 	id := binary.BigEndian.Uint16(out)
-	family, sa := unix.AF_INET6, unix.Sockaddr(&unix.SockaddrInet6{Port: int(upstream.Port()), Addr: upstream.Addr().As16()})
-	if upstream.Addr().Is4() {
-		family, sa = unix.AF_INET, &unix.SockaddrInet4{Port: int(upstream.Port()), Addr: upstream.Addr().As4()}
+	// An IPv4-mapped address is asked over IPv4, as net.Dial does.
+	addr := upstream.Addr().Unmap()
+	family, sa := unix.AF_INET6, unix.Sockaddr(&unix.SockaddrInet6{Port: int(upstream.Port()), Addr: addr.As16()})
+	if addr.Is4() {
+		family, sa = unix.AF_INET, &unix.SockaddrInet4{Port: int(upstream.Port()), Addr: addr.As4()}
 	}
 	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {

@@ -54,18 +54,23 @@ func TestUDPExchange(t *testing.T) {
 		answer   func(q []byte) [][]byte
 		want     byte // the marker of the reply taken
 		deadline bool // no reply: the deadline passes
+		mapped   bool // ask the resolver's IPv4 address mapped to IPv6
 	}{
-		{"reply", "udp4", "127.0.0.1:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x1234, 'a')} }, 'a', false},
-		{"IPv6", "udp6", "[::1]:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x1234, 'a')} }, 'a', false},
+		{"reply", "udp4", "127.0.0.1:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x1234, 'a')} }, 'a', false, false},
+		{"IPv6", "udp6", "[::1]:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x1234, 'a')} }, 'a', false, false},
+		{"IPv4-mapped", "udp4", "127.0.0.1:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x1234, 'a')} }, 'a', false, true},
 		{"another ID first", "udp4", "127.0.0.1:0", func(q []byte) [][]byte {
 			return [][]byte{withID(q, 0x4321, 'x'), {0x12}, withID(q, 0x1234, 'a')}
-		}, 'a', false},
-		{"no reply", "udp4", "127.0.0.1:0", func([]byte) [][]byte { return nil }, 0, true},
-		{"only other IDs", "udp4", "127.0.0.1:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x4321, 'x')} }, 0, true},
+		}, 'a', false, false},
+		{"no reply", "udp4", "127.0.0.1:0", func([]byte) [][]byte { return nil }, 0, true, false},
+		{"only other IDs", "udp4", "127.0.0.1:0", func(q []byte) [][]byte { return [][]byte{withID(q, 0x4321, 'x')} }, 0, true, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			up, _ := fakeResolver(t, tt.network, tt.addr, tt.answer)
+			if tt.mapped {
+				up = netip.AddrPortFrom(netip.AddrFrom16(up.Addr().As16()), up.Port())
+			}
 			buf := make([]byte, 513)
 			n, err := udpExchange(up, query, buf, time.Now().Add(200*time.Millisecond))
 			if tt.deadline {
