@@ -219,8 +219,8 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 // seenResolution is how old a known address's Seen may get before an
 // answer holding it again is written to the table: the least recently
 // seen addresses of a name are evicted first, and within a second the
-// order hardly matters, while a write per answer was most of the cost of
-// a name answered many times a second.
+// order hardly matters, while writing every answer made each query of a
+// popular name a write transaction.
 const seenResolution = time.Second
 
 // ceilSecond returns t rounded up to a whole second.
