@@ -31,10 +31,13 @@ type FQDNName struct {
 type FQDNIP struct {
 	IP netip.Addr `json:"ip" yaml:"ip"`
 	// Expires is when the address expires: the answer's TTL (raised to
-	// --tofqdns-min-ttl) after the last answer holding it.
+	// --tofqdns-min-ttl) after the last answer holding it, rounded up to
+	// a whole second.
 	Expires time.Time `json:"expires" yaml:"expires"`
-	// Seen is the time of the last answer holding the address; when a
-	// name has too many addresses, the least recently seen go first.
+	// Seen is the time of the last answer holding the address, to within
+	// a second (an answer repeating a row seen less than a second ago is
+	// not written); when a name has too many addresses, the least
+	// recently seen go first.
 	Seen time.Time `json:"seen" yaml:"seen"`
 	// Unlabelled is true when the --tofqdns-max-identities circuit
 	// breaker refused the address a new selector combination: it stays

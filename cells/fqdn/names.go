@@ -110,7 +110,13 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 		return 0, false, nil
 	}
 	ttl = max(ttl, m.minTTL)
-	expires := now.Add(ttl)
+	// A DNS TTL counts whole seconds: an address expires at the end of
+	// the second its TTL ends in, so that answers within one second give
+	// it the same expiry and repeat the row as it is.
+	expires := ceilSecond(now.Add(ttl))
+	if old, _, found := m.table.Get(m.db.ReadTxn(), tables.FQDNNameIndex.Query(name)); found && unchanged(old, labels, ips, expires, now) {
+		return 0, false, nil
+	}
 
 	wtxn := m.db.WriteTxn(m.table)
 	defer wtxn.Abort()
@@ -208,6 +214,39 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 		return 0, false, fmt.Errorf("label the addresses of %s: %w", name, err)
 	}
 	return rev, true, nil
+}
+
+// seenResolution is how old a known address's Seen may get before an
+// answer holding it again is written to the table: the least recently
+// seen addresses of a name are evicted first, and within a second the
+// order hardly matters, while writing every answer made each query of a
+// popular name a write transaction.
+const seenResolution = time.Second
+
+// ceilSecond returns t rounded up to a whole second.
+func ceilSecond(t time.Time) time.Time {
+	if c := t.Truncate(time.Second); !c.Equal(t) {
+		return c.Add(time.Second)
+	}
+	return t
+}
+
+// unchanged tells whether an answer for row's name with the addresses ips
+// (labels the selectors matching it, expires its expiry) would leave the
+// row as it is, up to seenResolution: all addresses known, none expiring
+// later, and the same labels. Then there is nothing to write, and no
+// label to wait for.
+func unchanged(row *tables.FQDNName, labels tables.Labels, ips []netip.Addr, expires, now time.Time) bool {
+	if !row.Selectors.Equal(labels) {
+		return false
+	}
+	for _, ip := range ips {
+		i, ok := slices.BinarySearchFunc(row.IPs, ip.Unmap(), func(e tables.FQDNIP, ip netip.Addr) int { return e.IP.Compare(ip) })
+		if !ok || expires.After(row.IPs[i].Expires) || now.Sub(row.IPs[i].Seen) >= seenResolution {
+			return false
+		}
+	}
+	return true
 }
 
 // setSelectors replaces the FQDN selectors and relabels the cached names

@@ -265,8 +265,10 @@ func (p *Proxy) reply(w dns.ResponseWriter, req, resp *dns.Msg) {
 }
 
 // exchange sends req to upstream and returns the reply's bytes, not yet
-// parsed: parseAnswer decides what is malformed. Over UDP, datagrams from
-// elsewhere or with another ID are ignored, as a resolver does; a reply is
+// parsed: parseAnswer decides what is malformed. Over UDP, each query has
+// a socket (and a random source port) of its own, and datagrams from
+// elsewhere or with another ID are ignored, as a resolver does (see
+// udpExchange for an upstream given as an address); a reply is
 // read into maxSize+1 bytes (a bigger one is cut there, and parseAnswer
 // drops it as oversized), not 64 KiB: a buffer per query is most of the
 // garbage the proxy makes.
@@ -278,6 +280,17 @@ func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upst
 	deadline := time.Now().Add(p.cfg.DNSUpstreamTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
+	}
+	if network == "udp" {
+		// A name or a zoned address (link-local) is left to net.Dial.
+		if ap, err := netip.ParseAddrPort(upstream); err == nil && ap.Addr().Zone() == "" {
+			buf := make([]byte, min(maxSize+1, dns.MaxMsgSize))
+			n, err := udpExchange(ap, out, buf, deadline)
+			if err != nil {
+				return nil, err
+			}
+			return buf[:n], nil
+		}
 	}
 	var dialer net.Dialer
 	conn, err := dialer.DialContext(ctx, network, upstream)

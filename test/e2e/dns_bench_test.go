@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -34,6 +35,8 @@ type dnsLoadResult struct {
 	P50Ms, P99Ms float64
 	QPS          float64
 	Errors       int
+	// CPUUs is the helper's own CPU time per answered query, in µs.
+	CPUUs float64
 }
 
 func dnsLoad(q string) int {
@@ -121,6 +124,11 @@ func dnsLoad(q string) int {
 	slices.Sort(latencies)
 	res := dnsLoadResult{QPS: float64(len(latencies)) / took.Seconds(), Errors: errs}
 	if len(latencies) > 0 {
+		var ru syscall.Rusage
+		if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err == nil {
+			cpu := time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+			res.CPUUs = float64(cpu.Microseconds()) / float64(len(latencies))
+		}
 		ms := func(q float64) float64 {
 			return float64(latencies[int(q*float64(len(latencies)-1))].Microseconds()) / 1000
 		}
@@ -156,7 +164,8 @@ func loadFrom(b *testing.B, dir, mode, resolver, name string, n int) dnsLoadResu
 // latency at 1,000 queries per second (b.N queries each), and throughput
 // with 8 queries in flight (b.N queries each), also of the proxy asked
 // directly by a process of no pod (proxy-direct-qps: the proxy's own
-// bound, without interception). The name is allowed by the
+// bound, without interception); and, for the floods, the CPU time per
+// query of the client, dnsmasq and the agent. The name is allowed by the
 // pod's DNS rule and labelled for its toFQDNs rule; after the first
 // answer it brings no new address, so no answer is held (the hold is
 // BenchmarkProxyNewIP's, in cells/fqdn).
@@ -164,7 +173,7 @@ func loadFrom(b *testing.B, dir, mode, resolver, name string, n int) dnsLoadResu
 //	go test -run '^$' -bench DNSInterception -benchtime 5000x ./test/e2e/
 func BenchmarkDNSInterception(b *testing.B) {
 	testenv.RequireRoot(b)
-	resolver, _, _ := startResolver(b)
+	dnsmasq, resolver, _, _ := startResolverProcess(b)
 	root := testenv.Cgroup(b)
 	cgA, _, cgC := mkCgroups(b, root)
 	configDir := b.TempDir()
@@ -185,14 +194,34 @@ func BenchmarkDNSInterception(b *testing.B) {
 		b.Fatalf("client-a's queries did not go through the proxy: %v %v", n, err)
 	}
 
+	// cpuPerQuery runs a flood and returns what it measured and the CPU
+	// time per query of the agent and of dnsmasq meanwhile, in µs.
+	cpuPerQuery := func(dir, to string) (r dnsLoadResult, agentUs, resolverUs float64) {
+		agent0, resolver0 := procCPU(b, a.pid()), procCPU(b, dnsmasq.cmd.Process.Pid)
+		r = loadFrom(b, dir, "flood", to, "bench.allowed.test", b.N)
+		per := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(b.N) }
+		return r, per(procCPU(b, a.pid()) - agent0), per(procCPU(b, dnsmasq.cmd.Process.Pid) - resolver0)
+	}
+
 	b.ResetTimer()
 	directPaced := loadFrom(b, cgC, "paced", resolver, "bench.allowed.test", b.N)
 	viaPaced := loadFrom(b, cgA, "paced", resolver, "bench.allowed.test", b.N)
-	directFlood := loadFrom(b, cgC, "flood", resolver, "bench.allowed.test", b.N)
-	viaFlood := loadFrom(b, cgA, "flood", resolver, "bench.allowed.test", b.N)
+	directFlood, directAgentUs, directResolverUs := cpuPerQuery(cgC, resolver)
+	viaFlood, viaAgentUs, viaResolverUs := cpuPerQuery(cgA, resolver)
 	proxyFlood := loadFrom(b, root, "flood", proxy, "bench.allowed.test", b.N)
 	b.ReportMetric(proxyFlood.QPS, "proxy-direct-qps")
 	b.StopTimer()
+
+	// Where the CPU goes per query in the floods: the client (the load
+	// helper), dnsmasq and the agent (none of it for a pod without DNS
+	// rules). On a machine whose cores all three share, the throughput
+	// ratio cannot pass the ratio of these sums.
+	b.ReportMetric(directFlood.CPUUs, "direct-client-cpu-us/q")
+	b.ReportMetric(directResolverUs, "direct-resolver-cpu-us/q")
+	b.ReportMetric(directAgentUs, "direct-agent-cpu-us/q")
+	b.ReportMetric(viaFlood.CPUUs, "intercepted-client-cpu-us/q")
+	b.ReportMetric(viaResolverUs, "intercepted-resolver-cpu-us/q")
+	b.ReportMetric(viaAgentUs, "intercepted-agent-cpu-us/q")
 
 	b.ReportMetric(directPaced.P50Ms, "direct-p50-ms")
 	b.ReportMetric(directPaced.P99Ms, "direct-p99-ms")
@@ -204,4 +233,31 @@ func BenchmarkDNSInterception(b *testing.B) {
 	b.ReportMetric(viaFlood.QPS, "intercepted-qps")
 	b.ReportMetric(viaFlood.QPS/directFlood.QPS, "qps-ratio")
 	b.ReportMetric(0, "ns/op")
+}
+
+// procCPU returns the CPU time process pid used so far (all its threads),
+// to the kernel's clock tick (10 ms).
+func procCPU(tb testing.TB, pid int) time.Duration {
+	tb.Helper()
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	// The command name, in parentheses, may hold spaces: the fields
+	// counted are those after it (utime and stime are fields 14 and 15).
+	_, rest, ok := strings.Cut(string(data), ") ")
+	f := strings.Fields(rest)
+	if !ok || len(f) < 13 {
+		tb.Fatalf("/proc/%d/stat: %q", pid, data)
+	}
+	var ticks int64
+	for _, s := range f[11:13] {
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			tb.Fatalf("/proc/%d/stat: %v", pid, err)
+		}
+		ticks += n
+	}
+	const userHZ = 100 // sysconf(_SC_CLK_TCK) on Linux
+	return time.Duration(ticks) * time.Second / userHZ
 }

@@ -40,10 +40,18 @@ spec:
 // returns the three addresses once it answers.
 func startResolver(t testing.TB) (resolver, allowed, denied string) {
 	t.Helper()
+	_, resolver, allowed, denied = startResolverProcess(t)
+	return resolver, allowed, denied
+}
+
+// startResolverProcess is startResolver, also returning dnsmasq's
+// process.
+func startResolverProcess(t testing.TB) (p *process, resolver, allowed, denied string) {
+	t.Helper()
 	bin := testenv.RequireProgram(t, "dnsmasq", "/usr/sbin")
 	x := 1 + rand.IntN(250)
 	resolver, allowed, denied = fmt.Sprintf("127.53.%d.1", x), fmt.Sprintf("127.53.%d.2", x), fmt.Sprintf("127.53.%d.3", x)
-	startProcess(t, "dnsmasq", nil, bin,
+	p = startProcess(t, "dnsmasq", nil, bin,
 		"--keep-in-foreground", "--conf-file=/dev/null", "--pid-file",
 		"--no-resolv", "--no-hosts", "--listen-address="+resolver, "--bind-interfaces",
 		"--port=53", "--log-queries", "--log-facility=-", "--local-ttl=300",
@@ -53,7 +61,7 @@ func startResolver(t testing.TB) (resolver, allowed, denied string) {
 		out, err := digIn("", digBin, resolver, "www.allowed.test", false)
 		return err == nil && strings.Contains(out, allowed), out
 	})
-	return resolver, allowed, denied
+	return p, resolver, allowed, denied
 }
 
 // digIn asks resolver (port 53) for name's A records from a process in
