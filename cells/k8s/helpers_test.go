@@ -122,8 +122,15 @@ func (th *testHive) start() {
 // waitHealth waits until the k8s-sources module's health line matches re.
 func (th *testHive) waitHealth(re string) {
 	th.t.Helper()
+	th.waitHealthWithin(timeout, re)
+}
+
+// waitHealthWithin is waitHealth with its own deadline, for inputs that
+// take long to read.
+func (th *testHive) waitHealthWithin(d time.Duration, re string) {
+	th.t.Helper()
 	pattern := regexp.MustCompile(re)
-	deadline := time.Now().Add(timeout)
+	deadline := time.Now().Add(d)
 	var last []string
 	for time.Now().Before(deadline) {
 		last = last[:0]
