@@ -24,17 +24,23 @@ import (
 	"github.com/apiary-net/apiary/internal/testenv"
 )
 
-// The NetworkPolicy suite of Kubernetes' own e2e tests
-// (k8s.io/kubernetes/test/e2e/network/netpol), selected from e2e.test by
-// the Describe texts of its files.
-const netpolFocus = `\[sig-network\] Netpol`
+// netpolSuite begins the names of the NetworkPolicy tests of Kubernetes'
+// own e2e suite (k8s.io/kubernetes/test/e2e/network/netpol): the Describe
+// texts of its files.
+const netpolSuite = "[sig-network] Netpol"
+
+// lack is tests of the suite that need what this machine lacks.
+type lack struct {
+	pattern *regexp.Regexp // of the tests' names
+	reason  string
+}
 
 // unsupported are the suite's tests that need what this machine lacks,
 // each with its reason: they are skipped and listed as such.
-func unsupported() []struct{ pattern, reason string } {
-	var u []struct{ pattern, reason string }
+func unsupported() []lack {
+	var u []lack
 	if !sctpSupported() {
-		u = append(u, struct{ pattern, reason string }{`\[Feature:SCTPConnectivity\]`,
+		u = append(u, lack{regexp.MustCompile(`\[Feature:SCTPConnectivity\]`),
 			"needs SCTP sockets, which this kernel does not have (no CONFIG_IP_SCTP: socket() gives EPROTONOSUPPORT), so pods cannot serve SCTP"})
 	}
 	return u
@@ -80,7 +86,8 @@ var ciSubset = []string{
 // whole run as a Markdown table (make conformance writes
 // docs/conformance.md).
 func TestNetworkPolicyConformance(t *testing.T) {
-	bins := conformanceRequirements(t)
+	testenv.RequireRoot(t)
+	bins := testenv.RequireKubeTestbin(t, repoRoot, "e2e.test", "agnhost")
 	which := os.Getenv("APIARY_CONFORMANCE")
 	all := which == "all"
 
@@ -94,6 +101,7 @@ func TestNetworkPolicyConformance(t *testing.T) {
 	n.waitAgentHealthy()
 	t.Logf("apiary installed; %s imported as %s", bins["agnhost"], agnhost)
 
+	netpolFocus := regexp.QuoteMeta(netpolSuite)
 	focus := netpolFocus
 	switch {
 	case all:
@@ -106,9 +114,10 @@ func TestNetworkPolicyConformance(t *testing.T) {
 		}
 		focus = netpolFocus + `.*(` + strings.Join(quoted, "|") + `)`
 	}
+	lacking := unsupported()
 	var skip []string
-	for _, u := range unsupported() {
-		skip = append(skip, u.pattern)
+	for _, u := range lacking {
+		skip = append(skip, u.pattern.String())
 	}
 	reportDir := filepath.Join(n.dir, "e2e-report")
 	logPath := filepath.Join(n.dir, "e2e.log")
@@ -116,7 +125,7 @@ func TestNetworkPolicyConformance(t *testing.T) {
 	runErr := n.runE2E(bins["e2e.test"], reportDir, logPath, focus, strings.Join(skip, "|"))
 	t.Logf("e2e.test ran in %s", time.Since(start).Round(time.Second))
 
-	results, err := readJUnit(filepath.Join(reportDir, "junit_01.xml"))
+	results, err := readJUnit(filepath.Join(reportDir, "junit_01.xml"), lacking)
 	if err != nil {
 		t.Fatalf("e2e.test: %v (exit: %v)\n%s", err, runErr, tail(logPath, 60))
 	}
@@ -150,22 +159,6 @@ func TestNetworkPolicyConformance(t *testing.T) {
 		}
 		t.Logf("wrote %s", report)
 	}
-}
-
-// conformanceRequirements are what the conformance run needs beyond the
-// node's own requirements: e2e.test and agnhost from kube-testbin.
-func conformanceRequirements(t *testing.T) map[string]string {
-	testenv.RequireRoot(t)
-	dir := testbinDir(t)
-	bins := map[string]string{}
-	for _, b := range []string{"e2e.test", "agnhost"} {
-		p := filepath.Join(dir, b)
-		if st, err := os.Stat(p); err != nil || st.Mode()&0o111 == 0 {
-			testenv.Skip(t, fmt.Sprintf("needs %s: build it with scripts/kube-testbin/build.sh (make deps does)", p))
-		}
-		bins[b] = p
-	}
-	return bins
 }
 
 // importAgnhost imports agnhost into containerd under the names the
@@ -250,8 +243,9 @@ type specResult struct {
 }
 
 // readJUnit reads the suite's tests from e2e.test's JUnit report, leaving
-// out the suite's own setup and the specs of other suites.
-func readJUnit(path string) ([]specResult, error) {
+// out the suite's own setup and the specs of other suites; a test skipped
+// for what the machine lacks says so.
+func readJUnit(path string, lacking []lack) ([]specResult, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("read JUnit report: %w", err)
@@ -268,6 +262,10 @@ func readJUnit(path string) ([]specResult, error) {
 					Message string `xml:"message,attr"`
 					Text    string `xml:",chardata"`
 				} `xml:"failure"`
+				Error *struct {
+					Message string `xml:"message,attr"`
+					Text    string `xml:",chardata"`
+				} `xml:"error"`
 			} `xml:"testcase"`
 		} `xml:"testsuite"`
 	}
@@ -277,17 +275,24 @@ func readJUnit(path string) ([]specResult, error) {
 	var out []specResult
 	for _, s := range doc.Suites {
 		for _, c := range s.Cases {
-			if !strings.Contains(c.Name, "[sig-network] Netpol") {
+			if !strings.Contains(c.Name, netpolSuite) {
 				continue
 			}
-			r := specResult{Name: cleanName(c.Name), Result: c.Status}
+			// Anything but a pass or a skip (a failure, a panic, a
+			// timeout, an interruption) fails.
+			r := specResult{Name: cleanName(c.Name), Result: "failed"}
 			switch {
 			case c.Failure != nil:
-				r.Result = "failed"
 				r.Reason = firstLines(c.Failure.Message+"\n"+c.Failure.Text, 6)
+			case c.Error != nil:
+				r.Reason = firstLines(c.Error.Message+"\n"+c.Error.Text, 6)
+			case c.Status == "passed":
+				r.Result = "passed"
 			case c.Skipped != nil || c.Status == "skipped" || c.Status == "pending":
 				r.Result = "skipped"
-				r.Reason = skipReason(c.Name)
+				r.Reason = skipReason(c.Name, lacking)
+			default:
+				r.Reason = "ended " + c.Status
 			}
 			out = append(out, r)
 		}
@@ -297,9 +302,9 @@ func readJUnit(path string) ([]specResult, error) {
 }
 
 // skipReason is why a test the run left out was left out.
-func skipReason(name string) string {
-	for _, u := range unsupported() {
-		if regexp.MustCompile(u.pattern).MatchString(name) {
+func skipReason(name string, lacking []lack) string {
+	for _, u := range lacking {
+		if u.pattern.MatchString(name) {
 			return u.reason
 		}
 	}

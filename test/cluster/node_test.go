@@ -8,10 +8,8 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
-	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/hex"
 	"encoding/pem"
 	"errors"
 	"fmt"
@@ -102,41 +100,11 @@ type node struct {
 	pinDir string
 }
 
-// testbinDir is where scripts/kube-testbin/build.sh puts the Kubernetes
-// binaries (the same computation as the script's).
-func testbinDir(t *testing.T) string {
-	if dir := os.Getenv("APIARY_KUBE_TESTBIN"); dir != "" {
-		return dir
-	}
-	h := sha256.New()
-	for _, f := range []string{"go.sum", "build.sh"} {
-		data, err := os.ReadFile(filepath.Join(repoRoot, "scripts/kube-testbin", f))
-		if err != nil {
-			t.Fatal(err)
-		}
-		h.Write(data)
-	}
-	cache := os.Getenv("XDG_CACHE_HOME")
-	if cache == "" {
-		home, _ := os.UserHomeDir()
-		cache = filepath.Join(home, ".cache")
-	}
-	return filepath.Join(cache, "apiary", "kube-testbin", hex.EncodeToString(h.Sum(nil))[:16])
-}
-
 // requirements returns the paths of what the node runs, skipping (failing
 // under APIARY_STRICT=1) when something is missing.
 func requirements(t *testing.T) map[string]string {
 	testenv.RequireRoot(t)
-	bins := map[string]string{}
-	dir := testbinDir(t)
-	for _, b := range []string{"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet"} {
-		p := filepath.Join(dir, b)
-		if st, err := os.Stat(p); err != nil || st.Mode()&0o111 == 0 {
-			testenv.Skip(t, fmt.Sprintf("needs %s: build it with scripts/kube-testbin/build.sh (make deps does)", p))
-		}
-		bins[b] = p
-	}
+	bins := testenv.RequireKubeTestbin(t, repoRoot, "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet")
 	for _, b := range []string{"containerd", "containerd-shim-runc-v2", "ctr", "runc"} {
 		bins[b] = testenv.RequireProgram(t, b, "/usr/sbin", "/usr/bin")
 	}

@@ -10,10 +10,8 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
-	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/hex"
 	"encoding/json"
 	"encoding/pem"
 	"errors"
@@ -46,55 +44,16 @@ import (
 	"github.com/apiary-net/apiary/internal/testenv"
 )
 
-// TestbinEnv names the directory holding kube-apiserver and etcd. Unset, the
-// test looks where scripts/kube-testbin/build.sh puts them.
-const TestbinEnv = "APIARY_KUBE_TESTBIN"
-
 // repoRoot is the repository, relative to this package's directory (where
 // go test runs it).
 const repoRoot = "../.."
-
-// testbinDir returns where kube-apiserver and etcd are: $APIARY_KUBE_TESTBIN,
-// or build.sh's cache directory, keyed as build.sh keys it (the first 16 hex
-// digits of the SHA-256 of go.sum followed by build.sh).
-func testbinDir(t *testing.T) string {
-	t.Helper()
-	if dir := os.Getenv(TestbinEnv); dir != "" {
-		return dir
-	}
-	h := sha256.New()
-	for _, f := range []string{"go.sum", "build.sh"} {
-		data, err := os.ReadFile(filepath.Join(repoRoot, "scripts/kube-testbin", f))
-		if err != nil {
-			t.Fatal(err)
-		}
-		h.Write(data)
-	}
-	cache := os.Getenv("XDG_CACHE_HOME")
-	if cache == "" {
-		home, err := os.UserHomeDir()
-		if err != nil {
-			t.Fatal(err)
-		}
-		cache = filepath.Join(home, ".cache")
-	}
-	return filepath.Join(cache, "apiary", "kube-testbin", hex.EncodeToString(h.Sum(nil))[:16])
-}
 
 // requireTestbin returns the paths of kube-apiserver and etcd, or skips
 // (fails under APIARY_STRICT=1) when they have not been built.
 func requireTestbin(t *testing.T) (apiserver, etcd string) {
 	t.Helper()
-	dir := testbinDir(t)
-	apiserver, etcd = filepath.Join(dir, "kube-apiserver"), filepath.Join(dir, "etcd")
-	for _, p := range []string{apiserver, etcd} {
-		if st, err := os.Stat(p); err != nil || st.Mode()&0o111 == 0 {
-			testenv.Skip(t, fmt.Sprintf("needs %s: build it with scripts/kube-testbin/build.sh "+
-				"(make deps does; ~8 min the first time), or point %s at a directory holding kube-apiserver and etcd",
-				p, TestbinEnv))
-		}
-	}
-	return apiserver, etcd
+	bins := testenv.RequireKubeTestbin(t, repoRoot, "kube-apiserver", "etcd")
+	return bins["kube-apiserver"], bins["etcd"]
 }
 
 // proc is an outside process the test started.
