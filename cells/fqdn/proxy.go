@@ -37,9 +37,10 @@ type Proxy struct {
 	cfg       Config
 	now       func() time.Time
 
-	mu       sync.Mutex
-	udp, tcp *dns.Server
-	addr     string // the address it listens on, once started
+	mu   sync.Mutex
+	udp  *udpServer
+	tcp  *dns.Server
+	addr string // the address it listens on, once started
 	// self are the addresses the datapath sends intercepted DNS to, the
 	// proxy's own: a query intercepted on its way to one of them goes to
 	// the upstream.
@@ -60,10 +61,10 @@ func (p *Proxy) Addr() string {
 func (p *Proxy) listenAddr() net.Addr {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.udp == nil || p.udp.PacketConn == nil {
+	if p.udp == nil {
 		return nil
 	}
-	return p.udp.PacketConn.LocalAddr()
+	return p.udp.local
 }
 
 // start listens on cfg.DNSProxyAddr, UDP and TCP on the same port (with
@@ -73,22 +74,23 @@ func (p *Proxy) start() error {
 	if err != nil {
 		return fmt.Errorf("DNS proxy: %w", err)
 	}
-	udp := &dns.Server{PacketConn: pc, Handler: p, UDPSize: dns.MaxMsgSize}
-	tcp := &dns.Server{Listener: ln, Handler: p, ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second}
-	v4, v6 := proxyTargets(pc.LocalAddr())
-	p.mu.Lock()
-	p.udp, p.tcp, p.addr = udp, tcp, pc.LocalAddr().String()
-	p.self = []netip.AddrPort{v4, v6, addrPortOf(pc.LocalAddr())}
-	p.mu.Unlock()
-	for _, s := range []*dns.Server{udp, tcp} {
-		p.servers.Add(1)
-		go func() {
-			defer p.servers.Done()
-			if err := s.ActivateAndServe(); err != nil {
-				p.log.Error("DNS proxy server stopped", "error", err)
-			}
-		}()
+	udp, err := newUDPServer(p, pc)
+	if err != nil {
+		ln.Close()
+		return fmt.Errorf("DNS proxy: %w", err)
 	}
+	tcp := &dns.Server{Listener: ln, Handler: p, ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second}
+	v4, v6 := proxyTargets(udp.local)
+	p.mu.Lock()
+	p.udp, p.tcp, p.addr = udp, tcp, udp.local.String()
+	p.self = []netip.AddrPort{v4, v6, addrPortOf(udp.local)}
+	p.mu.Unlock()
+	p.servers.Go(udp.run)
+	p.servers.Go(func() {
+		if err := tcp.ActivateAndServe(); err != nil {
+			p.log.Error("DNS proxy server stopped", "error", err)
+		}
+	})
 	p.log.Info("DNS proxy listening", "addr", p.addr, "upstream", p.cfg.DNSUpstream)
 	return nil
 }
@@ -99,18 +101,18 @@ func (p *Proxy) stop(ctx context.Context) error {
 	p.addr = ""
 	p.mu.Unlock()
 	var errs []error
-	for _, s := range []*dns.Server{udp, tcp} {
-		if s != nil {
-			if err := s.ShutdownContext(ctx); err != nil {
-				errs = append(errs, err)
-			}
-		}
+	if udp != nil {
+		errs = append(errs, udp.stop(ctx))
+	}
+	if tcp != nil {
+		errs = append(errs, tcp.ShutdownContext(ctx))
 	}
 	p.servers.Wait()
 	return errors.Join(errs...)
 }
 
-// ServeDNS implements dns.Handler.
+// ServeDNS implements dns.Handler: the TCP server's queries (UDP ones are
+// udpServer's).
 func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 	defer func() {
 		// The proxy never takes the agent down on input.
@@ -118,24 +120,42 @@ func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 			p.log.Error("DNS proxy: panic while handling a request", "panic", r)
 		}
 	}()
-	start := time.Now()
-	if len(req.Question) != 1 || req.Response || req.Opcode != dns.OpcodeQuery {
+	if !wellFormed(req) {
 		p.reply(w, req, new(dns.Msg).SetRcode(req, dns.RcodeFormatError))
 		return
 	}
-	network := w.LocalAddr().Network()
-	q := req.Question[0]
-	v := QueryVerdict{
-		Time: start, Client: addrPortOf(w.RemoteAddr()), Protocol: "UDP",
-		Name: q.Name, Type: dns.Type(q.Qtype).String(), Allowed: true,
+	v, upstream, resp := p.admit(req, addrPortOf(w.RemoteAddr()), true)
+	result := ""
+	if resp == nil {
+		var ans answer
+		resp, ans, result = p.handle(context.Background(), "tcp", req, upstream)
+		v.Answers = ans.ips
 	}
+	p.reply(w, req, resp)
+	p.record(&v, resp.Rcode, result)
+}
+
+// wellFormed tells whether req is a query the proxy answers other than
+// with FORMERR: one question, a standard query.
+func wellFormed(req *dns.Msg) bool {
+	return len(req.Question) == 1 && !req.Response && req.Opcode == dns.OpcodeQuery
+}
+
+// admit decides what becomes of query req (well-formed) from client, over
+// TCP or UDP. It returns the verdict so far and the resolver to forward
+// the query to or, for a query no DNS rule of the client allows, the
+// answer to give instead.
+func (p *Proxy) admit(req *dns.Msg, client netip.AddrPort, tcp bool) (v QueryVerdict, upstream string, refusal *dns.Msg) {
+	v = QueryVerdict{Time: time.Now(), Client: client, Protocol: "UDP", Allowed: true}
 	proto := uint8(17)
-	if network == "tcp" {
+	if tcp {
 		v.Protocol, proto = "TCP", 6
 	}
-	upstream := p.cfg.DNSUpstream
-	if p.intercept != nil && v.Client.IsValid() {
-		if o, ok := p.intercept.Origin(proto, v.Client); ok {
+	upstream = p.cfg.DNSUpstream
+	q := req.Question[0]
+	v.Name, v.Type = q.Name, dns.Type(q.Qtype).String()
+	if p.intercept != nil && client.IsValid() {
+		if o, ok := p.intercept.Origin(proto, client); ok {
 			v.Endpoint = o.Endpoint
 			if o.Resolver.IsValid() && !p.isSelf(o.Resolver) {
 				v.Resolver, upstream = o.Resolver, o.Resolver.String()
@@ -144,29 +164,31 @@ func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 			v.Allowed, v.Policy = allowed, rule.Policy
 		}
 	}
-	var resp *dns.Msg
-	if v.Allowed {
-		var ans answer
-		var result string
-		resp, ans, result = p.handle(context.Background(), network, req, upstream)
-		p.metrics.requests.WithLabelValues(result).Inc()
-		v.Answers = ans.ips
-	} else {
-		resp = new(dns.Msg).SetRcode(req, p.rejectRcode())
-	}
 	if !v.Resolver.IsValid() {
 		v.Resolver, _ = netip.ParseAddrPort(upstream)
 	}
-	p.reply(w, req, resp)
-	v.RCode = dns.RcodeToString[resp.Rcode]
-	v.Latency = time.Since(start)
+	if !v.Allowed {
+		return v, upstream, new(dns.Msg).SetRcode(req, p.rejectRcode())
+	}
+	return v, upstream, nil
+}
+
+// record counts a query answered with rcode and hands its verdict to the
+// monitor; result is the requests metric's label for a forwarded query,
+// empty for one that was not.
+func (p *Proxy) record(v *QueryVerdict, rcode int, result string) {
+	if result != "" {
+		p.metrics.requests.WithLabelValues(result).Inc()
+	}
+	v.RCode = dns.RcodeToString[rcode]
+	v.Latency = time.Since(v.Time)
 	verdict := verdictAllowed
 	if !v.Allowed {
 		verdict = verdictDenied
 	}
 	p.metrics.queries.WithLabelValues(verdict, v.RCode).Inc()
 	if p.intercept != nil {
-		p.intercept.Report(v)
+		p.intercept.Report(*v)
 	}
 }
 
@@ -187,21 +209,53 @@ func (p *Proxy) rejectRcode() int {
 
 // handle forwards req over network ("udp" or "tcp") to upstream and
 // returns the reply for the client, what it answered, and the result for
-// the metric.
+// the metric; an answer with new addresses is held (see hold).
 func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg, upstream string) (*dns.Msg, answer, string) {
-	q := req.Question[0]
-	maxSize := dns.MaxMsgSize
-	if network == "udp" {
-		maxSize = dns.MinMsgSize
-		if opt := req.IsEdns0(); opt != nil {
-			maxSize = max(int(opt.UDPSize()), dns.MinMsgSize)
-		}
-	}
+	maxSize := replySize(network, req)
 	wire, err := p.exchange(ctx, network, req, upstream, maxSize)
 	if err != nil {
-		p.log.Warn("DNS upstream failed, answering SERVFAIL", "name", q.Name, "upstream", upstream, "error", err)
-		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), answer{}, resultServFail
+		resp, result := p.upstreamFailed(req, upstream, err)
+		return resp, answer{}, result
 	}
+	resp, ans, result, held := p.learn(req, wire, maxSize, upstream)
+	if held != nil {
+		p.hold(ctx, held)
+	}
+	return resp, ans, result
+}
+
+// replySize is the largest reply to req the client takes over network: the
+// UDP size it asked for (at least 512 bytes), or 65,535 bytes over TCP.
+func replySize(network string, req *dns.Msg) int {
+	if network != "udp" {
+		return dns.MaxMsgSize
+	}
+	if opt := req.IsEdns0(); opt != nil {
+		return max(int(opt.UDPSize()), dns.MinMsgSize)
+	}
+	return dns.MinMsgSize
+}
+
+// upstreamFailed is the answer to req when the exchange with upstream
+// failed: SERVFAIL.
+func (p *Proxy) upstreamFailed(req *dns.Msg, upstream string, err error) (*dns.Msg, string) {
+	p.log.Warn("DNS upstream failed, answering SERVFAIL", "name", req.Question[0].Name, "upstream", upstream, "error", err)
+	return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultServFail
+}
+
+// heldAnswer is an answer whose addresses are new to policy: it waits
+// until the ipcache map has them (revision rev) and policy allows them.
+type heldAnswer struct {
+	ans   answer
+	rev   ipcache.Revision
+	since time.Time
+}
+
+// learn checks wire, upstream's reply to req, and labels the addresses it
+// gives a name FQDN selectors match. It returns the reply for the client,
+// what it answered and the result for the metric; held is non-nil when
+// the answer must wait (see hold) before the client gets it.
+func (p *Proxy) learn(req *dns.Msg, wire []byte, maxSize int, upstream string) (resp *dns.Msg, ans answer, result string, held *heldAnswer) {
 	resp, ans, err := parseAnswer(req, wire, maxSize)
 	if err != nil {
 		reason := "malformed"
@@ -210,11 +264,11 @@ func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg, upstre
 			reason = de.reason
 		}
 		p.metrics.dropped.WithLabelValues(reason).Inc()
-		p.log.Warn("Dropped the upstream's answer, answering SERVFAIL", "name", q.Name, "upstream", upstream, "error", err)
-		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), answer{}, resultDropped
+		p.log.Warn("Dropped the upstream's answer, answering SERVFAIL", "name", req.Question[0].Name, "upstream", upstream, "error", err)
+		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), answer{}, resultDropped, nil
 	}
 	if len(ans.ips) == 0 {
-		return resp, ans, resultForwarded
+		return resp, ans, resultForwarded, nil
 	}
 	start := time.Now()
 	rev, changed, err := p.names.observe(ans.name, ans.ips, ans.ttl, p.now())
@@ -222,38 +276,36 @@ func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg, upstre
 		// The answer is still good; policy just does not know its
 		// addresses yet.
 		p.log.Error("Could not label the addresses of a DNS answer", "name", ans.name, "error", err)
-		return resp, ans, resultForwarded
+		return resp, ans, resultForwarded, nil
 	}
 	if !changed {
-		return resp, ans, resultForwarded
+		return resp, ans, resultForwarded, nil
 	}
-	wctx, cancel := context.WithTimeout(ctx, p.cfg.ToFQDNsProxyResponseMaxDelay)
-	defer cancel()
-	if err := p.prefixes.Wait(wctx, rev); err != nil {
-		p.metrics.delayExceeded.Inc()
-		p.log.Warn("Releasing a DNS answer before the ipcache map has its addresses",
-			"name", ans.name, "max-delay", p.cfg.ToFQDNsProxyResponseMaxDelay, "error", err)
-	} else if p.gate != nil {
-		if err := p.gate.Wait(wctx, ans.ips); err != nil {
-			p.metrics.delayExceeded.Inc()
-			p.log.Warn("Releasing a DNS answer before the policy map allows its addresses",
-				"name", ans.name, "max-delay", p.cfg.ToFQDNsProxyResponseMaxDelay, "error", err)
-		}
-	}
-	p.metrics.holdSeconds.Observe(time.Since(start).Seconds())
-	return resp, ans, resultLabelled
+	return resp, ans, resultLabelled, &heldAnswer{ans: ans, rev: rev, since: start}
 }
 
-// reply writes resp to the client, truncated to what a UDP client takes.
+// hold waits until the ipcache map has h's addresses and policy allows
+// them, or --tofqdns-proxy-response-max-delay has passed.
+func (p *Proxy) hold(ctx context.Context, h *heldAnswer) {
+	wctx, cancel := context.WithTimeout(ctx, p.cfg.ToFQDNsProxyResponseMaxDelay)
+	defer cancel()
+	if err := p.prefixes.Wait(wctx, h.rev); err != nil {
+		p.metrics.delayExceeded.Inc()
+		p.log.Warn("Releasing a DNS answer before the ipcache map has its addresses",
+			"name", h.ans.name, "max-delay", p.cfg.ToFQDNsProxyResponseMaxDelay, "error", err)
+	} else if p.gate != nil {
+		if err := p.gate.Wait(wctx, h.ans.ips); err != nil {
+			p.metrics.delayExceeded.Inc()
+			p.log.Warn("Releasing a DNS answer before the policy map allows its addresses",
+				"name", h.ans.name, "max-delay", p.cfg.ToFQDNsProxyResponseMaxDelay, "error", err)
+		}
+	}
+	p.metrics.holdSeconds.Observe(time.Since(h.since).Seconds())
+}
+
+// reply writes resp to the TCP client.
 func (p *Proxy) reply(w dns.ResponseWriter, req, resp *dns.Msg) {
 	resp.Id = req.Id
-	if w.LocalAddr().Network() == "udp" {
-		size := dns.MinMsgSize
-		if opt := req.IsEdns0(); opt != nil {
-			size = max(int(opt.UDPSize()), dns.MinMsgSize)
-		}
-		resp.Truncate(size)
-	}
 	if err := w.WriteMsg(resp); err != nil {
 		p.log.Debug("DNS proxy: could not answer the client", "error", err)
 		if resp.Rcode != dns.RcodeServerFailure {
@@ -264,14 +316,13 @@ func (p *Proxy) reply(w dns.ResponseWriter, req, resp *dns.Msg) {
 	}
 }
 
-// exchange sends req to upstream and returns the reply's bytes, not yet
-// parsed: parseAnswer decides what is malformed. Over UDP, each query has
-// a socket (and a random source port) of its own, and datagrams from
-// elsewhere or with another ID are ignored, as a resolver does (see
-// udpExchange for an upstream given as an address); a reply is
-// read into maxSize+1 bytes (a bigger one is cut there, and parseAnswer
-// drops it as oversized), not 64 KiB: a buffer per query is most of the
-// garbage the proxy makes.
+// exchange sends req to upstream over network and returns the reply's
+// bytes, not yet parsed: parseAnswer decides what is malformed. It serves
+// TCP, and UDP to an upstream given by name (udpServer forwards UDP to an
+// address itself). Over UDP, each query has a socket (and a random source
+// port) of its own, and datagrams with another ID are ignored, as a
+// resolver does; a reply is read into maxSize+1 bytes (a bigger one is
+// cut there, and parseAnswer drops it as oversized), not 64 KiB.
 func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upstream string, maxSize int) ([]byte, error) {
 	out, err := req.Pack()
 	if err != nil {
@@ -280,17 +331,6 @@ func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upst
 	deadline := time.Now().Add(p.cfg.DNSUpstreamTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
-	}
-	if network == "udp" {
-		// A name or a zoned address (link-local) is left to net.Dial.
-		if ap, err := netip.ParseAddrPort(upstream); err == nil && ap.Addr().Zone() == "" {
-			buf := make([]byte, min(maxSize+1, dns.MaxMsgSize))
-			n, err := udpExchange(ap, out, buf, deadline)
-			if err != nil {
-				return nil, err
-			}
-			return buf[:n], nil
-		}
 	}
 	var dialer net.Dialer
 	conn, err := dialer.DialContext(ctx, network, upstream)

@@ -1,0 +1,489 @@
+package fqdn
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/miekg/dns"
+	"golang.org/x/sys/unix"
+)
+
+// udpServer answers the proxy's UDP queries. One goroutine owns an epoll
+// set holding the listening socket and the upstream socket of each query
+// in flight: it reads queries in batches (recvmmsg), sends each allowed
+// one out from a socket of its own, and writes the replies back in
+// batches (sendmmsg). A query costs a handful of system calls and wakes
+// no goroutine; a server with a goroutine per query waiting in the
+// runtime's poller made twice the system calls and two goroutine wakeups
+// per query, most of the proxy's CPU time on a virtual machine
+// (docs/benchmarks.md). An answer held until policy allows its addresses
+// is finished by a goroutine of its own, as is a query to an upstream
+// given by name.
+type udpServer struct {
+	p     *Proxy
+	fd    int // the listening socket, non-blocking
+	local *net.UDPAddr
+	// pktinfo is true when the socket is bound to an unspecified address:
+	// each reply then leaves from the address its query came to.
+	pktinfo bool
+	epfd    int
+	stopfd  int // an eventfd; written to stop the loop
+	done    chan struct{}
+	ctx     context.Context // cancelled on stop, for side goroutines
+	cancel  context.CancelFunc
+	side    sync.WaitGroup // side goroutines (held answers, named upstreams)
+
+	// Owned by the loop.
+	inflight  map[int]*udpQuery // by upstream socket
+	deadlines []*udpQuery       // in flight, oldest first
+	in        *msgBatch
+	out       *msgBatch
+	replies   []udpReply
+	scratch   []byte
+	lastWarn  time.Time
+}
+
+// udpQuery is a query the loop forwarded and waits for the reply to.
+type udpQuery struct {
+	peer   peer
+	client netip.AddrPort // peer's address
+	dst    netip.Addr     // the address it came to, with pktinfo
+	req    *dns.Msg
+	size   int // the largest reply the client takes
+	v      QueryVerdict
+	// upstream is where it went, fd the socket it went from (-1 once
+	// answered), deadline when the loop stops waiting.
+	upstream string
+	fd       int
+	deadline time.Time
+}
+
+// udpReply is an answer waiting for the loop's next batch of sends.
+type udpReply struct {
+	q      *udpQuery
+	wire   []byte
+	rcode  int
+	result string
+}
+
+const (
+	// udpBatch is the most datagrams read or written by one system call.
+	udpBatch = 64
+	// maxQueryLen is the longest query read; longer ones are cut and
+	// answered FORMERR.
+	maxQueryLen = 4096
+	// maxInflight bounds the queries waiting for the upstream at once
+	// (each holds a socket); more are answered SERVFAIL.
+	maxInflight = 8192
+)
+
+// newUDPServer serves the proxy's UDP queries on pc's socket, which it
+// takes over (pc is closed).
+func newUDPServer(p *Proxy, pc net.PacketConn) (*udpServer, error) {
+	defer pc.Close()
+	conn, ok := pc.(*net.UDPConn)
+	if !ok {
+		return nil, fmt.Errorf("not a UDP socket: %T", pc)
+	}
+	s := &udpServer{
+		p: p, fd: -1, epfd: -1, stopfd: -1, local: conn.LocalAddr().(*net.UDPAddr),
+		done: make(chan struct{}), inflight: map[int]*udpQuery{},
+		scratch: make([]byte, dns.MaxMsgSize),
+	}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	if err := s.open(conn); err != nil {
+		s.closeFDs()
+		return nil, err
+	}
+	oob := 0
+	if s.pktinfo {
+		// An IPv4 query to an IPv6 socket may come with both kinds.
+		oob = 2 * pktinfoSpace
+	}
+	s.in, s.out = newMsgBatch(udpBatch, maxQueryLen, oob), newMsgBatch(udpBatch, 0, oob)
+	return s, nil
+}
+
+// open takes a duplicate of conn's socket (conn stays with the runtime's
+// poller until closed) and sets up the epoll set.
+func (s *udpServer) open(conn *net.UDPConn) error {
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var dupErr error
+	if err := rc.Control(func(fd uintptr) {
+		s.fd, dupErr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
+	}); err != nil {
+		return err
+	}
+	if dupErr != nil {
+		return fmt.Errorf("duplicate the UDP socket: %w", dupErr)
+	}
+	// The runtime made the socket non-blocking; the duplicate shares
+	// that, but say it: the loop must never block on it.
+	if err := unix.SetNonblock(s.fd, true); err != nil {
+		return err
+	}
+	domain, err := unix.GetsockoptInt(s.fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
+	if err != nil {
+		return fmt.Errorf("socket domain: %w", err)
+	}
+	v6 := domain == unix.AF_INET6
+	if s.local.IP.IsUnspecified() {
+		s.pktinfo = true
+		// An IPv6 socket bound to :: serves IPv4 too: ask for both.
+		errV4 := unix.SetsockoptInt(s.fd, unix.IPPROTO_IP, unix.IP_PKTINFO, 1)
+		var errV6 error
+		if v6 {
+			errV6 = unix.SetsockoptInt(s.fd, unix.IPPROTO_IPV6, unix.IPV6_RECVPKTINFO, 1)
+		}
+		if (!v6 && errV4 != nil) || (v6 && errV6 != nil) {
+			return fmt.Errorf("ask for each query's destination address: %w", errors.Join(errV4, errV6))
+		}
+	}
+	if s.epfd, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
+		return fmt.Errorf("epoll_create1: %w", err)
+	}
+	if s.stopfd, err = unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC); err != nil {
+		return fmt.Errorf("eventfd: %w", err)
+	}
+	for _, fd := range []int{s.fd, s.stopfd} {
+		if err := unix.EpollCtl(s.epfd, unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}); err != nil {
+			return fmt.Errorf("epoll_ctl: %w", err)
+		}
+	}
+	return nil
+}
+
+func (s *udpServer) closeFDs() {
+	for _, fd := range []int{s.fd, s.epfd, s.stopfd} {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+	}
+}
+
+// run is the loop; it returns once stop is called.
+func (s *udpServer) run() {
+	defer close(s.done)
+	events := make([]unix.EpollEvent, 2*udpBatch)
+	for {
+		n, err := unix.EpollWait(s.epfd, events, s.timeout())
+		if err != nil && !errors.Is(err, unix.EINTR) {
+			s.p.log.Error("DNS proxy: UDP queries are no longer answered", "error", fmt.Errorf("epoll_wait: %w", err))
+			return
+		}
+		for _, ev := range events[:max(n, 0)] {
+			switch fd := int(ev.Fd); fd {
+			case s.stopfd:
+				s.abandon()
+				return
+			case s.fd:
+				s.readQueries()
+			default:
+				s.readReply(fd)
+			}
+		}
+		s.expire(time.Now())
+		s.flush()
+	}
+}
+
+// stop ends the loop and waits for the side goroutines, then closes the
+// sockets. Queries still in flight are not answered: their clients ask
+// again.
+func (s *udpServer) stop(ctx context.Context) error {
+	var one [8]byte
+	binary.NativeEndian.PutUint64(one[:], 1)
+	if _, err := unix.Write(s.stopfd, one[:]); err != nil {
+		return fmt.Errorf("stop the UDP loop: %w", err)
+	}
+	s.cancel()
+	select {
+	case <-s.done:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	s.side.Wait()
+	s.closeFDs()
+	return nil
+}
+
+// timeout is how long epoll_wait may wait: until the first deadline of a
+// query in flight, or for ever.
+func (s *udpServer) timeout() int {
+	for len(s.deadlines) > 0 && s.deadlines[0].fd < 0 {
+		s.deadlines[0] = nil
+		s.deadlines = s.deadlines[1:]
+	}
+	if len(s.deadlines) == 0 {
+		return -1
+	}
+	ms := time.Until(s.deadlines[0].deadline).Milliseconds() + 1
+	return int(max(ms, 0))
+}
+
+// readQueries reads the queries waiting on the listening socket, a batch
+// at a time: the socket stays ready while more wait, and the loop comes
+// back.
+func (s *udpServer) readQueries() {
+	n, err := s.in.recv(s.fd)
+	if err != nil {
+		if !errors.Is(err, unix.EAGAIN) && !errors.Is(err, unix.EINTR) {
+			s.p.log.Debug("DNS proxy: reading UDP queries", "error", err)
+		}
+		return
+	}
+	for i := range n {
+		data, from, dst, truncated := s.in.message(i)
+		s.query(data, from, dst, truncated)
+	}
+}
+
+// query handles one datagram from a client, sent to dst.
+func (s *udpServer) query(data []byte, from peer, dst netip.Addr, truncated bool) {
+	defer s.recover()
+	client := from.addrPort()
+	// Too short for a header, or a response: never answered, so that two
+	// DNS speakers cannot answer each other for ever.
+	if len(data) < 12 || data[2]&0x80 != 0 || !client.IsValid() {
+		return
+	}
+	req := new(dns.Msg)
+	if truncated || req.Unpack(data) != nil || !wellFormed(req) {
+		s.replies = append(s.replies, udpReply{q: &udpQuery{peer: from, client: client, dst: dst}, wire: formErr(data), rcode: dns.RcodeFormatError})
+		return
+	}
+	v, upstream, refusal := s.p.admit(req, client, false)
+	q := &udpQuery{peer: from, client: client, dst: dst, req: req, size: replySize("udp", req), v: v, upstream: upstream, fd: -1}
+	if refusal != nil {
+		s.answer(q, refusal, "")
+		return
+	}
+	ap, err := netip.ParseAddrPort(upstream)
+	if err != nil || ap.Addr().Zone() != "" {
+		// A name or a zoned address: net.Dial's, in a goroutine.
+		s.side.Go(func() {
+			resp, ans, result := s.p.handle(s.ctx, "udp", req, upstream)
+			q.v.Answers = ans.ips
+			s.sendNow(q, s.pack(q, resp), resp.Rcode, result)
+		})
+		return
+	}
+	if len(s.inflight) >= maxInflight {
+		if time.Since(s.lastWarn) > time.Second {
+			s.lastWarn = time.Now()
+			s.p.log.Warn("DNS proxy: too many queries waiting for the upstream, answering SERVFAIL", "limit", maxInflight)
+		}
+		s.answer(q, new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultServFail)
+		return
+	}
+	fd, err := sendUpstream(ap, data)
+	if err == nil {
+		err = unix.EpollCtl(s.epfd, unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)})
+		if err != nil {
+			unix.Close(fd)
+			err = fmt.Errorf("epoll_ctl: %w", err)
+		}
+	}
+	if err != nil {
+		resp, result := s.p.upstreamFailed(req, upstream, err)
+		s.answer(q, resp, result)
+		return
+	}
+	q.fd, q.deadline = fd, time.Now().Add(s.p.cfg.DNSUpstreamTimeout)
+	s.inflight[fd] = q
+	s.deadlines = append(s.deadlines, q)
+}
+
+// readReply reads what came on the upstream socket fd.
+func (s *udpServer) readReply(fd int) {
+	defer s.recover()
+	q := s.inflight[fd]
+	if q == nil {
+		unix.EpollCtl(s.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+		return
+	}
+	// One byte more than the client takes: a longer reply is cut there
+	// and dropped as oversized.
+	buf := s.scratch[:min(q.size+1, len(s.scratch))]
+	for {
+		n, err := unix.Read(fd, buf)
+		switch {
+		case errors.Is(err, unix.EAGAIN):
+			return
+		case errors.Is(err, unix.EINTR):
+			continue
+		case err != nil:
+			s.done1(q)
+			resp, result := s.p.upstreamFailed(q.req, q.upstream, fmt.Errorf("receive from %s: %w", q.upstream, os.NewSyscallError("read", err)))
+			s.answer(q, resp, result)
+			return
+		case n < 2 || binary.BigEndian.Uint16(buf) != q.req.Id:
+			// Not the reply (a late one to an earlier query, or
+			// spoofed): the kernel let it through the connected
+			// socket, so it came from the upstream's address.
+			continue
+		}
+		s.done1(q)
+		wire := bytes.Clone(buf[:n])
+		resp, ans, result, held := s.p.learn(q.req, wire, q.size, q.upstream)
+		q.v.Answers = ans.ips
+		if result == resultDropped {
+			s.answer(q, resp, result)
+			return
+		}
+		if held != nil {
+			s.side.Go(func() {
+				s.p.hold(s.ctx, held)
+				s.sendNow(q, wire, resp.Rcode, result)
+			})
+			return
+		}
+		// The upstream's reply as it came: it answers the client's
+		// question with the client's ID, and fits what the client takes.
+		s.replies = append(s.replies, udpReply{q: q, wire: wire, rcode: resp.Rcode, result: result})
+		return
+	}
+}
+
+// done1 closes q's upstream socket (which leaves the epoll set with it).
+func (s *udpServer) done1(q *udpQuery) {
+	delete(s.inflight, q.fd)
+	unix.Close(q.fd)
+	q.fd = -1
+}
+
+// expire answers SERVFAIL to the queries whose upstream did not reply in
+// time.
+func (s *udpServer) expire(now time.Time) {
+	for len(s.deadlines) > 0 {
+		q := s.deadlines[0]
+		if q.fd >= 0 && now.Before(q.deadline) {
+			return
+		}
+		s.deadlines[0] = nil
+		s.deadlines = s.deadlines[1:]
+		if q.fd >= 0 {
+			s.done1(q)
+			resp, result := s.p.upstreamFailed(q.req, q.upstream, fmt.Errorf("no reply from %s within %s: %w", q.upstream, s.p.cfg.DNSUpstreamTimeout, os.ErrDeadlineExceeded))
+			s.answer(q, resp, result)
+		}
+	}
+}
+
+// abandon closes the upstream sockets of the queries still in flight.
+func (s *udpServer) abandon() {
+	for _, q := range s.inflight {
+		s.done1(q)
+	}
+	s.deadlines = nil
+}
+
+// answer queues resp for q's client.
+func (s *udpServer) answer(q *udpQuery, resp *dns.Msg, result string) {
+	s.replies = append(s.replies, udpReply{q: q, wire: s.pack(q, resp), rcode: resp.Rcode, result: result})
+}
+
+// pack returns resp as q's client gets it: with its ID, truncated to the
+// size it takes; an answer that does not pack is SERVFAIL.
+func (s *udpServer) pack(q *udpQuery, resp *dns.Msg) []byte {
+	resp.Id = q.req.Id
+	resp.Truncate(q.size)
+	wire, err := resp.Pack()
+	if err != nil {
+		s.p.log.Debug("DNS proxy: an answer does not pack, answering SERVFAIL", "error", err)
+		wire, _ = new(dns.Msg).SetRcode(q.req, dns.RcodeServerFailure).Pack()
+	}
+	return wire
+}
+
+// flush sends the queued replies and records their queries.
+func (s *udpServer) flush() {
+	for sent := 0; sent < len(s.replies); {
+		batch := s.replies[sent:min(len(s.replies), sent+udpBatch)]
+		for i, r := range batch {
+			s.out.set(i, r.wire, r.q.peer, r.q.dst)
+		}
+		n, err := s.out.send(s.fd, len(batch))
+		switch {
+		case errors.Is(err, unix.EINTR):
+			continue
+		case err != nil:
+			// The first reply could not be sent (the kernel took
+			// none): it is lost, the client asks again.
+			s.p.log.Debug("DNS proxy: could not answer a UDP client", "client", batch[0].q.client, "error", err)
+			n = 1
+		}
+		for _, r := range batch[:n] {
+			if r.q.req != nil {
+				s.p.record(&r.q.v, r.rcode, r.result)
+			}
+		}
+		sent += n
+	}
+	clear(s.replies)
+	s.replies = s.replies[:0]
+}
+
+// sendNow sends one reply from a side goroutine and records its query.
+func (s *udpServer) sendNow(q *udpQuery, wire []byte, rcode int, result string) {
+	b := newMsgBatch(1, 0, pktinfoSpace)
+	b.set(0, wire, q.peer, q.dst)
+	if _, err := b.send(s.fd, 1); err != nil {
+		s.p.log.Debug("DNS proxy: could not answer a UDP client", "client", q.client, "error", err)
+	}
+	s.p.record(&q.v, rcode, result)
+}
+
+// recover keeps a panic on one query's input from taking the agent down.
+func (s *udpServer) recover() {
+	if r := recover(); r != nil {
+		s.p.log.Error("DNS proxy: panic while handling a request", "panic", r)
+	}
+}
+
+// sendUpstream sends query to upstream from a new socket and returns it:
+// each query gets a port the kernel picks at random, so that an answer
+// cannot be spoofed by guessing the ID alone, and the socket is
+// connected, so the kernel drops datagrams from anywhere but upstream.
+func sendUpstream(upstream netip.AddrPort, query []byte) (int, error) {
+	// An IPv4-mapped address is asked over IPv4, as net.Dial does.
+	addr := upstream.Addr().Unmap()
+	family, sa := unix.AF_INET6, unix.Sockaddr(&unix.SockaddrInet6{Port: int(upstream.Port()), Addr: addr.As16()})
+	if addr.Is4() {
+		family, sa = unix.AF_INET, &unix.SockaddrInet4{Port: int(upstream.Port()), Addr: addr.As4()}
+	}
+	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return -1, os.NewSyscallError("socket", err)
+	}
+	if err := unix.Connect(fd, sa); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("connect to %s: %w", upstream, os.NewSyscallError("connect", err))
+	}
+	if _, err := unix.Write(fd, query); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("send to %s: %w", upstream, os.NewSyscallError("write", err))
+	}
+	return fd, nil
+}
+
+// formErr is the FORMERR answer to query, a header of its own: the ID,
+// opcode and RD bit of the query, no records.
+func formErr(query []byte) []byte {
+	r := make([]byte, 12)
+	copy(r, query[:2])
+	r[2] = 0x80 | query[2]&0x79 // QR; the query's opcode and RD
+	r[3] = dns.RcodeFormatError
+	return r
+}

@@ -1,0 +1,308 @@
+package fqdn
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/hive/hivetest"
+	"github.com/miekg/dns"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
+)
+
+// fakeResolver answers each datagram on a loopback UDP socket as answer
+// says (nil: no answer), and reports where each query came from.
+func fakeResolver(t testing.TB, network, addr string, answer func(q *dns.Msg) []*dns.Msg) (netip.AddrPort, <-chan netip.AddrPort) {
+	t.Helper()
+	pc, err := net.ListenPacket(network, addr)
+	if err != nil {
+		t.Skipf("listen on %s %s: %v", network, addr, err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	from := make(chan netip.AddrPort, 1024)
+	go func() {
+		buf := make([]byte, 512)
+		for {
+			n, src, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			select {
+			case from <- src.(*net.UDPAddr).AddrPort():
+			default:
+			}
+			var q dns.Msg
+			if q.Unpack(buf[:n]) != nil {
+				continue
+			}
+			for _, r := range answer(&q) {
+				wire, _ := r.Pack()
+				pc.WriteTo(wire, src)
+			}
+		}
+	}()
+	return pc.LocalAddr().(*net.UDPAddr).AddrPort(), from
+}
+
+// reply is q answered with one TXT record holding text, under ID id.
+func reply(q *dns.Msg, id uint16, text string) *dns.Msg {
+	r := new(dns.Msg).SetReply(q)
+	r.Id = id
+	r.Answer = append(r.Answer, &dns.TXT{Hdr: dns.RR_Header{Name: q.Question[0].Name, Rrtype: dns.TypeTXT, Class: dns.ClassINET, Ttl: 60}, Txt: []string{text}})
+	return r
+}
+
+// startUDPProxy starts a proxy on listen (UDP and TCP) forwarding to
+// upstream, with no policy and no names to label.
+func startUDPProxy(t testing.TB, listen string, upstream netip.AddrPort) *Proxy {
+	t.Helper()
+	m, err := newFQDNMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &Proxy{log: hivetest.Logger(t), metrics: m, now: time.Now, cfg: Config{
+		DNSProxyAddr: listen, DNSUpstream: upstream.String(),
+		DNSUpstreamTimeout: 300 * time.Millisecond, ToFQDNsProxyResponseMaxDelay: 100 * time.Millisecond,
+	}}
+	if err := p.start(); err != nil {
+		t.Skipf("start the proxy on %s: %v", listen, err)
+	}
+	t.Cleanup(func() {
+		if err := p.stop(context.Background()); err != nil {
+			t.Error(err)
+		}
+	})
+	return p
+}
+
+// ask sends a TXT query for name from a socket connected to server and
+// returns the answer.
+func ask(t testing.TB, server string, name string) (*dns.Msg, error) {
+	t.Helper()
+	c := &dns.Client{Net: "udp", Timeout: 2 * time.Second}
+	r, _, err := c.Exchange(new(dns.Msg).SetQuestion(name, dns.TypeTXT), server)
+	return r, err
+}
+
+func txt(r *dns.Msg) string {
+	if r == nil || len(r.Answer) != 1 {
+		return fmt.Sprint(r)
+	}
+	if t, ok := r.Answer[0].(*dns.TXT); ok && len(t.Txt) == 1 {
+		return t.Txt[0]
+	}
+	return r.Answer[0].String()
+}
+
+func TestUDPServer(t *testing.T) {
+	tests := []struct {
+		name    string
+		network string
+		addr    string
+		answer  func(q *dns.Msg) []*dns.Msg
+		rcode   int
+		want    string // the TXT of the answer taken
+		mapped  bool   // the upstream's IPv4 address given mapped to IPv6
+	}{
+		{"reply", "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} }, dns.RcodeSuccess, "a", false},
+		{"IPv6 upstream", "udp6", "[::1]:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} }, dns.RcodeSuccess, "a", false},
+		{"IPv4-mapped upstream", "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} }, dns.RcodeSuccess, "a", true},
+		{"another ID first", "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg {
+			return []*dns.Msg{reply(q, q.Id+1, "x"), reply(q, q.Id, "a")}
+		}, dns.RcodeSuccess, "a", false},
+		{"no reply", "udp4", "127.0.0.1:0", func(*dns.Msg) []*dns.Msg { return nil }, dns.RcodeServerFailure, "", false},
+		{"only other IDs", "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id+1, "x")} }, dns.RcodeServerFailure, "", false},
+		{"answer to another question", "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg {
+			r := reply(q, q.Id, "x")
+			r.Question[0].Name = "other.test."
+			return []*dns.Msg{r}
+		}, dns.RcodeServerFailure, "", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			up, _ := fakeResolver(t, tt.network, tt.addr, tt.answer)
+			if tt.mapped {
+				up = netip.AddrPortFrom(netip.AddrFrom16(up.Addr().As16()), up.Port())
+			}
+			p := startUDPProxy(t, "127.0.0.1:0", up)
+			r, err := ask(t, p.Addr(), "www.example.test.")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.Rcode != tt.rcode {
+				t.Fatalf("rcode %s, want %s: %v", dns.RcodeToString[r.Rcode], dns.RcodeToString[tt.rcode], r)
+			}
+			if tt.want != "" && txt(r) != tt.want {
+				t.Fatalf("got %s, want the reply %q", txt(r), tt.want)
+			}
+		})
+	}
+}
+
+// A closed port upstream is SERVFAIL at once (the connected socket hears
+// the ICMP error), not after the timeout.
+func TestUDPServerUpstreamRefused(t *testing.T) {
+	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	up := pc.LocalAddr().(*net.UDPAddr).AddrPort()
+	pc.Close()
+	p := startUDPProxy(t, "127.0.0.1:0", up)
+	p.cfg.DNSUpstreamTimeout = time.Minute
+	r, err := ask(t, p.Addr(), "www.example.test.")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Rcode != dns.RcodeServerFailure {
+		t.Fatalf("got %v, want SERVFAIL", r)
+	}
+}
+
+// Each query leaves from a socket of its own: its source port is the
+// kernel's random pick, not one a spoofer could learn from an earlier
+// query.
+func TestUDPServerSourcePorts(t *testing.T) {
+	up, from := fakeResolver(t, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} })
+	p := startUDPProxy(t, "127.0.0.1:0", up)
+	ports := map[uint16]bool{}
+	for range 4 {
+		if _, err := ask(t, p.Addr(), "www.example.test."); err != nil {
+			t.Fatal(err)
+		}
+		ports[(<-from).Port()] = true
+	}
+	if len(ports) < 2 {
+		t.Fatalf("4 queries left from ports %v, want a new one for each", ports)
+	}
+}
+
+// Bound to an unspecified address, the proxy answers from the address
+// each query came to: a client connected to another of the host's
+// addresses takes no answer from elsewhere.
+func TestUDPServerReplySource(t *testing.T) {
+	up, _ := fakeResolver(t, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} })
+	for _, tt := range []struct{ listen, ask string }{
+		{"0.0.0.0:0", "127.0.0.2"},
+		{"[::]:0", "127.0.0.3"},
+		{"[::]:0", "::1"},
+		{":0", "127.0.0.4"},
+	} {
+		t.Run(tt.listen+" asked on "+tt.ask, func(t *testing.T) {
+			p := startUDPProxy(t, tt.listen, up)
+			_, port, _ := net.SplitHostPort(p.Addr())
+			r, err := ask(t, net.JoinHostPort(tt.ask, port), "www.example.test.")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if txt(r) != "a" {
+				t.Fatalf("got %v", r)
+			}
+		})
+	}
+}
+
+// Queries that are no DNS message are FORMERR, with their ID.
+func TestUDPServerMalformed(t *testing.T) {
+	up, _ := fakeResolver(t, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} })
+	p := startUDPProxy(t, "127.0.0.1:0", up)
+	two := new(dns.Msg).SetQuestion("a.test.", dns.TypeA)
+	two.Id = 0x4242
+	two.Question = append(two.Question, two.Question[0])
+	twoWire, err := two.Pack()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, query := range map[string][]byte{
+		"garbage":         {0x42, 0x42, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0, 0xff, 0xff},
+		"two questions":   twoWire,
+		"no question yet": {0x42, 0x42, 0x01, 0x00, 0, 0, 0, 0, 0, 0, 0, 0},
+	} {
+		t.Run(name, func(t *testing.T) {
+			conn, err := net.Dial("udp", p.Addr())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			conn.SetDeadline(time.Now().Add(2 * time.Second))
+			if _, err := conn.Write(query); err != nil {
+				t.Fatal(err)
+			}
+			buf := make([]byte, 512)
+			n, err := conn.Read(buf)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var r dns.Msg
+			if err := r.Unpack(buf[:n]); err != nil {
+				t.Fatal(err)
+			}
+			if r.Id != 0x4242 || !r.Response || r.Rcode != dns.RcodeFormatError {
+				t.Fatalf("got %v, want FORMERR with ID 0x4242", &r)
+			}
+		})
+	}
+}
+
+// Many clients at once: every query gets its own answer (batches of
+// reads and writes keep each reply with its client).
+func TestUDPServerConcurrent(t *testing.T) {
+	up, _ := fakeResolver(t, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg {
+		return []*dns.Msg{reply(q, q.Id, q.Question[0].Name)}
+	})
+	p := startUDPProxy(t, "127.0.0.1:0", up)
+	var wg sync.WaitGroup
+	for i := range 200 {
+		wg.Go(func() {
+			name := fmt.Sprintf("q%d.example.test.", i)
+			r, err := ask(t, p.Addr(), name)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if txt(r) != name {
+				t.Errorf("%s answered %s", name, txt(r))
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// BenchmarkUDPServer: queries through the proxy's UDP server to a
+// resolver on loopback (an in-test one), 8 in flight. cpu-us/op is the
+// process's CPU time (clients, proxy and resolver) per query.
+//
+//	go test -run '^$' -bench UDPServer -benchtime 20000x ./cells/fqdn/
+func BenchmarkUDPServer(b *testing.B) {
+	up, from := fakeResolver(b, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} })
+	go func() {
+		for range from {
+		}
+	}()
+	p := startUDPProxy(b, "127.0.0.1:0", up)
+	before := cpuTime(b)
+	b.SetParallelism(4) // 8 clients on 2 CPUs
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if _, err := ask(b, p.Addr(), "www.example.test."); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+	b.ReportMetric(float64((cpuTime(b)-before).Microseconds())/float64(b.N), "cpu-us/op")
+}
+
+// cpuTime returns the CPU time the process used so far.
+func cpuTime(tb testing.TB) time.Duration {
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		tb.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
