@@ -17,13 +17,13 @@ import (
 )
 
 // udpServer answers the proxy's UDP queries. One goroutine owns an epoll
-// set holding the listening socket and the upstream socket of each query
-// in flight: it reads queries in batches (recvmmsg), sends each allowed
-// one out from a socket of its own, and writes the replies back in
-// batches (sendmmsg). A query costs a handful of system calls and wakes
-// no goroutine; a server with a goroutine per query waiting in the
-// runtime's poller made twice the system calls and two goroutine wakeups
-// per query, most of the proxy's CPU time on a virtual machine
+// set holding the listening socket and the sockets to the resolvers
+// (upstreams): it reads queries in batches (recvmmsg), forwards each
+// allowed one, and writes the answers back in batches (sendmmsg). A query
+// costs a few system calls and wakes no goroutine; a server with a
+// goroutine per query waiting in the runtime's poller, and a socket per
+// query, spent more than twice the CPU time per query on a virtual
+// machine, most of it in system calls and the scheduler
 // (docs/benchmarks.md). An answer held until policy allows its addresses
 // is finished by a goroutine of its own, as is a query to an upstream
 // given by name.
@@ -42,10 +42,11 @@ type udpServer struct {
 	side    sync.WaitGroup // side goroutines (held answers, named upstreams)
 
 	// Owned by the loop.
-	inflight  map[int]*udpQuery // by upstream socket
-	deadlines []*udpQuery       // in flight, oldest first
-	in        *msgBatch
-	out       *msgBatch
+	up        *upstreams
+	deadlines []*udpQuery // forwarded, oldest first
+	in        *msgBatch   // queries
+	replyIn   *msgBatch   // the upstreams' replies
+	out       *msgBatch   // answers
 	replies   []udpReply
 	scratch   []byte
 	lastWarn  time.Time
@@ -59,10 +60,11 @@ type udpQuery struct {
 	req    *dns.Msg
 	size   int // the largest reply the client takes
 	v      QueryVerdict
-	// upstream is where it went, fd the socket it went from (-1 once
-	// answered), deadline when the loop stops waiting.
+	// upstream is where it went, sock the socket it went out on (nil once
+	// answered) under ID id, deadline when the loop stops waiting.
 	upstream string
-	fd       int
+	sock     *upstreamSocket
+	id       uint16
 	deadline time.Time
 }
 
@@ -95,8 +97,7 @@ func newUDPServer(p *Proxy, pc net.PacketConn) (*udpServer, error) {
 	}
 	s := &udpServer{
 		p: p, fd: -1, epfd: -1, stopfd: -1, local: conn.LocalAddr().(*net.UDPAddr),
-		done: make(chan struct{}), inflight: map[int]*udpQuery{},
-		scratch: make([]byte, dns.MaxMsgSize),
+		done: make(chan struct{}),
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	if err := s.open(conn); err != nil {
@@ -109,6 +110,10 @@ func newUDPServer(p *Proxy, pc net.PacketConn) (*udpServer, error) {
 		oob = 2 * pktinfoSpace
 	}
 	s.in, s.out = newMsgBatch(udpBatch, maxQueryLen, oob), newMsgBatch(udpBatch, 0, oob)
+	// A reply may be as long as a datagram can be: the client's size
+	// decides what is too long (parseAnswer).
+	s.replyIn = newMsgBatch(8, dns.MaxMsgSize, 0)
+	s.up = newUpstreams(s.epfd)
 	return s, nil
 }
 
@@ -219,17 +224,24 @@ func (s *udpServer) stop(ctx context.Context) error {
 }
 
 // timeout is how long epoll_wait may wait: until the first deadline of a
-// query in flight, or for ever.
+// query in flight or the next sweep of the upstream sockets, or for ever
+// when there is neither.
 func (s *udpServer) timeout() int {
-	for len(s.deadlines) > 0 && s.deadlines[0].fd < 0 {
+	for len(s.deadlines) > 0 && s.deadlines[0].sock == nil {
 		s.deadlines[0] = nil
 		s.deadlines = s.deadlines[1:]
 	}
-	if len(s.deadlines) == 0 {
+	var next time.Time
+	if len(s.deadlines) > 0 {
+		next = s.deadlines[0].deadline
+	}
+	if sweep := s.up.lastSweep.Add(socketLifetime); len(s.up.current) > 0 && (next.IsZero() || sweep.Before(next)) {
+		next = sweep
+	}
+	if next.IsZero() {
 		return -1
 	}
-	ms := time.Until(s.deadlines[0].deadline).Milliseconds() + 1
-	return int(max(ms, 0))
+	return int(max(time.Until(next).Milliseconds()+1, 0))
 }
 
 // readQueries reads the queries waiting on the listening socket, a batch
@@ -264,7 +276,7 @@ func (s *udpServer) query(data []byte, from peer, dst netip.Addr, truncated bool
 		return
 	}
 	v, upstream, refusal := s.p.admit(req, client, false)
-	q := &udpQuery{peer: from, client: client, dst: dst, req: req, size: replySize("udp", req), v: v, upstream: upstream, fd: -1}
+	q := &udpQuery{peer: from, client: client, dst: dst, req: req, size: replySize("udp", req), v: v, upstream: upstream}
 	if refusal != nil {
 		s.answer(q, refusal, "")
 		return
@@ -279,7 +291,7 @@ func (s *udpServer) query(data []byte, from peer, dst netip.Addr, truncated bool
 		})
 		return
 	}
-	if len(s.inflight) >= maxInflight {
+	if s.up.pending >= maxInflight {
 		if time.Since(s.lastWarn) > time.Second {
 			s.lastWarn = time.Now()
 			s.p.log.Warn("DNS proxy: too many queries waiting for the upstream, answering SERVFAIL", "limit", maxInflight)
@@ -287,80 +299,63 @@ func (s *udpServer) query(data []byte, from peer, dst netip.Addr, truncated bool
 		s.answer(q, new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultServFail)
 		return
 	}
-	fd, err := sendUpstream(ap, data)
-	if err == nil {
-		err = unix.EpollCtl(s.epfd, unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)})
-		if err != nil {
-			unix.Close(fd)
-			err = fmt.Errorf("epoll_ctl: %w", err)
-		}
-	}
-	if err != nil {
+	now := time.Now()
+	if err := s.up.send(q, ap, data, now); err != nil {
 		resp, result := s.p.upstreamFailed(req, upstream, err)
 		s.answer(q, resp, result)
 		return
 	}
-	q.fd, q.deadline = fd, time.Now().Add(s.p.cfg.DNSUpstreamTimeout)
-	s.inflight[fd] = q
+	q.deadline = now.Add(s.p.cfg.DNSUpstreamTimeout)
 	s.deadlines = append(s.deadlines, q)
 }
 
-// readReply reads what came on the upstream socket fd.
+// readReply reads the replies that came on the upstream socket fd.
 func (s *udpServer) readReply(fd int) {
-	defer s.recover()
-	q := s.inflight[fd]
-	if q == nil {
-		unix.EpollCtl(s.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+	sock := s.up.byFD[fd]
+	if sock == nil {
+		return // closed earlier in this round
+	}
+	n, err := s.replyIn.recv(fd)
+	switch {
+	case errors.Is(err, unix.EAGAIN), errors.Is(err, unix.EINTR):
+		return
+	case err != nil:
+		for _, q := range s.up.fail(sock) {
+			resp, result := s.p.upstreamFailed(q.req, q.upstream, fmt.Errorf("receive from %s: %w", q.upstream, os.NewSyscallError("recvmmsg", err)))
+			s.answer(q, resp, result)
+		}
 		return
 	}
-	// One byte more than the client takes: a longer reply is cut there
-	// and dropped as oversized.
-	buf := s.scratch[:min(q.size+1, len(s.scratch))]
-	for {
-		n, err := unix.Read(fd, buf)
-		switch {
-		case errors.Is(err, unix.EAGAIN):
-			return
-		case errors.Is(err, unix.EINTR):
-			continue
-		case err != nil:
-			s.done1(q)
-			resp, result := s.p.upstreamFailed(q.req, q.upstream, fmt.Errorf("receive from %s: %w", q.upstream, os.NewSyscallError("read", err)))
-			s.answer(q, resp, result)
-			return
-		case n < 2 || binary.BigEndian.Uint16(buf) != q.req.Id:
-			// Not the reply (a late one to an earlier query, or
-			// spoofed): the kernel let it through the connected
-			// socket, so it came from the upstream's address.
-			continue
+	for i := range n {
+		data, _, _, _ := s.replyIn.message(i)
+		// Not the reply to a query waiting (a late one, or spoofed):
+		// the kernel let it through the connected socket, so it came
+		// from the resolver's address, but it answers nothing.
+		if q := s.up.take(sock, data); q != nil {
+			s.passOn(q, bytes.Clone(data))
 		}
-		s.done1(q)
-		wire := bytes.Clone(buf[:n])
-		resp, ans, result, held := s.p.learn(q.req, wire, q.size, q.upstream)
-		q.v.Answers = ans.ips
-		if result == resultDropped {
-			s.answer(q, resp, result)
-			return
-		}
-		if held != nil {
-			s.side.Go(func() {
-				s.p.hold(s.ctx, held)
-				s.sendNow(q, wire, resp.Rcode, result)
-			})
-			return
-		}
-		// The upstream's reply as it came: it answers the client's
-		// question with the client's ID, and fits what the client takes.
-		s.replies = append(s.replies, udpReply{q: q, wire: wire, rcode: resp.Rcode, result: result})
-		return
 	}
 }
 
-// done1 closes q's upstream socket (which leaves the epoll set with it).
-func (s *udpServer) done1(q *udpQuery) {
-	delete(s.inflight, q.fd)
-	unix.Close(q.fd)
-	q.fd = -1
+// passOn answers q with wire, the upstream's reply to it.
+func (s *udpServer) passOn(q *udpQuery, wire []byte) {
+	defer s.recover()
+	resp, ans, result, held := s.p.learn(q.req, wire, q.size, q.upstream)
+	q.v.Answers = ans.ips
+	if result == resultDropped {
+		s.answer(q, resp, result)
+		return
+	}
+	if held != nil {
+		s.side.Go(func() {
+			s.p.hold(s.ctx, held)
+			s.sendNow(q, wire, resp.Rcode, result)
+		})
+		return
+	}
+	// The upstream's reply as it came: it answers the client's question
+	// with the client's ID, and fits what the client takes.
+	s.replies = append(s.replies, udpReply{q: q, wire: wire, rcode: resp.Rcode, result: result})
 }
 
 // expire answers SERVFAIL to the queries whose upstream did not reply in
@@ -368,24 +363,23 @@ func (s *udpServer) done1(q *udpQuery) {
 func (s *udpServer) expire(now time.Time) {
 	for len(s.deadlines) > 0 {
 		q := s.deadlines[0]
-		if q.fd >= 0 && now.Before(q.deadline) {
-			return
+		if q.sock != nil && now.Before(q.deadline) {
+			break
 		}
 		s.deadlines[0] = nil
 		s.deadlines = s.deadlines[1:]
-		if q.fd >= 0 {
-			s.done1(q)
+		if q.sock != nil {
+			s.up.forget(q)
 			resp, result := s.p.upstreamFailed(q.req, q.upstream, fmt.Errorf("no reply from %s within %s: %w", q.upstream, s.p.cfg.DNSUpstreamTimeout, os.ErrDeadlineExceeded))
 			s.answer(q, resp, result)
 		}
 	}
+	s.up.sweep(now)
 }
 
 // abandon closes the upstream sockets of the queries still in flight.
 func (s *udpServer) abandon() {
-	for _, q := range s.inflight {
-		s.done1(q)
-	}
+	s.up.closeAll()
 	s.deadlines = nil
 }
 
@@ -450,32 +444,6 @@ func (s *udpServer) recover() {
 	if r := recover(); r != nil {
 		s.p.log.Error("DNS proxy: panic while handling a request", "panic", r)
 	}
-}
-
-// sendUpstream sends query to upstream from a new socket and returns it:
-// each query gets a port the kernel picks at random, so that an answer
-// cannot be spoofed by guessing the ID alone, and the socket is
-// connected, so the kernel drops datagrams from anywhere but upstream.
-func sendUpstream(upstream netip.AddrPort, query []byte) (int, error) {
-	// An IPv4-mapped address is asked over IPv4, as net.Dial does.
-	addr := upstream.Addr().Unmap()
-	family, sa := unix.AF_INET6, unix.Sockaddr(&unix.SockaddrInet6{Port: int(upstream.Port()), Addr: addr.As16()})
-	if addr.Is4() {
-		family, sa = unix.AF_INET, &unix.SockaddrInet4{Port: int(upstream.Port()), Addr: addr.As4()}
-	}
-	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return -1, os.NewSyscallError("socket", err)
-	}
-	if err := unix.Connect(fd, sa); err != nil {
-		unix.Close(fd)
-		return -1, fmt.Errorf("connect to %s: %w", upstream, os.NewSyscallError("connect", err))
-	}
-	if _, err := unix.Write(fd, query); err != nil {
-		unix.Close(fd)
-		return -1, fmt.Errorf("send to %s: %w", upstream, os.NewSyscallError("write", err))
-	}
-	return fd, nil
 }
 
 // formErr is the FORMERR answer to query, a header of its own: the ID,

@@ -164,21 +164,43 @@ func TestUDPServerUpstreamRefused(t *testing.T) {
 	}
 }
 
-// Each query leaves from a socket of its own: its source port is the
-// kernel's random pick, not one a spoofer could learn from an earlier
-// query.
-func TestUDPServerSourcePorts(t *testing.T) {
-	up, from := fakeResolver(t, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} })
+// Queries leave under IDs the proxy picks at random, from sockets that
+// each carry at most socketQueries of them: the source port, the kernel's
+// random pick, changes at least that often.
+func TestUDPServerSourcePortsAndIDs(t *testing.T) {
+	ids := make(chan uint16, 1024)
+	up, from := fakeResolver(t, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg {
+		ids <- q.Id
+		return []*dns.Msg{reply(q, q.Id, "a")}
+	})
 	p := startUDPProxy(t, "127.0.0.1:0", up)
-	ports := map[uint16]bool{}
-	for range 4 {
-		if _, err := ask(t, p.Addr(), "www.example.test."); err != nil {
+	perPort := map[uint16]int{}
+	sameID := 0
+	const n = 3*socketQueries + 1
+	for range n {
+		q := new(dns.Msg).SetQuestion("www.example.test.", dns.TypeTXT)
+		r, err := dns.Exchange(q, p.Addr())
+		if err != nil {
 			t.Fatal(err)
 		}
-		ports[(<-from).Port()] = true
+		if r.Id != q.Id {
+			t.Fatalf("answer ID %d, want the query's %d", r.Id, q.Id)
+		}
+		perPort[(<-from).Port()]++
+		if <-ids == q.Id {
+			sameID++
+		}
 	}
-	if len(ports) < 2 {
-		t.Fatalf("4 queries left from ports %v, want a new one for each", ports)
+	if len(perPort) < 4 {
+		t.Errorf("%d queries left from ports %v, want at least 4", n, perPort)
+	}
+	for port, count := range perPort {
+		if count > socketQueries {
+			t.Errorf("port %d carried %d queries, more than %d", port, count, socketQueries)
+		}
+	}
+	if sameID > 3 {
+		t.Errorf("%d of %d queries went out under the client's ID, want the proxy's own", sameID, n)
 	}
 }
 

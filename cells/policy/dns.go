@@ -178,6 +178,9 @@ func (i *interceptor) endpointRow(id uint32) *tables.EndpointPolicy {
 // Report implements fqdn.Interceptor: the query becomes a verdict of type
 // dns in the monitor.
 func (i *interceptor) Report(q fqdn.QueryVerdict) {
+	if i.monitor.Subscribers() == 0 {
+		return // nobody watches: spare the proxy building the event
+	}
 	v := Verdict{
 		Time: q.Time.UTC(), Type: VerdictTypeDNS, Endpoint: q.Endpoint, Direction: tables.DirEgress,
 		Src: q.Client.String(), Dst: q.Resolver.String(), Proto: q.Protocol, RemoteLabels: []string{},
