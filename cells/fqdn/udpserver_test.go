@@ -58,8 +58,9 @@ func reply(q *dns.Msg, id uint16, text string) *dns.Msg {
 }
 
 // startUDPProxy starts a proxy on listen (UDP and TCP) forwarding to
-// upstream, with no policy and no names to label.
-func startUDPProxy(t testing.TB, listen string, upstream netip.AddrPort) *Proxy {
+// upstream, with no policy and no names to label; adjust changes its
+// configuration first.
+func startUDPProxy(t testing.TB, listen string, upstream netip.AddrPort, adjust ...func(*Config)) *Proxy {
 	t.Helper()
 	m, err := newFQDNMetrics(prometheus.NewRegistry())
 	if err != nil {
@@ -69,6 +70,9 @@ func startUDPProxy(t testing.TB, listen string, upstream netip.AddrPort) *Proxy 
 		DNSProxyAddr: listen, DNSUpstream: upstream.String(),
 		DNSUpstreamTimeout: 300 * time.Millisecond, ToFQDNsProxyResponseMaxDelay: 100 * time.Millisecond,
 	}}
+	for _, f := range adjust {
+		f(&p.cfg)
+	}
 	if err := p.start(); err != nil {
 		t.Skipf("start the proxy on %s: %v", listen, err)
 	}
@@ -153,8 +157,7 @@ func TestUDPServerUpstreamRefused(t *testing.T) {
 	}
 	up := pc.LocalAddr().(*net.UDPAddr).AddrPort()
 	pc.Close()
-	p := startUDPProxy(t, "127.0.0.1:0", up)
-	p.cfg.DNSUpstreamTimeout = time.Minute
+	p := startUDPProxy(t, "127.0.0.1:0", up, func(c *Config) { c.DNSUpstreamTimeout = time.Minute })
 	r, err := ask(t, p.Addr(), "www.example.test.")
 	if err != nil {
 		t.Fatal(err)
