@@ -239,6 +239,7 @@ func newProxy(p proxyParams) (*Proxy, error) {
 	cfg := p.Config
 	px := &Proxy{log: p.Log, names: p.Names, prefixes: p.Prefixes, gate: p.Gate, intercept: p.Interceptor, metrics: p.Metrics, cfg: cfg, now: time.Now}
 	health := p.Health.NewScope("proxy")
+	px.health = health
 	interception := p.Health.NewScope("interception")
 	if cfg.DNSProxyAddr == "" {
 		health.OK("Disabled: no --dns-proxy-addr")

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cilium/hive/cell"
 	"github.com/miekg/dns"
 
 	"github.com/apiary-net/apiary/cells/ipcache"
@@ -35,7 +36,9 @@ type Proxy struct {
 	patterns  patterns
 	metrics   *fqdnMetrics
 	cfg       Config
-	now       func() time.Time
+	// health is the proxy's health scope; nil in tests.
+	health cell.Health
+	now    func() time.Time
 
 	mu   sync.Mutex
 	udp  *udpServer

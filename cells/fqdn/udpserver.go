@@ -184,7 +184,11 @@ func (s *udpServer) run() {
 	for {
 		n, err := unix.EpollWait(s.epfd, events, s.timeout())
 		if err != nil && !errors.Is(err, unix.EINTR) {
-			s.p.log.Error("DNS proxy: UDP queries are no longer answered", "error", fmt.Errorf("epoll_wait: %w", err))
+			err = fmt.Errorf("epoll_wait: %w", err)
+			s.p.log.Error("DNS proxy: UDP queries are no longer answered", "error", err)
+			if s.p.health != nil {
+				s.p.health.Degraded("UDP queries are no longer answered", err)
+			}
 			return
 		}
 		for _, ev := range events[:max(n, 0)] {
