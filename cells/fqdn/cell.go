@@ -90,6 +90,9 @@ type Config struct {
 	// DNSRejectResponse is how a query no DNS rule allows is answered:
 	// RejectRefused or RejectNXDomain.
 	DNSRejectResponse string
+	// DNSProxyUDPLoops is how many goroutines serve UDP queries, each on a
+	// socket of its own sharing the port.
+	DNSProxyUDPLoops int
 }
 
 var defaultConfig = Config{
@@ -98,6 +101,7 @@ var defaultConfig = Config{
 	ToFQDNsMaxIPsPerName:         1000,
 	ToFQDNsGCInterval:            time.Minute,
 	DNSIntercept:                 true,
+	DNSProxyUDPLoops:             1,
 	DNSRejectResponse:            RejectRefused,
 }
 
@@ -123,6 +127,8 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Send the DNS (port 53) of endpoints whose egress policy has a DNS rule to the DNS proxy, which enforces the rule; off, or without --dns-proxy-addr, their DNS is denied")
 	fs.String("dns-reject-response", def.DNSRejectResponse,
 		"Answer to a query no DNS rule of the endpoint allows: refused or nxdomain")
+	fs.Int("dns-proxy-udp-loops", def.DNSProxyUDPLoops,
+		"Goroutines serving the DNS proxy's UDP queries, each on its own socket of the same port (the kernel spreads clients over them); one serves several thousand queries per second per core")
 }
 
 func (c Config) validate() error {
@@ -137,6 +143,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("--tofqdns-max-ips-per-name=%d must be at least 1", c.ToFQDNsMaxIPsPerName)
 	case c.ToFQDNsGCInterval <= 0:
 		return fmt.Errorf("--tofqdns-gc-interval=%s must be positive", c.ToFQDNsGCInterval)
+	case c.DNSProxyUDPLoops < 1 || c.DNSProxyUDPLoops > 64:
+		return fmt.Errorf("--dns-proxy-udp-loops=%d must be between 1 and 64", c.DNSProxyUDPLoops)
 	case c.ToFQDNsMaxIdentities < 0:
 		return fmt.Errorf("--tofqdns-max-identities=%d is negative", c.ToFQDNsMaxIdentities)
 	case c.DNSRejectResponse != RejectRefused && c.DNSRejectResponse != RejectNXDomain:

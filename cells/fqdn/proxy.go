@@ -11,10 +11,12 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/cilium/hive/cell"
 	"github.com/miekg/dns"
+	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/cells/ipcache"
 )
@@ -41,7 +43,7 @@ type Proxy struct {
 	now    func() time.Time
 
 	mu   sync.Mutex
-	udp  *udpServer
+	udp  []*udpServer // one per loop, on sockets sharing the port
 	tcp  *dns.Server
 	addr string // the address it listens on, once started
 	// self are the addresses the datapath sends intercepted DNS to, the
@@ -64,31 +66,44 @@ func (p *Proxy) Addr() string {
 func (p *Proxy) listenAddr() net.Addr {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.udp == nil {
+	if len(p.udp) == 0 {
 		return nil
 	}
-	return p.udp.local
+	return p.udp[0].local
 }
 
 // start listens on cfg.DNSProxyAddr, UDP and TCP on the same port (with
 // port 0, the port the kernel picks for UDP).
 func (p *Proxy) start() error {
-	pc, ln, err := listenBoth(p.cfg.DNSProxyAddr)
+	pcs, ln, err := listenBoth(p.cfg.DNSProxyAddr, max(p.cfg.DNSProxyUDPLoops, 1))
 	if err != nil {
 		return fmt.Errorf("DNS proxy: %w", err)
 	}
-	udp, err := newUDPServer(p, pc)
-	if err != nil {
-		ln.Close()
-		return fmt.Errorf("DNS proxy: %w", err)
+	var udp []*udpServer
+	for i, pc := range pcs {
+		s, err := newUDPServer(p, pc)
+		if err != nil {
+			for _, pc := range pcs[i+1:] {
+				pc.Close()
+			}
+			for _, s := range udp {
+				s.closeFDs()
+			}
+			ln.Close()
+			return fmt.Errorf("DNS proxy: %w", err)
+		}
+		udp = append(udp, s)
 	}
 	tcp := &dns.Server{Listener: ln, Handler: p, ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second}
-	v4, v6 := proxyTargets(udp.local)
+	local := udp[0].local
+	v4, v6 := proxyTargets(local)
 	p.mu.Lock()
-	p.udp, p.tcp, p.addr = udp, tcp, udp.local.String()
-	p.self = []netip.AddrPort{v4, v6, addrPortOf(udp.local)}
+	p.udp, p.tcp, p.addr = udp, tcp, local.String()
+	p.self = []netip.AddrPort{v4, v6, addrPortOf(local)}
 	p.mu.Unlock()
-	p.servers.Go(udp.run)
+	for _, s := range udp {
+		p.servers.Go(s.run)
+	}
 	p.servers.Go(func() {
 		if err := tcp.ActivateAndServe(); err != nil {
 			p.log.Error("DNS proxy server stopped", "error", err)
@@ -104,8 +119,8 @@ func (p *Proxy) stop(ctx context.Context) error {
 	p.addr = ""
 	p.mu.Unlock()
 	var errs []error
-	if udp != nil {
-		errs = append(errs, udp.stop(ctx))
+	for _, s := range udp {
+		errs = append(errs, s.stop(ctx))
 	}
 	if tcp != nil {
 		errs = append(errs, tcp.ShutdownContext(ctx))
@@ -376,26 +391,53 @@ func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upst
 	}
 }
 
-// listenBoth listens on addr over UDP and TCP, on the same port. With port
-// 0 the kernel picks the UDP port, which may be taken over TCP: then it
-// tries again with another.
-func listenBoth(addr string) (net.PacketConn, net.Listener, error) {
+// listenBoth listens on addr over TCP and, with loops sockets sharing
+// the port (SO_REUSEPORT: the kernel spreads the clients over them), over
+// UDP. With port 0 the kernel picks the UDP port, which may be taken over
+// TCP: then it tries again with another.
+func listenBoth(addr string, loops int) ([]net.PacketConn, net.Listener, error) {
 	_, port, err := net.SplitHostPort(addr)
 	if err != nil {
 		return nil, nil, fmt.Errorf("--dns-proxy-addr=%q: %w", addr, err)
 	}
+	lc := net.ListenConfig{}
+	if loops > 1 {
+		lc.Control = func(_, _ string, c syscall.RawConn) error {
+			var serr error
+			if err := c.Control(func(fd uintptr) {
+				serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
+			}); err != nil {
+				return err
+			}
+			return serr
+		}
+	}
+	closeAll := func(pcs []net.PacketConn) {
+		for _, pc := range pcs {
+			pc.Close()
+		}
+	}
 	for attempt := 0; ; attempt++ {
-		pc, err := net.ListenPacket("udp", addr)
+		first, err := lc.ListenPacket(context.Background(), "udp", addr)
 		if err != nil {
 			return nil, nil, fmt.Errorf("listen on udp %s: %w", addr, err)
 		}
-		ln, err := net.Listen("tcp", pc.LocalAddr().String())
-		if err == nil {
-			return pc, ln, nil
+		pcs := []net.PacketConn{first}
+		for len(pcs) < loops {
+			pc, err := lc.ListenPacket(context.Background(), "udp", first.LocalAddr().String())
+			if err != nil {
+				closeAll(pcs)
+				return nil, nil, fmt.Errorf("listen on udp %s again: %w", first.LocalAddr(), err)
+			}
+			pcs = append(pcs, pc)
 		}
-		pc.Close()
+		ln, err := net.Listen("tcp", first.LocalAddr().String())
+		if err == nil {
+			return pcs, ln, nil
+		}
+		closeAll(pcs)
 		if port != "0" || attempt == 10 {
-			return nil, nil, fmt.Errorf("listen on tcp %s: %w", pc.LocalAddr(), err)
+			return nil, nil, fmt.Errorf("listen on tcp %s: %w", first.LocalAddr(), err)
 		}
 	}
 }

@@ -275,27 +275,35 @@ func TestUDPServerMalformed(t *testing.T) {
 }
 
 // Many clients at once: every query gets its own answer (batches of
-// reads and writes keep each reply with its client).
+// reads and writes keep each reply with its client), with one loop or
+// several sharing the port.
 func TestUDPServerConcurrent(t *testing.T) {
 	up, _ := fakeResolver(t, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg {
 		return []*dns.Msg{reply(q, q.Id, q.Question[0].Name)}
 	})
-	p := startUDPProxy(t, "127.0.0.1:0", up)
-	var wg sync.WaitGroup
-	for i := range 200 {
-		wg.Go(func() {
-			name := fmt.Sprintf("q%d.example.test.", i)
-			r, err := ask(t, p.Addr(), name)
-			if err != nil {
-				t.Error(err)
-				return
+	for _, loops := range []int{1, 4} {
+		t.Run(fmt.Sprintf("loops=%d", loops), func(t *testing.T) {
+			p := startUDPProxy(t, "127.0.0.1:0", up, func(c *Config) { c.DNSProxyUDPLoops = loops })
+			if len(p.udp) != loops {
+				t.Fatalf("%d loops, want %d", len(p.udp), loops)
 			}
-			if txt(r) != name {
-				t.Errorf("%s answered %s", name, txt(r))
+			var wg sync.WaitGroup
+			for i := range 200 {
+				wg.Go(func() {
+					name := fmt.Sprintf("q%d.example.test.", i)
+					r, err := ask(t, p.Addr(), name)
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					if txt(r) != name {
+						t.Errorf("%s answered %s", name, txt(r))
+					}
+				})
 			}
+			wg.Wait()
 		})
 	}
-	wg.Wait()
 }
 
 // BenchmarkUDPServer: queries through the proxy's UDP server to a
