@@ -257,3 +257,48 @@ func TestUpstreamDown(t *testing.T) {
 		}
 	}
 }
+
+// A statedb write on fqdn-names that takes long (here: held by the test)
+// holds up the answers whose addresses must be labelled, not the proxy:
+// other queries are still answered meanwhile, and the held answer comes
+// once the write is done.
+func TestAnswersWhileNamesAreLocked(t *testing.T) {
+	testenv.RequireRoot(t)
+	up := startUpstream(t)
+	a := startAgent(t, up.addr, "--tofqdns-proxy-response-max-delay=10s")
+	up.set(t, "new.example.com", "300 IN A 192.0.2.77")
+
+	wtxn := a.db.WriteTxn(a.names)
+	released := false
+	defer func() {
+		if !released {
+			wtxn.Abort()
+		}
+	}()
+	labelled := make(chan error, 1)
+	go func() {
+		_, err := fqdn.Query(a.proxy.Addr(), "new.example.com", dns.TypeA, false, 10*time.Second)
+		labelled <- err
+	}()
+	// An answer with nothing to label: NXDOMAIN.
+	resp, err := fqdn.Query(a.proxy.Addr(), "unknown.example.org", dns.TypeA, false, 5*time.Second)
+	if err != nil {
+		t.Fatalf("a query with nothing to label, while fqdn-names is locked: %v", err)
+	}
+	if resp.Rcode != dns.RcodeNameError {
+		t.Fatalf("got %v, want NXDOMAIN", resp)
+	}
+	select {
+	case err := <-labelled:
+		t.Fatalf("the answer to label came before fqdn-names could be written (%v)", err)
+	default:
+	}
+	wtxn.Abort()
+	released = true
+	if err := <-labelled; err != nil {
+		t.Fatalf("the answer to label, after the write: %v", err)
+	}
+	if _, _, found := a.names.Get(a.db.ReadTxn(), tables.FQDNNameIndex.Query("new.example.com")); !found {
+		t.Fatal("new.example.com is not in fqdn-names")
+	}
+}

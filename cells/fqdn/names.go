@@ -99,6 +99,23 @@ func parseSelectorLabel(label string) (*pattern.Pattern, error) {
 	return pattern.ParsePattern(text)
 }
 
+// settled tells, without waiting for the lock, that an answer for name
+// with the addresses ips and TTL ttl seen at now would change nothing
+// (see observe); false when it would, or when the lock is taken.
+func (m *nameManager) settled(name string, ips []netip.Addr, ttl time.Duration, now time.Time) bool {
+	if !m.mu.TryLock() {
+		return false
+	}
+	defer m.mu.Unlock()
+	labels := m.matching(name)
+	if len(labels) == 0 || len(ips) == 0 {
+		return true
+	}
+	expires := ceilSecond(now.Add(max(ttl, m.minTTL)))
+	old, _, found := m.table.Get(m.db.ReadTxn(), tables.FQDNNameIndex.Query(name))
+	return found && unchanged(old, labels, ips, expires, now)
+}
+
 // observe records an answer for name with the addresses ips and TTL ttl
 // seen at now. It returns whether prefixes changed, and the revision to
 // wait for. A name no selector matches records nothing.

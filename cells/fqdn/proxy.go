@@ -274,6 +274,18 @@ type heldAnswer struct {
 // what it answered and the result for the metric; held is non-nil when
 // the answer must wait (see hold) before the client gets it.
 func (p *Proxy) learn(req *dns.Msg, wire []byte, maxSize int, upstream string) (resp *dns.Msg, ans answer, result string, held *heldAnswer) {
+	resp, ans, result = p.check(req, wire, maxSize, upstream)
+	if result == resultDropped || len(ans.ips) == 0 {
+		return resp, ans, result, nil
+	}
+	result, held = p.label(ans)
+	return resp, ans, result, held
+}
+
+// check parses wire, upstream's reply to req. A reply that does not
+// answer req is dropped: the client gets SERVFAIL, result is
+// resultDropped.
+func (p *Proxy) check(req *dns.Msg, wire []byte, maxSize int, upstream string) (resp *dns.Msg, ans answer, result string) {
 	resp, ans, err := parseAnswer(req, wire, maxSize)
 	if err != nil {
 		reason := "malformed"
@@ -283,23 +295,26 @@ func (p *Proxy) learn(req *dns.Msg, wire []byte, maxSize int, upstream string) (
 		}
 		p.metrics.dropped.WithLabelValues(reason).Inc()
 		p.log.Warn("Dropped the upstream's answer, answering SERVFAIL", "name", req.Question[0].Name, "upstream", upstream, "error", err)
-		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), answer{}, resultDropped, nil
+		return new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), answer{}, resultDropped
 	}
-	if len(ans.ips) == 0 {
-		return resp, ans, resultForwarded, nil
-	}
+	return resp, ans, resultForwarded
+}
+
+// label records ans's addresses for the FQDN selectors matching its name;
+// held is non-nil when that changed what policy knows.
+func (p *Proxy) label(ans answer) (result string, held *heldAnswer) {
 	start := time.Now()
 	rev, changed, err := p.names.observe(ans.name, ans.ips, ans.ttl, p.now())
 	if err != nil {
 		// The answer is still good; policy just does not know its
 		// addresses yet.
 		p.log.Error("Could not label the addresses of a DNS answer", "name", ans.name, "error", err)
-		return resp, ans, resultForwarded, nil
+		return resultForwarded, nil
 	}
 	if !changed {
-		return resp, ans, resultForwarded, nil
+		return resultForwarded, nil
 	}
-	return resp, ans, resultLabelled, &heldAnswer{ans: ans, rev: rev, since: start}
+	return resultLabelled, &heldAnswer{ans: ans, rev: rev, since: start}
 }
 
 // hold waits until the ipcache map has h's addresses and policy allows

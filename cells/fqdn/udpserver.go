@@ -341,18 +341,24 @@ func (s *udpServer) readReply(fd int) {
 	}
 }
 
-// passOn answers q with wire, the upstream's reply to it.
+// passOn answers q with wire, the upstream's reply to it. An answer that
+// may change what policy knows of its addresses is labelled, and held,
+// by a goroutine of its own: the loop never waits for a statedb write or
+// for the lock of one in progress.
 func (s *udpServer) passOn(q *udpQuery, wire []byte) {
 	defer s.recover()
-	resp, ans, result, held := s.p.learn(q.req, wire, q.size, q.upstream)
+	resp, ans, result := s.p.check(q.req, wire, q.size, q.upstream)
 	q.v.Answers = ans.ips
 	if result == resultDropped {
 		s.answer(q, resp, result)
 		return
 	}
-	if held != nil {
+	if len(ans.ips) > 0 && !s.p.names.settled(ans.name, ans.ips, ans.ttl, s.p.now()) {
 		s.side.Go(func() {
-			s.p.hold(s.ctx, held)
+			result, held := s.p.label(ans)
+			if held != nil {
+				s.p.hold(s.ctx, held)
+			}
 			s.sendNow(q, wire, resp.Rcode, result)
 		})
 		return
