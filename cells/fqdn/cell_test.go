@@ -280,6 +280,12 @@ func TestAnswersWhileNamesAreLocked(t *testing.T) {
 		_, err := fqdn.Query(a.proxy.Addr(), "new.example.com", dns.TypeA, false, 10*time.Second)
 		labelled <- err
 	}()
+	// Its answer is on its way to the proxy before the next query's.
+	testenv.Eventually(t, 10*time.Second, "the upstream to see the query to label", func() (bool, string) {
+		up.mu.Lock()
+		defer up.mu.Unlock()
+		return up.queries >= 1, fmt.Sprintf("%d queries", up.queries)
+	})
 	// An answer with nothing to label: NXDOMAIN.
 	resp, err := fqdn.Query(a.proxy.Addr(), "unknown.example.org", dns.TypeA, false, 5*time.Second)
 	if err != nil {
