@@ -339,3 +339,40 @@ func cpuTime(tb testing.TB) time.Duration {
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
+
+// A socket never sends two queries under the same ID, even once the first
+// is given up on: a late reply to it cannot pass for the reply to the
+// second.
+func TestUpstreamSocketIDsNotReused(t *testing.T) {
+	up, _ := fakeResolver(t, "udp4", "127.0.0.1:0", func(*dns.Msg) []*dns.Msg { return nil })
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(epfd)
+	u := newUpstreams(epfd)
+	defer u.closeAll()
+	query, err := new(dns.Msg).SetQuestion("www.example.test.", dns.TypeA).Pack()
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	ids := map[*upstreamSocket]map[uint16]bool{}
+	for range 200 * socketQueries {
+		q := &udpQuery{req: new(dns.Msg)}
+		if err := u.send(q, up, query, now); err != nil {
+			t.Fatal(err)
+		}
+		if ids[q.sock] == nil {
+			ids[q.sock] = map[uint16]bool{}
+		}
+		if ids[q.sock][q.id] {
+			t.Fatalf("ID %d sent twice on one socket", q.id)
+		}
+		ids[q.sock][q.id] = true
+		u.forget(q) // given up on
+	}
+	if len(ids) != 200 {
+		t.Fatalf("%d sockets for %d queries, want one per %d", len(ids), 200*socketQueries, socketQueries)
+	}
+}

@@ -49,6 +49,10 @@ type upstreamSocket struct {
 	sent    int
 	retired bool // no more queries: closed once the last one is answered
 	pending map[uint16]*udpQuery
+	// used are the IDs sent on the socket so far: none is used twice, so
+	// that a late reply to a query given up on cannot pass for the reply
+	// to a later one.
+	used map[uint16]struct{}
 }
 
 func newUpstreams(epfd int) *upstreams {
@@ -104,18 +108,19 @@ func (u *upstreams) open(to netip.AddrPort, now time.Time) (*upstreamSocket, err
 		unix.Close(fd)
 		return nil, os.NewSyscallError("epoll_ctl", err)
 	}
-	sock := &upstreamSocket{fd: fd, to: to, opened: now, pending: map[uint16]*udpQuery{}}
+	sock := &upstreamSocket{fd: fd, to: to, opened: now, pending: map[uint16]*udpQuery{}, used: map[uint16]struct{}{}}
 	u.byFD[fd] = sock
 	return sock, nil
 }
 
-// freeID returns a random ID no query waiting on s has.
+// freeID returns a random ID not used on s before, and marks it used.
 func (s *upstreamSocket) freeID() uint16 {
 	for {
 		// The runtime's generator (ChaCha8, seeded by the kernel) is
 		// not predictable from outside.
 		id := uint16(rand.Uint32())
-		if _, taken := s.pending[id]; !taken {
+		if _, taken := s.used[id]; !taken {
+			s.used[id] = struct{}{}
 			return id
 		}
 	}
