@@ -48,7 +48,6 @@ type udpServer struct {
 	replyIn   *msgBatch   // the upstreams' replies
 	out       *msgBatch   // answers
 	replies   []udpReply
-	scratch   []byte
 	lastWarn  time.Time
 }
 
@@ -82,8 +81,8 @@ const (
 	// maxQueryLen is the longest query read; longer ones are cut and
 	// answered FORMERR.
 	maxQueryLen = 4096
-	// maxInflight bounds the queries waiting for the upstream at once
-	// (each holds a socket); more are answered SERVFAIL.
+	// maxInflight bounds the queries of one loop waiting for resolvers
+	// at once; more are answered SERVFAIL.
 	maxInflight = 8192
 )
 
