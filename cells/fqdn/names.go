@@ -111,7 +111,20 @@ func (m *nameManager) settled(name string, ips []netip.Addr, ttl time.Duration, 
 	if len(labels) == 0 || len(ips) == 0 {
 		return true
 	}
-	expires := ceilSecond(now.Add(max(ttl, m.minTTL)))
+	return m.settledLocked(name, labels, ips, m.expiry(ttl, now), now)
+}
+
+// expiry is when addresses answered with TTL ttl at now expire: a DNS TTL
+// counts whole seconds, so an address expires at the end of the second
+// its TTL (raised to --tofqdns-min-ttl) ends in, and answers within one
+// second give it the same expiry and repeat the row as it is.
+func (m *nameManager) expiry(ttl time.Duration, now time.Time) time.Time {
+	return ceilSecond(now.Add(max(ttl, m.minTTL)))
+}
+
+// settledLocked tells whether name's row already holds ips with labels,
+// expiring no earlier than expires, all seen recently enough (unchanged).
+func (m *nameManager) settledLocked(name string, labels tables.Labels, ips []netip.Addr, expires, now time.Time) bool {
 	old, _, found := m.table.Get(m.db.ReadTxn(), tables.FQDNNameIndex.Query(name))
 	return found && unchanged(old, labels, ips, expires, now)
 }
@@ -126,12 +139,8 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 	if len(labels) == 0 || len(ips) == 0 {
 		return 0, false, nil
 	}
-	ttl = max(ttl, m.minTTL)
-	// A DNS TTL counts whole seconds: an address expires at the end of
-	// the second its TTL ends in, so that answers within one second give
-	// it the same expiry and repeat the row as it is.
-	expires := ceilSecond(now.Add(ttl))
-	if old, _, found := m.table.Get(m.db.ReadTxn(), tables.FQDNNameIndex.Query(name)); found && unchanged(old, labels, ips, expires, now) {
+	expires := m.expiry(ttl, now)
+	if m.settledLocked(name, labels, ips, expires, now) {
 		return 0, false, nil
 	}
 

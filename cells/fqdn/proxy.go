@@ -87,7 +87,7 @@ func (p *Proxy) start() error {
 				pc.Close()
 			}
 			for _, s := range udp {
-				s.closeFDs()
+				s.close()
 			}
 			ln.Close()
 			return fmt.Errorf("DNS proxy: %w", err)

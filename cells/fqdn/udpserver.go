@@ -100,7 +100,7 @@ func newUDPServer(p *Proxy, pc net.PacketConn) (*udpServer, error) {
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	if err := s.open(conn); err != nil {
-		s.closeFDs()
+		s.close()
 		return nil, err
 	}
 	oob := 0
@@ -168,7 +168,14 @@ func (s *udpServer) open(conn *net.UDPConn) error {
 	return nil
 }
 
-func (s *udpServer) closeFDs() {
+// close releases what a server that is not running holds: its upstream
+// sockets (the queries waiting get no answer: their clients ask again),
+// its own descriptors and its side goroutines' context.
+func (s *udpServer) close() {
+	s.cancel()
+	if s.up != nil {
+		s.up.closeAll()
+	}
 	for _, fd := range []int{s.fd, s.epfd, s.stopfd} {
 		if fd >= 0 {
 			unix.Close(fd)
@@ -193,7 +200,6 @@ func (s *udpServer) run() {
 		for _, ev := range events[:max(n, 0)] {
 			switch fd := int(ev.Fd); fd {
 			case s.stopfd:
-				s.abandon()
 				return
 			case s.fd:
 				s.readQueries()
@@ -207,8 +213,7 @@ func (s *udpServer) run() {
 }
 
 // stop ends the loop and waits for the side goroutines, then closes the
-// sockets. Queries still in flight are not answered: their clients ask
-// again.
+// sockets (see close).
 func (s *udpServer) stop(ctx context.Context) error {
 	var one [8]byte
 	binary.NativeEndian.PutUint64(one[:], 1)
@@ -222,7 +227,7 @@ func (s *udpServer) stop(ctx context.Context) error {
 		return ctx.Err()
 	}
 	s.side.Wait()
-	s.closeFDs()
+	s.close()
 	return nil
 }
 
@@ -384,12 +389,6 @@ func (s *udpServer) expire(now time.Time) {
 		}
 	}
 	s.up.sweep(now)
-}
-
-// abandon closes the upstream sockets of the queries still in flight.
-func (s *udpServer) abandon() {
-	s.up.closeAll()
-	s.deadlines = nil
 }
 
 // answer queues resp for q's client.
