@@ -319,7 +319,7 @@ func dial(af, proto int, dst netip.AddrPort) (exchange, error) {
 		}
 	}
 	buf := make([]byte, 64)
-	n, err := unix.Read(fd, buf)
+	n, err := testenv.IgnoringEINTR(func() (int, error) { return unix.Read(fd, buf) })
 	if err != nil {
 		return exchange{}, fmt.Errorf("read from %s: %w", dst, err)
 	}
@@ -353,7 +353,11 @@ func sendTo(af int, dst netip.AddrPort) (exchange, error) {
 		return exchange{}, fmt.Errorf("send to %s: %w", dst, err)
 	}
 	buf := make([]byte, 64)
-	n, from, err := unix.Recvfrom(fd, buf, 0)
+	var from unix.Sockaddr
+	n, err := testenv.IgnoringEINTR(func() (n int, err error) {
+		n, from, err = unix.Recvfrom(fd, buf, 0)
+		return n, err
+	})
 	if err != nil {
 		return exchange{}, fmt.Errorf("receive from %s: %w", dst, err)
 	}

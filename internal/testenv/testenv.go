@@ -19,6 +19,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/apiary-net/apiary/bpf"
 )
 
@@ -211,5 +213,18 @@ func Eventually(tb testing.TB, timeout time.Duration, what string, cond func() (
 			tb.Fatalf("timed out after %s waiting for %s; last:\n%s", timeout, what, state)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// IgnoringEINTR calls f until it returns an error other than EINTR. A
+// test that makes raw system calls needs it: the Go runtime's preemption
+// and GC signals interrupt a blocking read, recvfrom or accept, which
+// net.Conn would retry but golang.org/x/sys/unix does not.
+func IgnoringEINTR[T any](f func() (T, error)) (T, error) {
+	for {
+		v, err := f()
+		if !errors.Is(err, unix.EINTR) {
+			return v, err
+		}
 	}
 }

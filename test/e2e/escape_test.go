@@ -374,7 +374,7 @@ func reuse(dst, local string) int {
 		return fail(err)
 	}
 	buf := make([]byte, 64)
-	if _, err := unix.Read(fd, buf); err != nil {
+	if _, err := testenv.IgnoringEINTR(func() (int, error) { return unix.Read(fd, buf) }); err != nil {
 		return fail(err)
 	}
 	unspec := [16]byte{} // struct sockaddr with sa_family AF_UNSPEC
@@ -387,6 +387,9 @@ func reuse(dst, local string) int {
 	fmt.Println("listening")
 	for {
 		c, _, err := unix.Accept(fd)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
 		if err != nil {
 			return 1
 		}

@@ -277,6 +277,9 @@ func pktListen(addr netip.Addr) error {
 	buf := make([]byte, 2048)
 	for {
 		n, from, err := unix.Recvfrom(fd, buf, 0)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
 		if err != nil {
 			return err
 		}
