@@ -36,6 +36,7 @@ const dnsFloodWorkers = 8
 type dnsLoadResult struct {
 	P50Ms, P99Ms float64
 	QPS          float64
+	Answered     int
 	Errors       int
 	// CPUUs is the helper's own CPU time per answered query, in µs.
 	CPUUs float64
@@ -124,7 +125,7 @@ func dnsLoad(q string) int {
 	wg.Wait()
 	took := time.Since(start)
 	slices.Sort(latencies)
-	res := dnsLoadResult{QPS: float64(len(latencies)) / took.Seconds(), Errors: errs}
+	res := dnsLoadResult{QPS: float64(len(latencies)) / took.Seconds(), Answered: len(latencies), Errors: errs}
 	if len(latencies) > 0 {
 		var ru syscall.Rusage
 		if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err == nil {
@@ -164,7 +165,8 @@ func loadFrom(b *testing.B, dir, mode, resolver, name string, n int) dnsLoadResu
 // DNS, against the same resolver (dnsmasq on port 53 of a loopback
 // address) asked directly by a pod without DNS rules, in the same run:
 // latency at 1,000 queries per second (b.N queries each), and throughput
-// with 8 queries in flight (b.N queries each), also of the proxy asked
+// with 8 queries in flight (floodRounds floods of b.N queries each,
+// direct and intercepted taking turns), also of the proxy asked
 // directly by a process of no pod (proxy-direct-qps: the proxy's own
 // bound, without interception); and, for the floods, the CPU time per
 // query of the client, dnsmasq and the agent. The name is allowed by the
@@ -213,20 +215,30 @@ func benchDNSInterception(b *testing.B, pin bool) {
 		b.Fatalf("client-a's queries did not go through the proxy: %v %v", n, err)
 	}
 
-	// cpuPerQuery runs a flood and returns what it measured and the CPU
-	// time per query of the agent and of dnsmasq meanwhile, in µs.
-	cpuPerQuery := func(dir, to string) (r dnsLoadResult, agentUs, resolverUs float64) {
+	// flood runs one flood from dir and adds it to t, with the CPU time
+	// the agent and dnsmasq spent meanwhile.
+	flood := func(t *floodTotal, dir string) {
 		agent0, resolver0 := procCPU(b, a.pid()), procCPU(b, dnsmasq.cmd.Process.Pid)
-		r = loadFrom(b, dir, "flood", to, "bench.allowed.test", b.N)
-		per := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(b.N) }
-		return r, per(procCPU(b, a.pid()) - agent0), per(procCPU(b, dnsmasq.cmd.Process.Pid) - resolver0)
+		r := loadFrom(b, dir, "flood", resolver, "bench.allowed.test", b.N)
+		t.add(r, procCPU(b, a.pid())-agent0, procCPU(b, dnsmasq.cmd.Process.Pid)-resolver0)
 	}
 
 	b.ResetTimer()
 	directPaced := loadFrom(b, cgC, "paced", resolver, "bench.allowed.test", b.N)
 	viaPaced := loadFrom(b, cgA, "paced", resolver, "bench.allowed.test", b.N)
-	directFlood, directAgentUs, directResolverUs := cpuPerQuery(cgC, resolver)
-	viaFlood, viaAgentUs, viaResolverUs := cpuPerQuery(cgA, resolver)
+	// The floods alternate, in rounds whose order alternates too, so that
+	// a slow spell of the machine falls on both sides rather than on
+	// whichever ran then.
+	var direct, via floodTotal
+	for round := range floodRounds {
+		if round%2 == 0 {
+			flood(&direct, cgC)
+			flood(&via, cgA)
+		} else {
+			flood(&via, cgA)
+			flood(&direct, cgC)
+		}
+	}
 	proxyFlood := loadFrom(b, root, "flood", proxy, "bench.allowed.test", b.N)
 	b.ReportMetric(proxyFlood.QPS, "proxy-direct-qps")
 	b.StopTimer()
@@ -235,12 +247,12 @@ func benchDNSInterception(b *testing.B, pin bool) {
 	// helper), dnsmasq and the agent (none of it for a pod without DNS
 	// rules). On a machine whose cores all three share, the throughput
 	// ratio cannot pass the ratio of these sums.
-	b.ReportMetric(directFlood.CPUUs, "direct-client-cpu-us/q")
-	b.ReportMetric(directResolverUs, "direct-resolver-cpu-us/q")
-	b.ReportMetric(directAgentUs, "direct-agent-cpu-us/q")
-	b.ReportMetric(viaFlood.CPUUs, "intercepted-client-cpu-us/q")
-	b.ReportMetric(viaResolverUs, "intercepted-resolver-cpu-us/q")
-	b.ReportMetric(viaAgentUs, "intercepted-agent-cpu-us/q")
+	b.ReportMetric(direct.perQuery(direct.client), "direct-client-cpu-us/q")
+	b.ReportMetric(direct.perQuery(direct.resolver), "direct-resolver-cpu-us/q")
+	b.ReportMetric(direct.perQuery(direct.agent), "direct-agent-cpu-us/q")
+	b.ReportMetric(via.perQuery(via.client), "intercepted-client-cpu-us/q")
+	b.ReportMetric(via.perQuery(via.resolver), "intercepted-resolver-cpu-us/q")
+	b.ReportMetric(via.perQuery(via.agent), "intercepted-agent-cpu-us/q")
 
 	b.ReportMetric(directPaced.P50Ms, "direct-p50-ms")
 	b.ReportMetric(directPaced.P99Ms, "direct-p99-ms")
@@ -248,10 +260,40 @@ func benchDNSInterception(b *testing.B, pin bool) {
 	b.ReportMetric(viaPaced.P99Ms, "intercepted-p99-ms")
 	b.ReportMetric(viaPaced.P50Ms-directPaced.P50Ms, "added-p50-ms")
 	b.ReportMetric(viaPaced.P99Ms-directPaced.P99Ms, "added-p99-ms")
-	b.ReportMetric(directFlood.QPS, "direct-qps")
-	b.ReportMetric(viaFlood.QPS, "intercepted-qps")
-	b.ReportMetric(viaFlood.QPS/directFlood.QPS, "qps-ratio")
+	b.ReportMetric(direct.qps(), "direct-qps")
+	b.ReportMetric(via.qps(), "intercepted-qps")
+	b.ReportMetric(via.qps()/direct.qps(), "qps-ratio")
 	b.ReportMetric(0, "ns/op")
+}
+
+// floodRounds is how many floods of b.N queries each side of
+// BenchmarkDNSInterception runs.
+const floodRounds = 3
+
+// floodTotal adds up the floods of one side of BenchmarkDNSInterception.
+type floodTotal struct {
+	queries                 float64
+	took                    time.Duration // the floods' own time, summed
+	client, agent, resolver time.Duration // CPU time
+}
+
+func (t *floodTotal) add(r dnsLoadResult, agent, resolver time.Duration) {
+	n := float64(r.Answered)
+	t.queries += n
+	if n > 0 {
+		t.took += time.Duration(n / r.QPS * float64(time.Second))
+	}
+	t.client += time.Duration(r.CPUUs * n * float64(time.Microsecond))
+	t.agent += agent
+	t.resolver += resolver
+}
+
+// qps is the answered queries per second over all the floods.
+func (t *floodTotal) qps() float64 { return t.queries / t.took.Seconds() }
+
+// perQuery is cpu per answered query, in µs.
+func (t *floodTotal) perQuery(cpu time.Duration) float64 {
+	return float64(cpu.Microseconds()) / t.queries
 }
 
 // pinAgent runs every thread of the agent (pid) on the last CPU, and
