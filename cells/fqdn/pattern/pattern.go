@@ -33,9 +33,47 @@ type Pattern struct {
 
 // Normalize returns name in the form patterns are matched against and names
 // are stored in: lowercase, surrounding space and the trailing dot removed.
-// The root name "." becomes "".
+// The root name "." becomes "". A name is in the presentation form miekg/dns
+// gives it: a label holding a literal dot has it escaped ("x\.ok.com." is
+// the two labels "x.ok" and "com"), and such a dot is no trailing dot.
 func Normalize(name string) string {
-	return strings.TrimSuffix(strings.ToLower(strings.TrimSpace(name)), ".")
+	name = strings.ToLower(strings.TrimSpace(name))
+	if strings.HasSuffix(name, ".") && !escapedAt(name, len(name)-1) {
+		name = name[:len(name)-1]
+	}
+	return name
+}
+
+// escapedAt tells whether the character at i of a name in presentation
+// form is escaped: preceded by an odd number of backslashes.
+func escapedAt(name string, i int) bool {
+	n := 0
+	for j := i - 1; j >= 0 && name[j] == '\\'; j-- {
+		n++
+	}
+	return n%2 == 1
+}
+
+// splitLabels splits a normalised name into its labels at the dots that
+// are not escaped. A label keeps its escapes ("x\.ok"), which no pattern
+// character matches: a label with a literal dot (or any escaped byte) is
+// matched only by a leading "**." as a whole label, never split into two.
+func splitLabels(name string) []string {
+	if !strings.Contains(name, "\\") {
+		return strings.Split(name, ".")
+	}
+	var labels []string
+	start := 0
+	for i := 0; i < len(name); i++ {
+		switch name[i] {
+		case '\\':
+			i++ // the escaped character, or the first digit of \DDD
+		case '.':
+			labels = append(labels, name[start:i])
+			start = i + 1
+		}
+	}
+	return append(labels, name[start:])
 }
 
 // ParseName parses a matchName: a DNS name without wildcards.
@@ -101,7 +139,7 @@ func (p *Pattern) Match(name string) bool {
 	if name == "" {
 		return false
 	}
-	labels := strings.Split(name, ".")
+	labels := splitLabels(name)
 	if p.deep {
 		extra := len(labels) - len(p.labels)
 		if extra < 1 {

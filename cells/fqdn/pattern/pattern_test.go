@@ -3,6 +3,8 @@ package pattern
 import (
 	"strings"
 	"testing"
+
+	"github.com/miekg/dns"
 )
 
 func TestMatch(t *testing.T) {
@@ -48,6 +50,55 @@ func TestMatch(t *testing.T) {
 			if p.Match(n) {
 				t.Errorf("%q matches %q, want no match", tt.pattern, n)
 			}
+		}
+	}
+}
+
+// TestMatchEscapedDots checks names whose labels hold a literal dot, as
+// miekg/dns presents them ("x\.ok.com." is the labels "x.ok" and "com"):
+// such a label is one label, never two, and no star matches its escape.
+func TestMatchEscapedDots(t *testing.T) {
+	// The presentation form comes from a real query's wire bytes.
+	wire := []byte{0, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 4, 'x', '.', 'o', 'k', 3, 'c', 'o', 'm', 0, 0, 1, 0, 1}
+	var m dns.Msg
+	if err := m.Unpack(wire); err != nil {
+		t.Fatal(err)
+	}
+	if got := m.Question[0].Name; got != `x\.ok.com.` {
+		t.Fatalf("miekg/dns presents the name as %q, want %q", got, `x\.ok.com.`)
+	}
+	tests := []struct {
+		pattern string
+		match   []string
+		noMatch []string
+	}{
+		{"**.ok.com", []string{`a\.b.ok.com.`, "x.ok.com."}, []string{`x\.ok.com.`, `x\.ok.com`, `X\.OK.com.`, `a.x\.ok.com.`}},
+		{"*.ok.com", []string{"x.ok.com"}, []string{`x\.ok.com.`, `a\.b.ok.com.`, `a\046b.ok.com.`}},
+		{"*.com", []string{"ok.com"}, []string{`x\.ok.com.`, `x\\.com.`}},
+		{"*ok.com", []string{"xok.com"}, []string{`x\.ok.com.`}},
+		{"**.com", []string{`x\.ok.com.`, `a\\.b.com.`}, []string{`com\.`, "com"}},
+		{"ok.com", nil, []string{`ok\.com.`, `ok\.com`, `ok.com\.`}},
+		{"ok", nil, []string{`ok\.`, `ok\..`}},
+	}
+	for _, tt := range tests {
+		p, err := ParsePattern(tt.pattern)
+		if err != nil {
+			t.Fatalf("%q: %s", tt.pattern, err)
+		}
+		for _, n := range tt.match {
+			if !p.Match(n) {
+				t.Errorf("%q does not match %q, want match", tt.pattern, n)
+			}
+		}
+		for _, n := range tt.noMatch {
+			if p.Match(n) {
+				t.Errorf("%q matches %q, want no match", tt.pattern, n)
+			}
+		}
+	}
+	for in, want := range map[string]string{`ok\.`: `ok\.`, `ok\\.`: `ok\\`, `ok\..`: `ok\.`, `X\.Ok.com.`: `x\.ok.com`} {
+		if got := Normalize(in); got != want {
+			t.Errorf("Normalize(%q) = %q, want %q", in, got, want)
 		}
 	}
 }
