@@ -93,6 +93,14 @@ type Config struct {
 	// DNSProxyUDPLoops is how many goroutines serve UDP queries, each on a
 	// socket of its own sharing the port.
 	DNSProxyUDPLoops int
+	// DNSProxyMaxInflightPerSource bounds the UDP queries of one client
+	// address waiting for resolvers at once; past it that client alone
+	// gets SERVFAIL.
+	DNSProxyMaxInflightPerSource int
+	// DNSProxyMaxTCPPerSource bounds the TCP connections one client
+	// address holds open to the proxy (each carries one query at a time);
+	// past it new ones are closed.
+	DNSProxyMaxTCPPerSource int
 }
 
 var defaultConfig = Config{
@@ -102,6 +110,8 @@ var defaultConfig = Config{
 	ToFQDNsGCInterval:            time.Minute,
 	DNSIntercept:                 true,
 	DNSProxyUDPLoops:             1,
+	DNSProxyMaxInflightPerSource: 512,
+	DNSProxyMaxTCPPerSource:      64,
 	DNSRejectResponse:            RejectRefused,
 }
 
@@ -129,6 +139,10 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Answer to a query no DNS rule of the endpoint allows: refused or nxdomain")
 	fs.Int("dns-proxy-udp-loops", def.DNSProxyUDPLoops,
 		"Goroutines serving the DNS proxy's UDP queries, each on its own socket of the same port (the kernel spreads clients over them); one serves several thousand queries per second per core")
+	fs.Int("dns-proxy-max-inflight-per-source", def.DNSProxyMaxInflightPerSource,
+		"Most UDP queries of one client address (a pod, the node) waiting for resolvers at once, per UDP loop; past it that client gets SERVFAIL")
+	fs.Int("dns-proxy-max-tcp-per-source", def.DNSProxyMaxTCPPerSource,
+		"Most TCP connections one client address (a pod, the node) holds open to the DNS proxy; past it new ones are closed")
 }
 
 func (c Config) validate() error {
@@ -145,6 +159,10 @@ func (c Config) validate() error {
 		return fmt.Errorf("--tofqdns-gc-interval=%s must be positive", c.ToFQDNsGCInterval)
 	case c.DNSProxyUDPLoops < 1 || c.DNSProxyUDPLoops > 64:
 		return fmt.Errorf("--dns-proxy-udp-loops=%d must be between 1 and 64", c.DNSProxyUDPLoops)
+	case c.DNSProxyMaxInflightPerSource < 1 || c.DNSProxyMaxInflightPerSource > maxInflight:
+		return fmt.Errorf("--dns-proxy-max-inflight-per-source=%d must be between 1 and %d", c.DNSProxyMaxInflightPerSource, maxInflight)
+	case c.DNSProxyMaxTCPPerSource < 1:
+		return fmt.Errorf("--dns-proxy-max-tcp-per-source=%d must be at least 1", c.DNSProxyMaxTCPPerSource)
 	case c.ToFQDNsMaxIdentities < 0:
 		return fmt.Errorf("--tofqdns-max-identities=%d is negative", c.ToFQDNsMaxIdentities)
 	case c.DNSRejectResponse != RejectRefused && c.DNSRejectResponse != RejectNXDomain:
@@ -233,6 +251,10 @@ type proxyParams struct {
 
 	Gate        Gate        `optional:"true"`
 	Interceptor Interceptor `optional:"true"`
+	// Pods are this node's pods, whose queries the proxy serves (with
+	// the node's own); without the table only the node is served.
+	Pods statedb.Table[*tables.Endpoint] `optional:"true"`
+	DB   *statedb.DB
 
 	Log       *slog.Logger
 	Lifecycle cell.Lifecycle
@@ -246,6 +268,10 @@ type proxyParams struct {
 func newProxy(p proxyParams) (*Proxy, error) {
 	cfg := p.Config
 	px := &Proxy{log: p.Log, names: p.Names, prefixes: p.Prefixes, gate: p.Gate, intercept: p.Interceptor, metrics: p.Metrics, cfg: cfg, now: time.Now}
+	px.sources = &sources{nodeAddrs: interfaceAddrs, anyLoopback: true}
+	if p.Pods != nil {
+		px.sources.db, px.sources.pods = p.DB, p.Pods
+	}
 	health := p.Health.NewScope("proxy")
 	px.health = health
 	interception := p.Health.NewScope("interception")

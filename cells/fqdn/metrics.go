@@ -16,6 +16,7 @@ type fqdnMetrics struct {
 	gcRemoved      prometheus.Counter
 	dropped        *prometheus.CounterVec
 	queries        *prometheus.CounterVec
+	refused        *prometheus.CounterVec
 }
 
 // Results of proxied requests.
@@ -53,8 +54,10 @@ func newFQDNMetrics(reg prometheus.Registerer) (*fqdnMetrics, error) {
 			Namespace: metrics.Namespace, Subsystem: "dns", Name: "queries_total",
 			Help: "DNS queries the proxy answered, by verdict (allowed: forwarded; denied: no DNS rule of the endpoint allows the name) and the answer's response code",
 		}, []string{"verdict", "rcode"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts(opts("proxy_refused_total",
+			"Queries and TCP connections the proxy refused before looking at them, by reason (unknown-source, source-inflight, source-tcp-connections)")), []string{"reason"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.delayExceeded, m.holdSeconds, m.breakerRefused, m.evicted, m.gcRemoved, m.dropped, m.queries} {
+	for _, c := range []prometheus.Collector{m.requests, m.delayExceeded, m.holdSeconds, m.breakerRefused, m.evicted, m.gcRemoved, m.dropped, m.queries, m.refused} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

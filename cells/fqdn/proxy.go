@@ -41,6 +41,12 @@ type Proxy struct {
 	// health is the proxy's health scope; nil in tests.
 	health cell.Health
 	now    func() time.Time
+	// sources are the clients served: this node's pods and the node; nil
+	// serves loopback clients only.
+	sources  *sources
+	warnings throttledWarn
+	// udpMaxInflight replaces maxInflight in tests; 0 in the agent.
+	udpMaxInflight int
 
 	mu   sync.Mutex
 	udp  []*udpServer // one per loop, on sockets sharing the port
@@ -94,6 +100,7 @@ func (p *Proxy) start() error {
 		}
 		udp = append(udp, s)
 	}
+	ln = &budgetListener{Listener: ln, p: p, max: max(p.cfg.DNSProxyMaxTCPPerSource, 1), open: map[netip.Addr]int{}}
 	tcp := &dns.Server{Listener: ln, Handler: p, ReadTimeout: 5 * time.Second, WriteTimeout: 5 * time.Second}
 	local := udp[0].local
 	v4, v6 := proxyTargets(local)
@@ -138,11 +145,16 @@ func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 			p.log.Error("DNS proxy: panic while handling a request", "panic", r)
 		}
 	}()
+	client := addrPortOf(w.RemoteAddr())
+	if !p.served(client) {
+		p.reply(w, req, new(dns.Msg).SetRcode(req, dns.RcodeRefused))
+		return
+	}
 	if !wellFormed(req) {
 		p.reply(w, req, new(dns.Msg).SetRcode(req, dns.RcodeFormatError))
 		return
 	}
-	v, upstream, resp := p.admit(req, addrPortOf(w.RemoteAddr()), true)
+	v, upstream, resp := p.admit(req, client, true)
 	result := ""
 	if resp == nil {
 		var ans answer
@@ -151,6 +163,16 @@ func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 	}
 	p.reply(w, req, resp)
 	p.record(&v, resp.Rcode, result)
+}
+
+// served tells whether the proxy serves client, a pod of this node or the
+// node itself (see sources); another is counted and warned about.
+func (p *Proxy) served(client netip.AddrPort) bool {
+	if p.sources.local(client.Addr()) {
+		return true
+	}
+	p.refuse(refusedUnknownSource, client, "DNS proxy: refusing a query from a source that is neither a pod of this node nor the node")
+	return false
 }
 
 // wellFormed tells whether req is a query the proxy answers other than

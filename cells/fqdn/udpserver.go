@@ -49,6 +49,8 @@ type udpServer struct {
 	out       *msgBatch   // answers
 	replies   []udpReply
 	lastWarn  time.Time
+	// maxInflight bounds the queries waiting for resolvers at once.
+	maxInflight int
 }
 
 // udpQuery is a query the loop forwarded and waits for the reply to.
@@ -96,7 +98,10 @@ func newUDPServer(p *Proxy, pc net.PacketConn) (*udpServer, error) {
 	}
 	s := &udpServer{
 		p: p, fd: -1, epfd: -1, stopfd: -1, local: conn.LocalAddr().(*net.UDPAddr),
-		done: make(chan struct{}),
+		done: make(chan struct{}), maxInflight: maxInflight,
+	}
+	if p.udpMaxInflight > 0 {
+		s.maxInflight = p.udpMaxInflight // a test's
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	if err := s.open(conn); err != nil {
@@ -279,6 +284,16 @@ func (s *udpServer) query(data []byte, from peer, dst netip.Addr, truncated bool
 		return
 	}
 	req := new(dns.Msg)
+	if !s.p.served(client) {
+		// Answered REFUSED with the question, when it parses: a stub
+		// resolver drops an answer to another question and would wait.
+		_ = req.Unpack(data)
+		wire, err := new(dns.Msg).SetRcode(req, dns.RcodeRefused).Pack()
+		if err == nil {
+			s.replies = append(s.replies, udpReply{q: &udpQuery{peer: from, client: client, dst: dst}, wire: wire, rcode: dns.RcodeRefused})
+		}
+		return
+	}
 	if truncated || req.Unpack(data) != nil || !wellFormed(req) {
 		s.replies = append(s.replies, udpReply{q: &udpQuery{peer: from, client: client, dst: dst}, wire: formErr(data), rcode: dns.RcodeFormatError})
 		return
@@ -299,11 +314,19 @@ func (s *udpServer) query(data []byte, from peer, dst netip.Addr, truncated bool
 		})
 		return
 	}
-	if s.up.pending >= maxInflight {
+	if s.up.pending >= s.maxInflight {
 		if time.Since(s.lastWarn) > time.Second {
 			s.lastWarn = time.Now()
-			s.p.log.Warn("DNS proxy: too many queries waiting for the upstream, answering SERVFAIL", "limit", maxInflight)
+			s.p.log.Warn("DNS proxy: too many queries waiting for the upstream, answering SERVFAIL", "limit", s.maxInflight)
 		}
+		s.answer(q, new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultServFail)
+		return
+	}
+	if s.up.bySource[client.Addr()] >= s.p.cfg.DNSProxyMaxInflightPerSource {
+		// One client's queries to a resolver that does not answer must
+		// not take the room of every other client's: past its budget,
+		// that client alone is answered SERVFAIL.
+		s.p.refuse(refusedSourceBudget, client, "DNS proxy: a client has too many queries waiting for resolvers, answering it SERVFAIL")
 		s.answer(q, new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultServFail)
 		return
 	}

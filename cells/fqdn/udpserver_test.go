@@ -10,11 +10,14 @@ import (
 	"time"
 
 	"github.com/cilium/hive/hivetest"
+	"github.com/cilium/statedb"
 	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/internal/testenv"
+	"github.com/apiary-net/apiary/tables"
 )
 
 // fakeResolver answers each datagram on a loopback UDP socket as answer
@@ -64,17 +67,33 @@ func reply(q *dns.Msg, id uint16, text string) *dns.Msg {
 // configuration first.
 func startUDPProxy(t testing.TB, listen string, upstream netip.AddrPort, adjust ...func(*Config)) *Proxy {
 	t.Helper()
+	p := newTestProxy(t, listen, upstream)
+	for _, f := range adjust {
+		f(&p.cfg)
+	}
+	startProxy(t, p)
+	return p
+}
+
+// newTestProxy is a proxy on listen forwarding to upstream, not started.
+func newTestProxy(t testing.TB, listen string, upstream netip.AddrPort) *Proxy {
+	t.Helper()
 	m, err := newFQDNMetrics(prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &Proxy{log: hivetest.Logger(t), metrics: m, now: time.Now, cfg: Config{
+	return &Proxy{log: hivetest.Logger(t), metrics: m, now: time.Now, cfg: Config{
 		DNSProxyAddr: listen, DNSUpstream: upstream.String(),
 		DNSUpstreamTimeout: 300 * time.Millisecond, ToFQDNsProxyResponseMaxDelay: 100 * time.Millisecond,
+		DNSProxyMaxInflightPerSource: defaultConfig.DNSProxyMaxInflightPerSource,
+		DNSProxyMaxTCPPerSource:      defaultConfig.DNSProxyMaxTCPPerSource,
 	}}
-	for _, f := range adjust {
-		f(&p.cfg)
-	}
+}
+
+// startProxy starts p and stops it when the test ends.
+func startProxy(t testing.TB, p *Proxy) {
+	t.Helper()
+	listen := p.cfg.DNSProxyAddr
 	if err := p.start(); err != nil {
 		// Without IPv6 on this machine, the tests on ::1 cannot run;
 		// under APIARY_STRICT=1, as any other failure to start, this
@@ -86,7 +105,6 @@ func startUDPProxy(t testing.TB, listen string, upstream netip.AddrPort, adjust 
 			t.Error(err)
 		}
 	})
-	return p
 }
 
 // ask sends a TXT query for name from a socket connected to server and
@@ -380,4 +398,179 @@ func TestUpstreamSocketIDsNotReused(t *testing.T) {
 	if len(ids) != 200 {
 		t.Fatalf("%d sockets for %d queries, want one per %d", len(ids), 200*socketQueries, socketQueries)
 	}
+}
+
+// fakeInterceptor sends each client address's queries to the resolver
+// resolvers names, with every name allowed.
+type fakeInterceptor struct{ resolvers map[netip.Addr]netip.AddrPort }
+
+func (f fakeInterceptor) SetProxy(netip.AddrPort, netip.AddrPort, bool) error { return nil }
+func (f fakeInterceptor) Report(QueryVerdict)                                 {}
+func (f fakeInterceptor) Origin(_ uint8, client netip.AddrPort) (Origin, bool) {
+	r, ok := f.resolvers[client.Addr()]
+	return Origin{Resolver: r, Endpoint: "default/" + client.Addr().String(), Rules: []tables.DNSRule{{Pattern: "*", Policy: "p"}}}, ok
+}
+
+// askFrom sends a TXT query for name from local (a loopback address) to
+// server over network ("udp" or "tcp") and returns the answer.
+func askFrom(t testing.TB, network, local, server, name string) (*dns.Msg, error) {
+	t.Helper()
+	d := &net.Dialer{Timeout: 2 * time.Second}
+	if network == "tcp" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(local)}
+	} else {
+		d.LocalAddr = &net.UDPAddr{IP: net.ParseIP(local)}
+	}
+	c := &dns.Client{Net: network, Timeout: 2 * time.Second, Dialer: d}
+	r, _, err := c.Exchange(new(dns.Msg).SetQuestion(name, dns.TypeTXT), server)
+	return r, err
+}
+
+// TestUDPServerSourceBudget: one client's queries to a resolver that
+// never answers fill its own budget of queries in flight, not the
+// proxy's: past it that client is answered SERVFAIL (counted), and
+// another client, asking a resolver that answers, still is answered.
+// Without the budget the first client's queries take every place and the
+// other's query is answered SERVFAIL.
+func TestUDPServerSourceBudget(t *testing.T) {
+	silent, _ := fakeResolver(t, "udp4", "127.0.0.1:0", func(*dns.Msg) []*dns.Msg { return nil })
+	good, _ := fakeResolver(t, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} })
+	const global, perSource, flood = 64, 16, 100
+	attacker, victim := netip.MustParseAddr("127.0.0.2"), netip.MustParseAddr("127.0.0.3")
+	p := newTestProxy(t, "127.0.0.1:0", silent)
+	p.udpMaxInflight, p.cfg.DNSProxyMaxInflightPerSource, p.cfg.DNSUpstreamTimeout = global, perSource, time.Minute
+	p.intercept = fakeInterceptor{map[netip.Addr]netip.AddrPort{attacker: silent, victim: good}}
+	startProxy(t, p)
+	m := p.metrics
+
+	// The attacker sends flood queries and reads the SERVFAILs: once it
+	// has flood-global of them, the proxy has read all of its queries.
+	conn, err := net.DialUDP("udp4", net.UDPAddrFromAddrPort(netip.AddrPortFrom(attacker, 0)), net.UDPAddrFromAddrPort(addrPortOf(p.listenAddr())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	for i := range flood {
+		q := new(dns.Msg).SetQuestion(fmt.Sprintf("q%d.flood.test.", i), dns.TypeTXT)
+		wire, _ := q.Pack()
+		if _, err := conn.Write(wire); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	buf := make([]byte, 512)
+	servfails := 0
+	for servfails < flood-global {
+		n, err := conn.Read(buf)
+		if err != nil {
+			t.Fatalf("after %d SERVFAILs to the flooding client: %v", servfails, err)
+		}
+		var r dns.Msg
+		if r.Unpack(buf[:n]) == nil && r.Rcode == dns.RcodeServerFailure {
+			servfails++
+		}
+	}
+	r, err := askFrom(t, "udp", victim.String(), p.Addr(), "www.example.test.")
+	if err != nil || r.Rcode != dns.RcodeSuccess || txt(r) != "a" {
+		t.Fatalf("another client's query while one floods a silent resolver: %v %v, want the answer", r, err)
+	}
+	if got := counterValue(t, m.refused.WithLabelValues(refusedSourceBudget)); got < flood-global {
+		t.Errorf("refused{%s} = %v, want at least %d", refusedSourceBudget, got, flood-global)
+	}
+}
+
+// TestProxyServesOnlyLocalSources: the proxy answers this node's pods and
+// the node; a query from any other source (another node's pod) is
+// REFUSED, over UDP and TCP, never forwarded, and counted.
+func TestProxyServesOnlyLocalSources(t *testing.T) {
+	up, from := fakeResolver(t, "udp4", "127.0.0.1:0", func(q *dns.Msg) []*dns.Msg { return []*dns.Msg{reply(q, q.Id, "a")} })
+	db := statedb.New()
+	pods, err := tables.NewEndpointsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wtxn := db.WriteTxn(pods)
+	pods.Insert(wtxn, &tables.Endpoint{Name: "default/pod", IPs: []netip.Addr{netip.MustParseAddr("127.0.0.3")}})
+	wtxn.Commit()
+	p := newTestProxy(t, "127.0.0.1:0", up)
+	// Served: the node (its address 127.0.0.1) and the pod (127.0.0.3);
+	// 127.0.0.2 stands for another node's pod.
+	p.sources = &sources{db: db, pods: pods, nodeAddrs: func() ([]netip.Addr, error) {
+		return []netip.Addr{netip.MustParseAddr("127.0.0.1")}, nil
+	}}
+	startProxy(t, p)
+	for _, network := range []string{"udp", "tcp"} {
+		for _, tt := range []struct {
+			src   string
+			rcode int
+		}{{"127.0.0.1", dns.RcodeSuccess}, {"127.0.0.3", dns.RcodeSuccess}, {"127.0.0.2", dns.RcodeRefused}} {
+			r, err := askFrom(t, network, tt.src, p.Addr(), "www.example.test.")
+			if network == "tcp" && err == nil && tt.rcode == dns.RcodeSuccess && r.Rcode == dns.RcodeServerFailure {
+				continue // served: forwarded to the resolver, which has no TCP
+			}
+			if err != nil || r.Rcode != tt.rcode {
+				t.Errorf("%s query from %s: %v %v, want %s", network, tt.src, r, err, dns.RcodeToString[tt.rcode])
+			}
+		}
+	}
+	for len(from) > 0 {
+		if src := <-from; src.Addr() != netip.MustParseAddr("127.0.0.1") {
+			t.Errorf("a query reached the resolver from %s", src)
+		}
+	}
+	if got := counterValue(t, p.metrics.refused.WithLabelValues(refusedUnknownSource)); got != 2 {
+		t.Errorf("refused{%s} = %v, want 2", refusedUnknownSource, got)
+	}
+}
+
+// TestProxyTCPConnectionBudget: a client holding
+// --dns-proxy-max-tcp-per-source connections open gets no more (the new
+// one is closed at once, counted); another client still gets its answer.
+func TestProxyTCPConnectionBudget(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	up := &dns.Server{Listener: ln, Handler: dns.HandlerFunc(func(w dns.ResponseWriter, q *dns.Msg) { w.WriteMsg(reply(q, q.Id, "a")) })}
+	go up.ActivateAndServe()
+	t.Cleanup(func() { up.Shutdown() })
+	p := startUDPProxy(t, "127.0.0.1:0", addrPortOf(ln.Addr()), func(c *Config) { c.DNSProxyMaxTCPPerSource = 3 })
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.2")}}
+	for range 3 {
+		c, err := d.Dial("tcp", p.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+	}
+	if r, err := askFrom(t, "tcp", "127.0.0.2", p.Addr(), "www.example.test."); err == nil {
+		t.Errorf("a fourth connection of one client was served: %v", r)
+	}
+	if r, err := askFrom(t, "tcp", "127.0.0.3", p.Addr(), "www.example.test."); err != nil || r.Rcode != dns.RcodeSuccess {
+		t.Errorf("another client's TCP query: %v %v, want an answer", r, err)
+	}
+	if got := counterValue(t, p.metrics.refused.WithLabelValues(refusedTCPConns)); got != 1 {
+		t.Errorf("refused{%s} = %v, want 1", refusedTCPConns, got)
+	}
+	held[0].Close()
+	testenv.Eventually(t, 5*time.Second, "a connection again once one is closed", func() (bool, string) {
+		r, err := askFrom(t, "tcp", "127.0.0.2", p.Addr(), "www.example.test.")
+		return err == nil && r.Rcode == dns.RcodeSuccess, fmt.Sprint(r, err)
+	})
+}
+
+// counterValue returns c's value.
+func counterValue(t testing.TB, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
 }

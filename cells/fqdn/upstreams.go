@@ -36,8 +36,10 @@ type upstreams struct {
 	// byFD are all open sockets, retired ones waiting for their last
 	// replies included.
 	byFD map[int]*upstreamSocket
-	// pending counts the queries waiting for a reply.
+	// pending counts the queries waiting for a reply, bySource those of
+	// each client address.
 	pending   int
+	bySource  map[netip.Addr]int
 	lastSweep time.Time
 }
 
@@ -56,7 +58,7 @@ type upstreamSocket struct {
 }
 
 func newUpstreams(epfd int) *upstreams {
-	return &upstreams{epfd: epfd, current: map[netip.AddrPort]*upstreamSocket{}, byFD: map[int]*upstreamSocket{}}
+	return &upstreams{epfd: epfd, current: map[netip.AddrPort]*upstreamSocket{}, byFD: map[int]*upstreamSocket{}, bySource: map[netip.Addr]int{}}
 }
 
 // send forwards query (whose ID it overwrites) to resolver to for q.
@@ -85,6 +87,7 @@ func (u *upstreams) send(q *udpQuery, to netip.AddrPort, query []byte, now time.
 	sock.pending[id] = q
 	q.sock, q.id = sock, id
 	u.pending++
+	u.bySource[q.client.Addr()]++
 	return nil
 }
 
@@ -151,6 +154,9 @@ func (u *upstreams) forget(q *udpQuery) {
 	delete(sock.pending, q.id)
 	q.sock = nil
 	u.pending--
+	if u.bySource[q.client.Addr()]--; u.bySource[q.client.Addr()] <= 0 {
+		delete(u.bySource, q.client.Addr())
+	}
 	if sock.retired && len(sock.pending) == 0 {
 		u.close(sock)
 	}
@@ -209,5 +215,6 @@ func (u *upstreams) closeAll() {
 		u.close(sock)
 	}
 	clear(u.current)
+	clear(u.bySource)
 	u.pending = 0
 }
