@@ -379,9 +379,9 @@ func (p *Proxy) reply(w dns.ResponseWriter, req, resp *dns.Msg) {
 // resolver does; a reply is read into maxSize+1 bytes (a bigger one is
 // cut there, and parseAnswer drops it as oversized), not 64 KiB.
 func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upstream string, maxSize int) ([]byte, error) {
-	out, err := req.Pack()
+	out, err := upstreamQuery(req)
 	if err != nil {
-		return nil, fmt.Errorf("pack the request: %w", err)
+		return nil, err
 	}
 	deadline := time.Now().Add(p.cfg.DNSUpstreamTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
@@ -426,6 +426,34 @@ func (p *Proxy) exchange(ctx context.Context, network string, req *dns.Msg, upst
 			return buf[:n], nil
 		}
 	}
+}
+
+// upstreamQuery returns the query sent to a resolver for req, the
+// client's query: rebuilt from what the proxy checked, never the client's
+// bytes. It keeps the ID, the RD, CD and AD bits, the one question and,
+// when the client sent EDNS, its UDP size (which bounds the answer the
+// client takes) and DO bit (DNSSEC records asked for); it drops every
+// EDNS option (client subnet, cookies, padding, anything a resolver or
+// the path to it may act on), the answer, authority and additional
+// records (TSIG included: a signed query goes out unsigned), and bytes
+// after the message. Nothing a pod sends then reaches the resolver beyond
+// the question the DNS rules judged.
+func upstreamQuery(req *dns.Msg) ([]byte, error) {
+	q := &dns.Msg{
+		MsgHdr: dns.MsgHdr{
+			Id: req.Id, Opcode: dns.OpcodeQuery, RecursionDesired: req.RecursionDesired,
+			CheckingDisabled: req.CheckingDisabled, AuthenticatedData: req.AuthenticatedData,
+		},
+		Question: []dns.Question{req.Question[0]},
+	}
+	if opt := req.IsEdns0(); opt != nil {
+		q.SetEdns0(max(opt.UDPSize(), dns.MinMsgSize), opt.Do())
+	}
+	out, err := q.Pack()
+	if err != nil {
+		return nil, fmt.Errorf("pack the query for the resolver: %w", err)
+	}
+	return out, nil
 }
 
 // listenBoth listens on addr over TCP and, with loops sockets sharing

@@ -330,8 +330,13 @@ func (s *udpServer) query(data []byte, from peer, dst netip.Addr, truncated bool
 		s.answer(q, new(dns.Msg).SetRcode(req, dns.RcodeServerFailure), resultServFail)
 		return
 	}
+	out, err := upstreamQuery(req)
+	if err != nil {
+		s.answer(q, new(dns.Msg).SetRcode(req, dns.RcodeFormatError), "")
+		return
+	}
 	now := time.Now()
-	if err := s.up.send(q, ap, data, now); err != nil {
+	if err := s.up.send(q, ap, out, now); err != nil {
 		resp, result := s.p.upstreamFailed(req, upstream, err)
 		s.answer(q, resp, result)
 		return

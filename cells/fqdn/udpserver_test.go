@@ -1,8 +1,10 @@
 package fqdn
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"sync"
@@ -573,4 +575,112 @@ func counterValue(t testing.TB, c prometheus.Counter) float64 {
 		t.Fatal(err)
 	}
 	return m.GetCounter().GetValue()
+}
+
+// TestUpstreamQueryRebuilt: what reaches the resolver is the query
+// rebuilt from the question the proxy checked, over UDP and TCP: the
+// client's EDNS options (client subnet, cookie), its additional records
+// and the bytes after its message are not forwarded; its EDNS UDP size,
+// DO, RD and CD bits are.
+func TestUpstreamQueryRebuilt(t *testing.T) {
+	got := make(chan []byte, 4)
+	answer := func(b []byte) []byte {
+		got <- bytes.Clone(b)
+		var q dns.Msg
+		if q.Unpack(b) != nil {
+			return nil
+		}
+		r, _ := reply(&q, q.Id, "a").Pack()
+		return r
+	}
+	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	ln, err := net.Listen("tcp", pc.LocalAddr().String())
+	if err != nil {
+		testenv.Skip(t, fmt.Sprintf("listen on tcp %s: %v", pc.LocalAddr(), err))
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		buf := make([]byte, 4096)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			pc.WriteTo(answer(buf[:n]), from)
+		}
+	}()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			var n [2]byte
+			if _, err := io.ReadFull(c, n[:]); err == nil {
+				b := make([]byte, int(n[0])<<8|int(n[1]))
+				if _, err := io.ReadFull(c, b); err == nil {
+					r := answer(b)
+					c.Write(append([]byte{byte(len(r) >> 8), byte(len(r))}, r...))
+				}
+			}
+			c.Close()
+		}
+	}()
+	p := startUDPProxy(t, "127.0.0.1:0", addrPortOf(pc.LocalAddr()))
+
+	q := new(dns.Msg).SetQuestion("www.example.test.", dns.TypeTXT)
+	q.CheckingDisabled = true
+	q.SetEdns0(1400, true)
+	opt := q.IsEdns0()
+	opt.Option = append(opt.Option,
+		&dns.EDNS0_SUBNET{Code: dns.EDNS0SUBNET, Family: 1, SourceNetmask: 24, Address: net.ParseIP("192.0.2.0").To4()},
+		&dns.EDNS0_COOKIE{Code: dns.EDNS0COOKIE, Cookie: "0102030405060708"})
+	q.Extra = append(q.Extra, &dns.A{Hdr: dns.RR_Header{Name: "extra.test.", Rrtype: dns.TypeA, Class: dns.ClassINET, Ttl: 60}, A: net.ParseIP("192.0.2.9")})
+	wire, err := q.Pack()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wire = append(wire, "trailing bytes"...)
+	for _, network := range []string{"udp", "tcp"} {
+		conn, err := net.Dial(network, p.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		msg := wire
+		if network == "tcp" {
+			msg = append([]byte{byte(len(wire) >> 8), byte(len(wire))}, wire...)
+		}
+		if _, err := conn.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		var sent []byte
+		select {
+		case sent = <-got:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: the resolver got no query", network)
+		}
+		conn.Close()
+		var m dns.Msg
+		if err := m.Unpack(sent); err != nil {
+			t.Fatalf("%s: the resolver got %x: %v", network, sent, err)
+		}
+		again, _ := m.Pack()
+		o := m.IsEdns0()
+		switch {
+		case len(again) != len(sent):
+			t.Errorf("%s: the resolver got %d bytes, a message of %d: trailing bytes forwarded", network, len(sent), len(again))
+		case len(m.Question) != 1 || m.Question[0] != q.Question[0]:
+			t.Errorf("%s: question %v, want %v", network, m.Question, q.Question)
+		case len(m.Extra) != 1 || o == nil:
+			t.Errorf("%s: additional records %v, want only the OPT record", network, m.Extra)
+		case len(o.Option) != 0:
+			t.Errorf("%s: EDNS options %v forwarded, want none", network, o.Option)
+		case o.UDPSize() != 1400 || !o.Do() || !m.RecursionDesired || !m.CheckingDisabled:
+			t.Errorf("%s: UDP size %d DO %t RD %t CD %t, want the client's 1400 true true true", network, o.UDPSize(), o.Do(), m.RecursionDesired, m.CheckingDisabled)
+		}
+	}
 }
