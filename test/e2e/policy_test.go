@@ -56,6 +56,9 @@ func runHelper() (int, bool) {
 	if q := os.Getenv(dnsLoadEnv); q != "" {
 		return dnsLoad(q), true
 	}
+	if q := os.Getenv(dnsFloodEnv); q != "" {
+		return dnsFlood(q), true
+	}
 	if addr := os.Getenv(connectEnv); addr != "" {
 		fmt.Println(connectOutcome(addr, os.Getenv(bindEnv)))
 		return 0, true
