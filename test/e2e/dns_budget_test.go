@@ -148,4 +148,3 @@ func TestDNSProxySourceBudget(t *testing.T) {
 		t.Errorf(`apiary_fqdn_proxy_refused_total{reason="source-inflight"} = %v %v, want at least 2000`, n, err)
 	}
 }
-
