@@ -101,6 +101,13 @@ type Config struct {
 	// address holds open to the proxy (each carries one query at a time);
 	// past it new ones are closed.
 	DNSProxyMaxTCPPerSource int
+	// DNSTrustedResolvers are resolvers (IPs, prefixes, IP:port) whose
+	// answers label addresses for every pod's toFQDNs, besides
+	// DNSUpstream and DNSClusterService's.
+	DNSTrustedResolvers []string
+	// DNSClusterService is the cluster DNS Service ("namespace/name"),
+	// whose frontends and backends are trusted resolvers; empty: none.
+	DNSClusterService string
 }
 
 var defaultConfig = Config{
@@ -112,6 +119,7 @@ var defaultConfig = Config{
 	DNSProxyUDPLoops:             1,
 	DNSProxyMaxInflightPerSource: 512,
 	DNSProxyMaxTCPPerSource:      64,
+	DNSClusterService:            "kube-system/kube-dns",
 	DNSRejectResponse:            RejectRefused,
 }
 
@@ -141,6 +149,10 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Goroutines serving the DNS proxy's UDP queries, each on its own socket of the same port (the kernel spreads clients over them); one serves several thousand queries per second per core")
 	fs.Int("dns-proxy-max-inflight-per-source", def.DNSProxyMaxInflightPerSource,
 		"Most UDP queries of one client address (a pod, the node) waiting for resolvers at once, per UDP loop; past it that client gets SERVFAIL")
+	fs.StringSlice("dns-trusted-resolvers", def.DNSTrustedResolvers,
+		"Resolvers (IPs, prefixes, IP:port) whose DNS answers label addresses for every pod's toFQDNs, besides --dns-upstream and the backends of --dns-cluster-service; answers from other resolvers a pod asks are passed on unlabelled")
+	fs.String("dns-cluster-service", def.DNSClusterService,
+		"The cluster DNS Service (namespace/name), whose addresses and backends are trusted resolvers; empty: none")
 	fs.Int("dns-proxy-max-tcp-per-source", def.DNSProxyMaxTCPPerSource,
 		"Most TCP connections one client address (a pod, the node) holds open to the DNS proxy; past it new ones are closed")
 }
@@ -255,6 +267,10 @@ type proxyParams struct {
 	// the node's own); without the table only the node is served.
 	Pods statedb.Table[*tables.Endpoint] `optional:"true"`
 	DB   *statedb.DB
+	// The load balancer's tables, for the cluster DNS Service's
+	// addresses.
+	Frontends statedb.Table[*tables.Frontend] `optional:"true"`
+	Backends  statedb.Table[*tables.Backend]  `optional:"true"`
 
 	Log       *slog.Logger
 	Lifecycle cell.Lifecycle
@@ -296,6 +312,11 @@ func newProxy(p proxyParams) (*Proxy, error) {
 	if err := checkHostPort(px.cfg.DNSUpstream, false); err != nil {
 		return nil, fmt.Errorf("--dns-upstream=%q: %w", px.cfg.DNSUpstream, err)
 	}
+	tr, err := newTrust(px.cfg, p)
+	if err != nil {
+		return nil, err
+	}
+	px.trust = tr
 	p.Lifecycle.Append(cell.Hook{
 		OnStart: func(cell.HookContext) error {
 			if err := px.start(); err != nil {
@@ -545,4 +566,21 @@ func checkpointLoop(ctx context.Context, h cell.Health, p jobParams) error {
 			return encodeCheckpoint(rows)
 		},
 	}.Run(ctx, h, p.Log)
+}
+
+// newTrust builds the proxy's trusted resolvers from cfg (DNSUpstream
+// already set) and the load balancer's tables.
+func newTrust(cfg Config, p proxyParams) (*trust, error) {
+	prefixes, addrPorts, err := parseTrusted(cfg.DNSTrustedResolvers)
+	if err != nil {
+		return nil, err
+	}
+	t := &trust{upstream: cfg.DNSUpstream, prefixes: prefixes, addrPorts: addrPorts}
+	if cfg.DNSClusterService != "" {
+		if t.service, err = tables.ParseServiceName(cfg.DNSClusterService); err != nil {
+			return nil, fmt.Errorf("--dns-cluster-service=%q: %w", cfg.DNSClusterService, err)
+		}
+		t.db, t.frontends, t.backends = p.DB, p.Frontends, p.Backends
+	}
+	return t, nil
 }

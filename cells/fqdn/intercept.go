@@ -62,6 +62,9 @@ type QueryVerdict struct {
 	Policy string
 	// Answers are the addresses the answer gave the name.
 	Answers []netip.Addr
+	// Unlabelled says why Answers were not labelled for FQDN selectors
+	// ("untrusted resolver"); empty when they were, or had no need.
+	Unlabelled string
 	// RCode is the answer's response code ("NOERROR", "REFUSED", …).
 	RCode string
 	// Latency is the time from the query's arrival to the answer, hold

@@ -17,6 +17,7 @@ type fqdnMetrics struct {
 	dropped        *prometheus.CounterVec
 	queries        *prometheus.CounterVec
 	refused        *prometheus.CounterVec
+	untrusted      prometheus.Counter
 }
 
 // Results of proxied requests.
@@ -25,6 +26,9 @@ const (
 	resultLabelled  = "labelled"  // answered after labelling new addresses
 	resultServFail  = "servfail"  // upstream failed or timed out
 	resultDropped   = "dropped"   // the upstream's answer was unusable
+	// resultUntrusted: learn's, for an answer from a resolver the node
+	// does not trust (counted as forwarded).
+	resultUntrusted = "untrusted"
 )
 
 func newFQDNMetrics(reg prometheus.Registerer) (*fqdnMetrics, error) {
@@ -54,10 +58,12 @@ func newFQDNMetrics(reg prometheus.Registerer) (*fqdnMetrics, error) {
 			Namespace: metrics.Namespace, Subsystem: "dns", Name: "queries_total",
 			Help: "DNS queries the proxy answered, by verdict (allowed: forwarded; denied: no DNS rule of the endpoint allows the name) and the answer's response code",
 		}, []string{"verdict", "rcode"}),
+		untrusted: prometheus.NewCounter(prometheus.CounterOpts(opts("untrusted_answers_total",
+			"Answers for names FQDN selectors match from resolvers the node does not trust, passed on without labelling their addresses"))),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts(opts("proxy_refused_total",
 			"Queries and TCP connections the proxy refused before looking at them, by reason (unknown-source, source-inflight, source-tcp-connections)")), []string{"reason"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.delayExceeded, m.holdSeconds, m.breakerRefused, m.evicted, m.gcRemoved, m.dropped, m.queries, m.refused} {
+	for _, c := range []prometheus.Collector{m.requests, m.delayExceeded, m.holdSeconds, m.breakerRefused, m.evicted, m.gcRemoved, m.dropped, m.queries, m.refused, m.untrusted} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

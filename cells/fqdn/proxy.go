@@ -45,6 +45,9 @@ type Proxy struct {
 	// serves loopback clients only.
 	sources  *sources
 	warnings throttledWarn
+	// trust tells the resolvers whose answers label addresses; nil
+	// trusts none.
+	trust *trust
 	// udpMaxInflight replaces maxInflight in tests; 0 in the agent.
 	udpMaxInflight int
 
@@ -160,6 +163,9 @@ func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 		var ans answer
 		resp, ans, result = p.handle(context.Background(), "tcp", req, upstream)
 		v.Answers = ans.ips
+		if len(ans.ips) > 0 && !p.trust.trusted(upstream) {
+			v.Unlabelled = unlabelledUntrusted
+		}
 	}
 	p.reply(w, req, resp)
 	p.record(&v, resp.Rcode, result)
@@ -258,6 +264,9 @@ func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg, upstre
 		return resp, answer{}, result
 	}
 	resp, ans, result, held := p.learn(req, wire, maxSize, upstream)
+	if result == resultUntrusted {
+		result = resultForwarded
+	}
 	if held != nil {
 		p.hold(ctx, held)
 	}
@@ -299,6 +308,9 @@ func (p *Proxy) learn(req *dns.Msg, wire []byte, maxSize int, upstream string) (
 	resp, ans, result = p.check(req, wire, maxSize, upstream)
 	if result == resultDropped || len(ans.ips) == 0 {
 		return resp, ans, result, nil
+	}
+	if !p.labels(upstream, ans) {
+		return resp, ans, resultUntrusted, nil
 	}
 	result, held = p.label(ans)
 	return resp, ans, result, held

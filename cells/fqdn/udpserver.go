@@ -385,7 +385,9 @@ func (s *udpServer) passOn(q *udpQuery, wire []byte) {
 		s.answer(q, resp, result)
 		return
 	}
-	if len(ans.ips) > 0 && !s.p.names.settled(ans.name, ans.ips, ans.ttl, s.p.now()) {
+	if len(ans.ips) > 0 && !s.p.labels(q.upstream, ans) {
+		q.v.Unlabelled = unlabelledUntrusted
+	} else if len(ans.ips) > 0 && !s.p.names.settled(ans.name, ans.ips, ans.ttl, s.p.now()) {
 		s.side.Go(func() {
 			result, held := s.p.label(ans)
 			if held != nil {

@@ -186,7 +186,7 @@ func (i *interceptor) Report(q fqdn.QueryVerdict) {
 		Src: q.Client.String(), Dst: q.Resolver.String(), Proto: q.Protocol, RemoteLabels: []string{},
 		Verdict: VerdictAllowed, Policy: q.Policy, Reason: ReasonDNSRule,
 		DNS: &DNSVerdict{
-			Query: q.Name, QType: q.Type, RCode: q.RCode, Answers: []string{},
+			Query: q.Name, QType: q.Type, RCode: q.RCode, Answers: []string{}, Unlabelled: q.Unlabelled,
 			LatencyMs: float64(q.Latency.Microseconds()) / 1000,
 		},
 	}

@@ -56,6 +56,10 @@ type DNSVerdict struct {
 	QType string `json:"qtype"`
 	// Answers are the addresses the answer gave the name.
 	Answers []string `json:"answers"`
+	// Unlabelled says why the answer's addresses were not labelled for
+	// FQDN selectors ("untrusted resolver": a resolver the node does not
+	// trust answered, see docs/fqdn.md); absent when they were.
+	Unlabelled string `json:"unlabelled,omitempty"`
 	// RCode is the answer's response code (NOERROR, NXDOMAIN, REFUSED, …).
 	RCode string `json:"rcode"`
 	// LatencyMs is the time from the query to its answer, the hold until

@@ -240,6 +240,10 @@ endpoints: [{addresses: ["`+resolver+`"], conditions: {ready: true}}]
 		// ones go to the resolver their client asked.
 		"--dns-proxy-addr=" + proxy, "--dns-upstream=127.0.0.1:1",
 		"--tofqdns-proxy-response-max-delay=15s",
+		// The resolver is the cluster DNS Service's backend: its answers
+		// label addresses (a resolver the node does not trust labels
+		// nothing).
+		"--dns-cluster-service=default/kube-dns",
 	}})
 	a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny", "default/client-c": "off off"})
 	a.waitLog(t, "Intercepting the DNS of endpoints with DNS rules")
