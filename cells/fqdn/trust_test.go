@@ -126,4 +126,3 @@ func TestUntrustedResolverLabelsNothing(t *testing.T) {
 		t.Errorf("with --dns-trusted-resolvers=%s its answer was not labelled", chosen.addr)
 	}
 }
-
