@@ -41,6 +41,10 @@ func runDNSBypassHelper() (int, bool) {
 	if dst := os.Getenv(udpcDNSEnv); dst != "" {
 		return reportErr(udpcDNS(dst)), true
 	}
+	if spec := os.Getenv(freebindDNSEnv); spec != "" {
+		fmt.Println(errWord(freebindDNS(spec)))
+		return 0, true
+	}
 	return 0, false
 }
 
@@ -306,6 +310,152 @@ func TestDNSBypassInPodNetns(t *testing.T) {
 	for _, name := range []string{"raw.denied.test", "pkt.denied.test"} {
 		if strings.Contains(resolverLog.log.String(), name) {
 			t.Errorf("the resolver got the bypassing query for %s:\n%s", name, resolverLog.log.Tail(20))
+		}
+	}
+}
+
+// freebindDNSEnv: send one DNS query for A records ("src:port>dst:port:name")
+// from a UDP socket bound with IP_FREEBIND and IP_TRANSPARENT to src, which
+// need not be the pod's address. Prints "ok" or the send's error.
+const freebindDNSEnv = "E2E_FREEBIND_DNS"
+
+func freebindDNS(spec string) error {
+	src, rest, ok := strings.Cut(spec, ">")
+	f := strings.SplitN(rest, ":", 3)
+	if !ok || len(f) != 3 {
+		return fmt.Errorf("bad spec %q", spec)
+	}
+	sap := netip.MustParseAddrPort(src)
+	dst := netip.MustParseAddrPort(f[0] + ":" + f[1])
+	wire, err := dnsQueryWire(f[2])
+	if err != nil {
+		return err
+	}
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	// IP_FREEBIND lets the socket bind the address; IP_TRANSPARENT lets
+	// its datagrams leave from it (a route lookup from a source that is
+	// not local fails without it). A pod with CAP_NET_ADMIN has both.
+	for _, opt := range []int{unix.IP_FREEBIND, unix.IP_TRANSPARENT} {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IP, opt, 1); err != nil {
+			return err
+		}
+	}
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: sap.Addr().As4(), Port: int(sap.Port())}); err != nil {
+		return err
+	}
+	return unix.Sendto(fd, wire, 0, &unix.SockaddrInet4{Addr: dst.Addr().As4(), Port: int(dst.Port())})
+}
+
+// Pods of TestDNSOriginFreebind: the attacker x (with a DNS rule that
+// allows every name) and the victim v (no policy), each behind its veth.
+const (
+	uidFbX  = "1e5e1e5e-0000-4000-8000-00000000005e"
+	uidFbV  = "1f5f1f5f-0000-4000-8000-00000000005f"
+	fbGwX4  = "10.236.1.1"
+	fbX4    = "10.236.1.11"
+	fbGwV4  = "10.236.2.1"
+	fbV4    = "10.236.2.11"
+	fbEvil  = "10.236.9.9" // what the attacker's resolver answers
+	fbGood  = "10.236.8.8" // what the proxy's upstream answers
+	fbPorts = `[{port: "53", protocol: ANY}]`
+)
+
+const fbPods = `apiVersion: v1
+kind: Namespace
+metadata: {name: default}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: fbx, namespace: default, uid: ` + uidFbX + `, labels: {app: fbx}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
+status: {phase: Running, podIP: ` + fbX4 + `, podIPs: [{ip: ` + fbX4 + `}, {ip: "fd00:e6:1::11"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: fbv, namespace: default, uid: ` + uidFbV + `, labels: {app: fbv}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
+status: {phase: Running, podIP: ` + fbV4 + `, podIPs: [{ip: ` + fbV4 + `}, {ip: "fd00:e6:2::11"}]}
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: fbx, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: fbx}}
+  egress:
+  - toEntities: [host]
+    toPorts:
+    - ports: ` + fbPorts + `
+      rules: {dns: [{matchPattern: "*"}]}
+`
+
+// TestDNSOriginFreebind: a pod with a DNS rule binds a UDP socket with
+// IP_FREEBIND (and IP_TRANSPARENT) to another pod's address and port and sends a query to a
+// resolver it controls. Its packet is dropped on its interface as
+// spoofed, but the socket's hook published the origin entry for the
+// other pod's address and port; the proxy must not use it for the other
+// pod's query from that port (sent to the proxy directly), which goes to
+// the proxy's upstream, not to the attacker's resolver.
+func TestDNSOriginFreebind(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	testenv.RequireProgram(t, "ip")
+	digBin := testenv.RequireProgram(t, "dig")
+	dnsmasq := testenv.RequireProgram(t, "dnsmasq", "/usr/sbin")
+	root := testenv.Cgroup(t)
+	x := makeIfPodVia(t, root, uidFbX, "fbx", fbGwX4, "fd00:e6:1::1", fbX4, "fd00:e6:1::11")
+	v := makeIfPodVia(t, root, uidFbV, "fbv", fbGwV4, "fd00:e6:2::1", fbV4, "fd00:e6:2::11")
+	dnsmasqOn := func(name, addr, port, answer string) {
+		startProcess(t, name, nil, dnsmasq,
+			"--keep-in-foreground", "--conf-file=/dev/null", "--pid-file",
+			"--no-resolv", "--no-hosts", "--listen-address="+addr, "--bind-interfaces",
+			"--port="+port, "--address=/#/"+answer)
+	}
+	dnsmasqOn("evil resolver", fbGwX4, "53", fbEvil)
+	upstream := freePort(t)
+	dnsmasqOn("upstream", "127.0.0.1", strconv.Itoa(upstream), fbGood)
+
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), fbPods)
+	proxyPort := strconv.Itoa(freePort(t))
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{
+		"--node-name=e2e-node", "--cgroup-root=" + root, "--node-ips=" + fbGwV4 + "," + fbGwX4,
+		"--dns-proxy-addr=" + net.JoinHostPort(fbGwV4, proxyPort),
+		"--dns-upstream=127.0.0.1:" + strconv.Itoa(upstream),
+	}})
+	a.waitPodInterfaces(t, map[string]string{"default/fbx": x.hostIf, "default/fbv": v.hostIf})
+	a.waitLog(t, "Intercepting the DNS of endpoints with DNS rules")
+
+	// The victim asks the proxy directly, from a port of its own.
+	const vPort = "41053"
+	ask := func() string {
+		o, _ := v.command(t, true, nil, digBin, "@"+fbGwV4, "-p", proxyPort, "-b", fbV4+"#"+vPort,
+			"www.example.test", "A", "+time=5", "+tries=1").CombinedOutput()
+		status, ips := answerOf(string(o))
+		return status + " " + fmt.Sprint(ips)
+	}
+	want := "NOERROR [" + fbGood + "]"
+	testenv.Eventually(t, waitTimeout, "the victim answered by the proxy's upstream", func() (bool, string) {
+		got := ask()
+		return got == want, got
+	})
+	// The attacker's hook runs and its DNS rule is in force: its own
+	// queries reach its resolver through the proxy.
+	testenv.Eventually(t, waitTimeout, "the attacker's query answered by its resolver", func() (bool, string) {
+		o, _ := x.command(t, true, nil, digBin, "@"+fbGwX4, "www.example.test", "A", "+time=5", "+tries=1").CombinedOutput()
+		status, ips := answerOf(string(o))
+		got := status + " " + fmt.Sprint(ips)
+		return got == "NOERROR ["+fbEvil+"]", got
+	})
+	for range 3 {
+		if got := x.run(t, true, freebindDNSEnv+"="+fbV4+":"+vPort+">"+fbGwX4+":53:www.example.test"); got != "ok" {
+			t.Fatalf("the attacker's send: %s", got)
+		}
+		if got := ask(); got != want {
+			t.Fatalf("the victim's query after the attacker published its origin: %s, want %s", got, want)
 		}
 	}
 }
