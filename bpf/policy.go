@@ -202,6 +202,10 @@ const (
 	// cannot go to the DNS proxy (interception off, no proxy address of
 	// the family), denied rather than let through unfiltered.
 	PolicyReasonDNSProxy uint8 = 5
+	// PolicyReasonDNSBypass: a packet to port 53 (TCP or UDP) of an
+	// endpoint with PolicyDNS that did not go to the DNS proxy (a raw or
+	// packet socket, a socket connected before the DNS rule), dropped.
+	PolicyReasonDNSBypass uint8 = 6
 )
 
 // Programs that decide (PolicyEvent.Hook).

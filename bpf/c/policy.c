@@ -343,6 +343,8 @@ enum reason {
 	REASON_SPOOFED = 4,      /* a pod's packet from an address not its own */
 	REASON_DNS_PROXY = 5,    /* DNS of an endpoint with a DNS rule that
 				  * cannot go to the proxy (dns_redirect.h) */
+	REASON_DNS_BYPASS = 6,   /* a packet to port 53 of an endpoint with a
+				  * DNS rule that did not go to the proxy */
 };
 
 /* The program that decided, as policy_events says it. */
@@ -1139,6 +1141,56 @@ static __always_inline int opens_flow(struct __sk_buff *skb, struct bpf_sock *sk
 	return tcp_flags & TCP_FLAG_SYN;
 }
 
+/* to_dns_proxy tells whether c goes to the DNS proxy (dns_config). */
+static __always_inline int to_dns_proxy(const struct conn *c)
+{
+	__u32 zero = 0;
+	struct dns_config *cfg = bpf_map_lookup_elem(&dns_config, &zero);
+
+	if (!cfg || (c->protocol != IPPROTO_TCP && c->protocol != IPPROTO_UDP))
+		return 0;
+	if (is_v4mapped(&c->remote_addr))
+		return cfg->proxy4 && c->remote_addr.p[3] == cfg->proxy4 && c->remote_port == cfg->port4;
+	return (cfg->proxy6[0] | cfg->proxy6[1] | cfg->proxy6[2] | cfg->proxy6[3]) &&
+	       dns_same(c->remote_addr.p, cfg->proxy6) && c->remote_port == cfg->port6;
+}
+
+/*
+ * dns_bypass tells whether a packet of an endpoint with a DNS rule goes to
+ * port 53 (TCP or UDP) somewhere else than the DNS proxy, and reports it:
+ * the socket hooks send all such DNS to the proxy, so this one passed
+ * none of them (a raw or packet socket, a socket connected before the
+ * endpoint had its DNS rule or its entry in policy_endpoints, a process
+ * outside the pod's cgroup). The L4 policy may allow the resolver; the DNS
+ * rules would not have been applied, so it is dropped whatever the policy
+ * or audit mode says. A later fragment carries no port: it passes only
+ * where its first fragment passed (the interface's fragment state; the
+ * local stack fragments after the cgroup hook).
+ */
+static __always_inline int dns_bypass(const struct ep_ref *ep, const struct pkt *p, enum hook hook)
+{
+	struct decision d = { .verdict = VERDICT_DENIED, .reason = REASON_DNS_BYPASS };
+	struct conn c = {
+		.local_addr = p->saddr,
+		.remote_addr = p->daddr,
+		.local_port = p->sport,
+		.remote_port = p->dport,
+		.protocol = p->protocol,
+	};
+
+	if (p->protocol != IPPROTO_TCP && p->protocol != IPPROTO_UDP)
+		return 0;
+	/* A first fragment too short to hold the ports reads port 0, which
+	 * no query goes to: it could be one to port 53. */
+	if (p->later_fragment || (p->dport != bpf_htons(DNS_PORT) && !(p->first_fragment && !p->dport)))
+		return 0;
+	if (to_dns_proxy(&c))
+		return 0;
+	d.identity = identity_of(&c.remote_addr);
+	report(ep, &d, &c, DIR_EGRESS, hook);
+	return 1;
+}
+
 SEC("cgroup_skb/ingress")
 int policy_ingress(struct __sk_buff *skb)
 {
@@ -1201,14 +1253,23 @@ int policy_egress(struct __sk_buff *skb)
 
 	if (!endpoint_of_skb(skb, &ep))
 		return 1;
-	if (!(ep.flags & EP_ENFORCE_EGRESS))
+	if (!(ep.flags & (EP_ENFORCE_EGRESS | EP_DNS)))
 		return 1;
 	if (parse(skb, 0, &p) < 0 || link_control(&p))
 		return 1;
 
 	sk = full_sock(skb);
-	if (ep.flags & EP_DNS)
+	if (ep.flags & EP_DNS) {
+		/* Before any flow the socket knows: one connected to the
+		 * resolver before the DNS rule existed knows it. */
+		if (dns_bypass(&ep, &p, HOOK_EGRESS)) {
+			count(DIR_EGRESS, VERDICT_DENIED);
+			return 0;
+		}
 		dns_publish(sk, p.saddr.p, p.sport, p.daddr.p, p.dport, p.protocol);
+	}
+	if (!(ep.flags & EP_ENFORCE_EGRESS))
+		return 1;
 	/* A SYN-ACK leaves on the listener (its request socket is not a full
 	 * socket, so the kernel runs the hook with the listener): it answers
 	 * a SYN that ingress already judged. A listener carries no flow. */
@@ -1322,20 +1383,6 @@ static __always_inline struct iface_frag frag_key(__u32 ifindex, const struct pk
 	};
 }
 
-/* to_dns_proxy tells whether c goes to the DNS proxy (dns_config). */
-static __always_inline int to_dns_proxy(const struct conn *c)
-{
-	__u32 zero = 0;
-	struct dns_config *cfg = bpf_map_lookup_elem(&dns_config, &zero);
-
-	if (!cfg || (c->protocol != IPPROTO_TCP && c->protocol != IPPROTO_UDP))
-		return 0;
-	if (is_v4mapped(&c->remote_addr))
-		return cfg->proxy4 && c->remote_addr.p[3] == cfg->proxy4 && c->remote_port == cfg->port4;
-	return (cfg->proxy6[0] | cfg->proxy6[1] | cfg->proxy6[2] | cfg->proxy6[3]) &&
-	       dns_same(c->remote_addr.p, cfg->proxy6) && c->remote_port == cfg->port6;
-}
-
 /*
  * iface_decide judges a packet of the pod's interface ifindex in direction
  * dir (egress: from the pod), c seen from the pod; 1 passes it. A packet
@@ -1371,6 +1418,12 @@ static __always_inline int iface_decide(struct __sk_buff *skb, __u32 ifindex, co
 		if (bpf_map_lookup_elem(&policy_iface_frags, &fk))
 			return 1;
 		count_iface((__u32)dir * VERDICTS + VERDICT_DENIED);
+		return 0;
+	}
+	/* DNS that went past the socket hooks, before any flow the
+	 * interface knows (one to the resolver from before the DNS rule). */
+	if (dir == DIR_EGRESS && (ep->flags & EP_DNS) && dns_bypass(ep, p, hook)) {
+		count_iface(DIR_EGRESS * VERDICTS + VERDICT_DENIED);
 		return 0;
 	}
 	flows = bpf_map_lookup_elem(&policy_iface_flows, &ifindex);

@@ -118,11 +118,47 @@ func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin
 	if err := origin.Lookup(bpf.NewDNSOriginKey(protocol, client), &v); err != nil {
 		return i.originByAddr(client.Addr())
 	}
+	row := i.endpointRow(v.EndpointID)
+	if owner, isPod := i.podOf(client.Addr()); isPod && (row == nil || row.Name != owner) {
+		// Published by another endpoint than the pod whose address the
+		// query comes from: a socket bound to an address not its own
+		// (IP_FREEBIND, IP_TRANSPARENT), whose packet the pod's
+		// interface drops but whose entry the socket's hook wrote. The
+		// endpoint ID is the hook's (the cgroup's), which no pod forges.
+		return i.originByAddr(client.Addr())
+	}
 	o := fqdn.Origin{Resolver: v.ResolverAddr()}
-	if row := i.endpointRow(v.EndpointID); row != nil {
+	if row != nil {
 		o.Endpoint, o.Rules = row.Name, row.DNS
 	}
 	return o, true
+}
+
+// podOf returns the name of the endpoint whose pod has the address addr,
+// if a pod has it.
+func (i *interceptor) podOf(addr netip.Addr) (string, bool) {
+	if i.pods == nil {
+		return "", false
+	}
+	rtxn := i.db.ReadTxn()
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	i.refreshByAddrLocked(rtxn)
+	name, ok := i.byAddr[addr.Unmap()]
+	return name, ok
+}
+
+// refreshByAddrLocked rebuilds byAddr when the pods table changed.
+func (i *interceptor) refreshByAddrLocked(rtxn statedb.ReadTxn) {
+	if rev := i.pods.Revision(rtxn); rev != i.podsAt || i.byAddr == nil {
+		i.podsAt = rev
+		i.byAddr = map[netip.Addr]string{}
+		for ep := range i.pods.All(rtxn) {
+			for _, a := range ep.IPs {
+				i.byAddr[a] = ep.Name
+			}
+		}
+	}
 }
 
 // originByAddr is the origin of a query the socket hooks did not publish:
@@ -134,22 +170,11 @@ func (i *interceptor) originByAddr(addr netip.Addr) (fqdn.Origin, bool) {
 	if i.pods == nil {
 		return fqdn.Origin{}, false
 	}
-	rtxn := i.db.ReadTxn()
-	i.mu.Lock()
-	if rev := i.pods.Revision(rtxn); rev != i.podsAt || i.byAddr == nil {
-		i.podsAt = rev
-		i.byAddr = map[netip.Addr]string{}
-		for ep := range i.pods.All(rtxn) {
-			for _, a := range ep.IPs {
-				i.byAddr[a] = ep.Name
-			}
-		}
-	}
-	name, ok := i.byAddr[addr.Unmap()]
-	i.mu.Unlock()
+	name, ok := i.podOf(addr)
 	if !ok {
 		return fqdn.Origin{}, false
 	}
+	rtxn := i.db.ReadTxn()
 	row, _, found := i.endpoints.Get(rtxn, tables.EndpointPolicyNameIndex.Query(name))
 	if !found || len(row.DNS) == 0 {
 		return fqdn.Origin{}, false

@@ -166,6 +166,8 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 		v.Reason = ReasonSpoofed
 	case bpf.PolicyReasonDNSProxy:
 		v.Reason = ReasonDNSProxy
+	case bpf.PolicyReasonDNSBypass:
+		v.Reason = ReasonDNSBypass
 	default:
 		v.Policy = r.policyName(ev.Cookie)
 	}

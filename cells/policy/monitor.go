@@ -35,8 +35,9 @@ type Verdict struct {
 	// Reason is "policy" (an entry decided), "default deny", "fail closed"
 	// (the default deny an invalid policy keeps, which Policy names: see
 	// --policy-invalid-mode) or "no policy" (the endpoint is not enforced in
-	// that direction), "unclassified pod" or "spoofed source" (a pod's
-	// packet from an address not its own).
+	// that direction), "unclassified pod", "spoofed source" (a pod's
+	// packet from an address not its own) or "dns bypass" (a packet to port
+	// 53 of a pod with DNS rules that did not go to the DNS proxy).
 	Reason string `json:"reason"`
 	// Layer is where it was decided: "socket" (connect, sendmsg, the
 	// socket's packets) or "interface" (the host side of the pod's
@@ -97,6 +98,10 @@ const (
 	// to the DNS proxy (--dns-intercept=false, no --dns-proxy-addr, or no
 	// proxy address of the socket's family), denied.
 	ReasonDNSProxy = "dns proxy unavailable"
+	// ReasonDNSBypass: a packet to port 53 of an endpoint with a DNS rule
+	// that did not go to the DNS proxy (a raw or packet socket, a socket
+	// connected to the resolver before the rule), dropped.
+	ReasonDNSBypass = "dns bypass"
 	// ReasonDNSRule: a DNS rule of the endpoint allows the query's name.
 	ReasonDNSRule = "dns rule"
 	// ReasonNoDNSRule: no DNS rule of the endpoint allows the name.
