@@ -16,8 +16,15 @@ const (
 	// sent to the proxy remembers the resolver it asked (DNSSock).
 	DNSSockMap = "dns_sk"
 	// DNSOriginMap tells the proxy, by a query's source, whom the client
-	// asked and which endpoint it is (DNSOriginKey → DNSOrigin), an LRU.
+	// asked and which endpoint it is: a hash of maps keyed by endpoint ID,
+	// one LRU (DNSOriginKey → DNSOrigin, DNSOriginInnerSpec) per endpoint
+	// with DNS rules, so that no pod pushes out or overwrites another's
+	// entries.
 	DNSOriginMap = "dns_origin"
+	// DNSOriginLostMap counts (one per-CPU counter) the queries whose
+	// origin the programs could not publish: the endpoint has no map in
+	// DNSOriginMap, or the write failed.
+	DNSOriginLostMap = "dns_origin_lost"
 	// DNSConfigMap holds the one DNSConfig: where intercepted DNS goes.
 	DNSConfigMap = "dns_config"
 )
@@ -30,9 +37,14 @@ const (
 	DNSConfigValueSize = 28
 )
 
-// DNSOriginMaxEntries sizes dns_origin: one entry per client socket that
-// sent a query lately; the oldest go first.
-const DNSOriginMaxEntries = 65536
+// DNSOriginMaxEntries sizes each endpoint's map in dns_origin: one entry
+// per client socket of the endpoint that sent a query lately; the oldest
+// go first.
+const DNSOriginMaxEntries = 1024
+
+// DNSOriginMaxEndpoints sizes dns_origin itself: the endpoints with DNS
+// rules.
+const DNSOriginMaxEndpoints = 65536
 
 // DNSConfigIntercept (DNSConfig.Flags) sends DNS of endpoints with a DNS
 // rule to the proxy; without it their DNS is denied, but for the proxy's
@@ -134,14 +146,41 @@ func DNSSockMapSpec(spec *ebpf.CollectionSpec) (*ebpf.MapSpec, error) {
 	return ms, nil
 }
 
-// DNSOriginMapSpec returns the spec of dns_origin.
-func DNSOriginMapSpec() *ebpf.MapSpec {
+// DNSOriginInnerSpec returns the spec of one endpoint's map in
+// dns_origin.
+func DNSOriginInnerSpec() *ebpf.MapSpec {
 	return &ebpf.MapSpec{
-		Name:       DNSOriginMap,
+		Name:       "dns_origins",
 		Type:       ebpf.LRUHash,
 		KeySize:    DNSOriginKeySize,
 		ValueSize:  DNSOriginValueSize,
 		MaxEntries: DNSOriginMaxEntries,
+	}
+}
+
+// DNSOriginMapSpec returns the spec of dns_origin. A pinned dns_origin of
+// an earlier layout (one LRU for all endpoints) is replaced, not migrated:
+// what it holds is rebuilt by the next query.
+func DNSOriginMapSpec() *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       DNSOriginMap,
+		Type:       ebpf.HashOfMaps,
+		KeySize:    4,
+		ValueSize:  4,
+		MaxEntries: DNSOriginMaxEndpoints,
+		InnerMap:   DNSOriginInnerSpec(),
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// DNSOriginLostMapSpec returns the spec of dns_origin_lost.
+func DNSOriginLostMapSpec() *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       DNSOriginLostMap,
+		Type:       ebpf.PerCPUArray,
+		KeySize:    4,
+		ValueSize:  8,
+		MaxEntries: 1,
 		Pinning:    ebpf.PinByName,
 	}
 }

@@ -64,6 +64,32 @@ type Policy struct {
 	drift *Drift
 
 	writes, deletes atomic.Uint64
+
+	// endpointMaps, if set, keeps per-endpoint state beside the maps.
+	endpointMaps EndpointMaps
+}
+
+// EndpointMaps is state the programs keep per endpoint ID beside the
+// policy maps (the DNS proxy's dns_origin, one map per endpoint with DNS
+// rules). Policy makes an endpoint's before writing its policy_endpoints
+// entry, so that the programs find it from the endpoint's first packet,
+// and removes it with the endpoint's entries: it is the only writer.
+type EndpointMaps interface {
+	// Ensure makes (or keeps) what endpoint e, whose ID is not 0, needs
+	// and removes what it no longer needs.
+	Ensure(e *tables.EndpointPolicy) error
+	// Remove removes what endpoint ID id has.
+	Remove(id uint32) error
+	// Prune removes what every endpoint ID not in keep has.
+	Prune(keep map[uint32]struct{}) error
+}
+
+// SetEndpointMaps has the operations keep m (nil: none); call it before
+// the reconcilers start.
+func (p *Policy) SetEndpointMaps(m EndpointMaps) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.endpointMaps = m
 }
 
 type appliedEndpoint struct {
@@ -455,6 +481,15 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 	o.applied[e.Name] = appliedEndpoint{id: e.ID, cgroup: e.CgroupID}
 	o.idOwner[e.ID] = e.Name
 
+	// Its per-endpoint state, before the programs can use it. A failure
+	// does not hold enforcement back: the row is retried.
+	var stateErr error
+	if o.endpointMaps != nil {
+		if err := o.endpointMaps.Ensure(e); err != nil {
+			stateErr = fmt.Errorf("endpoint %s: %w", e.Name, err)
+		}
+	}
+
 	// 2. Its cgroup's entry; the cgroups it no longer has lose theirs.
 	if e.CgroupID != 0 {
 		v := EndpointValue(e)
@@ -497,7 +532,7 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 			return err
 		}
 	}
-	return nil
+	return stateErr
 }
 
 // putTreeLocked writes the policy_endpoints entry of a pod tree's row or
@@ -569,6 +604,11 @@ func (p *Policy) deleteEndpointEntriesLocked(id uint32, name string) error {
 	if err := p.deleteEntriesLocked(slices.Collect(maps.Keys(p.byID[id]))); err != nil {
 		return err
 	}
+	if p.endpointMaps != nil {
+		if err := p.endpointMaps.Remove(id); err != nil {
+			return fmt.Errorf("endpoint ID %d: %w", id, err)
+		}
+	}
 	delete(p.idOwner, id)
 	return nil
 }
@@ -622,7 +662,9 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	wantEntries := map[bpf.PolicyKey]struct{}{}
 	wantCgroups := map[uint64]struct{}{}
 	keepIDs := map[uint32]struct{}{}
+	rowIDs := map[uint32]struct{}{}
 	for e := range rows {
+		rowIDs[e.ID] = struct{}{}
 		if e.Status.Kind != reconciler.StatusKindDone {
 			for _, id := range []uint32{e.ID, o.applied[e.Name].id} {
 				keepIDs[id] = struct{}{}
@@ -650,6 +692,21 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		}
 	}
 	var errs []error
+	if o.endpointMaps != nil {
+		// Any row's ID keeps its state: Update and Delete see to
+		// those.
+		keep := map[uint32]struct{}{}
+		for id := range keepIDs {
+			keep[id] = struct{}{}
+		}
+		for id := range o.idOwner {
+			keep[id] = struct{}{}
+		}
+		for id := range rowIDs {
+			keep[id] = struct{}{}
+		}
+		errs = append(errs, o.endpointMaps.Prune(keep))
+	}
 	for cg := range o.cgroups {
 		if _, ok := wantCgroups[cg]; !ok {
 			errs = append(errs, o.deleteCgroupLocked(cg))

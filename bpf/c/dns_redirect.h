@@ -8,9 +8,9 @@
  * storage (dns_sk), the resolver it asked: recvmsg() and getpeername()
  * give that address back in place of the proxy's, so the application only
  * ever sees its resolver. Each packet such a socket sends to the proxy
- * publishes (client address, port, protocol) -> resolver in dns_origin,
- * where the proxy finds whom to forward the query to and for which
- * endpoint.
+ * publishes (client address, port, protocol) -> resolver in the
+ * socket's endpoint's map in dns_origin, where the proxy (which knows the
+ * endpoint by the client's address) finds whom to forward the query to.
  *
  * The resolver is the destination after the socket load balancer's
  * translation (the policy programs run after it): the proxy forwards to
@@ -138,12 +138,35 @@ struct {
 	__uint(max_entries, 1);
 } dns_config SEC(".maps");
 
-struct {
+/* dns_origin holds one LRU per endpoint ID with DNS rules, the agent's
+ * (made and deleted with the endpoint's policy_endpoints entry): a pod's
+ * queries, from however many sources, push out only its own entries, and
+ * a socket bound to another pod's address (IP_FREEBIND, IP_TRANSPARENT)
+ * writes into its own endpoint's map, where the proxy never looks for the
+ * other pod's queries. */
+struct dns_origins {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__type(key, struct dns_origin_key);
 	__type(value, struct dns_origin);
+	__uint(max_entries, 1024);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__type(key, __u32);
 	__uint(max_entries, 65536);
+	__array(values, struct dns_origins);
 } dns_origin SEC(".maps");
+
+/* dns_origin_lost counts queries whose origin could not be published (no
+ * map for the endpoint, or the write failed): the proxy asks its upstream
+ * for them. One per-CPU counter. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+} dns_origin_lost SEC(".maps");
 
 /* Intercept: the proxy takes the queries. Without it, DNS of endpoints
  * with a DNS rule is denied (but for the proxy's own address). */
@@ -267,20 +290,47 @@ static __always_inline int dns_apply(struct bpf_sock_addr *ctx, int v6ctx, __u32
 	return 1;
 }
 
+static __always_inline void dns_origin_count_lost(void)
+{
+	__u32 zero = 0;
+	__u64 *n = bpf_map_lookup_elem(&dns_origin_lost, &zero);
+
+	if (n)
+		__sync_fetch_and_add(n, 1);
+}
+
+/*
+ * dns_origin_put writes val under key in an endpoint's origins, only when
+ * it changes (a socket that sends to another resolver, or a new socket on
+ * a port reused); non-zero when the write failed. Out of line, so that
+ * the key's and value's structs are in the object's BTF: the inner map's
+ * definition alone gives only its name.
+ */
+static __noinline int dns_origin_put(void *origins, const struct dns_origin_key *key,
+				     const struct dns_origin *val)
+{
+	struct dns_origin *cur = bpf_map_lookup_elem(origins, key);
+
+	if (cur && dns_same(cur->resolver, val->resolver) && cur->resolver_port == val->resolver_port &&
+	    cur->endpoint_id == val->endpoint_id)
+		return 0;
+	return bpf_map_update_elem(origins, key, val, BPF_ANY) ? 1 : 0;
+}
+
 /*
  * dns_publish runs for each packet an endpoint with a DNS rule sends:
  * when the packet goes from a redirected socket to its proxy, the proxy
- * learns from dns_origin, keyed by the packet's source, whom the socket
- * asked. Written only when it changes (a socket that sends to another
- * resolver, or a new socket on a port reused).
+ * learns from the endpoint's map in dns_origin, keyed by the packet's
+ * source, whom the socket asked. A loss (no map for the endpoint, a
+ * failed write) is counted in dns_origin_lost.
  */
 static __always_inline void dns_publish(struct bpf_sock *sk, const __be32 *saddr, __be16 sport,
 					const __be32 *daddr, __be16 dport, __u8 protocol)
 {
 	struct dns_origin_key key = {};
 	struct dns_origin val = {};
-	struct dns_origin *cur;
 	struct dns_sock *st;
+	void *origins;
 
 	if (!sk)
 		return;
@@ -299,11 +349,15 @@ static __always_inline void dns_publish(struct bpf_sock *sk, const __be32 *saddr
 	val.resolver[3] = st->resolver[3];
 	val.resolver_port = st->resolver_port;
 	val.endpoint_id = st->endpoint_id;
-	cur = bpf_map_lookup_elem(&dns_origin, &key);
-	if (cur && dns_same(cur->resolver, val.resolver) && cur->resolver_port == val.resolver_port &&
-	    cur->endpoint_id == val.endpoint_id)
+	/* The socket's own endpoint's map only (the hook's endpoint ID,
+	 * which no pod forges). */
+	origins = bpf_map_lookup_elem(&dns_origin, &st->endpoint_id);
+	if (!origins) {
+		dns_origin_count_lost();
 		return;
-	bpf_map_update_elem(&dns_origin, &key, &val, BPF_ANY);
+	}
+	if (dns_origin_put(origins, &key, &val))
+		dns_origin_count_lost();
 }
 
 #endif /* DNS_REDIRECT_RESTORE_ONLY */

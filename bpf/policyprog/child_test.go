@@ -70,6 +70,8 @@ func childMain(in io.Reader, out io.Writer) int {
 		}
 		var answer string
 		switch {
+		case len(f) == 3 && f[0] == "sources":
+			answer = outcome(floodSources(f[1], f[2]))
 		case len(f) == 3 && f[0] == "reuse":
 			answer = outcome(reuseAsListener(f[1], f[2]))
 		case len(f) == 2 && f[0] == "hold":
@@ -109,6 +111,32 @@ func childMain(in io.Reader, out io.Writer) int {
 		fmt.Fprintln(out, answer)
 	}
 	return 0
+}
+
+// floodSources sends one datagram to dst from each of n new unconnected
+// UDP sockets (each its own source port), waiting for no answer.
+func floodSources(n, dst string) error {
+	count, err := strconv.Atoi(n)
+	if err != nil {
+		return err
+	}
+	raddr, err := netip.ParseAddrPort(dst)
+	if err != nil {
+		return err
+	}
+	to := &unix.SockaddrInet4{Addr: raddr.Addr().As4(), Port: int(raddr.Port())}
+	for range count {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM, 0)
+		if err != nil {
+			return err
+		}
+		err = unix.Sendto(fd, []byte("ping\n"), 0, to)
+		unix.Close(fd)
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // outcome says how an exchange ended: ok, EPERM (refused by a program at

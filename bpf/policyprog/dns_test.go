@@ -3,9 +3,11 @@ package policyprog
 import (
 	"fmt"
 	"net/netip"
+	"strconv"
 	"strings"
 	"testing"
 
+	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -41,7 +43,7 @@ func TestDNSRedirect(t *testing.T) {
 		// proxy chose 127.0.0.1.
 		ap = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), ap.Port())
 		var o bpf.DNSOrigin
-		if err := d.maps.DNSOrigin.Lookup(bpf.NewDNSOriginKey(proto, ap), &o); err != nil {
+		if err := d.origins(testEndpoint).Lookup(bpf.NewDNSOriginKey(proto, ap), &o); err != nil {
 			return "none: " + err.Error()
 		}
 		return fmt.Sprintf("%s endpoint %d", o.ResolverAddr(), o.EndpointID)
@@ -101,4 +103,101 @@ func TestDNSRedirect(t *testing.T) {
 	if got := c.do("udp", resolver); got == "ok" {
 		t.Errorf("udp from an endpoint without DNS rules: %s, want it to reach the resolver (nobody there)", got)
 	}
+}
+
+// TestDNSOriginPerEndpoint: each endpoint with DNS rules publishes into a
+// map of its own in dns_origin. Another endpoint's queries from more
+// sources than a map holds, and one from the very source (address and
+// port) of the pod's query to a resolver of its choosing, leave the pod's
+// entry (its resolver) in place; the other endpoint's entries are in its
+// own map, bounded. An endpoint with no map publishes nothing and counts a
+// loss.
+func TestDNSOriginPerEndpoint(t *testing.T) {
+	d := newDatapath(t)
+	const resolver, evil = "127.53.0.1:53", "127.53.0.2:53"
+	proxy := netip.MustParseAddrPort(freePort(t, "127.0.0.1"))
+	servers(t, [2]string{"udp", proxy.String()})
+	cfg, err := bpf.NewDNSConfig(proxy, netip.AddrPort{}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.maps.DNSConfig.Put(uint32(0), cfg); err != nil {
+		t.Fatal(err)
+	}
+	d.endpoint(bpf.PolicyDNS)
+	const otherID = 8
+	other := d.origins(otherID)
+	if err := d.maps.Endpoints.Put(cgroupID(t, d.other), bpf.PolicyEndpointValue{EndpointID: otherID, Flags: bpf.PolicyDNS}); err != nil {
+		t.Fatal(err)
+	}
+
+	victim := startChild(t, d.app)
+	got := victim.do("local", "udp", resolver)
+	ok, local, _ := strings.Cut(got, " ")
+	if ok != "ok" {
+		t.Fatalf("the pod's query: %s, want ok", got)
+	}
+	// The socket was not bound: the route to the proxy chose 127.0.0.1.
+	source := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), netip.MustParseAddrPort(local).Port())
+	key := bpf.NewDNSOriginKey(unix.IPPROTO_UDP, source)
+	originOf := func(m *ebpf.Map) string {
+		var o bpf.DNSOrigin
+		if err := m.Lookup(key, &o); err != nil {
+			return "none"
+		}
+		return fmt.Sprintf("%s endpoint %d", o.ResolverAddr(), o.EndpointID)
+	}
+	want := resolver + " endpoint 7"
+	if o := originOf(d.origins(testEndpoint)); o != want {
+		t.Fatalf("the pod's origin: %s, want %s", o, want)
+	}
+
+	attacker := startChild(t, d.other)
+	if got := attacker.do("sources", strconv.Itoa(3*int(bpf.DNSOriginMaxEntries)), evil); got != "ok" {
+		t.Fatalf("the other endpoint's flood: %s", got)
+	}
+	// The pod's socket is closed: the other endpoint binds its source.
+	if got := attacker.do("udp", evil, source.String()); got != "ok" {
+		t.Fatalf("the other endpoint's query from the pod's source: %s", got)
+	}
+	if o := originOf(d.origins(testEndpoint)); o != want {
+		t.Errorf("the pod's origin after the other endpoint's queries: %s, want %s", o, want)
+	}
+	if o := originOf(other); o != evil+" endpoint 8" {
+		t.Errorf("the other endpoint's origin of the same source: %s, want it in its own map", o)
+	}
+	n := 0
+	var k bpf.DNSOriginKey
+	var v bpf.DNSOrigin
+	for it := other.Iterate(); it.Next(&k, &v); {
+		n++
+	}
+	if n == 0 || n > int(bpf.DNSOriginMaxEntries) {
+		t.Errorf("the other endpoint's map holds %d entries, want 1 to %d", n, bpf.DNSOriginMaxEntries)
+	}
+
+	// No map: nothing published, a loss counted.
+	if err := d.maps.DNSOrigin.Delete(uint32(otherID)); err != nil {
+		t.Fatal(err)
+	}
+	before := lostOrigins(t, d)
+	if got := attacker.do("udp", evil); got != "ok" {
+		t.Fatalf("a query of an endpoint without a map: %s", got)
+	}
+	if after := lostOrigins(t, d); after != before+1 {
+		t.Errorf("dns_origin_lost: %d after %d, want one more", after, before)
+	}
+}
+
+func lostOrigins(t *testing.T, d *datapath) uint64 {
+	t.Helper()
+	var perCPU []uint64
+	if err := d.maps.DNSOriginLost.Lookup(uint32(0), &perCPU); err != nil {
+		t.Fatal(err)
+	}
+	var n uint64
+	for _, v := range perCPU {
+		n += v
+	}
+	return n
 }

@@ -81,6 +81,8 @@ func newDatapathEvents(t testing.TB, eventsSize uint32) *datapath {
 		DNSSock:   newMap(dnsSockSpec(t)),
 		DNSOrigin: newMap(bpf.DNSOriginMapSpec()),
 		DNSConfig: newMap(bpf.DNSConfigMapSpec()),
+
+		DNSOriginLost: newMap(bpf.DNSOriginLostMapSpec()),
 	}, start: monotonicNow(t)}
 	progs, err := Load(d.maps)
 	if err != nil {
@@ -169,9 +171,28 @@ func (d *datapath) endpoint(flags uint32) {
 	if v.Flags != flags {
 		d.t.Fatalf("no endpoint-policy row makes the flags %#x (the nearest makes %#x)", flags, v.Flags)
 	}
+	if flags&bpf.PolicyDNS != 0 {
+		d.origins(testEndpoint)
+	}
 	if err := d.maps.Endpoints.Put(cgroupID(d.t, d.pod), v); err != nil {
 		d.t.Fatal(err)
 	}
+}
+
+// origins gives endpoint ID id its map in dns_origin, as the agent does
+// for an endpoint with DNS rules, and returns it.
+func (d *datapath) origins(id uint32) *ebpf.Map {
+	d.t.Helper()
+	var m *ebpf.Map
+	if err := d.maps.DNSOrigin.Lookup(id, &m); err == nil {
+		d.t.Cleanup(func() { m.Close() })
+		return m
+	}
+	m = newTestMap(d.t, bpf.DNSOriginInnerSpec())
+	if err := d.maps.DNSOrigin.Put(id, m); err != nil {
+		d.t.Fatal(err)
+	}
+	return m
 }
 
 // identity gives addr the identity id in the ipcache.

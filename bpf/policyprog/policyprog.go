@@ -81,6 +81,9 @@ type Maps struct {
 	// nil is the programs' own: nothing is then intercepted, and DNS of
 	// an endpoint with bpf.PolicyDNS is denied.
 	DNSSock, DNSOrigin, DNSConfig *ebpf.Map
+	// DNSOriginLost counts origins the programs could not publish
+	// (bpf.DNSOriginLostMapSpec); nil: the programs' own.
+	DNSOriginLost *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's own map
@@ -117,6 +120,7 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 	}
 	for name, dm := range map[string]*ebpf.Map{
 		policyprogMapDnsSk: m.DNSSock, policyprogMapDnsOrigin: m.DNSOrigin, policyprogMapDnsConfig: m.DNSConfig,
+		policyprogMapDnsOriginLost: m.DNSOriginLost,
 	} {
 		if dm != nil {
 			repl[name] = dm
@@ -171,7 +175,7 @@ func LoadInterface(m InterfaceMaps) (map[string]*ebpf.Program, error) {
 		}
 	}
 	// Only the socket programs use these; nothing would replace them.
-	for _, name := range []string{policyprogMapPolicySk, policyprogMapDnsSk, policyprogMapDnsOrigin} {
+	for _, name := range []string{policyprogMapPolicySk, policyprogMapDnsSk, policyprogMapDnsOrigin, policyprogMapDnsOriginLost} {
 		delete(spec.Maps, name)
 	}
 	repl := map[string]*ebpf.Map{

@@ -18,6 +18,7 @@ import (
 const (
 	policyprogMapDnsConfig           = "dns_config"
 	policyprogMapDnsOrigin           = "dns_origin"
+	policyprogMapDnsOriginLost       = "dns_origin_lost"
 	policyprogMapDnsSk               = "dns_sk"
 	policyprogMapIpcache             = "ipcache"
 	policyprogMapPolicy              = "policy"
@@ -108,6 +109,7 @@ type policyprogProgramSpecs struct {
 type policyprogMapSpecs struct {
 	DnsConfig        *ebpf.MapSpec `ebpf:"dns_config"`
 	DnsOrigin        *ebpf.MapSpec `ebpf:"dns_origin"`
+	DnsOriginLost    *ebpf.MapSpec `ebpf:"dns_origin_lost"`
 	DnsSk            *ebpf.MapSpec `ebpf:"dns_sk"`
 	Ipcache          *ebpf.MapSpec `ebpf:"ipcache"`
 	Policy           *ebpf.MapSpec `ebpf:"policy"`
@@ -150,6 +152,7 @@ func (o *policyprogObjects) Close() error {
 type policyprogMaps struct {
 	DnsConfig        *ebpf.Map `ebpf:"dns_config"`
 	DnsOrigin        *ebpf.Map `ebpf:"dns_origin"`
+	DnsOriginLost    *ebpf.Map `ebpf:"dns_origin_lost"`
 	DnsSk            *ebpf.Map `ebpf:"dns_sk"`
 	Ipcache          *ebpf.Map `ebpf:"ipcache"`
 	Policy           *ebpf.Map `ebpf:"policy"`
@@ -168,6 +171,7 @@ func (m *policyprogMaps) Close() error {
 	return _PolicyprogClose(
 		m.DnsConfig,
 		m.DnsOrigin,
+		m.DnsOriginLost,
 		m.DnsSk,
 		m.Ipcache,
 		m.Policy,

@@ -155,13 +155,18 @@ func (a *attacher) attach() (string, error) {
 		closeMaps()
 		return "", err
 	}
+	dnsLost, err := a.dns.lostMap()
+	if err != nil {
+		closeMaps()
+		return "", err
+	}
 	var progs map[string]*ebpf.Program
 	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
 		return a.ipcache.WithMap(func(ipc, prefixes *ebpf.Map) error {
 			progs, err = policyprog.Load(policyprog.Maps{
 				Policy: policy, Endpoints: endpoints, Sock: sock.Map, Stats: stats.Map, IPCache: ipc, Prefixes: prefixes,
 				Events:  events.Map,
-				DNSSock: dnsSock, DNSOrigin: dnsOrigin, DNSConfig: dnsConfig,
+				DNSSock: dnsSock, DNSOrigin: dnsOrigin, DNSConfig: dnsConfig, DNSOriginLost: dnsLost,
 			})
 			return err
 		})
@@ -257,7 +262,7 @@ func (a *attacher) detach() (string, error) {
 		gone = append(gone, fmt.Sprintf("%d pod interface links", len(ifaces)))
 	}
 	for _, name := range []string{bpf.PolicySockMap, bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap,
-		bpf.DNSOriginMap, bpf.DNSConfigMap} {
+		bpf.DNSOriginMap, bpf.DNSConfigMap, bpf.DNSOriginLostMap} {
 		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {
 			return "", err
 		}

@@ -202,11 +202,25 @@ type reconcilerParams struct {
 	Endpoints statedb.RWTable[*tables.EndpointPolicy]
 	Ops       *reconcilers.Policy
 	Resync    bpffs.Resync
+	Config    Config
+	DNSMaps   *dnsMaps
+	Registry  prometheus.Registerer
 }
 
 func registerReconcilers(p reconcilerParams) error {
 	// Prune resyncs the maps (--bpf-map-resync-interval).
 	p.Ops.ResyncWith(p.Resync.DriftReport())
+	if p.Config.EnablePolicy != ModeNever {
+		// Each endpoint with DNS rules gets its map in dns_origin.
+		p.Ops.SetEndpointMaps(&dnsOrigins{maps: p.DNSMaps})
+		lost := prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Namespace: metrics.Namespace, Subsystem: "dns", Name: "origins_lost_total",
+			Help: "Intercepted DNS queries whose resolver the programs could not tell the DNS proxy (the endpoint has no map in dns_origin yet, or the write failed): the proxy asks its upstream for them",
+		}, func() float64 { n, _ := p.DNSMaps.lostOrigins(); return float64(n) })
+		if err := p.Registry.Register(lost); err != nil {
+			return err
+		}
+	}
 	_, err := reconcilers.RegisterPolicy(p.Params, p.Ops, p.Entries, p.Endpoints,
 		reconciler.WithPruning(p.Resync.PruneInterval()))
 	return err

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -12,6 +13,7 @@ import (
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/bpf/policyprog"
 	"github.com/apiary-net/apiary/cells/fqdn"
+	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -24,6 +26,7 @@ type dnsMaps struct {
 
 	mu                   sync.Mutex
 	sock, origin, config *ebpf.Map
+	lost                 *ebpf.Map // dns_origin_lost
 }
 
 // get returns the maps, opening (or creating and pinning) them the first
@@ -47,8 +50,11 @@ func (d *dnsMaps) get() (sock, origin, config *ebpf.Map, err error) {
 		return nil, nil, nil, err
 	}
 	opened := []*ebpf.Map{sock}
-	for _, s := range []*ebpf.MapSpec{bpf.DNSOriginMapSpec(), bpf.DNSConfigMapSpec()} {
-		// No migration: what they hold is rebuilt by the next query.
+	for _, s := range []*ebpf.MapSpec{bpf.DNSOriginMapSpec(), bpf.DNSConfigMapSpec(), bpf.DNSOriginLostMapSpec()} {
+		// No migration: what they hold is rebuilt by the next query
+		// (or, for the origins' inner maps, by the endpoint-policy
+		// reconciler, whose Prune after a replacement makes none: its
+		// Update of each row does, retried until the map is there).
 		pm, err := bpf.OpenPinnedMap(d.log, s, d.pinDir, nil)
 		if err != nil {
 			for _, m := range opened {
@@ -58,19 +64,113 @@ func (d *dnsMaps) get() (sock, origin, config *ebpf.Map, err error) {
 		}
 		opened = append(opened, pm.Map)
 	}
-	d.sock, d.origin, d.config = opened[0], opened[1], opened[2]
+	d.sock, d.origin, d.config, d.lost = opened[0], opened[1], opened[2], opened[3]
 	return d.sock, d.origin, d.config, nil
+}
+
+// lostMap returns dns_origin_lost.
+func (d *dnsMaps) lostMap() (*ebpf.Map, error) {
+	if _, _, _, err := d.get(); err != nil {
+		return nil, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.lost, nil
+}
+
+// lostOrigins returns how many origins the programs could not publish.
+func (d *dnsMaps) lostOrigins() (uint64, error) {
+	m, err := d.lostMap()
+	if err != nil {
+		return 0, err
+	}
+	var perCPU []uint64
+	if err := m.Lookup(uint32(0), &perCPU); err != nil {
+		return 0, fmt.Errorf("read %s: %w", bpf.DNSOriginLostMap, err)
+	}
+	var n uint64
+	for _, v := range perCPU {
+		n += v
+	}
+	return n, nil
 }
 
 func (d *dnsMaps) close() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	for _, m := range []*ebpf.Map{d.sock, d.origin, d.config} {
+	for _, m := range []*ebpf.Map{d.sock, d.origin, d.config, d.lost} {
 		if m != nil {
 			m.Close()
 		}
 	}
-	d.sock, d.origin, d.config = nil, nil, nil
+	d.sock, d.origin, d.config, d.lost = nil, nil, nil, nil
+}
+
+// dnsOrigins implements reconcilers.EndpointMaps on dns_origin: an
+// endpoint with DNS rules has a map of its own there, which only its
+// sockets write. The endpoint-policy reconciler is its only writer.
+type dnsOrigins struct {
+	maps *dnsMaps
+}
+
+var _ reconcilers.EndpointMaps = (*dnsOrigins)(nil)
+
+// Ensure implements reconcilers.EndpointMaps.
+func (d *dnsOrigins) Ensure(e *tables.EndpointPolicy) error {
+	if len(e.DNS) == 0 {
+		return d.Remove(e.ID)
+	}
+	_, origin, _, err := d.maps.get()
+	if err != nil {
+		return err
+	}
+	var inner *ebpf.Map
+	if err := origin.Lookup(e.ID, &inner); err == nil {
+		inner.Close() // kept: its entries are still the endpoint's
+		return nil
+	}
+	m, err := ebpf.NewMap(bpf.DNSOriginInnerSpec())
+	if err != nil {
+		return fmt.Errorf("create the %s map of endpoint ID %d: %w", bpf.DNSOriginMap, e.ID, err)
+	}
+	defer m.Close()
+	if err := origin.Put(e.ID, m); err != nil {
+		return fmt.Errorf("write %s[%d]: %w", bpf.DNSOriginMap, e.ID, err)
+	}
+	return nil
+}
+
+// Remove implements reconcilers.EndpointMaps.
+func (d *dnsOrigins) Remove(id uint32) error {
+	_, origin, _, err := d.maps.get()
+	if err != nil {
+		return err
+	}
+	if err := origin.Delete(id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("delete %s[%d]: %w", bpf.DNSOriginMap, id, err)
+	}
+	return nil
+}
+
+// Prune implements reconcilers.EndpointMaps.
+func (d *dnsOrigins) Prune(keep map[uint32]struct{}) error {
+	_, origin, _, err := d.maps.get()
+	if err != nil {
+		return err
+	}
+	var stale []uint32
+	var id, inner uint32
+	it := origin.Iterate()
+	for it.Next(&id, &inner) {
+		if _, ok := keep[id]; !ok {
+			stale = append(stale, id)
+		}
+	}
+	errs := []error{it.Err()}
+	for _, id := range stale {
+		errs = append(errs, d.Remove(id))
+	}
+	return errors.Join(errs...)
 }
 
 // interceptor implements fqdn.Interceptor on the DNS maps, the
@@ -86,8 +186,6 @@ type interceptor struct {
 	pods statedb.Table[*tables.Endpoint]
 
 	mu     sync.Mutex
-	rows   map[uint32]*tables.EndpointPolicy // by ID
-	rowsAt statedb.Revision
 	byAddr map[netip.Addr]string // endpoint names by address
 	podsAt statedb.Revision
 }
@@ -108,30 +206,35 @@ func (i *interceptor) SetProxy(proxy4, proxy6 netip.AddrPort, intercept bool) er
 	return nil
 }
 
-// Origin implements fqdn.Interceptor.
+// Origin implements fqdn.Interceptor. The client's address gives the pod,
+// and so the endpoint, in whose own map of dns_origin its socket published
+// the resolver: no other pod's queries push that entry out or overwrite it
+// (one bound to this pod's address with IP_FREEBIND or IP_TRANSPARENT
+// writes into its own endpoint's map).
 func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin, bool) {
 	_, origin, _, err := i.maps.get()
 	if err != nil {
 		return fqdn.Origin{}, false
 	}
+	name, isPod := i.podOf(client.Addr())
+	if !isPod {
+		return fqdn.Origin{}, false
+	}
+	rtxn := i.db.ReadTxn()
+	row, _, found := i.endpoints.Get(rtxn, tables.EndpointPolicyNameIndex.Query(name))
+	if !found || row.ID == 0 || row.PodTree {
+		return i.originByAddr(client.Addr())
+	}
+	var inner *ebpf.Map
+	if err := origin.Lookup(row.ID, &inner); err != nil {
+		return i.originByAddr(client.Addr())
+	}
+	defer inner.Close()
 	var v bpf.DNSOrigin
-	if err := origin.Lookup(bpf.NewDNSOriginKey(protocol, client), &v); err != nil {
+	if err := inner.Lookup(bpf.NewDNSOriginKey(protocol, client), &v); err != nil || v.EndpointID != row.ID {
 		return i.originByAddr(client.Addr())
 	}
-	row := i.endpointRow(v.EndpointID)
-	if owner, isPod := i.podOf(client.Addr()); isPod && (row == nil || row.Name != owner) {
-		// Published by another endpoint than the pod whose address the
-		// query comes from: a socket bound to an address not its own
-		// (IP_FREEBIND, IP_TRANSPARENT), whose packet the pod's
-		// interface drops but whose entry the socket's hook wrote. The
-		// endpoint ID is the hook's (the cgroup's), which no pod forges.
-		return i.originByAddr(client.Addr())
-	}
-	o := fqdn.Origin{Resolver: v.ResolverAddr()}
-	if row != nil {
-		o.Endpoint, o.Rules = row.Name, row.DNS
-	}
-	return o, true
+	return fqdn.Origin{Resolver: v.ResolverAddr(), Endpoint: row.Name, Rules: row.DNS}, true
 }
 
 // podOf returns the name of the endpoint whose pod has the address addr,
@@ -180,24 +283,6 @@ func (i *interceptor) originByAddr(addr netip.Addr) (fqdn.Origin, bool) {
 		return fqdn.Origin{}, false
 	}
 	return fqdn.Origin{Endpoint: row.Name, Rules: row.DNS}, true
-}
-
-// endpointRow returns the endpoint-policy row of an endpoint ID, nil for
-// one the agent does not know.
-func (i *interceptor) endpointRow(id uint32) *tables.EndpointPolicy {
-	rtxn := i.db.ReadTxn()
-	i.mu.Lock()
-	defer i.mu.Unlock()
-	if rev := i.endpoints.Revision(rtxn); rev != i.rowsAt || i.rows == nil {
-		i.rowsAt = rev
-		i.rows = map[uint32]*tables.EndpointPolicy{}
-		for ep := range i.endpoints.All(rtxn) {
-			if ep.ID != 0 && !ep.PodTree {
-				i.rows[ep.ID] = ep
-			}
-		}
-	}
-	return i.rows[id]
 }
 
 // Report implements fqdn.Interceptor: the query becomes a verdict of type
