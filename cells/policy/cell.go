@@ -298,6 +298,7 @@ type interceptorParams struct {
 	Maps      *dnsMaps
 	Endpoints statedb.RWTable[*tables.EndpointPolicy]
 	Pods      statedb.Table[*tables.Endpoint]
+	Ifaces    statedb.Table[*tables.PodInterface]
 	Monitor   *Monitor
 }
 
@@ -307,7 +308,7 @@ func newInterceptor(p interceptorParams) fqdn.Interceptor {
 	if p.Config.EnablePolicy == ModeNever {
 		return nil
 	}
-	return &interceptor{maps: p.Maps, db: p.DB, endpoints: p.Endpoints, pods: p.Pods, monitor: p.Monitor}
+	return &interceptor{maps: p.Maps, db: p.DB, endpoints: p.Endpoints, pods: p.Pods, ifaces: p.Ifaces, monitor: p.Monitor}
 }
 
 type attacherParams struct {

@@ -184,6 +184,8 @@ type interceptor struct {
 	// pods gives the endpoints' addresses, for a query that reached the
 	// proxy without passing the socket hooks.
 	pods statedb.Table[*tables.Endpoint]
+	// ifaces tells which pods have an interface of their own.
+	ifaces statedb.Table[*tables.PodInterface]
 
 	mu     sync.Mutex
 	byAddr map[netip.Addr]string // endpoint names by address
@@ -218,7 +220,7 @@ func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin
 	}
 	name, isPod := i.podOf(client.Addr())
 	if !isPod {
-		return fqdn.Origin{}, false
+		return i.originOfHostSource(origin, protocol, client)
 	}
 	rtxn := i.db.ReadTxn()
 	row, _, found := i.endpoints.Get(rtxn, tables.EndpointPolicyNameIndex.Query(name))
@@ -235,6 +237,46 @@ func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin
 		return i.originByAddr(client.Addr())
 	}
 	return fqdn.Origin{Resolver: v.ResolverAddr(), Endpoint: row.Name, Rules: row.DNS}, true
+}
+
+// originOfHostSource is the origin of a query from an address of no pod:
+// the node's, from a process of the node or of a pod without a network
+// namespace of its own. Only the maps of endpoints without an interface
+// of their own are searched (one with its own interface sends from the
+// node's addresses only by binding one not its own, whose packets its
+// interface drops), and an entry found in more than one is used in none.
+func (i *interceptor) originOfHostSource(origin *ebpf.Map, protocol uint8, client netip.AddrPort) (fqdn.Origin, bool) {
+	rtxn := i.db.ReadTxn()
+	key := bpf.NewDNSOriginKey(protocol, client)
+	var found fqdn.Origin
+	n := 0
+	for row := range i.endpoints.All(rtxn) {
+		if row.ID == 0 || row.PodTree || len(row.DNS) == 0 || i.hasInterface(rtxn, row.Name) {
+			continue
+		}
+		var inner *ebpf.Map
+		if err := origin.Lookup(row.ID, &inner); err != nil {
+			continue
+		}
+		var v bpf.DNSOrigin
+		err := inner.Lookup(key, &v)
+		inner.Close()
+		if err == nil && v.EndpointID == row.ID {
+			found = fqdn.Origin{Resolver: v.ResolverAddr(), Endpoint: row.Name, Rules: row.DNS}
+			n++
+		}
+	}
+	return found, n == 1
+}
+
+// hasInterface tells whether the pod of endpoint name has an interface of
+// its own to the host.
+func (i *interceptor) hasInterface(rtxn statedb.ReadTxn, name string) bool {
+	if i.ifaces == nil {
+		return false
+	}
+	row, _, ok := i.ifaces.Get(rtxn, tables.PodInterfaceNameIndex.Query(name))
+	return ok && row.Ifindex != 0
 }
 
 // podOf returns the name of the endpoint whose pod has the address addr,
