@@ -178,6 +178,8 @@ struct {
  * budget dropped. policy_events is one ring for every endpoint: without a
  * budget, one pod's flood of denials would fill it and other pods'
  * verdicts would be lost; with it, a flooding pod loses its own events.
+ * Budgets apply only while the ring fills (see emit), so that a busy pod
+ * loses nothing while the reader keeps up.
  * The loader may set other rates (events_per_sec, events_burst).
  */
 struct event_budget {
@@ -696,9 +698,14 @@ static __always_inline struct decision no_policy(const struct conn *c)
  */
 #define EVENTS_WAKEUP_SHIFT 3
 
+/* The endpoints' budgets (within_budget) apply once this share of the
+ * ring (1/4) waits to be read. */
+#define EVENTS_BUDGET_SHIFT 2
+
 /*
- * emit puts ev into policy_events, within the endpoint's budget (an event
- * beyond it is counted as the endpoint's loss, in policy_event_budget). It
+ * emit puts ev into policy_events, within the endpoint's budget once the
+ * ring fills (an event beyond it is counted as the endpoint's loss, in
+ * policy_event_budget). It
  * never waits for room: when the ring is full (the agent reads too slowly,
  * or not at all), the event is counted as lost instead. Out of line, so that struct policy_event is in
  * the object's BTF, where a test compares it with the agent's Go type.
@@ -740,10 +747,14 @@ static __always_inline int within_budget(__u32 endpoint_id, __u64 now)
 
 static __noinline void emit(const struct policy_event *ev)
 {
+	__u64 size = bpf_ringbuf_query(&policy_events, BPF_RB_RING_SIZE);
 	struct policy_event *e;
-	__u64 pending, wakeup_at;
+	__u64 pending;
 
-	if (!within_budget(ev->endpoint_id, ev->time_ns))
+	/* Budgets apply once the ring fills (a quarter of it waits): until
+	 * then the reader keeps up and every endpoint's events fit. */
+	pending = bpf_ringbuf_query(&policy_events, BPF_RB_AVAIL_DATA);
+	if (pending >= size >> EVENTS_BUDGET_SHIFT && !within_budget(ev->endpoint_id, ev->time_ns))
 		return;
 	e = bpf_ringbuf_reserve(&policy_events, sizeof(*e), 0);
 	if (!e) {
@@ -751,9 +762,8 @@ static __noinline void emit(const struct policy_event *ev)
 		return;
 	}
 	*e = *ev;
-	pending = bpf_ringbuf_query(&policy_events, BPF_RB_AVAIL_DATA);
-	wakeup_at = bpf_ringbuf_query(&policy_events, BPF_RB_RING_SIZE) >> EVENTS_WAKEUP_SHIFT;
-	bpf_ringbuf_submit(e, pending >= wakeup_at ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
+	pending += sizeof(*e);
+	bpf_ringbuf_submit(e, pending >= size >> EVENTS_WAKEUP_SHIFT ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
 }
 
 /* report puts the decision d on c into policy_events. */
