@@ -33,6 +33,10 @@ const (
 	// PolicyEventsMap is the ring buffer of verdict events (PolicyEvent):
 	// one per decision on a new connection or flow.
 	PolicyEventsMap = "policy_events"
+	// PolicyEventBudgetMap bounds, per endpoint and CPU, the events of
+	// policy_events (PolicyEventBudget), so that one endpoint's flood
+	// cannot crowd out the others' events.
+	PolicyEventBudgetMap = "policy_event_budget"
 )
 
 // Byte sizes of the policy maps' keys and values, as the datapath's C
@@ -369,4 +373,29 @@ func (k PolicyKey) String() string {
 		dir = "egress"
 	}
 	return fmt.Sprintf("ep %d id %d %s proto %d port %d/%d", k.EndpointID, k.Identity, dir, k.Protocol, k.Port.Uint16(), k.PortBits())
+}
+
+// PolicyEventBudget is a value of policy_event_budget, per CPU: an
+// endpoint's credit of events (a token bucket counted in nanoseconds, one
+// event costing a second over the rate) and the events it lost for want
+// of credit.
+type PolicyEventBudget struct {
+	CreditNs uint64
+	LastNs   uint64
+	Lost     uint64
+}
+
+// PolicyEventBudgetMapSpec returns the spec of policy_event_budget: a
+// per-CPU hash of endpoint ID (uint32) to PolicyEventBudget, with room for
+// maxEntries endpoints (an endpoint beyond them is not bounded).
+func PolicyEventBudgetMapSpec(maxEntries uint32) *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyEventBudgetMap,
+		Type:       ebpf.PerCPUHash,
+		KeySize:    4,
+		ValueSize:  24,
+		MaxEntries: maxEntries,
+		Flags:      unix.BPF_F_NO_PREALLOC,
+		Pinning:    ebpf.PinByName,
+	}
 }

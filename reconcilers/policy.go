@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -35,7 +36,9 @@ import (
 //
 // So a new endpoint, a newly enforced direction or a replaced pod never
 // runs on a partial policy, and a policy that goes turns enforcement off
-// before its entries go.
+// before its entries go. The one exception is a full map: the endpoint is
+// switched on with what fits and fails closed (see failClosedLocked), its
+// row keeping the error until the rest is in.
 //
 // It keeps a copy of what each map holds, read when the maps are opened,
 // so that a restart with unchanged desired state writes nothing.
@@ -203,6 +206,10 @@ func (p *Policy) copyPolicy(old, new *ebpf.Map) error {
 	return err
 }
 
+// errPolicyMapFull is wrapped by the error of an entry the policy map had
+// no room for.
+var errPolicyMapFull = errors.New("policy map is full")
+
 // isFull reports whether err says that a map has no room left.
 func isFull(err error) bool {
 	return errors.Is(err, unix.E2BIG) || errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM)
@@ -277,7 +284,7 @@ func (p *Policy) putEntryLocked(k bpf.PolicyKey, v bpf.PolicyValue) error {
 	}
 	if err := p.policy.Put(k, v); err != nil {
 		if isFull(err) {
-			return fmt.Errorf("policy map is full (%d entries): raise --%s", p.maxCount, p.maxFlag)
+			return fmt.Errorf("%w (%d entries): raise --%s", errPolicyMapFull, p.maxCount, p.maxFlag)
 		}
 		return fmt.Errorf("write policy entry %s: %w", k, err)
 	}
@@ -461,22 +468,31 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 	}
 	prev, hadPrev := o.applied[e.Name]
 
-	// 1. Every entry of the endpoint first.
-	want := map[bpf.PolicyKey]struct{}{}
-	var keys []bpf.PolicyKey
-	var values []bpf.PolicyValue
+	// 1. Every entry of the endpoint first, its denies before its allows.
+	// A full map does not stop here: the endpoint fails closed (see
+	// failClosedLocked) and its flags are written all the same, so that
+	// a new default deny is enforced whatever other endpoints fill.
+	want := map[bpf.PolicyKey]bpf.PolicyValue{}
 	for entry := range tables.PolicyEntriesOf(txn, o.Entries, e.Name) {
 		if entry.EndpointID != e.ID {
 			continue // written with the row that replaces this one
 		}
 		k, v := PolicyKeyOf(entry)
-		want[k] = struct{}{}
-		if old, ok := o.entries[k]; !ok || old != v {
-			keys, values = append(keys, k), append(values, v)
-		}
+		want[k] = v
 	}
-	if err := o.putEntriesLocked(keys, values); err != nil {
-		return fmt.Errorf("endpoint %s not enforced until its policy is in the map: %w", e.Name, err)
+	var closed error
+	err := o.putEntriesLocked(o.missingLocked(want, isDenyValue))
+	if err == nil {
+		err = o.putEntriesLocked(o.missingLocked(want, isAllowValue))
+	}
+	if err != nil {
+		if !errors.Is(err, errPolicyMapFull) {
+			return fmt.Errorf("endpoint %s not enforced until its policy is in the map: %w", e.Name, err)
+		}
+		if closed, err = o.failClosedLocked(e.ID, want); err != nil {
+			return fmt.Errorf("endpoint %s: %w", e.Name, err)
+		}
+		closed = fmt.Errorf("endpoint %s fails closed, %w", e.Name, closed)
 	}
 	o.applied[e.Name] = appliedEndpoint{id: e.ID, cgroup: e.CgroupID}
 	o.idOwner[e.ID] = e.Name
@@ -532,7 +548,146 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 			return err
 		}
 	}
-	return stateErr
+	// The row keeps the error while it fails closed: its status and the
+	// reconciler's health say so, and the reconciler retries it.
+	return errors.Join(closed, stateErr)
+}
+
+func isDenyValue(v bpf.PolicyValue) bool  { return v.Flags&bpf.PolicyFlagDeny != 0 }
+func isAllowValue(v bpf.PolicyValue) bool { return !isDenyValue(v) }
+
+// missingLocked returns the entries of want, those pick takes, that the
+// map does not hold as wanted.
+func (p *Policy) missingLocked(want map[bpf.PolicyKey]bpf.PolicyValue, pick func(bpf.PolicyValue) bool) ([]bpf.PolicyKey, []bpf.PolicyValue) {
+	var keys []bpf.PolicyKey
+	var values []bpf.PolicyValue
+	for k, v := range want {
+		if !pick(v) {
+			continue
+		}
+		if old, ok := p.entries[k]; !ok || old != v {
+			keys, values = append(keys, k), append(values, v)
+		}
+	}
+	return keys, values
+}
+
+// failClosedLocked puts in the map what of endpoint id's wanted entries
+// fits when not all do, so that what is missing can only deny: a missing
+// allow denies (the endpoint is default deny where it has allows), but a
+// missing deny could let a broader allow through, so a direction with a
+// deny that does not fit loses all its allows and denies everything.
+// It returns what the endpoint lacks (an error wrapping errPolicyMapFull),
+// or the error of a write that failed otherwise.
+//
+// The order never loosens the map on the way: the entries the policy no
+// longer allows go first (making room), then the denies are written; a
+// direction whose denies are all in loses the denies it no longer has and
+// gets what allows fit; one whose denies are not all in loses its allows
+// before anything else of it goes.
+func (p *Policy) failClosedLocked(id uint32, want map[bpf.PolicyKey]bpf.PolicyValue) (lacks, err error) {
+	var staleAllows, staleDenies []bpf.PolicyKey
+	for k := range p.byID[id] {
+		if _, ok := want[k]; ok {
+			continue
+		}
+		if isDenyValue(p.entries[k]) {
+			staleDenies = append(staleDenies, k)
+		} else {
+			staleAllows = append(staleAllows, k)
+		}
+	}
+	if err := p.deleteEntriesLocked(staleAllows); err != nil {
+		return nil, err
+	}
+	if err := p.putFittingLocked(p.missingLocked(want, isDenyValue)); err != nil {
+		return nil, err
+	}
+	// closed: the directions (bpf.PolicyIngress, bpf.PolicyEgress) with
+	// a deny not in the map.
+	closed := map[uint8]bool{}
+	keys, _ := p.missingLocked(want, isDenyValue)
+	for _, k := range keys {
+		closed[k.Egress] = true
+	}
+	var withdrawn []bpf.PolicyKey
+	for k := range p.byID[id] {
+		if closed[k.Egress] && isAllowValue(p.entries[k]) {
+			withdrawn = append(withdrawn, k)
+		}
+	}
+	if err := p.deleteEntriesLocked(withdrawn); err != nil {
+		return nil, err
+	}
+	if err := p.deleteEntriesLocked(staleDenies); err != nil {
+		return nil, err
+	}
+	// Room made: the denies again (their cookies name the denying policy
+	// in verdicts), then the allows of the directions not closed.
+	if err := p.putFittingLocked(p.missingLocked(want, isDenyValue)); err != nil {
+		return nil, err
+	}
+	allows := maps.Collect(func(yield func(bpf.PolicyKey, bpf.PolicyValue) bool) {
+		for k, v := range want {
+			if !closed[k.Egress] && !yield(k, v) {
+				return
+			}
+		}
+	})
+	if err := p.putFittingLocked(p.missingLocked(allows, isAllowValue)); err != nil {
+		return nil, err
+	}
+	return p.lacksLocked(want, closed), nil
+}
+
+// putFittingLocked writes entries while the map has room: a full map is
+// no error here, what did not fit stays missing.
+func (p *Policy) putFittingLocked(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
+	if err := p.putEntriesLocked(keys, values); err != nil && !errors.Is(err, errPolicyMapFull) {
+		return err
+	}
+	return nil
+}
+
+// lacksLocked says what of want the map lacks, by direction.
+func (p *Policy) lacksLocked(want map[bpf.PolicyKey]bpf.PolicyValue, closed map[uint8]bool) error {
+	var parts []string
+	for _, dir := range []uint8{bpf.PolicyIngress, bpf.PolicyEgress} {
+		name := "ingress"
+		if dir == bpf.PolicyEgress {
+			name = "egress"
+		}
+		allows, denies := 0, 0
+		for k, v := range want {
+			if old, ok := p.entries[k]; k.Egress != dir || (ok && old == v) {
+				continue
+			}
+			if isDenyValue(v) {
+				denies++
+			} else {
+				allows++
+			}
+		}
+		switch {
+		case closed[dir]:
+			parts = append(parts, fmt.Sprintf("%s denies everything (%d of its denies do not fit, so none of its %d allows may apply)",
+				name, denies, countDir(want, dir, isAllowValue)))
+		case allows > 0:
+			parts = append(parts, fmt.Sprintf("%s lacks %d allows (what they allow is denied)", name, allows))
+		}
+	}
+	return fmt.Errorf("%w (%d entries): raise --%s; %s", errPolicyMapFull, p.maxCount, p.maxFlag, strings.Join(parts, ", "))
+}
+
+// countDir counts the entries of want in direction dir that pick takes.
+func countDir(want map[bpf.PolicyKey]bpf.PolicyValue, dir uint8, pick func(bpf.PolicyValue) bool) int {
+	n := 0
+	for k, v := range want {
+		if k.Egress == dir && pick(v) {
+			n++
+		}
+	}
+	return n
 }
 
 // putTreeLocked writes the policy_endpoints entry of a pod tree's row or

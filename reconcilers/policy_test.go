@@ -421,10 +421,11 @@ func TestPolicyRestart(t *testing.T) {
 }
 
 // TestPolicyMapFull fills a policy map of the smallest size (256) with 300
-// entries: an endpoint whose entries do not all fit is not switched on (no
-// policy_endpoints entry, an error naming it, the full map and the flag
-// that sizes it), an endpoint whose entries fit is, and the first is once
-// room is made.
+// entries: an endpoint whose entries do not all fit fails closed (issue 35
+// item 8): its policy_endpoints entry is written all the same, so that its
+// default deny is enforced, with the allows that fit, and an error names
+// it, the full map, the flag that sizes it and what it lacks; once room is
+// made it gets the rest.
 func TestPolicyMapFull(t *testing.T) {
 	const size = 256
 	f := newPolicyFixture(t, size)
@@ -448,20 +449,25 @@ func TestPolicyMapFull(t *testing.T) {
 		t.Fatalf("endpoint %s: %v", fits.Name, err)
 	}
 	err := f.updateEndpoint(t, overflows.Name)
-	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("policy map is full (%d entries)", size)) ||
-		!strings.Contains(err.Error(), "--"+policyMaxFlag) || !strings.Contains(err.Error(), "endpoint "+overflows.Name+" not enforced") {
-		t.Fatalf("endpoint %s: %v; want an error naming it, the full map and --%s", overflows.Name, err, policyMaxFlag)
+	for _, want := range []string{"endpoint " + overflows.Name + " fails closed", fmt.Sprintf("policy map is full (%d entries)", size),
+		"--" + policyMaxFlag, "egress lacks 44 allows"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Fatalf("endpoint %s: %v; want an error saying %q", overflows.Name, err, want)
+		}
 	}
 	if n := len(f.policyMap(t)); n != size {
 		t.Fatalf("%d entries in the map, want %d", n, size)
 	}
-	wantCgroups := map[uint64]bpf.PolicyEndpointValue{2001: {EndpointID: 1, Flags: bpf.PolicyEnforceEgress}}
+	wantCgroups := map[uint64]bpf.PolicyEndpointValue{
+		2001: {EndpointID: 1, Flags: bpf.PolicyEnforceEgress},
+		2002: {EndpointID: 2, Flags: bpf.PolicyEnforceEgress},
+	}
 	if got := f.endpointsMap(t); !maps.Equal(got, wantCgroups) {
 		t.Fatalf("policy_endpoints %v, want %v", got, wantCgroups)
 	}
 
 	// Room is made (the first endpoint loses 50 entries): the second
-	// one's entries go in, and then its cgroup.
+	// one's entries go in, and its error goes.
 	var dropped []any
 	for _, e := range fitsEntries[150:] {
 		dropped = append(dropped, e)
@@ -473,7 +479,6 @@ func TestPolicyMapFull(t *testing.T) {
 	if err := f.updateEndpoint(t, overflows.Name); err != nil {
 		t.Fatalf("endpoint %s once there is room: %v", overflows.Name, err)
 	}
-	wantCgroups[2002] = bpf.PolicyEndpointValue{EndpointID: 2, Flags: bpf.PolicyEnforceEgress}
 	if got := f.endpointsMap(t); !maps.Equal(got, wantCgroups) {
 		t.Fatalf("policy_endpoints %v, want %v", got, wantCgroups)
 	}
@@ -485,6 +490,84 @@ func TestPolicyMapFull(t *testing.T) {
 	}
 	if len(got) != 250 {
 		t.Errorf("%d entries in the map, want 250", len(got))
+	}
+}
+
+// TestPolicyMapFullNoDenyLost: when a deny of an endpoint does not fit, no
+// allow of its direction stays in the map (a missing deny must never let a
+// broader allow through): the direction denies everything, the other
+// direction keeps its allows, and the error says so. A new default deny
+// (an endpoint with only an allow of the host) is switched on although its
+// one entry does not fit.
+func TestPolicyMapFullNoDenyLost(t *testing.T) {
+	const size = 256
+	f := newPolicyFixture(t, size)
+	filler := polEndpoint(1, 2001, tables.EnforceOff, tables.EnforceDefaultDeny)
+	ep := polEndpoint(2, 2002, tables.EnforceDefaultDeny, tables.EnforceDefaultDeny)
+	rows := []any{filler, ep}
+	for i := range 250 {
+		rows = append(rows, polEntry(1, uint32(1000+i), tables.DirEgress, 443))
+	}
+	// ep: egress allows any peer on TCP (a broad allow) and denies
+	// identity 7 on 443 within it; ingress allows identity 9 on 80.
+	allowAll := polEntry(2, 0, tables.DirEgress, 0)
+	allowAll.PortBits = 0
+	egressAllows := []*tables.PolicyEntry{allowAll}
+	for i := range 10 {
+		egressAllows = append(egressAllows, polEntry(2, uint32(100+i), tables.DirEgress, 8080))
+	}
+	ingressAllow := polEntry(2, 9, tables.DirIngress, 80)
+	rows = append(rows, ingressAllow)
+	for _, e := range egressAllows {
+		rows = append(rows, e)
+	}
+	// The allows of ep are in the map before the map fills up.
+	f.insert(t, rows[1:2]...)
+	f.insert(t, rows[252:]...)
+	if err := f.updateEndpoint(t, ep.Name); err != nil {
+		t.Fatal(err)
+	}
+	f.insert(t, rows[0])
+	f.insert(t, rows[2:252]...)
+	if err := f.updateEndpoint(t, filler.Name); err == nil {
+		t.Fatal("the filler fits; the test needs it not to")
+	}
+	// Now ep gains denies that do not fit.
+	var denies []any
+	for i := range 20 {
+		d := polEntry(2, uint32(7+i*1000), tables.DirEgress, 443)
+		d.Deny = true
+		denies = append(denies, d)
+	}
+	f.insert(t, denies...)
+	err := f.updateEndpoint(t, ep.Name)
+	if err == nil || !strings.Contains(err.Error(), "fails closed") || !strings.Contains(err.Error(), "egress denies everything") {
+		t.Fatalf("endpoint %s: %v; want it failing closed, its egress denying everything", ep.Name, err)
+	}
+	got := f.policyMap(t)
+	for k, v := range got {
+		if k.EndpointID == 2 && k.Egress == bpf.PolicyEgress && v.Flags&bpf.PolicyFlagDeny == 0 {
+			t.Errorf("egress allow %s of %s stays while one of its denies is missing", k, ep.Name)
+		}
+	}
+	if k, _ := reconcilers.PolicyKeyOf(ingressAllow); !mapHas(got, k) {
+		t.Errorf("ingress allow %s went; its direction lost no deny", k)
+	}
+	want := bpf.PolicyEndpointValue{EndpointID: 2, Flags: bpf.PolicyEnforceIngress | bpf.PolicyEnforceEgress}
+	if v := f.endpointsMap(t)[2002]; v != want {
+		t.Errorf("policy_endpoints of %s is %v, want %v", ep.Name, v, want)
+	}
+
+	// A new endpoint, default deny in ingress with one allow (the host),
+	// is switched on although its entry does not fit.
+	newEP := polEndpoint(3, 2003, tables.EnforceDefaultDeny, tables.EnforceOff)
+	f.insert(t, newEP, polEntry(3, 1, tables.DirIngress, 22))
+	if err := f.updateEndpoint(t, newEP.Name); err == nil || !strings.Contains(err.Error(), "ingress lacks 1 allows") {
+		t.Fatalf("endpoint %s: %v; want it failing closed", newEP.Name, err)
+	}
+	want = bpf.PolicyEndpointValue{EndpointID: 3, Flags: bpf.PolicyEnforceIngress}
+	if v, ok := f.endpointsMap(t)[2003]; !ok || v != want {
+		t.Errorf("policy_endpoints of %s is %v (%v), want %v: its default deny not enforced", newEP.Name, v, ok, want)
 	}
 }
 

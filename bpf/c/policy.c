@@ -172,6 +172,34 @@ struct {
 	__uint(max_entries, 1 << 20);
 } policy_events SEC(".maps");
 
+/*
+ * policy_event_budget: each endpoint's share of policy_events, per CPU (a
+ * token bucket counted in nanoseconds of credit), and the events its
+ * budget dropped. policy_events is one ring for every endpoint: without a
+ * budget, one pod's flood of denials would fill it and other pods'
+ * verdicts would be lost; with it, a flooding pod loses its own events.
+ * Budgets apply only while the ring fills (see emit), so that a busy pod
+ * loses nothing while the reader keeps up.
+ * The loader may set other rates (events_per_sec, events_burst).
+ */
+struct event_budget {
+	__u64 credit_ns; /* events_per_sec: NSEC_PER_SEC / events_per_sec each */
+	__u64 last_ns;   /* when credit_ns was last brought up to date */
+	__u64 lost;      /* events dropped for want of credit */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__type(key, __u32); /* endpoint ID, 0 for a pod tree's processes */
+	__type(value, struct event_budget);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} policy_event_budget SEC(".maps");
+
+/* Events an endpoint may emit a second, and at once, on each CPU. */
+volatile const __u32 events_per_sec = 2000;
+volatile const __u32 events_burst = 512;
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__type(key, struct ipcache_key);
@@ -672,25 +700,72 @@ static __always_inline struct decision no_policy(const struct conn *c)
  */
 #define EVENTS_WAKEUP_SHIFT 3
 
+/* The endpoints' budgets (within_budget) apply once this share of the
+ * ring (1/4) waits to be read. */
+#define EVENTS_BUDGET_SHIFT 2
+
 /*
- * emit puts ev into policy_events. It never waits for room: when the ring
- * is full (the agent reads too slowly, or not at all), the event is
- * counted as lost instead. Out of line, so that struct policy_event is in
+ * emit puts ev into policy_events, within the endpoint's budget once the
+ * ring fills (an event beyond it is counted as the endpoint's loss, in
+ * policy_event_budget). It
+ * never waits for room: when the ring is full (the agent reads too slowly,
+ * or not at all), the event is counted as lost instead. Out of line, so that struct policy_event is in
  * the object's BTF, where a test compares it with the agent's Go type.
  */
+/*
+ * within_budget takes one event's credit from the endpoint's budget on
+ * this CPU, if it has it; else it counts the event as the endpoint's
+ * loss. An endpoint seen for the first time starts with a full burst; one
+ * that finds the map full is not bounded (events are not enforcement).
+ */
+static __always_inline int within_budget(__u32 endpoint_id, __u64 now)
+{
+	__u64 per_event = 1000000000ULL / (events_per_sec ? events_per_sec : 1);
+	__u64 cap = per_event * (events_burst ? events_burst : 1);
+	struct event_budget *b, fresh = {};
+	__u64 credit;
+
+	b = bpf_map_lookup_elem(&policy_event_budget, &endpoint_id);
+	if (!b) {
+		fresh.credit_ns = cap - per_event;
+		fresh.last_ns = now;
+		bpf_map_update_elem(&policy_event_budget, &endpoint_id, &fresh, BPF_NOEXIST);
+		return 1;
+	}
+	credit = b->credit_ns;
+	if (now > b->last_ns)
+		credit += now - b->last_ns;
+	if (credit > cap)
+		credit = cap;
+	b->last_ns = now;
+	if (credit < per_event) {
+		b->credit_ns = credit;
+		b->lost++;
+		return 0;
+	}
+	b->credit_ns = credit - per_event;
+	return 1;
+}
+
 static __noinline void emit(const struct policy_event *ev)
 {
-	struct policy_event *e = bpf_ringbuf_reserve(&policy_events, sizeof(*e), 0);
-	__u64 pending, wakeup_at;
+	__u64 size = bpf_ringbuf_query(&policy_events, BPF_RB_RING_SIZE);
+	struct policy_event *e;
+	__u64 pending;
 
+	/* Budgets apply once the ring fills (a quarter of it waits): until
+	 * then the reader keeps up and every endpoint's events fit. */
+	pending = bpf_ringbuf_query(&policy_events, BPF_RB_AVAIL_DATA);
+	if (pending >= size >> EVENTS_BUDGET_SHIFT && !within_budget(ev->endpoint_id, ev->time_ns))
+		return;
+	e = bpf_ringbuf_reserve(&policy_events, sizeof(*e), 0);
 	if (!e) {
 		count_at(STATS_LOST);
 		return;
 	}
 	*e = *ev;
-	pending = bpf_ringbuf_query(&policy_events, BPF_RB_AVAIL_DATA);
-	wakeup_at = bpf_ringbuf_query(&policy_events, BPF_RB_RING_SIZE) >> EVENTS_WAKEUP_SHIFT;
-	bpf_ringbuf_submit(e, pending >= wakeup_at ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
+	pending += sizeof(*e);
+	bpf_ringbuf_submit(e, pending >= size >> EVENTS_WAKEUP_SHIFT ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
 }
 
 /* report puts the decision d on c into policy_events. */

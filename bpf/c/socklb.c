@@ -21,8 +21,8 @@
  * loader replaces these definitions with the maps the load balancer keeps
  * pinned, so the structs below must match the Go types in bpf/lb.go byte
  * for byte (a Go test compares them through the object's BTF). The
- * *_sock_revnat and *_affinity maps are written by these programs; the
- * agent only pins them and removes stale affinity entries.
+ * *_sock_revnat (socket storage) and *_affinity maps are written by these
+ * programs; the agent only pins them and removes stale affinity entries.
  */
 #include <linux/bpf.h>
 #include <linux/in.h>
@@ -113,31 +113,44 @@ struct lb6_reverse_nat {
  * An IPv4-mapped destination of an AF_INET6 socket is remembered in the
  * lb4 map, with its IPv4 address: socket cookies are unique, so it cannot
  * meet an AF_INET socket's entry. */
-struct lb4_sock_key {
-	__u64 cookie;
-	__be32 address; /* backend */
-	__be16 port;
+/*
+ * Per socket (socket storage, freed with the socket): the backends it was
+ * sent to and the frontend each was chosen for, so that its replies and
+ * getpeername show the frontend. A socket keeps its last SOCK_XLATS
+ * backends (an unconnected UDP socket may reach several); a new one
+ * takes a free slot, else the oldest. Being per socket, no other socket's
+ * traffic can push these out (issue 35 item 11).
+ */
+#define SOCK_XLATS 8 /* a power of two: slots are taken modulo it */
+
+struct lb4_sock_xlat {
+	__be32 backend;
+	__be16 backend_port; /* 0: a free slot */
+	__be16 rev_nat_index;
+	__be32 frontend;
+	__be16 frontend_port;
 	__u16 pad;
 };
 
-struct lb4_sock_value {
-	__be32 address; /* frontend */
-	__be16 port;
-	__be16 rev_nat_index;
+struct lb4_sock_state {
+	struct lb4_sock_xlat x[SOCK_XLATS];
+	__u32 next; /* the slot the next new backend takes */
+	__u32 pad;
 };
 
-struct lb6_sock_key {
-	__u64 cookie;
-	union v6addr address; /* backend */
-	__be16 port;
-	__u16 pad1;
-	__u32 pad2;
+struct lb6_sock_xlat {
+	union v6addr backend;
+	__be16 backend_port; /* 0: a free slot */
+	__be16 rev_nat_index;
+	union v6addr frontend;
+	__be16 frontend_port;
+	__u16 pad;
 };
 
-struct lb6_sock_value {
-	union v6addr address; /* frontend */
-	__be16 port;
-	__be16 rev_nat_index;
+struct lb6_sock_state {
+	struct lb6_sock_xlat x[SOCK_XLATS];
+	__u32 next;
+	__u32 pad;
 };
 
 /* The agent's: (backend, service) for every active backend of a service
@@ -233,17 +246,17 @@ struct {
 } lb_affinity_match SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__type(key, struct lb4_sock_key);
-	__type(value, struct lb4_sock_value);
-	__uint(max_entries, 65536);
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct lb4_sock_state);
 } lb4_sock_revnat SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__type(key, struct lb6_sock_key);
-	__type(value, struct lb6_sock_value);
-	__uint(max_entries, 65536);
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct lb6_sock_state);
 } lb6_sock_revnat SEC(".maps");
 
 struct {
@@ -361,6 +374,74 @@ lb4_affinity_backend(const struct lb4_affinity_key *akey, __u32 timeout, __u64 n
 	return be;
 }
 
+/* take_slot returns the slot a backend no slot holds takes: the oldest
+ * one (they are taken in turn, free ones first). */
+static __always_inline __u32 take_slot(__u32 *next)
+{
+	__u32 slot = *next & (SOCK_XLATS - 1);
+
+	*next = slot + 1;
+	return slot;
+}
+
+/* lb4_remember records in the socket's storage that backend (be, be_port)
+ * was chosen for frontend (fe, fe_port) of service rev_nat. */
+static __always_inline void lb4_remember(struct bpf_sock_addr *ctx, __be32 be, __be16 be_port,
+					 __be32 fe, __be16 fe_port, __be16 rev_nat)
+{
+	struct lb4_sock_state *st;
+	__u32 i, slot;
+
+	if (!ctx->sk)
+		return;
+	st = bpf_sk_storage_get(&lb4_sock_revnat, ctx->sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return;
+	for (i = 0; i < SOCK_XLATS; i++) {
+		if (st->x[i].backend == be && st->x[i].backend_port == be_port)
+			break;
+	}
+	slot = i < SOCK_XLATS ? i : take_slot(&st->next);
+	st->x[slot & (SOCK_XLATS - 1)] = (struct lb4_sock_xlat){
+		.backend = be,
+		.backend_port = be_port,
+		.rev_nat_index = rev_nat,
+		.frontend = fe,
+		.frontend_port = fe_port,
+	};
+}
+
+static __always_inline int v6_equal(const union v6addr *a, const union v6addr *b)
+{
+	return a->p[0] == b->p[0] && a->p[1] == b->p[1] && a->p[2] == b->p[2] && a->p[3] == b->p[3];
+}
+
+/* lb6_remember is lb4_remember for IPv6 addresses. */
+static __always_inline void lb6_remember(struct bpf_sock_addr *ctx, const union v6addr *be,
+					 __be16 be_port, const union v6addr *fe, __be16 fe_port,
+					 __be16 rev_nat)
+{
+	struct lb6_sock_state *st;
+	struct lb6_sock_xlat *x;
+	__u32 i;
+
+	if (!ctx->sk)
+		return;
+	st = bpf_sk_storage_get(&lb6_sock_revnat, ctx->sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return;
+	for (i = 0; i < SOCK_XLATS; i++) {
+		if (st->x[i].backend_port == be_port && v6_equal(&st->x[i].backend, be))
+			break;
+	}
+	x = &st->x[(i < SOCK_XLATS ? i : take_slot(&st->next)) & (SOCK_XLATS - 1)];
+	x->backend = *be;
+	x->backend_port = be_port;
+	x->rev_nat_index = rev_nat;
+	x->frontend = *fe;
+	x->frontend_port = fe_port;
+}
+
 /*
  * lb4_fwd decides where a connect() or sendmsg() to the IPv4 address
  * (addr, port) goes: to a backend (*out), when it is a frontend with
@@ -426,19 +507,9 @@ static __always_inline enum fwd lb4_fwd(struct bpf_sock_addr *ctx, __be32 addr, 
 	}
 
 	/* Remembered before the rewrite, so that a reply never arrives
-	 * without its way back. Failing to remember (a full LRU cannot fail,
-	 * but stay safe) only costs the translation of replies. */
-	struct lb4_sock_key skey = {
-		.cookie = bpf_get_socket_cookie(ctx),
-		.address = be->address,
-		.port = be->port,
-	};
-	struct lb4_sock_value sval = {
-		.address = addr,
-		.port = port,
-		.rev_nat_index = rev_nat,
-	};
-	bpf_map_update_elem(&lb4_sock_revnat, &skey, &sval, BPF_ANY);
+	 * without its way back. Failing to remember (no memory for the
+	 * socket's storage) only costs the translation of its replies. */
+	lb4_remember(ctx, be->address, be->port, addr, port, rev_nat);
 	*out = be;
 	return FWD_XLATE;
 }
@@ -520,17 +591,7 @@ static __always_inline enum fwd lb6_fwd(struct bpf_sock_addr *ctx, const union v
 		}
 	}
 
-	struct lb6_sock_key skey = {
-		.cookie = bpf_get_socket_cookie(ctx),
-		.address = be->address,
-		.port = be->port,
-	};
-	struct lb6_sock_value sval = {
-		.address = *addr,
-		.port = port,
-		.rev_nat_index = rev_nat,
-	};
-	bpf_map_update_elem(&lb6_sock_revnat, &skey, &sval, BPF_ANY);
+	lb6_remember(ctx, &be->address, be->port, addr, port, rev_nat);
 	*out = be;
 	return FWD_XLATE;
 }
@@ -543,23 +604,31 @@ static __always_inline enum fwd lb6_fwd(struct bpf_sock_addr *ctx, const union v
  */
 static __always_inline int lb4_rev(struct bpf_sock_addr *ctx, __be32 *addr, __be16 *port)
 {
-	struct lb4_sock_key skey = {
-		.cookie = bpf_get_socket_cookie(ctx),
-		.address = *addr,
-		.port = *port,
-	};
-	struct lb4_sock_value *sval;
 	struct lb4_reverse_nat *rnat;
+	struct lb4_sock_state *st;
+	struct lb4_sock_xlat *x;
+	__u32 i, slot = SOCK_XLATS;
 	__be16 idx;
 
-	sval = bpf_map_lookup_elem(&lb4_sock_revnat, &skey);
-	if (!sval)
+	if (!ctx->sk || !*port)
 		return 0;
-	idx = sval->rev_nat_index;
+	st = bpf_sk_storage_get(&lb4_sock_revnat, ctx->sk, 0, 0);
+	if (!st)
+		return 0;
+	for (i = 0; i < SOCK_XLATS; i++) {
+		if (st->x[i].backend == *addr && st->x[i].backend_port == *port) {
+			slot = i;
+			break;
+		}
+	}
+	if (slot >= SOCK_XLATS)
+		return 0;
+	x = &st->x[slot & (SOCK_XLATS - 1)];
+	idx = x->rev_nat_index;
 	rnat = bpf_map_lookup_elem(&lb4_reverse_nat, &idx);
-	if (!rnat || rnat->address != sval->address || rnat->port != sval->port) {
+	if (!rnat || rnat->address != x->frontend || rnat->port != x->frontend_port) {
 		/* The service went away or changed address. */
-		bpf_map_delete_elem(&lb4_sock_revnat, &skey);
+		x->backend_port = 0;
 		return 0;
 	}
 	*addr = rnat->address;
@@ -570,36 +639,42 @@ static __always_inline int lb4_rev(struct bpf_sock_addr *ctx, __be32 *addr, __be
 /* lb6_rev is lb4_rev for IPv6 addresses. */
 static __always_inline int lb6_rev(struct bpf_sock_addr *ctx, union v6addr *addr, __be16 *port)
 {
-	struct lb6_sock_key skey = {
-		.cookie = bpf_get_socket_cookie(ctx),
-		.address = *addr,
-		.port = *port,
-	};
-	struct lb6_sock_value *sval;
 	struct lb6_reverse_nat *rnat;
 	const union v6addr *front;
+	struct lb6_sock_state *st;
+	struct lb6_sock_xlat *x;
+	__u32 i, slot = SOCK_XLATS;
 	__be16 idx;
 
-	sval = bpf_map_lookup_elem(&lb6_sock_revnat, &skey);
-	if (!sval)
+	if (!ctx->sk || !*port)
 		return 0;
-	idx = sval->rev_nat_index;
+	st = bpf_sk_storage_get(&lb6_sock_revnat, ctx->sk, 0, 0);
+	if (!st)
+		return 0;
+	for (i = 0; i < SOCK_XLATS; i++) {
+		if (st->x[i].backend_port == *port && v6_equal(&st->x[i].backend, addr)) {
+			slot = i;
+			break;
+		}
+	}
+	if (slot >= SOCK_XLATS)
+		return 0;
+	x = &st->x[slot & (SOCK_XLATS - 1)];
+	idx = x->rev_nat_index;
 	rnat = bpf_map_lookup_elem(&lb6_reverse_nat, &idx);
 	if (!rnat)
 		goto stale;
 	/* The value is packed (18 bytes) but a map value starts 8-byte
 	 * aligned: read the address a word at a time, not byte by byte. */
 	front = (const union v6addr *)rnat;
-	if (front->p[0] != sval->address.p[0] || front->p[1] != sval->address.p[1] ||
-	    front->p[2] != sval->address.p[2] || front->p[3] != sval->address.p[3] ||
-	    rnat->port != sval->port)
+	if (!v6_equal(front, &x->frontend) || rnat->port != x->frontend_port)
 		goto stale;
 	*addr = *front;
 	*port = rnat->port;
 	return 1;
 stale:
 	/* The service went away or changed address. */
-	bpf_map_delete_elem(&lb6_sock_revnat, &skey);
+	x->backend_port = 0;
 	return 0;
 }
 

@@ -68,7 +68,15 @@ func newTestMap(t testing.TB, spec *ebpf.MapSpec) *ebpf.Map {
 // bytes.
 func newDatapathEvents(t testing.TB, eventsSize uint32) *datapath {
 	t.Helper()
+	return newDatapathBudget(t, eventsSize, EventBudget{})
+}
+
+// newDatapathBudget is newDatapathEvents with the endpoints' event budget
+// (its map made here).
+func newDatapathBudget(t testing.TB, eventsSize uint32, budget EventBudget) *datapath {
+	t.Helper()
 	testenv.RequireRoot(t)
+	budget.Map = newTestMap(t, bpf.PolicyEventBudgetMapSpec(64))
 	newMap := func(spec *ebpf.MapSpec) *ebpf.Map { return newTestMap(t, spec) }
 	d := &datapath{t: t, maps: Maps{
 		Policy:    newMap(bpf.PolicyMapSpec(1024)),
@@ -78,6 +86,7 @@ func newDatapathEvents(t testing.TB, eventsSize uint32) *datapath {
 		IPCache:   newMap(bpf.IPCacheMapSpec(1024)),
 		Prefixes:  newMap(bpf.PolicyPrefixesMapSpec(1024)),
 		Events:    newMap(bpf.PolicyEventsMapSpec(eventsSize)),
+		Budget:    budget,
 		DNSSock:   newMap(dnsSockSpec(t)),
 		DNSOrigin: newMap(bpf.DNSOriginMapSpec()),
 		DNSConfig: newMap(bpf.DNSConfigMapSpec()),

@@ -30,6 +30,7 @@ func TestLayout(t *testing.T) {
 		{"policy_value", reflect.TypeFor[bpf.PolicyValue]()},
 		{"policy_endpoint", reflect.TypeFor[bpf.PolicyEndpointValue]()},
 		{"policy_event", reflect.TypeFor[bpf.PolicyEvent]()},
+		{"event_budget", reflect.TypeFor[bpf.PolicyEventBudget]()},
 		{"ipcache_key", reflect.TypeFor[bpf.IPCacheKey]()},
 		{"remote_endpoint_info", reflect.TypeFor[bpf.IPCacheValue]()},
 		{"dns_sock", reflect.TypeFor[bpf.DNSSock]()},

@@ -1,6 +1,7 @@
 package policyprog
 
 import (
+	"cmp"
 	"fmt"
 
 	"github.com/cilium/ebpf"
@@ -75,6 +76,8 @@ type Maps struct {
 	// (bpf.PolicyEventsMapSpec); the programs never wait for its reader,
 	// and wake it only once an eighth of the ring waits: it must poll.
 	Events *ebpf.Map
+	// Budget bounds each endpoint's share of Events.
+	Budget EventBudget
 
 	// The maps of DNS interception, shared with the socket LB's programs
 	// (bpf.DNSSockMap, bpf.DNSOriginMap, bpf.DNSConfigMap). Each one left
@@ -109,6 +112,9 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 		policyprogMapPolicyIfaceFrags, policyprogMapPolicyIfaceStats} {
 		delete(spec.Maps, name)
 	}
+	if err := m.Budget.apply(spec); err != nil {
+		return nil, err
+	}
 	repl := map[string]*ebpf.Map{
 		policyprogMapPolicy:          m.Policy,
 		policyprogMapPolicyEndpoints: m.Endpoints,
@@ -120,7 +126,7 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 	}
 	for name, dm := range map[string]*ebpf.Map{
 		policyprogMapDnsSk: m.DNSSock, policyprogMapDnsOrigin: m.DNSOrigin, policyprogMapDnsConfig: m.DNSConfig,
-		policyprogMapDnsOriginLost: m.DNSOriginLost,
+		policyprogMapDnsOriginLost: m.DNSOriginLost, policyprogMapPolicyEventBudget: m.Budget.Map,
 	} {
 		if dm != nil {
 			repl[name] = dm
@@ -147,6 +153,8 @@ type InterfaceMaps struct {
 	IPCache   *ebpf.Map
 	Prefixes  *ebpf.Map
 	Events    *ebpf.Map
+	// Budget bounds each endpoint's share of Events (see Maps.Budget).
+	Budget EventBudget
 	// Ifaces maps pod interfaces to pods (bpf.PolicyIfacesMapSpec).
 	Ifaces *ebpf.Map
 	// Flows holds each interface's flows (bpf.PolicyIfaceFlowsMapSpec).
@@ -193,5 +201,48 @@ func LoadInterface(m InterfaceMaps) (map[string]*ebpf.Program, error) {
 	if m.DNSConfig != nil {
 		repl[policyprogMapDnsConfig] = m.DNSConfig
 	}
+	if err := m.Budget.apply(spec); err != nil {
+		return nil, err
+	}
+	if m.Budget.Map != nil {
+		repl[policyprogMapPolicyEventBudget] = m.Budget.Map
+	}
 	return bpf.LoadPrograms(spec, repl, "pod interface programs")
+}
+
+// Defaults of EventBudget: what an endpoint may emit into policy_events a
+// second, and at once, on each CPU, before its events are dropped (and
+// counted as its losses in bpf.PolicyEventBudgetMap).
+const (
+	DefaultEventsPerSecond = 2000
+	DefaultEventsBurst     = 512
+)
+
+// EventBudget bounds each endpoint's share of policy_events: the ring is
+// one for every endpoint, so without a bound one pod's flood of denials
+// would fill it and the other pods' verdicts would be lost.
+type EventBudget struct {
+	// Map holds the endpoints' budgets and losses
+	// (bpf.PolicyEventBudgetMapSpec); nil: the programs' own, unpinned.
+	Map *ebpf.Map
+	// PerSecond and Burst are the rate and burst per endpoint and CPU;
+	// 0: DefaultEventsPerSecond, DefaultEventsBurst.
+	PerSecond, Burst uint32
+}
+
+// apply sets the budget's rates in the programs' spec.
+func (b EventBudget) apply(spec *ebpf.CollectionSpec) error {
+	for name, v := range map[string]uint32{
+		policyprogVarEventsPerSec: cmp.Or(b.PerSecond, DefaultEventsPerSecond),
+		policyprogVarEventsBurst:  cmp.Or(b.Burst, DefaultEventsBurst),
+	} {
+		vs := spec.Variables[name]
+		if vs == nil {
+			return fmt.Errorf("load policy programs: object has no variable %s", name)
+		}
+		if err := vs.Set(v); err != nil {
+			return fmt.Errorf("load policy programs: set %s: %w", name, err)
+		}
+	}
+	return nil
 }

@@ -23,6 +23,7 @@ const (
 	policyprogMapIpcache             = "ipcache"
 	policyprogMapPolicy              = "policy"
 	policyprogMapPolicyEndpoints     = "policy_endpoints"
+	policyprogMapPolicyEventBudget   = "policy_event_budget"
 	policyprogMapPolicyEvents        = "policy_events"
 	policyprogMapPolicyIfaceFlows    = "policy_iface_flows"
 	policyprogMapPolicyIfaceFrags    = "policy_iface_frags"
@@ -44,6 +45,8 @@ const (
 	policyprogProgPolicySendmsg6     = "policy_sendmsg6"
 	policyprogProgPolicySockops      = "policy_sockops"
 	policyprogProgPolicyToPod        = "policy_to_pod"
+	policyprogVarEventsBurst         = "events_burst"
+	policyprogVarEventsPerSec        = "events_per_sec"
 )
 
 // loadPolicyprog returns the embedded CollectionSpec for policyprog.
@@ -107,27 +110,30 @@ type policyprogProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type policyprogMapSpecs struct {
-	DnsConfig        *ebpf.MapSpec `ebpf:"dns_config"`
-	DnsOrigin        *ebpf.MapSpec `ebpf:"dns_origin"`
-	DnsOriginLost    *ebpf.MapSpec `ebpf:"dns_origin_lost"`
-	DnsSk            *ebpf.MapSpec `ebpf:"dns_sk"`
-	Ipcache          *ebpf.MapSpec `ebpf:"ipcache"`
-	Policy           *ebpf.MapSpec `ebpf:"policy"`
-	PolicyEndpoints  *ebpf.MapSpec `ebpf:"policy_endpoints"`
-	PolicyEvents     *ebpf.MapSpec `ebpf:"policy_events"`
-	PolicyIfaceFlows *ebpf.MapSpec `ebpf:"policy_iface_flows"`
-	PolicyIfaceFrags *ebpf.MapSpec `ebpf:"policy_iface_frags"`
-	PolicyIfaceStats *ebpf.MapSpec `ebpf:"policy_iface_stats"`
-	PolicyIfaces     *ebpf.MapSpec `ebpf:"policy_ifaces"`
-	PolicyPrefixes   *ebpf.MapSpec `ebpf:"policy_prefixes"`
-	PolicySk         *ebpf.MapSpec `ebpf:"policy_sk"`
-	PolicyStats      *ebpf.MapSpec `ebpf:"policy_stats"`
+	DnsConfig         *ebpf.MapSpec `ebpf:"dns_config"`
+	DnsOrigin         *ebpf.MapSpec `ebpf:"dns_origin"`
+	DnsOriginLost     *ebpf.MapSpec `ebpf:"dns_origin_lost"`
+	DnsSk             *ebpf.MapSpec `ebpf:"dns_sk"`
+	Ipcache           *ebpf.MapSpec `ebpf:"ipcache"`
+	Policy            *ebpf.MapSpec `ebpf:"policy"`
+	PolicyEndpoints   *ebpf.MapSpec `ebpf:"policy_endpoints"`
+	PolicyEventBudget *ebpf.MapSpec `ebpf:"policy_event_budget"`
+	PolicyEvents      *ebpf.MapSpec `ebpf:"policy_events"`
+	PolicyIfaceFlows  *ebpf.MapSpec `ebpf:"policy_iface_flows"`
+	PolicyIfaceFrags  *ebpf.MapSpec `ebpf:"policy_iface_frags"`
+	PolicyIfaceStats  *ebpf.MapSpec `ebpf:"policy_iface_stats"`
+	PolicyIfaces      *ebpf.MapSpec `ebpf:"policy_ifaces"`
+	PolicyPrefixes    *ebpf.MapSpec `ebpf:"policy_prefixes"`
+	PolicySk          *ebpf.MapSpec `ebpf:"policy_sk"`
+	PolicyStats       *ebpf.MapSpec `ebpf:"policy_stats"`
 }
 
 // policyprogVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type policyprogVariableSpecs struct {
+	EventsBurst  *ebpf.VariableSpec `ebpf:"events_burst"`
+	EventsPerSec *ebpf.VariableSpec `ebpf:"events_per_sec"`
 }
 
 // policyprogObjects contains all objects after they have been loaded into the kernel.
@@ -150,21 +156,22 @@ func (o *policyprogObjects) Close() error {
 //
 // It can be passed to loadPolicyprogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type policyprogMaps struct {
-	DnsConfig        *ebpf.Map `ebpf:"dns_config"`
-	DnsOrigin        *ebpf.Map `ebpf:"dns_origin"`
-	DnsOriginLost    *ebpf.Map `ebpf:"dns_origin_lost"`
-	DnsSk            *ebpf.Map `ebpf:"dns_sk"`
-	Ipcache          *ebpf.Map `ebpf:"ipcache"`
-	Policy           *ebpf.Map `ebpf:"policy"`
-	PolicyEndpoints  *ebpf.Map `ebpf:"policy_endpoints"`
-	PolicyEvents     *ebpf.Map `ebpf:"policy_events"`
-	PolicyIfaceFlows *ebpf.Map `ebpf:"policy_iface_flows"`
-	PolicyIfaceFrags *ebpf.Map `ebpf:"policy_iface_frags"`
-	PolicyIfaceStats *ebpf.Map `ebpf:"policy_iface_stats"`
-	PolicyIfaces     *ebpf.Map `ebpf:"policy_ifaces"`
-	PolicyPrefixes   *ebpf.Map `ebpf:"policy_prefixes"`
-	PolicySk         *ebpf.Map `ebpf:"policy_sk"`
-	PolicyStats      *ebpf.Map `ebpf:"policy_stats"`
+	DnsConfig         *ebpf.Map `ebpf:"dns_config"`
+	DnsOrigin         *ebpf.Map `ebpf:"dns_origin"`
+	DnsOriginLost     *ebpf.Map `ebpf:"dns_origin_lost"`
+	DnsSk             *ebpf.Map `ebpf:"dns_sk"`
+	Ipcache           *ebpf.Map `ebpf:"ipcache"`
+	Policy            *ebpf.Map `ebpf:"policy"`
+	PolicyEndpoints   *ebpf.Map `ebpf:"policy_endpoints"`
+	PolicyEventBudget *ebpf.Map `ebpf:"policy_event_budget"`
+	PolicyEvents      *ebpf.Map `ebpf:"policy_events"`
+	PolicyIfaceFlows  *ebpf.Map `ebpf:"policy_iface_flows"`
+	PolicyIfaceFrags  *ebpf.Map `ebpf:"policy_iface_frags"`
+	PolicyIfaceStats  *ebpf.Map `ebpf:"policy_iface_stats"`
+	PolicyIfaces      *ebpf.Map `ebpf:"policy_ifaces"`
+	PolicyPrefixes    *ebpf.Map `ebpf:"policy_prefixes"`
+	PolicySk          *ebpf.Map `ebpf:"policy_sk"`
+	PolicyStats       *ebpf.Map `ebpf:"policy_stats"`
 }
 
 func (m *policyprogMaps) Close() error {
@@ -176,6 +183,7 @@ func (m *policyprogMaps) Close() error {
 		m.Ipcache,
 		m.Policy,
 		m.PolicyEndpoints,
+		m.PolicyEventBudget,
 		m.PolicyEvents,
 		m.PolicyIfaceFlows,
 		m.PolicyIfaceFrags,
@@ -191,6 +199,8 @@ func (m *policyprogMaps) Close() error {
 //
 // It can be passed to loadPolicyprogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type policyprogVariables struct {
+	EventsBurst  *ebpf.Variable `ebpf:"events_burst"`
+	EventsPerSec *ebpf.Variable `ebpf:"events_per_sec"`
 }
 
 // policyprogPrograms contains all programs after they have been loaded into the kernel.

@@ -80,35 +80,6 @@ func TestTranslate(t *testing.T) {
 		})
 	}
 
-	// Each socket's backend was remembered with the frontend, the
-	// IPv4-mapped ones as IPv4.
-	for _, tc := range []struct {
-		m     *ebpf.Map
-		value any
-		vip   netip.Addr
-	}{
-		{l.SockRevNat4, &sockRevNat4Value{}, vip4},
-		{l.SockRevNat6, &sockRevNat6Value{}, vip6},
-	} {
-		var frontends []netip.Addr
-		it := tc.m.Iterate()
-		var k []byte
-		for it.Next(&k, tc.value) {
-			switch v := tc.value.(type) {
-			case *sockRevNat4Value:
-				frontends = append(frontends, netip.AddrFrom4(v.Address))
-			case *sockRevNat6Value:
-				frontends = append(frontends, netip.AddrFrom16(v.Address))
-			}
-		}
-		if err := it.Err(); err != nil {
-			t.Fatal(err)
-		}
-		if len(frontends) == 0 || slices.ContainsFunc(frontends, func(a netip.Addr) bool { return a != tc.vip }) {
-			t.Errorf("%s remembers the frontends %v, want %s only", tc.m, frontends, tc.vip)
-		}
-	}
-
 	// Without the affinity flag the programs leave the affinity maps be.
 	for _, m := range []*ebpf.Map{l.Affinity4, l.Affinity6} {
 		if n := count(t, m); n != 0 {

@@ -37,10 +37,10 @@ func TestLayout(t *testing.T) {
 		{"lb4_affinity_key", reflect.TypeFor[bpf.LB4AffinityKey]()},
 		{"lb6_affinity_key", reflect.TypeFor[bpf.LB6AffinityKey]()},
 		{"lb_affinity_val", reflect.TypeFor[bpf.LBAffinityValue]()},
-		{"lb4_sock_key", reflect.TypeFor[sockRevNat4Key]()},
-		{"lb4_sock_value", reflect.TypeFor[sockRevNat4Value]()},
-		{"lb6_sock_key", reflect.TypeFor[sockRevNat6Key]()},
-		{"lb6_sock_value", reflect.TypeFor[sockRevNat6Value]()},
+		{"lb4_sock_xlat", reflect.TypeFor[sockXlat4]()},
+		{"lb4_sock_state", reflect.TypeFor[sockState4]()},
+		{"lb6_sock_xlat", reflect.TypeFor[sockXlat6]()},
+		{"lb6_sock_state", reflect.TypeFor[sockState6]()},
 	} {
 		t.Run(tc.cStruct, func(t *testing.T) {
 			var st *btf.Struct
@@ -85,23 +85,26 @@ func TestLayout(t *testing.T) {
 		}
 	}
 
-	// The programs' own maps hold the types above.
+	// The programs' own maps hold the types above: the socket
+	// reverse-NAT maps are socket storage (key: a socket's fd, from user
+	// space), the affinity maps LRU hashes.
 	for _, tc := range []struct {
 		name       string
+		typ        ebpf.MapType
 		key, value reflect.Type
 	}{
-		{SockRevNat4Map, reflect.TypeFor[sockRevNat4Key](), reflect.TypeFor[sockRevNat4Value]()},
-		{SockRevNat6Map, reflect.TypeFor[sockRevNat6Key](), reflect.TypeFor[sockRevNat6Value]()},
-		{bpf.LB4AffinityMap, reflect.TypeFor[bpf.LB4AffinityKey](), reflect.TypeFor[bpf.LBAffinityValue]()},
-		{bpf.LB6AffinityMap, reflect.TypeFor[bpf.LB6AffinityKey](), reflect.TypeFor[bpf.LBAffinityValue]()},
+		{SockRevNat4Map, ebpf.SkStorage, reflect.TypeFor[int32](), reflect.TypeFor[sockState4]()},
+		{SockRevNat6Map, ebpf.SkStorage, reflect.TypeFor[int32](), reflect.TypeFor[sockState6]()},
+		{bpf.LB4AffinityMap, ebpf.LRUHash, reflect.TypeFor[bpf.LB4AffinityKey](), reflect.TypeFor[bpf.LBAffinityValue]()},
+		{bpf.LB6AffinityMap, ebpf.LRUHash, reflect.TypeFor[bpf.LB6AffinityKey](), reflect.TypeFor[bpf.LBAffinityValue]()},
 	} {
 		ms, err := MapSpec(tc.name, 16)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if ms.Type != ebpf.LRUHash || ms.KeySize != uint32(tc.key.Size()) || ms.ValueSize != uint32(tc.value.Size()) {
-			t.Errorf("map %s: %v key %d value %d, want an LRU hash of %s (%d) to %s (%d)",
-				tc.name, ms.Type, ms.KeySize, ms.ValueSize, tc.key, tc.key.Size(), tc.value, tc.value.Size())
+		if ms.Type != tc.typ || ms.KeySize != uint32(tc.key.Size()) || ms.ValueSize != uint32(tc.value.Size()) {
+			t.Errorf("map %s: %v key %d value %d, want a %v of %s (%d) to %s (%d)",
+				tc.name, ms.Type, ms.KeySize, ms.ValueSize, tc.typ, tc.key, tc.key.Size(), tc.value, tc.value.Size())
 		}
 	}
 	if _, err := MapSpec(bpf.LB4ServicesMap, 16); err == nil {
@@ -109,33 +112,40 @@ func TestLayout(t *testing.T) {
 	}
 }
 
-// The socket reverse-NAT maps' entries (struct lb4_sock_key, ...).
-type sockRevNat4Key struct {
-	Cookie  uint64
-	Address [4]byte
-	Port    bpf.Be16
-	Pad     uint16
+// A socket's reverse translations (struct lb4_sock_state, ...): the
+// backends it was sent to and the frontend each was chosen for.
+type sockXlat4 struct {
+	Backend      [4]byte
+	BackendPort  bpf.Be16
+	RevNat       bpf.Be16
+	Frontend     [4]byte
+	FrontendPort bpf.Be16
+	Pad          uint16
 }
 
-type sockRevNat4Value struct {
-	Address [4]byte
-	Port    bpf.Be16
-	RevNat  bpf.Be16
+type sockState4 struct {
+	X    [sockXlats]sockXlat4
+	Next uint32
+	Pad  uint32
 }
 
-type sockRevNat6Key struct {
-	Cookie  uint64
-	Address [16]byte
-	Port    bpf.Be16
-	Pad1    uint16
-	Pad2    uint32
+type sockXlat6 struct {
+	Backend      [16]byte
+	BackendPort  bpf.Be16
+	RevNat       bpf.Be16
+	Frontend     [16]byte
+	FrontendPort bpf.Be16
+	Pad          uint16
 }
 
-type sockRevNat6Value struct {
-	Address [16]byte
-	Port    bpf.Be16
-	RevNat  bpf.Be16
+type sockState6 struct {
+	X    [sockXlats]sockXlat6
+	Next uint32
+	Pad  uint32
 }
+
+// sockXlats is SOCK_XLATS: the backends a socket remembers.
+const sockXlats = 8
 
 // TestLoad loads the programs with pinned maps in place of the object's,
 // sized differently from the object's defaults, as the agent does.

@@ -14,7 +14,9 @@ import (
 // Names (and pin names) of the maps in which the programs remember, per
 // socket, which frontend a backend was chosen for, so that replies and
 // getpeername show the frontend. An IPv4-mapped frontend of an AF_INET6
-// socket is remembered in the IPv4 map.
+// socket is remembered in the IPv4 map. They are socket storage (freed
+// with the socket, so no socket's entries can push out another's): an
+// older agent's pins of these names (LRU hashes) are replaced at start.
 const (
 	SockRevNat4Map = "lb4_sock_revnat"
 	SockRevNat6Map = "lb6_sock_revnat"
@@ -98,8 +100,9 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 
 // MapSpec returns the spec of the programs' own map called name (one of
 // OwnMaps) with room for maxEntries entries, for the agent to create and
-// pin it. They are LRU hashes: when one is full, the entries used least
-// recently make room.
+// pin it. The affinity maps are LRU hashes: when one is full, the entries
+// used least recently make room. The socket reverse-NAT maps are socket
+// storage, which has no size: maxEntries is ignored for them.
 func MapSpec(name string, maxEntries uint32) (*ebpf.MapSpec, error) {
 	if !slices.Contains(OwnMaps[:], name) {
 		return nil, fmt.Errorf("%q is not a map of the socket LB programs (want one of %s)",
@@ -110,6 +113,8 @@ func MapSpec(name string, maxEntries uint32) (*ebpf.MapSpec, error) {
 		return nil, err
 	}
 	ms := spec.Maps[name].Copy()
-	ms.MaxEntries = maxEntries
+	if ms.Type != ebpf.SkStorage {
+		ms.MaxEntries = maxEntries
+	}
 	return ms, nil
 }

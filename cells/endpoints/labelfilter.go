@@ -33,7 +33,7 @@ var DefaultIdentityLabels = []string{
 	`io\.cilium\.k8s\.policy\.cluster`,
 	`io\.cilium\.k8s\.policy\.serviceaccount`,
 	`!io\.kubernetes`,
-	`!kubernetes\.io`,
+	`!kubernetes\.io`, // anywhere in the key: see unanchoredDefaults
 	`!statefulset\.kubernetes\.io/pod-name`,
 	`!apps\.kubernetes\.io/pod-index`,
 	`!batch\.kubernetes\.io/job-completion-index`,
@@ -51,7 +51,8 @@ var DefaultIdentityLabels = []string{
 // LabelFilter decides which labels make an identity. Each pattern is
 // [source:][!]regexp: it matches a label of that source (any source when
 // it has none, or "any") whose key starts with a match of the regexp, and
-// counts the length of that match. A label is kept when an inclusive
+// counts the length of that match (the default kubernetes.io exclusion
+// matches anywhere in the key, as the reference's does). A label is kept when an inclusive
 // pattern (without !) matches more of its key than every exclusive one
 // (with !) that matches it, or, while the patterns added to the defaults
 // are all exclusive, when no exclusive pattern matches it.
@@ -65,8 +66,19 @@ type LabelFilter struct {
 type labelPattern struct {
 	source  string // "" for any
 	exclude bool
-	expr    *regexp.Regexp
+	// anywhere: the pattern matches anywhere in the key, counting the
+	// length of the matched text (defaults only; see unanchoredDefaults).
+	anywhere bool
+	expr     *regexp.Regexp
 }
+
+// unanchoredDefaults are the default patterns that match anywhere in the
+// key, not only at its start. The reference leaves kubernetes.io out
+// wherever it appears (its pattern is not anchored there), so
+// topology.kubernetes.io/zone and node.kubernetes.io/* go too; an
+// inclusive pattern matching more text, app.kubernetes.io, still wins.
+// The patterns of --identity-labels are always anchored.
+var unanchoredDefaults = map[string]bool{`!kubernetes\.io`: true}
 
 // NewLabelFilter returns the default filter with the patterns added.
 func NewLabelFilter(added []string) (*LabelFilter, error) {
@@ -76,6 +88,7 @@ func NewLabelFilter(added []string) (*LabelFilter, error) {
 		if err != nil {
 			panic(fmt.Sprintf("default identity label pattern %q: %v", s, err)) // a bug
 		}
+		p.anywhere = unanchoredDefaults[s]
 		f.patterns = append(f.patterns, p)
 	}
 	for _, s := range added {
@@ -115,18 +128,18 @@ func parseLabelPattern(s string) (labelPattern, error) {
 }
 
 // match returns the length of the match of p at the start of the key of
-// a label of source, or 0.
+// a label of source (anywhere in it for an unanchored default), or 0.
 func (p labelPattern) match(source, key string) int {
 	if p.source != "" && p.source != source {
 		return 0
 	}
 	loc := p.expr.FindStringIndex(key)
-	if loc == nil || loc[0] != 0 {
+	if loc == nil || (loc[0] != 0 && !p.anywhere) {
 		return 0
 	}
 	// An empty match at the start still matches; count it as 1 so that
 	// it is told from no match.
-	return max(loc[1], 1)
+	return max(loc[1]-loc[0], 1)
 }
 
 // Keep reports whether a label of source with key is part of identities.

@@ -20,10 +20,12 @@ func TestLabelFilter(t *testing.T) {
 			// count; what Kubernetes and its controllers add does not.
 			keep: []string{"app", "tier", "io.kubernetes.pod.namespace", "io.cilium.k8s.namespace.labels.team",
 				"io.cilium.k8s.namespace.labels.kubernetes.io/metadata.name", "app.kubernetes.io/name",
-				"io.cilium.k8s.policy.serviceaccount", "example.com/role",
-				// Anchored at the start: only keys that begin with kubernetes.io go.
-				"topology.kubernetes.io/zone"},
-			drop: []string{"kubernetes.io/arch", "io.kubernetes.container.name", "k8s.io/foo",
+				"io.cilium.k8s.policy.serviceaccount", "example.com/role"},
+			drop: []string{"kubernetes.io/arch",
+				// The reference's kubernetes.io exclusion is not anchored:
+				// it leaves the key out wherever kubernetes.io appears.
+				"topology.kubernetes.io/zone", "topology.kubernetes.io/region", "node.kubernetes.io/instance-type",
+				"example.kubernetes.io/team", "io.kubernetes.container.name", "k8s.io/foo",
 				"statefulset.kubernetes.io/pod-name", "apps.kubernetes.io/pod-index",
 				"batch.kubernetes.io/job-completion-index", "batch.kubernetes.io/controller-uid",
 				"failure-domain.beta.kubernetes.io/zone", "beta.kubernetes.io/os",
@@ -45,8 +47,8 @@ func TestLabelFilter(t *testing.T) {
 		},
 		{
 			// An inclusive pattern longer than an exclusive one wins.
-			added: []string{`kubernetes\.io/arch`},
-			keep:  []string{"kubernetes.io/arch", "io.kubernetes.pod.namespace"},
+			added: []string{`kubernetes\.io/arch`, `topology\.kubernetes\.io/zone`},
+			keep:  []string{"kubernetes.io/arch", "io.kubernetes.pod.namespace", "topology.kubernetes.io/zone"},
 			drop:  []string{"kubernetes.io/os", "app"},
 		},
 		{

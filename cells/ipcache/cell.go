@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/hive/cell"
@@ -239,7 +240,15 @@ func registerPolicyPrefixesReconciler(rp reconciler.Params, table policyPrefixes
 // rather than a job, so they are in the prefixes table once the hive has
 // started: whoever changes prefixes later and waits for the change finds the
 // node's entries in the map too.
-func registerNodeIPs(lc cell.Lifecycle, p *prefixes, nc node.Config) {
+//
+// With --node-ips empty, a job then follows the interfaces' addresses
+// (nodeAddrs), so that those that come later are the host too.
+func registerNodeIPs(lc cell.Lifecycle, jobs job.Group, log *slog.Logger, p *prefixes, nc node.Config) {
+	var follow *nodeAddrs
+	if nc.FollowAddresses {
+		follow = newNodeAddrs(log, p, nc)
+		jobs.Add(job.OneShot("follow-node-addresses", follow.run, job.WithRetry(-1, &job.ExponentialBackoff{Min: time.Second, Max: time.Minute})))
+	}
 	done := p.RegisterInitializer(OwnerNode)
 	lc.Append(cell.Hook{OnStart: func(cell.HookContext) error {
 		changes := make([]Change, 0, len(nc.NodeIPs))
@@ -250,6 +259,9 @@ func registerNodeIPs(lc cell.Lifecycle, p *prefixes, nc node.Config) {
 			return fmt.Errorf("label the node's addresses: %w", err)
 		}
 		done()
+		if follow != nil {
+			close(follow.started) // the job changes the labels from here on
+		}
 		return nil
 	}})
 }

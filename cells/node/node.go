@@ -67,7 +67,7 @@ func (def Flags) Flags(fs *pflag.FlagSet) {
 	fs.String("node-name", def.NodeName, "Name of this node as Kubernetes knows it (selects the node's pods)")
 	fs.String("state-dir", def.StateDir, "Directory for state that survives a restart (identity and DNS checkpoints, IPAM records)")
 	fs.StringSlice("node-ips", def.NodeIPs,
-		"The node's own addresses, labelled reserved:host (comma-separated); empty: the global unicast addresses of its interfaces")
+		"The node's own addresses, labelled reserved:host (comma-separated), and only those; empty: the global unicast addresses of its interfaces, followed as they come and go")
 	fs.Bool("enable-ipv6", def.EnableIPv6,
 		"Dual stack: IPv6 conntrack maps (ct6_global, ct_any6_global) and world-ipv4/world-ipv6 instead of reserved:world")
 }
@@ -82,6 +82,10 @@ type Config struct {
 	NodeIPs []netip.Addr
 	// EnableIPv6 is true on a dual-stack node.
 	EnableIPv6 bool
+	// FollowAddresses is true when --node-ips is empty: the node's
+	// addresses are its interfaces' global unicast ones, followed as
+	// they come and go (NodeIPs are those found at start).
+	FollowAddresses bool
 }
 
 func newConfig(f Flags, lc cell.Lifecycle) (Config, error) {
@@ -99,7 +103,7 @@ func newConfig(f Flags, lc cell.Lifecycle) (Config, error) {
 	if err := holdStateDir(dir, lc); err != nil {
 		return Config{}, err
 	}
-	return Config{NodeName: f.NodeName, StateDir: dir, NodeIPs: ips, EnableIPv6: f.EnableIPv6}, nil
+	return Config{NodeName: f.NodeName, StateDir: dir, NodeIPs: ips, EnableIPv6: f.EnableIPv6, FollowAddresses: len(f.NodeIPs) == 0}, nil
 }
 
 // holdStateDir makes sure that no other agent uses dir. The lock is tried
@@ -158,7 +162,7 @@ func nodeIPs(flag []string, ipv6 bool) ([]netip.Addr, error) {
 			return nil, fmt.Errorf("find the node's addresses (set --node-ips): %w", err)
 		}
 		for _, a := range addrs {
-			if p, err := netip.ParsePrefix(a.String()); err == nil && p.Addr().IsGlobalUnicast() {
+			if p, err := netip.ParsePrefix(a.String()); err == nil && IsHostAddress(p.Addr()) {
 				ips = append(ips, p.Addr().Unmap())
 			}
 		}
@@ -166,6 +170,14 @@ func nodeIPs(flag []string, ipv6 bool) ([]netip.Addr, error) {
 	ips = slices.DeleteFunc(ips, func(ip netip.Addr) bool { return ip.Is6() && !ipv6 })
 	slices.SortFunc(ips, netip.Addr.Compare)
 	return slices.Compact(ips), nil
+}
+
+// IsHostAddress reports whether an address of the node's interfaces is
+// one of the node's own addresses (reserved:host) when --node-ips is
+// empty: a global unicast one (loopback and link-local addresses are not
+// addresses a peer reaches the node by).
+func IsHostAddress(ip netip.Addr) bool {
+	return ip.Unmap().IsGlobalUnicast()
 }
 
 // PrepareStateDir makes dir absolute, creates it and checks that files can be

@@ -56,6 +56,9 @@ type attacher struct {
 	sock   *ebpf.Map // policy_sk, the sockets' flows
 	stats  *ebpf.Map
 	events *ebpf.Map
+	// budget is policy_event_budget: each endpoint's share of events,
+	// and its losses.
+	budget *ebpf.Map
 	// attached is closed once the programs are attached (the event
 	// reader starts then).
 	attached chan struct{}
@@ -145,10 +148,18 @@ func (a *attacher) attach() (string, error) {
 		stats.Close()
 		return "", err
 	}
+	budget, err := bpf.OpenPinnedMap(a.log, bpf.PolicyEventBudgetMapSpec(eventBudgetEndpoints), a.pinDir, nil)
+	if err != nil {
+		sock.Close()
+		stats.Close()
+		events.Close()
+		return "", err
+	}
 	closeMaps := func() {
 		sock.Close()
 		stats.Close()
 		events.Close()
+		budget.Close()
 	}
 	dnsSock, dnsOrigin, dnsConfig, err := a.dns.get()
 	if err != nil {
@@ -165,7 +176,7 @@ func (a *attacher) attach() (string, error) {
 		return a.ipcache.WithMap(func(ipc, prefixes *ebpf.Map) error {
 			progs, err = policyprog.Load(policyprog.Maps{
 				Policy: policy, Endpoints: endpoints, Sock: sock.Map, Stats: stats.Map, IPCache: ipc, Prefixes: prefixes,
-				Events:  events.Map,
+				Events: events.Map, Budget: policyprog.EventBudget{Map: budget.Map},
 				DNSSock: dnsSock, DNSOrigin: dnsOrigin, DNSConfig: dnsConfig, DNSOriginLost: dnsLost,
 			})
 			return err
@@ -196,7 +207,7 @@ func (a *attacher) attach() (string, error) {
 		done = append(done, h.Name+" "+how)
 	}
 	a.mu.Lock()
-	a.links, a.progs, a.sock, a.stats, a.events = links, progs, sock.Map, stats.Map, events.Map
+	a.links, a.progs, a.sock, a.stats, a.events, a.budget = links, progs, sock.Map, stats.Map, events.Map, budget.Map
 	a.mu.Unlock()
 	// The shared flow LRU of earlier versions: no program uses it now.
 	if err := bpf.RemovePinnedMap(a.pinDir, bpf.PolicyFlowsMap); err != nil {
@@ -262,7 +273,7 @@ func (a *attacher) detach() (string, error) {
 		gone = append(gone, fmt.Sprintf("%d pod interface links", len(ifaces)))
 	}
 	for _, name := range []string{bpf.PolicySockMap, bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap,
-		bpf.DNSOriginMap, bpf.DNSConfigMap, bpf.DNSOriginLostMap} {
+		bpf.PolicyEventBudgetMap, bpf.DNSOriginMap, bpf.DNSConfigMap, bpf.DNSOriginLostMap} {
 		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {
 			return "", err
 		}
@@ -283,12 +294,12 @@ func (a *attacher) close() {
 	a.links = nil
 	closePrograms(a.progs)
 	a.progs = nil
-	for _, m := range []*ebpf.Map{a.sock, a.stats, a.events} {
+	for _, m := range []*ebpf.Map{a.sock, a.stats, a.events, a.budget} {
 		if m != nil {
 			m.Close()
 		}
 	}
-	a.sock, a.stats, a.events = nil, nil, nil
+	a.sock, a.stats, a.events, a.budget = nil, nil, nil, nil
 }
 
 func closePrograms(progs map[string]*ebpf.Program) {
@@ -331,6 +342,39 @@ func (a *attacher) sharedMaps() (events, stats *ebpf.Map, err error) {
 		return nil, nil, errors.New("policy_events and policy_stats are not open")
 	}
 	return a.events, a.stats, nil
+}
+
+// eventBudgetEndpoints sizes policy_event_budget: an endpoint beyond it
+// (more than a node has) emits unbounded.
+const eventBudgetEndpoints = 65536
+
+// budgetMap returns policy_event_budget, which the interface programs
+// share with the socket-level ones (nil before those are attached: the
+// interface programs are loaded only after).
+func (a *attacher) budgetMap() *ebpf.Map {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.budget
+}
+
+// budgetLost returns how many events the endpoints lost to their budgets
+// of policy_events, by endpoint ID (summed over CPUs).
+func (a *attacher) budgetLost() map[uint32]uint64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	out := map[uint32]uint64{}
+	if a.budget == nil {
+		return out
+	}
+	var id uint32
+	var perCPU []bpf.PolicyEventBudget
+	it := a.budget.Iterate()
+	for it.Next(&id, &perCPU) {
+		for _, b := range perCPU {
+			out[id] += b.Lost
+		}
+	}
+	return out
 }
 
 // lost returns how many events found policy_events full.

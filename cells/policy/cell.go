@@ -467,6 +467,16 @@ func registerMetrics(reg prometheus.Registerer, a *attacher, ops *reconcilers.Po
 			Help: "Verdict events the policy programs could not hand to the agent (a full ring buffer)",
 		}, func() float64 { return float64(a.lost()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Namespace: metrics.Namespace, Subsystem: "policy", Name: "events_over_budget_total",
+			Help: "Verdict events the policy programs dropped because their endpoint exceeded its share of the ring (per endpoint in the pinned policy_event_budget map)",
+		}, func() float64 {
+			var n uint64
+			for _, lost := range a.budgetLost() {
+				n += lost
+			}
+			return float64(n)
+		}),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Namespace: metrics.Namespace, Subsystem: "policy", Name: "map_updates_total",
 			Help: "Entries written to the policy and policy_endpoints maps",
 		}, func() float64 { u, _ := ops.Writes(); return float64(u) }),

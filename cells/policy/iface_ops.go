@@ -103,6 +103,7 @@ func (o *ifaceOps) load() error {
 		return o.ipcache.WithMap(func(ipc, prefixes *ebpf.Map) error {
 			progs, err = policyprog.LoadInterface(policyprog.InterfaceMaps{
 				Policy: policy, Endpoints: endpoints, Stats: stats, IPCache: ipc, Prefixes: prefixes, Events: events,
+				Budget: policyprog.EventBudget{Map: o.a.budgetMap()},
 				Ifaces: o.maps.ifaces, Flows: o.maps.flows, Frags: o.maps.frags, IfaceStats: o.maps.stats,
 				DNSConfig: dnsConfig,
 			})

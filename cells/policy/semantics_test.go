@@ -669,7 +669,13 @@ ingress: [{fromEndpoints: [{matchLabels: {"%s": "%s"}}]}]`, key, map[string]stri
 		{"kubernetes.io/arch is left out", baseCluster(byLabel("kubernetes.io/arch")), []probe{
 			in("beta/server", "beta/client", 80, "deny"),
 		}},
-		{"topology.kubernetes.io/zone is kept (the patterns are anchored)", baseCluster(byLabel("topology.kubernetes.io/zone")), []probe{
+		// The reference's kubernetes.io exclusion is not anchored: a CNP
+		// selecting zone=a selects nobody, as in the reference (issue 35
+		// item 9).
+		{"topology.kubernetes.io/zone is left out (kubernetes.io anywhere in the key)", baseCluster(byLabel("topology.kubernetes.io/zone")), []probe{
+			in("beta/server", "beta/client", 80, "deny"),
+		}},
+		{"--identity-labels=topology.kubernetes.io/zone keeps it", withLabels([]string{`topology\.kubernetes\.io/zone`}, byLabel("topology.kubernetes.io/zone")), []probe{
 			in("beta/server", "beta/client", 80, "allow"),
 		}},
 		{"--identity-labels=!app leaves app out", withLabels([]string{"!app"}, byLabel("app")), []probe{

@@ -26,20 +26,15 @@ import (
 // one per hook, named after it (connect4, sendmsg4, ...).
 const LinksDir = "links"
 
-// SockRevNatMaxEntries sizes lb4_sock_revnat and lb6_sock_revnat, LRUs:
-// the oldest sockets' entries go first when one is full.
-const SockRevNatMaxEntries = 65536
-
 // AffinityMaxEntries sizes lb4_affinity and lb6_affinity, LRUs: one entry
 // per client network namespace and service with session affinity.
 const AffinityMaxEntries = 65536
 
-// ownMaxEntries sizes the programs' own maps (socklb.OwnMaps).
+// ownMaxEntries sizes the programs' own maps (socklb.OwnMaps); the socket
+// reverse-NAT maps are socket storage, one entry per socket, unsized.
 var ownMaxEntries = map[string]uint32{
-	socklb.SockRevNat4Map: SockRevNatMaxEntries,
-	socklb.SockRevNat6Map: SockRevNatMaxEntries,
-	bpf.LB4AffinityMap:    AffinityMaxEntries,
-	bpf.LB6AffinityMap:    AffinityMaxEntries,
+	bpf.LB4AffinityMap: AffinityMaxEntries,
+	bpf.LB6AffinityMap: AffinityMaxEntries,
 }
 
 type attacher struct {
