@@ -202,6 +202,13 @@ const (
 	// cannot go to the DNS proxy (interception off, no proxy address of
 	// the family), denied rather than let through unfiltered.
 	PolicyReasonDNSProxy uint8 = 5
+	// PolicyReasonUnparsable: a packet whose headers could not be read
+	// to its ports (more IPv6 extension headers than the programs walk,
+	// a header cut short), dropped rather than judged as port 0.
+	PolicyReasonUnparsable uint8 = 6
+	// PolicyReasonNotRouter: a router's ICMPv6 (router advertisement,
+	// redirect) from a pod, which is no router.
+	PolicyReasonNotRouter uint8 = 7
 )
 
 // Programs that decide (PolicyEvent.Hook).

@@ -166,6 +166,10 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 		v.Reason = ReasonSpoofed
 	case bpf.PolicyReasonDNSProxy:
 		v.Reason = ReasonDNSProxy
+	case bpf.PolicyReasonUnparsable:
+		v.Reason = ReasonUnparsable
+	case bpf.PolicyReasonNotRouter:
+		v.Reason = ReasonNotRouter
 	default:
 		v.Policy = r.policyName(ev.Cookie)
 	}

@@ -35,8 +35,10 @@ type Verdict struct {
 	// Reason is "policy" (an entry decided), "default deny", "fail closed"
 	// (the default deny an invalid policy keeps, which Policy names: see
 	// --policy-invalid-mode) or "no policy" (the endpoint is not enforced in
-	// that direction), "unclassified pod" or "spoofed source" (a pod's
-	// packet from an address not its own).
+	// that direction), "unclassified pod", "spoofed source" (a pod's
+	// packet from an address not its own), "unparsable" (headers that
+	// could not be read to the ports) or "not a router" (a router's
+	// ICMPv6 from a pod).
 	Reason string `json:"reason"`
 	// Layer is where it was decided: "socket" (connect, sendmsg, the
 	// socket's packets) or "interface" (the host side of the pod's
@@ -86,6 +88,13 @@ const (
 	// ReasonSpoofed: a packet from a pod whose source is not one of the
 	// pod's addresses, dropped on its interface.
 	ReasonSpoofed = "spoofed source"
+	// ReasonUnparsable: a packet whose headers could not be read to its
+	// ports (more IPv6 extension headers than the programs walk, a
+	// header cut short), dropped.
+	ReasonUnparsable = "unparsable"
+	// ReasonNotRouter: a router advertisement or redirect from a pod,
+	// dropped: pods are not routers.
+	ReasonNotRouter = "not a router"
 
 	LayerSocket    = "socket"
 	LayerInterface = "interface"
