@@ -13,7 +13,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -32,8 +31,9 @@ const (
 	// an AF_PACKET socket on eth0 receives: "udp SPORT>DPORT", "tcp
 	// SPORT>DPORT" or "icmp6 TYPE".
 	pktWatchEnv = "E2E_PKT_WATCH"
-	// udpRecvEnv: listen on each UDP address of the list ("," between)
-	// and print "PORT PAYLOAD" for each datagram.
+	// udpRecvEnv: "WATCHED,CONTROL", two UDP addresses: print "PORT
+	// PAYLOAD" for each datagram to CONTROL, then for those waiting on
+	// WATCHED, then "drained" (see udpRecv).
 	udpRecvEnv = "E2E_UDP_RECV"
 	// tcpPushEnv: listen on the TCP address; greet every connection
 	// with "hello"; write each line of stdin to the first connection and
@@ -52,7 +52,8 @@ func runForgeHelper() (int, bool) {
 	case os.Getenv(pktWatchEnv) != "":
 		return reportErr(pktWatch(netip.MustParseAddr(os.Getenv(pktWatchEnv)))), true
 	case os.Getenv(udpRecvEnv) != "":
-		return reportErr(udpRecv(strings.Split(os.Getenv(udpRecvEnv), ","))), true
+		watched, control, _ := strings.Cut(os.Getenv(udpRecvEnv), ",")
+		return reportErr(udpRecv(watched, control)), true
 	case os.Getenv(tcpPushEnv) != "":
 		return reportErr(tcpPush(os.Getenv(tcpPushEnv))), true
 	case os.Getenv(tcpEchoEnv) != "":
@@ -284,31 +285,49 @@ func pktWatch(addr netip.Addr) error {
 	}
 }
 
-// udpRecv prints each datagram its sockets on addrs receive.
-func udpRecv(addrs []string) error {
-	var out sync.Mutex
-	errs := make(chan error, len(addrs))
-	for _, addr := range addrs {
+// udpRecv prints each datagram its socket on control receives, then
+// each one waiting on its socket on watched, then "drained": datagrams
+// sent to watched before the one to control, on the same path, are
+// queued by then (two sockets' reads would not keep their order).
+func udpRecv(watched, control string) error {
+	var conns [2]*net.UDPConn
+	for i, addr := range []string{watched, control} {
 		c, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.MustParseAddrPort(addr)))
 		if err != nil {
 			return err
 		}
-		go func() {
-			buf := make([]byte, 2048)
-			for {
-				n, err := c.Read(buf)
-				if err != nil {
-					errs <- err
-					return
-				}
-				out.Lock()
-				fmt.Printf("%d %s\n", netip.MustParseAddrPort(addr).Port(), buf[:n])
-				out.Unlock()
-			}
-		}()
+		conns[i] = c
+	}
+	raw, err := conns[0].SyscallConn()
+	if err != nil {
+		return err
 	}
 	fmt.Println("listening")
-	return <-errs
+	buf := make([]byte, 2048)
+	for {
+		n, err := conns[1].Read(buf)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("%d %s\n", netip.MustParseAddrPort(control).Port(), buf[:n])
+		for {
+			var rerr error
+			if err := raw.Read(func(fd uintptr) bool {
+				n, _, rerr = unix.Recvfrom(int(fd), buf, unix.MSG_DONTWAIT)
+				return true
+			}); err != nil {
+				return err
+			}
+			if errors.Is(rerr, unix.EAGAIN) {
+				break
+			}
+			if rerr != nil {
+				return rerr
+			}
+			fmt.Printf("%d %s\n", netip.MustParseAddrPort(watched).Port(), buf[:n])
+		}
+		fmt.Println("drained")
+	}
 }
 
 // tcpPush serves addr (see tcpPushEnv).
@@ -640,7 +659,12 @@ func TestPolicyPacketForgery(t *testing.T) {
 			forgedFrame{Kind: "udp", Src: fgA6, Dst: fgB6, SPort: 40002, DPort: 5353, DstOpts: 7, Payload: "seven"},
 			forgedFrame{Kind: "udp", Src: fgA6, Dst: fgB6, SPort: 40002, DPort: 5353, DstOpts: 9, Payload: "nine"},
 			forgedFrame{Kind: "udp", Src: fgA6, Dst: fgB6, SPort: 40002, DPort: 5354, DstOpts: 2, Payload: "two"}))
-		recv.until(t, "5354 two", func(l string) bool { return strings.HasPrefix(l, "5353") })
+		recv.until(t, "drained", func(l string) bool { return strings.HasPrefix(l, "5353") })
+		// Seven are walked (the datagram is judged as UDP 5353, denied);
+		// nine are more than the programs walk.
+		if n, err := a.labelledMetric(`apiary_policy_interface_drops_total{reason="unparsable"}`); err != nil || n < 1 {
+			t.Errorf("unparsable drops: %v (%v), want at least 1", n, err)
+		}
 	})
 
 	t.Run("TCP without SYN", func(t *testing.T) {
