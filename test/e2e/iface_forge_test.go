@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"context"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -332,7 +333,10 @@ func udpRecv(watched, control string) error {
 
 // tcpPush serves addr (see tcpPushEnv).
 func tcpPush(addr string) error {
-	ln, err := net.Listen("tcp", addr)
+	// No keepalives: a probe of B's would teach the interface the flow,
+	// and the test checks that the pod's kernel alone keeps it working.
+	lc := net.ListenConfig{KeepAlive: -1}
+	ln, err := lc.Listen(context.Background(), "tcp", addr)
 	if err != nil {
 		return err
 	}
@@ -369,7 +373,7 @@ func tcpPush(addr string) error {
 // tcpEcho connects to addr from from and sends back every line it gets
 // after the greeting.
 func tcpEcho(addr, from string) error {
-	d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(from))}
+	d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(from)), KeepAlive: -1}
 	c, err := d.Dial("tcp", addr)
 	if err != nil {
 		return err
