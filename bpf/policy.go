@@ -210,6 +210,13 @@ const (
 	// endpoint with PolicyDNS that did not go to the DNS proxy (a raw or
 	// packet socket, a socket connected before the DNS rule), dropped.
 	PolicyReasonDNSBypass uint8 = 6
+	// PolicyReasonUnparsable: a packet whose headers could not be read
+	// to its ports (more IPv6 extension headers than the programs walk,
+	// a header cut short), dropped rather than judged as port 0.
+	PolicyReasonUnparsable uint8 = 7
+	// PolicyReasonNotRouter: a router's ICMPv6 (router advertisement,
+	// redirect) from a pod, which is no router.
+	PolicyReasonNotRouter uint8 = 8
 )
 
 // Programs that decide (PolicyEvent.Hook).

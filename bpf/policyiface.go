@@ -20,7 +20,9 @@ const (
 	// another pod's flows.
 	PolicyIfaceFlowsMap = "policy_iface_flows"
 	// PolicyIfaceFragsMap remembers the first fragments that passed, so
-	// that the later ones (without ports) pass too.
+	// that the later ones (without ports) pass too: one LRU per interface
+	// (a hash of maps keyed by ifindex), so that no pod's fragments can
+	// push out another pod's.
 	PolicyIfaceFragsMap = "policy_iface_frags"
 	// PolicyIfaceStatsMap counts packet-level verdicts, spoofed packets
 	// and frames that are neither IP nor ARP (per CPU).
@@ -34,17 +36,34 @@ const PolicyIfaceAddrs = 4
 // is in no endpoint yet is denied both ways.
 const PolicyIfaceUnclassifiedDeny uint32 = 1 << 0
 
+// PolicyIfaceNetns (PolicyIfaceValue.Flags): NetnsID is the pod's network
+// namespace, where the programs ask the kernel for the pod's TCP
+// connections. Without it, a TCP segment without SYN that policy denies and
+// the interface's flows do not know is dropped.
+const PolicyIfaceNetns uint32 = 1 << 1
+
 // Indexes of policy_iface_stats after the verdicts (direction *
 // PolicyVerdicts + verdict, as in policy_stats).
 const (
 	PolicyIfaceStatsSpoofed = 2 * PolicyVerdicts
 	PolicyIfaceStatsNotIP   = PolicyIfaceStatsSpoofed + 1
-	PolicyIfaceStatsEntries = PolicyIfaceStatsNotIP + 1
+	// PolicyIfaceStatsUnparsable counts IP packets whose headers could
+	// not be read to the ports, dropped.
+	PolicyIfaceStatsUnparsable = PolicyIfaceStatsNotIP + 1
+	// PolicyIfaceStatsFragUnknown counts later fragments dropped because
+	// the interface does not know their first fragment: it was denied, or
+	// the pod's own newer fragments pushed it out of its LRU.
+	PolicyIfaceStatsFragUnknown = PolicyIfaceStatsUnparsable + 1
+	PolicyIfaceStatsEntries     = PolicyIfaceStatsFragUnknown + 1
 )
 
 // DefaultPolicyIfaceFlows is the default capacity of each interface's
 // flow LRU.
 const DefaultPolicyIfaceFlows = 4096
+
+// PolicyIfaceFrags is the capacity of each interface's LRU of first
+// fragments: datagrams in flight in fragments, per pod.
+const PolicyIfaceFrags = 1024
 
 // PolicyIfaceValue is the value of policy_ifaces (struct policy_iface).
 type PolicyIfaceValue struct {
@@ -57,6 +76,22 @@ type PolicyIfaceValue struct {
 	Pad    [3]byte
 	// Addrs are the pod's addresses, IPv4 mapped into IPv6.
 	Addrs [PolicyIfaceAddrs][16]byte
+	// NetnsID is the pod's network namespace by its id in the host's
+	// (IFLA_LINK_NETNSID of the interface's host side), with
+	// PolicyIfaceNetns.
+	NetnsID int32
+	Pad2    uint32
+}
+
+// SetNetns records the pod's network namespace by its id in the host's
+// network namespace; a negative id (none assigned) records none.
+func (v *PolicyIfaceValue) SetNetns(id int) {
+	v.Flags &^= PolicyIfaceNetns
+	v.NetnsID = 0
+	if id >= 0 && id <= 1<<31-1 {
+		v.Flags |= PolicyIfaceNetns
+		v.NetnsID = int32(id)
+	}
 }
 
 // NewPolicyIfaceValue returns the value for the pod of cgroup cgroupID
@@ -83,9 +118,9 @@ type PolicyIfaceFlowKey struct {
 	Pad       [3]byte
 }
 
-// PolicyIfaceFragKey is the key of policy_iface_frags (struct iface_frag).
+// PolicyIfaceFragKey is the key of an interface's LRU of first fragments
+// (struct iface_frag).
 type PolicyIfaceFragKey struct {
-	Ifindex  uint32
 	ID       uint32
 	SAddr    [16]byte
 	DAddr    [16]byte
@@ -99,7 +134,7 @@ func PolicyIfacesMapSpec(maxEntries uint32) *ebpf.MapSpec {
 		Name:       PolicyIfacesMap,
 		Type:       ebpf.Hash,
 		KeySize:    4,
-		ValueSize:  80,
+		ValueSize:  88,
 		MaxEntries: maxEntries,
 		Flags:      unix.BPF_F_NO_PREALLOC,
 		Pinning:    ebpf.PinByName,
@@ -132,14 +167,28 @@ func PolicyIfaceFlowsMapSpec(maxEntries, flows uint32) *ebpf.MapSpec {
 	}
 }
 
-// PolicyIfaceFragsMapSpec returns the spec of policy_iface_frags.
-func PolicyIfaceFragsMapSpec() *ebpf.MapSpec {
+// PolicyIfaceFragsInnerSpec returns the spec of one interface's LRU of
+// first fragments.
+func PolicyIfaceFragsInnerSpec() *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       "iface_frags",
+		Type:       ebpf.LRUHash,
+		KeySize:    40,
+		ValueSize:  4,
+		MaxEntries: PolicyIfaceFrags,
+	}
+}
+
+// PolicyIfaceFragsMapSpec returns the spec of policy_iface_frags, a hash
+// of maps with room for maxEntries interfaces.
+func PolicyIfaceFragsMapSpec(maxEntries uint32) *ebpf.MapSpec {
 	return &ebpf.MapSpec{
 		Name:       PolicyIfaceFragsMap,
-		Type:       ebpf.LRUHash,
-		KeySize:    44,
+		Type:       ebpf.HashOfMaps,
+		KeySize:    4,
 		ValueSize:  4,
-		MaxEntries: 8192,
+		MaxEntries: maxEntries,
+		InnerMap:   PolicyIfaceFragsInnerSpec(),
 		Pinning:    ebpf.PinByName,
 	}
 }

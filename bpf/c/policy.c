@@ -231,11 +231,18 @@ struct policy_iface {
 	__u8 naddrs;     /* how many of addrs are the pod's */
 	__u8 pad[3];
 	union addr addrs[IFACE_ADDRS]; /* the only sources the pod may use */
+	/* The pod's network namespace, by its id in the host's (the host
+	 * side's IFLA_LINK_NETNSID), when flags has IFACE_NETNS: where the
+	 * kernel is asked for the pod's TCP connections (pod_connection). */
+	__s32 netns_id;
+	__u32 pad2;
 };
 
 /* A pod whose cgroup is in no endpoint (not registered yet, or no
  * identity yet) is denied both ways (--unclassified-pods=deny). */
 #define IFACE_UNCLASSIFIED_DENY 0x1
+/* netns_id is the pod's network namespace. */
+#define IFACE_NETNS 0x2
 
 /* policy_iface_flows (one map per interface): a flow of the pod that was
  * allowed one way, so that its packets the other way pass. */
@@ -247,10 +254,10 @@ struct iface_flow {
 	__u8 pad[3];
 };
 
-/* policy_iface_frags: the first fragment of a datagram passed, so the
- * later ones (which carry no ports) do. */
+/* policy_iface_frags (one map per interface): the first fragment of a
+ * datagram passed, so the later ones (which carry no ports) do. Per
+ * interface, so that no pod's fragments can push out another pod's. */
 struct iface_frag {
-	__u32 ifindex;
 	__u32 id; /* the IPv4 identification or the IPv6 fragment id */
 	union addr saddr;
 	union addr daddr;
@@ -281,11 +288,19 @@ struct {
 	__array(values, struct iface_flows);
 } policy_iface_flows SEC(".maps");
 
-struct {
+/* The inner maps are the agent's, made per interface with this layout. */
+struct iface_frags {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__type(key, struct iface_frag);
 	__type(value, __u32);
-	__uint(max_entries, 8192);
+	__uint(max_entries, 1024);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__type(key, __u32);
+	__uint(max_entries, 65536);
+	__array(values, struct iface_frags);
 } policy_iface_frags SEC(".maps");
 
 /* Packet-level counts: direction * VERDICTS + verdict, then the
@@ -294,7 +309,7 @@ struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__type(key, __u32);
 	__type(value, __u64);
-	__uint(max_entries, 10); /* IFACE_STATS_ENTRIES */
+	__uint(max_entries, 12); /* IFACE_STATS_ENTRIES */
 } policy_iface_stats SEC(".maps");
 
 /* linux/socket.h has no address families. */
@@ -373,6 +388,10 @@ enum reason {
 				  * cannot go to the proxy (dns_redirect.h) */
 	REASON_DNS_BYPASS = 6,   /* a packet to port 53 of an endpoint with a
 				  * DNS rule that did not go to the proxy */
+	REASON_UNPARSABLE = 7,   /* a packet whose headers cannot be read to
+				  * the ports (parse) */
+	REASON_NOT_ROUTER = 8,   /* a router's ICMPv6 (advertisement,
+				  * redirect) from a pod (link_control) */
 };
 
 /* The program that decided, as policy_events says it. */
@@ -387,10 +406,14 @@ enum hook {
 	HOOK_TO_POD = 7,
 };
 
-/* Packets from a pod with a source not its own, and frames that are
- * neither IP nor ARP. */
+/* Packets from a pod with a source not its own, frames that are neither
+ * IP nor ARP, IP packets whose headers cannot be read (parse), and later
+ * fragments whose first fragment the interface does not know (it was
+ * denied, or pushed out by the pod's newer ones). */
 #define IFACE_STATS_SPOOFED (2 * VERDICTS)
 #define IFACE_STATS_NOT_IP (IFACE_STATS_SPOOFED + 1)
+#define IFACE_STATS_UNPARSABLE (IFACE_STATS_NOT_IP + 1)
+#define IFACE_STATS_FRAG_UNKNOWN (IFACE_STATS_UNPARSABLE + 1)
 
 /* The endpoint a process or packet belongs to. */
 struct ep_ref {
@@ -1040,7 +1063,17 @@ struct pkt {
 	__u8 first_fragment; /* the first of several fragments */
 	__u16 l4_off; /* where the TCP, UDP or SCTP header starts */
 	__u32 frag_id; /* IPv4's identification or IPv6's fragment id */
+	__u8 hop_limit; /* of IPv6 */
+	__u8 pad[3];
 };
+
+/* What parse says of a packet it cannot judge: not IP at all, or IP whose
+ * headers cannot be read to the ports (more IPv6 extension headers than
+ * it walks, a header cut short). An unparsable packet is dropped where
+ * its direction is enforced: judged as port 0, it would pass a deny of
+ * some ports. */
+#define PARSE_NOT_IP -1
+#define PARSE_BAD -2
 
 #define IP_FRAG_OFFSET 0x1fff
 #define IP_MF_ 0x2000
@@ -1049,8 +1082,9 @@ struct pkt {
 #define TCP_FLAG_SYN 0x02
 
 /* read_ports reads the ports of TCP, UDP and SCTP (the three start with
- * source and destination port); other protocols have port 0. */
-static __always_inline void read_ports(struct __sk_buff *skb, struct pkt *p)
+ * source and destination port); other protocols have port 0. PARSE_BAD
+ * when the packet ends before them. */
+static __always_inline int read_ports(struct __sk_buff *skb, struct pkt *p)
 {
 	__be16 ports[2];
 
@@ -1059,24 +1093,25 @@ static __always_inline void read_ports(struct __sk_buff *skb, struct pkt *p)
 	case IPPROTO_UDP:
 	case IPPROTO_SCTP:
 		if (bpf_skb_load_bytes(skb, p->l4_off, ports, sizeof(ports)) < 0)
-			return;
+			return PARSE_BAD;
 		p->sport = ports[0];
 		p->dport = ports[1];
 	}
+	return 0;
 }
 
 /*
  * parse4 reads the addresses, protocol and ports of an IPv4 packet whose
  * IP header starts at nh: 0 for a cgroup_skb program, the Ethernet
  * header's length for tc. Fragments after the first have port 0. Returns
- * -1 when not even the IP header can be read.
+ * PARSE_BAD when the IP header or the ports cannot be read.
  */
 static __always_inline int parse4(struct __sk_buff *skb, __u32 nh, struct pkt *p)
 {
 	struct iphdr iph;
 
-	if (bpf_skb_load_bytes(skb, nh, &iph, sizeof(iph)) < 0)
-		return -1;
+	if (bpf_skb_load_bytes(skb, nh, &iph, sizeof(iph)) < 0 || iph.ihl < 5)
+		return PARSE_BAD;
 	set_v4(&p->saddr, iph.saddr);
 	set_v4(&p->daddr, iph.daddr);
 	p->protocol = iph.protocol;
@@ -1087,18 +1122,32 @@ static __always_inline int parse4(struct __sk_buff *skb, __u32 nh, struct pkt *p
 		return 0;
 	}
 	p->first_fragment = !!(iph.frag_off & bpf_htons(IP_MF_));
-	read_ports(skb, p);
-	return 0;
+	return read_ports(skb, p);
 }
 
-/* Extension headers parse6 steps over; more are judged as protocol of
- * the last one read. */
-#define IPV6_MAX_EXT 6
+/* Extension headers parse6 steps over: RFC 8200's order has at most six
+ * (hop-by-hop, destination options twice, routing, fragment, AH) before
+ * ESP or the upper layer. A packet with more is unparsable. */
+#define IPV6_MAX_EXT 8
+
+static __always_inline int ipv6_ext(__u8 nexthdr)
+{
+	switch (nexthdr) {
+	case IPPROTO_HOPOPTS:
+	case IPPROTO_ROUTING:
+	case IPPROTO_DSTOPTS:
+	case IPPROTO_AH:
+	case IPPROTO_FRAGMENT:
+		return 1;
+	}
+	return 0;
+}
 
 /*
  * parse6 is parse4 for IPv6: it steps over the extension headers to the
  * upper-layer protocol, and reads the ports (or the ICMPv6 type) of a
- * packet that is not a later fragment.
+ * packet that is not a later fragment. PARSE_BAD when a header cannot be
+ * read, or when more than IPV6_MAX_EXT extension headers come first.
  */
 static __always_inline int parse6(struct __sk_buff *skb, __u32 nh, struct pkt *p)
 {
@@ -1107,9 +1156,10 @@ static __always_inline int parse6(struct __sk_buff *skb, __u32 nh, struct pkt *p
 	__u8 nexthdr;
 
 	if (bpf_skb_load_bytes(skb, nh, &ip6, sizeof(ip6)) < 0)
-		return -1;
+		return PARSE_BAD;
 	__builtin_memcpy(p->saddr.b, &ip6.saddr, 16);
 	__builtin_memcpy(p->daddr.b, &ip6.daddr, 16);
+	p->hop_limit = ip6.hop_limit;
 	nexthdr = ip6.nexthdr;
 	for (int i = 0; i < IPV6_MAX_EXT; i++) {
 		__u8 hdr[8];
@@ -1119,19 +1169,19 @@ static __always_inline int parse6(struct __sk_buff *skb, __u32 nh, struct pkt *p
 		case IPPROTO_ROUTING:
 		case IPPROTO_DSTOPTS:
 			if (bpf_skb_load_bytes(skb, off, hdr, 2) < 0)
-				goto done;
+				return PARSE_BAD;
 			nexthdr = hdr[0];
 			off += ((__u32)hdr[1] + 1) * 8;
 			continue;
 		case IPPROTO_AH:
 			if (bpf_skb_load_bytes(skb, off, hdr, 2) < 0)
-				goto done;
+				return PARSE_BAD;
 			nexthdr = hdr[0];
 			off += ((__u32)hdr[1] + 2) * 4;
 			continue;
 		case IPPROTO_FRAGMENT:
 			if (bpf_skb_load_bytes(skb, off, hdr, 8) < 0)
-				goto done;
+				return PARSE_BAD;
 			nexthdr = hdr[0];
 			off += 8;
 			__builtin_memcpy(&p->frag_id, &hdr[4], 4);
@@ -1146,37 +1196,18 @@ static __always_inline int parse6(struct __sk_buff *skb, __u32 nh, struct pkt *p
 		}
 		break;
 	}
-done:
+	if (ipv6_ext(nexthdr))
+		return PARSE_BAD;
 	p->protocol = nexthdr;
 	p->l4_off = (__u16)off;
-	if (nexthdr == IPPROTO_ICMPV6_) {
-		if (bpf_skb_load_bytes(skb, off, &p->icmp_type, 1) < 0)
-			p->icmp_type = 0;
-		return 0;
-	}
-	read_ports(skb, p);
-	return 0;
+	if (nexthdr == IPPROTO_ICMPV6_)
+		return bpf_skb_load_bytes(skb, off, &p->icmp_type, 1) < 0 ? PARSE_BAD : 0;
+	return read_ports(skb, p);
 }
 
-/*
- * ICMPv6 the node's network needs whatever the policy: neighbour and
- * router discovery (133-137) and multicast listener messages (130-132,
- * 143). They reach no further than the link.
- */
-static __always_inline int link_control(const struct pkt *p)
-{
-	if (p->protocol != IPPROTO_ICMPV6_)
-		return 0;
-	switch (p->icmp_type) {
-	case 130 ... 137:
-	case 143:
-		return 1;
-	}
-	return 0;
-}
-
-/* parse reads the packet of either family, its IP header at nh; -1 for
- * anything else (ARP never reaches a cgroup program). */
+/* parse reads the packet of either family, its IP header at nh:
+ * PARSE_NOT_IP for anything else (ARP never reaches a cgroup program),
+ * PARSE_BAD for IP it cannot read. */
 static __always_inline int parse(struct __sk_buff *skb, __u32 nh, struct pkt *p)
 {
 	__builtin_memset(p, 0, sizeof(*p));
@@ -1184,7 +1215,132 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 nh, struct pkt *p)
 		return parse4(skb, nh, p);
 	if (skb->protocol == bpf_htons(ETH_P_IPV6))
 		return parse6(skb, nh, p);
-	return -1;
+	return PARSE_NOT_IP;
+}
+
+/* What link_control says of a packet. */
+enum link_verdict {
+	LINK_JUDGE = 0, /* no link control: policy judges it, as any packet */
+	LINK_PASS = 1,  /* link control as the link needs it: no policy */
+	LINK_DROP = 2,  /* a router's message from a pod */
+	LINK_SPOOFED = 3, /* a pod's advertisement of an address not its own */
+};
+
+#define ICMP6_RS 133
+#define ICMP6_RA 134
+#define ICMP6_NS 135
+#define ICMP6_NA 136
+#define ICMP6_REDIRECT 137
+/* Where an NS or NA keeps its target address. */
+#define ND_TARGET_OFF 8
+/* reserved:host, the node's own addresses. */
+#define IDENTITY_HOST 1
+
+static __always_inline int addr_unspecified(const union addr *a)
+{
+	return !(a->p[0] | a->p[1] | a->p[2] | a->p[3]);
+}
+
+/* fe80::/10 */
+static __always_inline int addr_link_local(const union addr *a)
+{
+	return a->b[0] == 0xfe && (a->b[1] & 0xc0) == 0x80;
+}
+
+/* Multicast of link scope (ff02::/16, and its transient variants). */
+static __always_inline int addr_link_multicast(const union addr *a)
+{
+	return a->b[0] == 0xff && (a->b[1] & 0x0f) == 0x02;
+}
+
+static __always_inline int own_addr(const struct policy_iface *ifc, const union addr *a);
+
+/*
+ * link_dest tells whether a pod's neighbour discovery to a stays on the
+ * link: link-local, link-scope multicast, or the node's own address (the
+ * host side of the pod's interface is its only neighbour; the node
+ * delivers what goes there, it routes nothing of it on).
+ */
+static __always_inline int link_dest(const union addr *a)
+{
+	return addr_link_local(a) || addr_link_multicast(a) || identity_of(a) == IDENTITY_HOST;
+}
+
+/* nd_target_ok tells whether the target of a pod's NS or NA is its own
+ * or link-local (an NA claims it; an NS may ask for the node's too). The
+ * socket level (ifc NULL) does not know the pod's addresses: the
+ * interface checks them. */
+static __always_inline int nd_target_ok(struct __sk_buff *skb, const struct pkt *p,
+					const struct policy_iface *ifc)
+{
+	union addr target;
+
+	if (bpf_skb_load_bytes(skb, p->l4_off + ND_TARGET_OFF, &target, sizeof(target)) < 0)
+		return 0;
+	if (addr_link_local(&target) || (ifc && own_addr(ifc, &target)))
+		return 1;
+	return !ifc || (p->icmp_type == ICMP6_NS && identity_of(&target) == IDENTITY_HOST);
+}
+
+/*
+ * link_control sorts out the ICMPv6 the link needs whatever the policy:
+ * neighbour discovery (RFC 4861: hop limit 255, so never routed) and
+ * multicast listener messages (RFC 3810: hop limit 1, to link-scope
+ * groups). dir is DIR_EGRESS for what a pod sends, ifc its interface
+ * (NULL at the socket level). From a pod, only solicitations and
+ * advertisements pass, from no address (duplicate address detection), a
+ * link-local one or the pod's own, to the link (link-local, link-scope
+ * multicast, the node), an advertisement only for the pod's own or a
+ * link-local address; a pod is no router, so its router advertisements
+ * and redirects are dropped. Into a pod, discovery from the node's side
+ * of the link passes. Everything else of these types, another pod's
+ * forged advertisement or a solicitation with a payload to a routed
+ * address, is policy's, as any ICMPv6, after anti-spoofing.
+ */
+static __always_inline enum link_verdict link_control(struct __sk_buff *skb, const struct pkt *p,
+						      enum direction dir, const struct policy_iface *ifc)
+{
+	__u8 type = p->icmp_type;
+
+	if (p->protocol != IPPROTO_ICMPV6_)
+		return LINK_JUDGE;
+	switch (type) {
+	case 130 ... 132:
+	case 143:
+		/* Multicast listener messages. */
+		return p->hop_limit == 1 && addr_link_multicast(&p->daddr) &&
+				       (addr_link_local(&p->saddr) || addr_unspecified(&p->saddr)) ?
+			       LINK_PASS :
+			       LINK_JUDGE;
+	case ICMP6_RS ... ICMP6_REDIRECT:
+		break;
+	default:
+		return LINK_JUDGE;
+	}
+	if (dir == DIR_INGRESS)
+		return p->hop_limit == 255 &&
+				       (addr_unspecified(&p->saddr) || addr_link_local(&p->saddr) ||
+					identity_of(&p->saddr) == IDENTITY_HOST) ?
+			       LINK_PASS :
+			       LINK_JUDGE;
+	if (type == ICMP6_RA || type == ICMP6_REDIRECT)
+		return LINK_DROP;
+	/* An advertisement of another's address is a claim on it (on a
+	 * bridge, the node's or a pod's neighbour entry of another pod),
+	 * whatever its hop limit, addresses and the pod's policy. */
+	if (type == ICMP6_NA && ifc && !nd_target_ok(skb, p, ifc))
+		return LINK_SPOOFED;
+	if (p->hop_limit != 255)
+		return LINK_JUDGE;
+	/* No source: only while the pod checks its addresses (DAD). */
+	if (addr_unspecified(&p->saddr) ? type == ICMP6_NA : !(addr_link_local(&p->saddr) ||
+								(ifc ? own_addr(ifc, &p->saddr) : 1)))
+		return LINK_JUDGE;
+	if (!link_dest(&p->daddr))
+		return LINK_JUDGE;
+	if (type != ICMP6_RS && !nd_target_ok(skb, p, ifc))
+		return LINK_JUDGE;
+	return LINK_PASS;
 }
 
 /* full_sock returns the packet's socket if it is a full one. */
@@ -1266,6 +1422,23 @@ static __always_inline int dns_bypass(const struct ep_ref *ep, const struct pkt 
 	return 1;
 }
 
+/*
+ * sock_unjudged counts and reports a packet of an endpoint that the
+ * socket level does not judge by its entries, c seen from the endpoint:
+ * one parse could not read, or a router's ICMPv6 from the endpoint.
+ * Always denied, as a decision.
+ */
+static __always_inline int sock_unjudged(const struct ep_ref *ep, const struct conn *c, enum direction dir,
+					 enum hook hook, enum reason reason)
+{
+	struct decision d = { .verdict = VERDICT_DENIED, .reason = reason };
+
+	d.identity = identity_of(&c->remote_addr);
+	count(dir, VERDICT_DENIED);
+	report(ep, &d, c, dir, hook);
+	return 0;
+}
+
 SEC("cgroup_skb/ingress")
 int policy_ingress(struct __sk_buff *skb)
 {
@@ -1274,13 +1447,27 @@ int policy_ingress(struct __sk_buff *skb)
 	struct ep_ref ep;
 	struct conn c;
 	struct pkt p;
+	int parsed;
 
 	if (!endpoint_of_skb(skb, &ep))
 		return 1;
 	if (!(ep.flags & (EP_ENFORCE_INGRESS | EP_ENFORCE_EGRESS)))
 		return 1;
-	/* The kernel checked the IP header before any socket saw it. */
-	if (parse(skb, 0, &p) < 0 || link_control(&p))
+	parsed = parse(skb, 0, &p);
+	if (parsed == PARSE_NOT_IP)
+		return 1;
+	c = (struct conn){
+		.local_addr = p.daddr,
+		.remote_addr = p.saddr,
+		.local_port = p.dport,
+		.remote_port = p.sport,
+		.protocol = p.protocol,
+	};
+	if (parsed == PARSE_BAD)
+		return ep.flags & EP_ENFORCE_INGRESS ?
+			       sock_unjudged(&ep, &c, DIR_INGRESS, HOOK_INGRESS, REASON_UNPARSABLE) :
+			       1;
+	if (link_control(skb, &p, DIR_INGRESS, NULL) == LINK_PASS)
 		return 1;
 	/* With only egress enforced, ingress is here for the UDP flows its
 	 * replies need. */
@@ -1293,13 +1480,6 @@ int policy_ingress(struct __sk_buff *skb)
 	if (!is_listener(sk) && flow_known(sk, &p.saddr, p.sport, p.protocol))
 		return 1;
 	if (ep.flags & EP_ENFORCE_INGRESS) {
-		c = (struct conn){
-			.local_addr = p.daddr,
-			.remote_addr = p.saddr,
-			.local_port = p.dport,
-			.remote_port = p.sport,
-			.protocol = p.protocol,
-		};
 		d = decide(&ep, &c, DIR_INGRESS);
 		/* The handshake's last ACK is judged again, but a TCP
 		 * connection is one decision, its SYN's: only a denial of
@@ -1325,13 +1505,32 @@ int policy_egress(struct __sk_buff *skb)
 	struct ep_ref ep;
 	struct conn c;
 	struct pkt p;
+	int parsed;
 
 	if (!endpoint_of_skb(skb, &ep))
 		return 1;
 	if (!(ep.flags & (EP_ENFORCE_EGRESS | EP_DNS)))
 		return 1;
-	if (parse(skb, 0, &p) < 0 || link_control(&p))
+	parsed = parse(skb, 0, &p);
+	if (parsed == PARSE_NOT_IP)
 		return 1;
+	c = (struct conn){
+		.local_addr = p.saddr,
+		.remote_addr = p.daddr,
+		.local_port = p.sport,
+		.remote_port = p.dport,
+		.protocol = p.protocol,
+	};
+	if (parsed == PARSE_BAD)
+		return sock_unjudged(&ep, &c, DIR_EGRESS, HOOK_EGRESS, REASON_UNPARSABLE);
+	switch (link_control(skb, &p, DIR_EGRESS, NULL)) {
+	case LINK_PASS:
+		return 1;
+	case LINK_DROP:
+		return sock_unjudged(&ep, &c, DIR_EGRESS, HOOK_EGRESS, REASON_NOT_ROUTER);
+	default:
+		break;
+	}
 
 	sk = full_sock(skb);
 	if (ep.flags & EP_DNS) {
@@ -1354,13 +1553,6 @@ int policy_egress(struct __sk_buff *skb)
 	} else if (flow_known(sk, &p.daddr, p.dport, p.protocol)) {
 		return 1;
 	}
-	c = (struct conn){
-		.local_addr = p.saddr,
-		.remote_addr = p.daddr,
-		.local_port = p.sport,
-		.remote_port = p.dport,
-		.protocol = p.protocol,
-	};
 	d = decide(&ep, &c, DIR_EGRESS);
 	report(&ep, &d, &c, DIR_EGRESS, HOOK_EGRESS);
 	if (d.verdict == VERDICT_DENIED)
@@ -1447,10 +1639,9 @@ static __noinline int iface_flow_known(void *flows, const struct iface_flow *key
 	return flows && bpf_map_lookup_elem(flows, key);
 }
 
-static __always_inline struct iface_frag frag_key(__u32 ifindex, const struct pkt *p)
+static __always_inline struct iface_frag frag_key(const struct pkt *p)
 {
 	return (struct iface_frag){
-		.ifindex = ifindex,
 		.id = p->frag_id,
 		.saddr = p->saddr,
 		.daddr = p->daddr,
@@ -1458,23 +1649,85 @@ static __always_inline struct iface_frag frag_key(__u32 ifindex, const struct pk
 	};
 }
 
+/* Out of line, so that struct iface_frag is in the object's BTF (see
+ * iface_flow_known). */
+static __noinline int iface_frag_known(void *frags, const struct iface_frag *key)
+{
+	return frags && bpf_map_lookup_elem(frags, key);
+}
+
+/* A TCP state in which a connection carries segments without SYN both
+ * ways: not a listener, not one whose SYN is still unanswered, not one
+ * that is gone (time-wait, closed). */
+static __always_inline int tcp_connected(__u32 state)
+{
+	switch (state) {
+	case BPF_TCP_ESTABLISHED:
+	case BPF_TCP_FIN_WAIT1:
+	case BPF_TCP_FIN_WAIT2:
+	case BPF_TCP_CLOSE_WAIT:
+	case BPF_TCP_LAST_ACK:
+	case BPF_TCP_CLOSING:
+		return 1;
+	}
+	return 0;
+}
+
 /*
- * iface_decide judges a packet of the pod's interface ifindex in direction
+ * pod_connection tells whether the pod's network namespace has a TCP
+ * connection with exactly c's addresses and ports, the pod's socket the
+ * local side: a connection opened before the interface knew its flow
+ * (programs attached after it opened, its flow pushed out by the pod's
+ * newer ones). The kernel is asked in the namespace the agent read from
+ * the host side of the interface, never the pod.
+ */
+static __always_inline int pod_connection(struct __sk_buff *skb, const struct policy_iface *ifc,
+					  const struct conn *c)
+{
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk;
+	__u32 size, state;
+
+	if (!(ifc->flags & IFACE_NETNS) || ifc->netns_id < 0)
+		return 0;
+	/* The tuple is as the pod's socket would receive a packet: the
+	 * peer is its source. */
+	if (is_v4mapped(&c->remote_addr)) {
+		t.ipv4.saddr = c->remote_addr.p[3];
+		t.ipv4.daddr = c->local_addr.p[3];
+		t.ipv4.sport = c->remote_port;
+		t.ipv4.dport = c->local_port;
+		size = sizeof(t.ipv4);
+	} else {
+		__builtin_memcpy(t.ipv6.saddr, c->remote_addr.p, 16);
+		__builtin_memcpy(t.ipv6.daddr, c->local_addr.p, 16);
+		t.ipv6.sport = c->remote_port;
+		t.ipv6.dport = c->local_port;
+		size = sizeof(t.ipv6);
+	}
+	sk = bpf_skc_lookup_tcp(skb, &t, size, (__u64)(__u32)ifc->netns_id, 0);
+	if (!sk)
+		return 0;
+	state = sk->state;
+	bpf_sk_release(sk);
+	return tcp_connected(state);
+}
+
+/*
+ * iface_decide judges a packet of the pod's interface (ifc) in direction
  * dir (egress: from the pod), c seen from the pod; 1 passes it. A packet
  * of a flow the interface knows passes, and so does a later fragment of a
  * datagram whose first fragment passed. Else the direction's policy
- * decides, when enforced; a TCP packet without SYN that it denies may
- * belong to a connection opened the other way before the interface knew
- * it (an agent upgrade, a flow pushed out by the pod's newer ones), so it
- * passes if the other direction would have let that connection open.
+ * decides, when enforced; a TCP packet without SYN that it denies passes
+ * only if it belongs to a connection the pod's kernel has (opened before
+ * the interface knew it: an agent upgrade, a flow pushed out by the pod's
+ * newer ones), never on what policy would have said of a SYN.
  */
-static __always_inline int iface_decide(struct __sk_buff *skb, __u32 ifindex, const struct ep_ref *ep,
-					const struct pkt *p, const struct conn *c, enum direction dir,
-					enum hook hook)
+static __always_inline int iface_decide(struct __sk_buff *skb, __u32 ifindex, const struct policy_iface *ifc,
+					const struct ep_ref *ep, const struct pkt *p, const struct conn *c,
+					enum direction dir, enum hook hook)
 {
-	enum direction other = dir == DIR_EGRESS ? DIR_INGRESS : DIR_EGRESS;
 	__u32 enforce = dir == DIR_EGRESS ? EP_ENFORCE_EGRESS : EP_ENFORCE_INGRESS;
-	__u32 enforce_other = dir == DIR_EGRESS ? EP_ENFORCE_INGRESS : EP_ENFORCE_EGRESS;
 	struct iface_flow key = {
 		.peer = c->remote_addr,
 		.peer_port = c->remote_port,
@@ -1485,13 +1738,16 @@ static __always_inline int iface_decide(struct __sk_buff *skb, __u32 ifindex, co
 	struct decision d;
 	__u32 one = 1;
 	void *flows;
+	void *frags;
 
 	if (!(ep->flags & (EP_ENFORCE_INGRESS | EP_ENFORCE_EGRESS)))
 		return 1;
 	if (p->later_fragment) {
-		fk = frag_key(ifindex, p);
-		if (bpf_map_lookup_elem(&policy_iface_frags, &fk))
+		fk = frag_key(p);
+		frags = bpf_map_lookup_elem(&policy_iface_frags, &ifindex);
+		if (iface_frag_known(frags, &fk))
 			return 1;
+		count_iface(IFACE_STATS_FRAG_UNKNOWN);
 		count_iface((__u32)dir * VERDICTS + VERDICT_DENIED);
 		return 0;
 	}
@@ -1512,10 +1768,8 @@ static __always_inline int iface_decide(struct __sk_buff *skb, __u32 ifindex, co
 	if (ep->flags & enforce) {
 		d = judge(ep, c, dir);
 		if (d.verdict == VERDICT_DENIED && c->protocol == IPPROTO_TCP && !(ep->flags & EP_UNCLASSIFIED) &&
-		    !tcp_syn(skb, p)) {
-			if (!(ep->flags & enforce_other) || judge(ep, c, other).verdict != VERDICT_DENIED)
-				d.verdict = VERDICT_ALLOWED;
-		}
+		    !tcp_syn(skb, p) && pod_connection(skb, ifc, c))
+			d.verdict = VERDICT_ALLOWED;
 		count_iface((__u32)dir * VERDICTS + d.verdict);
 		if (d.verdict == VERDICT_DENIED) {
 			report(ep, &d, c, dir, hook);
@@ -1527,8 +1781,10 @@ remember:
 		bpf_map_update_elem(flows, &key, &one, BPF_ANY);
 pass:
 	if (p->first_fragment) {
-		fk = frag_key(ifindex, p);
-		bpf_map_update_elem(&policy_iface_frags, &fk, &one, BPF_ANY);
+		fk = frag_key(p);
+		frags = bpf_map_lookup_elem(&policy_iface_frags, &ifindex);
+		if (frags)
+			bpf_map_update_elem(frags, &fk, &one, BPF_ANY);
 	}
 	return 1;
 }
@@ -1557,6 +1813,33 @@ static __always_inline int spoofed(const struct policy_iface *ifc, const struct 
 	iface_endpoint(ifc, &ep);
 	count_iface(IFACE_STATS_SPOOFED);
 	report(&ep, &d, &c, DIR_EGRESS, HOOK_FROM_POD);
+	return TCX_DROP;
+}
+
+/*
+ * iface_unjudged drops, counts and reports a packet in direction dir that
+ * the interface does not judge by policy: unparsable (counted as such
+ * too, whatever the pod enforces), or a router's ICMPv6 from the pod.
+ */
+static __always_inline int iface_unjudged(const struct policy_iface *ifc, const struct pkt *p, enum direction dir,
+					  enum reason reason)
+{
+	struct decision d = { .verdict = VERDICT_DENIED, .reason = reason };
+	struct conn c = {
+		.local_addr = dir == DIR_EGRESS ? p->saddr : p->daddr,
+		.remote_addr = dir == DIR_EGRESS ? p->daddr : p->saddr,
+		.local_port = dir == DIR_EGRESS ? p->sport : p->dport,
+		.remote_port = dir == DIR_EGRESS ? p->dport : p->sport,
+		.protocol = p->protocol,
+	};
+	struct ep_ref ep = {};
+
+	iface_endpoint(ifc, &ep);
+	d.identity = identity_of(&c.remote_addr);
+	if (reason == REASON_UNPARSABLE)
+		count_iface(IFACE_STATS_UNPARSABLE);
+	count_iface((__u32)dir * VERDICTS + VERDICT_DENIED);
+	report(&ep, &d, &c, dir, dir == DIR_EGRESS ? HOOK_FROM_POD : HOOK_TO_POD);
 	return TCX_DROP;
 }
 
@@ -1598,14 +1881,27 @@ static __always_inline int iface_packet(struct __sk_buff *skb, enum direction di
 		return spoofed(ifc, &p);
 	}
 	/* What is neither IP nor ARP has no business crossing a pod's
-	 * interface. */
-	if (parse(skb, ETH_HLEN_, &p) < 0) {
+	 * interface, nor has IP that cannot be judged. */
+	switch (parse(skb, ETH_HLEN_, &p)) {
+	case PARSE_NOT_IP:
 		count_iface(IFACE_STATS_NOT_IP);
 		return TCX_DROP;
+	case PARSE_BAD:
+		return iface_unjudged(ifc, &p, dir, REASON_UNPARSABLE);
 	}
-	/* Neighbour discovery comes from link-local (or no) addresses. */
-	if (link_control(&p))
+	/* Neighbour discovery on the link, from the pod's own or link-local
+	 * addresses (link_control checks them); anything else of it meets
+	 * anti-spoofing and policy. */
+	switch (link_control(skb, &p, dir, ifc)) {
+	case LINK_PASS:
 		return TCX_NEXT;
+	case LINK_DROP:
+		return iface_unjudged(ifc, &p, dir, REASON_NOT_ROUTER);
+	case LINK_SPOOFED:
+		return spoofed(ifc, &p);
+	default:
+		break;
+	}
 	if (dir == DIR_EGRESS) {
 		if (!own_addr(ifc, &p.saddr) || mapped_in_v6(skb, &p))
 			return spoofed(ifc, &p);
@@ -1633,7 +1929,7 @@ static __always_inline int iface_packet(struct __sk_buff *skb, enum direction di
 			.remote_port = p.sport,
 			.protocol = p.protocol,
 		};
-	return iface_decide(skb, ifindex, &ep, &p, &c, dir, dir == DIR_EGRESS ? HOOK_FROM_POD : HOOK_TO_POD) ?
+	return iface_decide(skb, ifindex, ifc, &ep, &p, &c, dir, dir == DIR_EGRESS ? HOOK_FROM_POD : HOOK_TO_POD) ?
 		       TCX_NEXT :
 		       TCX_DROP;
 }

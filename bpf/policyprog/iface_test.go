@@ -29,6 +29,7 @@ type ifaceDatapath struct {
 	maps  InterfaceMaps
 	progs map[string]*ebpf.Program
 	flows *ebpf.Map
+	frags *ebpf.Map
 }
 
 const ifacePodCgroup = 4242
@@ -46,7 +47,7 @@ func newIfaceDatapath(t testing.TB, podAddrs ...string) *ifaceDatapath {
 		Events:     newMap(bpf.PolicyEventsMapSpec(bpf.DefaultPolicyEventsSize)),
 		Ifaces:     newMap(bpf.PolicyIfacesMapSpec(64)),
 		Flows:      newMap(bpf.PolicyIfaceFlowsMapSpec(64, 16)),
-		Frags:      newMap(bpf.PolicyIfaceFragsMapSpec()),
+		Frags:      newMap(bpf.PolicyIfaceFragsMapSpec(64)),
 		IfaceStats: newMap(bpf.PolicyIfaceStatsMapSpec()),
 	}}
 	progs, err := LoadInterface(d.maps)
@@ -72,6 +73,10 @@ func newIfaceDatapath(t testing.TB, podAddrs ...string) *ifaceDatapath {
 	}
 	d.flows = newMap(bpf.PolicyIfaceFlowsInnerSpec(16))
 	if err := d.maps.Flows.Put(uint32(loIfindex), d.flows); err != nil {
+		t.Fatal(err)
+	}
+	d.frags = newMap(bpf.PolicyIfaceFragsInnerSpec())
+	if err := d.maps.Frags.Put(uint32(loIfindex), d.frags); err != nil {
 		t.Fatal(err)
 	}
 	return d
@@ -293,9 +298,15 @@ func TestInterfaceVerdicts(t *testing.T) {
 					return out(packet{dst: fam.other, proto: tcp, sport: 8080, dport: 5000, tcpFlags: synFlag | ackFlag})
 				}, tcxNext},
 				{"ingress denied SYN", func() uint32 { return in(packet{proto: tcp, sport: 5000, dport: 8080, tcpFlags: synFlag}) }, tcxDrop},
-				// A connection the pod opened before the interface knew
-				// it: its egress policy allows it, so its packets pass.
-				{"ACK of an earlier connection out", func() uint32 { return in(packet{proto: tcp, sport: 443, dport: 6000, tcpFlags: ackFlag}) }, tcxNext},
+				// What policy would say of a SYN the other way lets no
+				// segment without SYN through: only a connection the
+				// flows or the pod's kernel know (TestInterfaceKernelConnection).
+				{"ACK of no known connection, its egress would allow", func() uint32 {
+					return in(packet{proto: tcp, sport: 443, dport: 6000, tcpFlags: ackFlag})
+				}, tcxDrop},
+				{"PSH/ACK to a denied peer from a port its ingress allows", func() uint32 {
+					return out(packet{dst: fam.other, proto: tcp, sport: 8080, dport: 4444, tcpFlags: ackFlag | 0x08})
+				}, tcxDrop},
 				{"ACK of no allowed connection", func() uint32 { return in(packet{proto: tcp, sport: 444, dport: 6000, tcpFlags: ackFlag}) }, tcxDrop},
 				{"first fragment allowed", func() uint32 { return out(packet{proto: udp, sport: 4002, dport: 53, fragFirst: true, fragID: 77}) }, tcxNext},
 				{"its later fragment", func() uint32 { return out(packet{proto: udp, fragN: true, fragID: 77}) }, tcxNext},

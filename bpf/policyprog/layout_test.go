@@ -37,6 +37,9 @@ func TestLayout(t *testing.T) {
 		{"dns_config", reflect.TypeFor[bpf.DNSConfig]()},
 		{"dns_origin_key", reflect.TypeFor[bpf.DNSOriginKey]()},
 		{"dns_origin", reflect.TypeFor[bpf.DNSOrigin]()},
+		{"policy_iface", reflect.TypeFor[bpf.PolicyIfaceValue]()},
+		{"iface_flow", reflect.TypeFor[bpf.PolicyIfaceFlowKey]()},
+		{"iface_frag", reflect.TypeFor[bpf.PolicyIfaceFragKey]()},
 	} {
 		t.Run(tc.cStruct, func(t *testing.T) {
 			var st *btf.Struct

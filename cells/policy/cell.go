@@ -424,7 +424,7 @@ func registerPodInterfaces(p attacherParams, a *attacher) error {
 			"Decisions of the programs on pods' interfaces (packets of flows they do not know yet), by direction and verdict; counted in the datapath",
 			[]string{"direction", "verdict"}, nil),
 		drops: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "interface_drops_total"),
-			"Packets from pods dropped on their interfaces whatever the policy: reason spoofed (a source not the pod's own) or not-ip (neither IP nor ARP)",
+			"Packets dropped on pods' interfaces whatever the policy: reason spoofed (a source not the pod's own), not-ip (neither IP nor ARP), unparsable (IP whose headers cannot be read to the ports) or fragment-unknown (a later fragment whose first one the interface does not know: denied, or pushed out by the pod's newer ones)",
 			[]string{"reason"}, nil),
 	})
 }
@@ -452,6 +452,8 @@ func (c *ifaceCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsSpoofed]), "spoofed")
 	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsNotIP]), "not-ip")
+	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsUnparsable]), "unparsable")
+	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsFragUnknown]), "fragment-unknown")
 }
 
 // registerMetrics exports the verdict counters of the datapath and the

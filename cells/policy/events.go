@@ -168,6 +168,10 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 		v.Reason = ReasonDNSProxy
 	case bpf.PolicyReasonDNSBypass:
 		v.Reason = ReasonDNSBypass
+	case bpf.PolicyReasonUnparsable:
+		v.Reason = ReasonUnparsable
+	case bpf.PolicyReasonNotRouter:
+		v.Reason = ReasonNotRouter
 	default:
 		v.Policy = r.policyName(ev.Cookie)
 	}

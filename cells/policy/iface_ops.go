@@ -126,7 +126,7 @@ func openIfaceMaps(log *slog.Logger, pinDir string, flows uint32) (*ifaceMaps, e
 	for _, spec := range []*ebpf.MapSpec{
 		bpf.PolicyIfacesMapSpec(endpointsMax),
 		bpf.PolicyIfaceFlowsMapSpec(endpointsMax, flows),
-		bpf.PolicyIfaceFragsMapSpec(),
+		bpf.PolicyIfaceFragsMapSpec(endpointsMax),
 		bpf.PolicyIfaceStatsMapSpec(),
 	} {
 		pm, err := bpf.OpenPinnedMap(log, spec, pinDir, nil)
@@ -167,6 +167,10 @@ func (o *ifaceOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 		value, _ = bpf.NewPolicyIfaceValue(row.CgroupID, flags, nil)
 		addrErr = fmt.Errorf("the pod's addresses: %w; it may send from none", addrErr)
 	}
+	// The kernel's view of the pod's TCP connections (policy.c,
+	// pod_connection) is asked in the namespace the host side's link
+	// names, which the pod cannot change; without it, none is asked.
+	value.SetNetns(podNetnsID(row.Ifindex))
 	key := uint32(row.Ifindex)
 	var cur bpf.PolicyIfaceValue
 	if err := o.maps.ifaces.Lookup(key, &cur); err != nil || cur != value {
@@ -183,27 +187,50 @@ func (o *ifaceOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 		fresh = fresh || outcome == iflink.Attached
 	}
 	// A new attachment is a new interface (or a new pod on a reused
-	// index): it starts with no flows; links that were there already
-	// (an agent restart) keep theirs.
-	var inner *ebpf.Map
-	if err := o.maps.flows.Lookup(key, &inner); err == nil && !fresh {
-		inner.Close()
-	} else {
-		if inner != nil {
-			inner.Close()
-		}
-		m, err := ebpf.NewMap(bpf.PolicyIfaceFlowsInnerSpec(o.cfg.PolicyInterfaceFlows))
-		if err != nil {
-			return fmt.Errorf("create the flow map of %s: %w", row.Interface, err)
-		}
-		err = o.maps.flows.Put(key, m)
-		m.Close()
-		if err != nil {
-			return fmt.Errorf("write %s[%d]: %w", bpf.PolicyIfaceFlowsMap, key, err)
-		}
+	// index): it starts with no flows and no fragments; links that were
+	// there already (an agent restart) keep theirs.
+	if err := ensureInner(o.maps.flows, key, fresh, bpf.PolicyIfaceFlowsInnerSpec(o.cfg.PolicyInterfaceFlows)); err != nil {
+		return fmt.Errorf("the flow map of %s: %w", row.Interface, err)
+	}
+	if err := ensureInner(o.maps.frags, key, fresh, bpf.PolicyIfaceFragsInnerSpec()); err != nil {
+		return fmt.Errorf("the fragment map of %s: %w", row.Interface, err)
 	}
 	o.attached[row.Name] = row.Ifindex
 	return addrErr
+}
+
+// ensureInner gives interface key a new inner map of outer, made from
+// spec, when it has none or fresh says its old one is another pod's.
+func ensureInner(outer *ebpf.Map, key uint32, fresh bool, spec *ebpf.MapSpec) error {
+	var inner *ebpf.Map
+	if err := outer.Lookup(key, &inner); err == nil && !fresh {
+		inner.Close()
+		return nil
+	}
+	if inner != nil {
+		inner.Close()
+	}
+	m, err := ebpf.NewMap(spec)
+	if err != nil {
+		return fmt.Errorf("create: %w", err)
+	}
+	defer m.Close()
+	if err := outer.Put(key, m); err != nil {
+		return fmt.Errorf("write %s[%d]: %w", outer.String(), key, err)
+	}
+	return nil
+}
+
+// podNetnsID returns the id, in the host's network namespace, of the
+// namespace at the other end of the host interface ifindex (its
+// IFLA_LINK_NETNSID, which the kernel assigns when asked), or -1 when it
+// has none: the interface is not a veth to another namespace.
+func podNetnsID(ifindex int) int {
+	link, err := netlink.LinkByIndex(ifindex)
+	if err != nil {
+		return -1
+	}
+	return link.Attrs().NetNsID
 }
 
 // Delete implements reconciler.Operations.
@@ -235,7 +262,7 @@ func (o *ifaceOps) removeLocked(ifindex int) error {
 	}
 	if o.maps != nil {
 		key := uint32(ifindex)
-		for _, m := range []*ebpf.Map{o.maps.ifaces, o.maps.flows} {
+		for _, m := range []*ebpf.Map{o.maps.ifaces, o.maps.flows, o.maps.frags} {
 			if err := m.Delete(key); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 				errs = append(errs, fmt.Errorf("delete %d from %s: %w", ifindex, m.String(), err))
 			}

@@ -36,8 +36,10 @@ type Verdict struct {
 	// (the default deny an invalid policy keeps, which Policy names: see
 	// --policy-invalid-mode) or "no policy" (the endpoint is not enforced in
 	// that direction), "unclassified pod", "spoofed source" (a pod's
-	// packet from an address not its own) or "dns bypass" (a packet to port
-	// 53 of a pod with DNS rules that did not go to the DNS proxy).
+	// packet from an address not its own), "dns bypass" (a packet to port
+	// 53 of a pod with DNS rules that did not go to the DNS proxy),
+	// "unparsable" (headers that could not be read to the ports) or "not a
+	// router" (a router's ICMPv6 from a pod).
 	Reason string `json:"reason"`
 	// Layer is where it was decided: "socket" (connect, sendmsg, the
 	// socket's packets) or "interface" (the host side of the pod's
@@ -91,6 +93,13 @@ const (
 	// ReasonSpoofed: a packet from a pod whose source is not one of the
 	// pod's addresses, dropped on its interface.
 	ReasonSpoofed = "spoofed source"
+	// ReasonUnparsable: a packet whose headers could not be read to its
+	// ports (more IPv6 extension headers than the programs walk, a
+	// header cut short), dropped.
+	ReasonUnparsable = "unparsable"
+	// ReasonNotRouter: a router advertisement or redirect from a pod,
+	// dropped: pods are not routers.
+	ReasonNotRouter = "not a router"
 
 	LayerSocket    = "socket"
 	LayerInterface = "interface"

@@ -127,6 +127,9 @@ func runIfaceHelper() (int, bool) {
 	if spec := os.Getenv(pktDNSEnv); spec != "" {
 		return reportErr(pktDNS(spec, os.Getenv(pktMACEnv))), true
 	}
+	if code, ok := runForgeHelper(); ok {
+		return code, true
+	}
 	return 0, false
 }
 
