@@ -35,6 +35,11 @@ type PodInterface struct {
 	Addrs []netip.Addr `json:"addrs" yaml:"addrs"`
 	// Error says why the interface is not found or not enforced.
 	Error string `json:"error,omitempty" yaml:"error,omitempty"`
+	// FailClosed: the pod has processes in a network namespace of its own
+	// but no interface could be given to it (none found, or the one found
+	// is another pod's): the policy controller denies it both ways at the
+	// socket level until one is (Error says why).
+	FailClosed bool `json:"failClosed,omitempty" yaml:"failClosed,omitempty"`
 	// Status is the reconciliation status: the interface's map entry and
 	// its programs' links.
 	Status reconciler.Status `json:"status" yaml:"status"`

@@ -247,6 +247,10 @@ type controllerParams struct {
 	Opened         mapsOpened
 	Warnings       *selectors.PolicyWarnings
 	Registry       prometheus.Registerer
+
+	// Interfaces are the pod-interfaces rows: a pod whose interface
+	// cannot be found is denied (FailClosed).
+	Interfaces statedb.RWTable[*tables.PodInterface]
 }
 
 func registerController(p controllerParams) error {

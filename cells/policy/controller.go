@@ -90,7 +90,11 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		defer endpoints.Close()
 	}
 	wtxn.Commit()
-	if err := errors.Join(err, err2, err3); err != nil {
+	ifaces, err4 := c.interfaceChanges()
+	if err4 == nil {
+		defer ifaces.Close()
+	}
+	if err := errors.Join(err, err2, err3, err4); err != nil {
 		return fmt.Errorf("watch tables: %w", err)
 	}
 
@@ -128,6 +132,14 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 			} else {
 				eng.setEndpoint(ch.Object.Name, ch.Object)
 			}
+		}
+		ifSeq, ifWatch := ifaces.Next(rtxn)
+		for ch := range ifSeq {
+			why := ""
+			if !ch.Deleted && ch.Object.FailClosed {
+				why = ch.Object.Error
+			}
+			eng.setNoInterface(ch.Object.Name, why)
 		}
 		// Nothing is written until the inputs have been read whole
 		// (prefixes resolved into identities, the selectors and endpoints
@@ -175,10 +187,19 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		case <-polWatch:
 		case <-selWatch:
 		case <-epWatch:
+		case <-ifWatch:
 		case <-waitInit:
 		case <-time.After(podTreeRecheck):
 		}
 	}
+}
+
+// interfaceChanges follows the pod-interfaces table: rows failing closed
+// deny their pods (see engine.setNoInterface).
+func (c *controller) interfaceChanges() (statedb.ChangeIterator[*tables.PodInterface], error) {
+	wtxn := c.DB.WriteTxn(c.Interfaces)
+	defer wtxn.Commit()
+	return c.Interfaces.Changes(wtxn)
 }
 
 func (c *controller) reportHealth(h cell.Health, eng *engine) {

@@ -171,6 +171,9 @@ type engine struct {
 	dirty map[*endpoint]struct{} // to recompute in full
 	// gone are endpoints deleted since the last flush, whose rows go.
 	gone map[string]*endpoint
+	// noIface are the endpoints whose interface cannot be found (the
+	// pod-interfaces rows failing closed), with why: denied both ways.
+	noIface map[string]string
 }
 
 func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
@@ -182,6 +185,7 @@ func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
 		byIdentity: map[uint32]map[*endpoint]struct{}{}, peerUsers: map[string]map[*rule]struct{}{},
 		restored: restored, usedIDs: map[uint32]*endpoint{}, nextID: 1,
 		dirty: map[*endpoint]struct{}{}, gone: map[string]*endpoint{},
+		noIface: map[string]string{},
 	}
 	for _, id := range restored {
 		if id >= e.nextID {
@@ -343,6 +347,24 @@ func (e *engine) setEndpoint(name string, row *tables.Endpoint) {
 	e.dirty[ep] = struct{}{}
 }
 
+// setNoInterface says that the interface of endpoint name cannot be found,
+// and why ("": it can, or the endpoint has its own namespace no more): the
+// endpoint is denied both ways meanwhile, at the socket level, so that a
+// pod that hides its interface is not left open.
+func (e *engine) setNoInterface(name, why string) {
+	if e.noIface[name] == why {
+		return
+	}
+	if why == "" {
+		delete(e.noIface, name)
+	} else {
+		e.noIface[name] = why
+	}
+	if ep := e.endpoints[name]; ep != nil {
+		e.dirty[ep] = struct{}{}
+	}
+}
+
 // namedPortsChanged marks the endpoints whose egress rules name ports,
 // which resolve against every local endpoint's named ports.
 func (e *engine) namedPortsChanged() {
@@ -454,6 +476,12 @@ func (e *engine) recompute(ep *endpoint) {
 		if ep.row.Error != "" {
 			ep.reason += ": " + ep.row.Error
 		}
+		return
+	case e.noIface[ep.row.Name] != "" && ep.id != 0:
+		// Default deny with no entries: the cgroup programs deny it
+		// both ways.
+		ep.ingress, ep.egress = tables.EnforceDefaultDeny, tables.EnforceDefaultDeny
+		ep.reason = tables.ReasonFailClosed + reasonNoInterface + ": " + e.noIface[ep.row.Name]
 		return
 	}
 
@@ -905,6 +933,7 @@ func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
 // Reasons of endpoint rows not enforced as their policies say.
 const (
 	reasonHostNetwork = "host-network pod: the host's policy applies, not a pod's"
+	reasonNoInterface = "no pod interface"
 	reasonPending     = "no identity yet: denied both ways until it resolves (unclassified under its pod tree, or by its entry if it had one; --" + UnclassifiedFlag + "=deny)"
 )
 

@@ -146,7 +146,7 @@ func (o *ifaceOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if old := o.attached[row.Name]; old != 0 && old != row.Ifindex {
-		if err := o.removeLocked(old); err != nil {
+		if err := o.releaseLocked(old); err != nil {
 			return err
 		}
 		delete(o.attached, row.Name)
@@ -244,11 +244,27 @@ func (o *ifaceOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 	if ifindex == 0 {
 		return nil
 	}
-	if err := o.removeLocked(ifindex); err != nil {
+	if err := o.releaseLocked(ifindex); err != nil {
 		return err
 	}
 	delete(o.attached, row.Name)
 	return nil
+}
+
+// releaseLocked is called when no pod is given interface ifindex any
+// more: it detaches the programs and deletes the entries only if the
+// interface is gone. An interface that still exists keeps them, its entry
+// naming the pod's cgroup, which no endpoint has any more: the programs
+// deny its packets as unclassified (--unclassified-pods=deny), as the
+// chained CNI plugin's deny-until-classified program would; Prune removes
+// them when the interface goes. Never detach an interface that exists
+// only because the agent cannot attribute it: a pod could make that
+// happen (unshare -n).
+func (o *ifaceOps) releaseLocked(ifindex int) error {
+	if hostInterfaceExists(ifindex) {
+		return nil
+	}
+	return o.removeLocked(ifindex)
 }
 
 // removeLocked detaches the programs of interface ifindex and deletes its
