@@ -2,6 +2,9 @@
 
 GO       ?= go
 BIN      := bin/apiary
+# The chained CNI plugin (docs/policy.md, "The CNI plugin"): a small binary
+# without client-go, installed in the node's CNI bin dir.
+CNI_BIN  := bin/apiary-cni
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 COMMIT   ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 LDFLAGS  := -X main.version=$(VERSION) -X main.gitCommit=$(COMMIT)
@@ -33,14 +36,16 @@ all: build
 
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./daemon
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(CNI_BIN) ./cni
 
 ## image: a container image of the static binary, as an archive that
 ## `ctr -n k8s.io images import` and `docker load` accept ($(IMAGE_TAR)),
 ## built from Go alone (no Docker daemon, no registry).
 image:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS) -s -w" -o bin/image/apiary ./daemon
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS) -s -w" -o bin/image/apiary-cni ./cni
 	$(GO) run ./scripts/mkimage -o $(IMAGE_TAR) -tag $(IMAGE):$(IMAGE_TAG) -tag $(IMAGE):latest \
-		-entrypoint /usr/bin/apiary bin/image/apiary=/usr/bin/apiary
+		-entrypoint /usr/bin/apiary bin/image/apiary=/usr/bin/apiary bin/image/apiary-cni=/usr/bin/apiary-cni
 
 ## deps: install what the tests need (Debian packages, Go modules); a no-op when present.
 deps:

@@ -42,6 +42,13 @@ const PolicyIfaceUnclassifiedDeny uint32 = 1 << 0
 // the interface's flows do not know is dropped.
 const PolicyIfaceNetns uint32 = 1 << 1
 
+// PolicyIfacePending (PolicyIfaceValue.Flags) marks the entry the apiary-cni
+// plugin writes for a pod's interface before the agent has found the pod
+// (cgroup 0 and PolicyIfaceUnclassifiedDeny: denied both ways). The
+// programs do not read it; the agent does, to write the pod's own entry
+// over it.
+const PolicyIfacePending uint32 = 1 << 31
+
 // Indexes of policy_iface_stats after the verdicts (direction *
 // PolicyVerdicts + verdict, as in policy_stats).
 const (

@@ -4,7 +4,7 @@
 set -euo pipefail
 
 # Debian packages the tests use:
-#   containernetworking-plugins  the host-local IPAM plugin (delegated IPAM tests)
+#   containernetworking-plugins  host-local and ptp (delegated IPAM tests, the apiary-cni chain of TestCNIPlugin)
 #   iproute2                     network namespaces and veth pairs
 #   dnsmasq-base, dnsutils       a DNS upstream (dnsmasq) and dig (test/e2e's DNS proxy test)
 #   curl                         HTTP through a Service VIP (test/e2e's socket LB test, make demo)

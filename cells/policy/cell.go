@@ -419,6 +419,7 @@ func registerPodInterfaces(p attacherParams, a *attacher) error {
 		a: a, policy: p.Ops, ipcache: p.IPCache,
 		attached: map[string]int{},
 	}
+	p.Jobs.Add(job.OneShot("pod-interface-programs", ops.publish, job.WithRetry(-1, attachRetry())))
 	if err := registerIfaceReconciler(p.ReconcilerParams, ops, p.Interfaces); err != nil {
 		return err
 	}

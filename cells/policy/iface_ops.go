@@ -13,12 +13,14 @@ import (
 	"sync"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
 	"github.com/vishvananda/netlink"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/bpf/iflink"
+	"github.com/apiary-net/apiary/bpf/podiface"
 	"github.com/apiary-net/apiary/bpf/policyprog"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/reconcilers"
@@ -66,16 +68,13 @@ func hookOf(ifindex int, prog string) iflink.Hook {
 	return iflink.Hook{Ifindex: ifindex, Egress: prog == policyprog.ToPod}
 }
 
+// pin is the same path apiary-cni pins its links at, so that each adopts
+// the other's.
 func (o *ifaceOps) pin(ifindex int, prog string) string {
-	return filepath.Join(o.linksDir(), strconv.Itoa(ifindex)+pinSuffix(prog))
+	return podiface.LinkPin(o.pinDir, ifindex, prog)
 }
 
-func pinSuffix(prog string) string {
-	if prog == policyprog.ToPod {
-		return "_to_pod"
-	}
-	return "_from_pod"
-}
+func pinSuffix(prog string) string { return podiface.PinSuffix(prog) }
 
 // load opens the maps and loads the programs, once the socket-level
 // programs (whose events and stats maps these share) are attached.
@@ -121,6 +120,84 @@ func (o *ifaceOps) load() error {
 	return nil
 }
 
+// publish pins the interface programs under podiface.ProgramsDir, once
+// the socket-level programs (whose maps they share) are attached, so that
+// apiary-cni can attach them to a pod's interface the moment it is made,
+// while this agent is away or before it has found the pod. Each run of the
+// agent pins its own programs over the last run's.
+func (o *ifaceOps) publish(ctx context.Context, health cell.Health) error {
+	select {
+	case <-o.a.attached:
+	case <-ctx.Done():
+		return nil
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	err := o.load()
+	if err == nil {
+		err = pinPrograms(o.pinDir, o.progs)
+	}
+	if err != nil {
+		health.Degraded("Pinning the interface programs for apiary-cni failed; retrying", err)
+		return fmt.Errorf("pin the interface programs: %w", err)
+	}
+	dir := filepath.Join(o.pinDir, podiface.ProgramsDir)
+	health.OK("Interface programs pinned in " + dir + " for apiary-cni")
+	o.log.Info("Pinned the interface programs for apiary-cni", "dir", dir)
+	return nil
+}
+
+// pinPrograms pins each interface program as NAME_new and renames it over
+// NAME, so that the plugin always finds a whole program at NAME.
+func pinPrograms(pinDir string, progs map[string]*ebpf.Program) error {
+	if err := os.MkdirAll(filepath.Join(pinDir, podiface.ProgramsDir), 0o750); err != nil {
+		return fmt.Errorf("programs directory: %w", err)
+	}
+	for _, name := range podiface.Programs {
+		prog, ok := progs[name]
+		if !ok {
+			return fmt.Errorf("no program %s", name)
+		}
+		// A clone, whose pin path the rename makes stale, not the
+		// program the links get.
+		clone, err := prog.Clone()
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		pin := podiface.ProgramPin(pinDir, name)
+		tmp := pin + "_new"
+		_ = os.Remove(tmp)
+		err = clone.Pin(tmp)
+		clone.Close()
+		if err != nil {
+			return fmt.Errorf("pin %s: %w", tmp, err)
+		}
+		if err := os.Rename(tmp, pin); err != nil {
+			os.Remove(tmp)
+			return fmt.Errorf("rename %s to %s: %w", tmp, pin, err)
+		}
+	}
+	return nil
+}
+
+// unpinPrograms removes the pins of the interface programs: without them
+// apiary-cni refuses new pods (unless its netconf says failOpen).
+func unpinPrograms(pinDir string) error {
+	var errs []error
+	for _, name := range podiface.Programs {
+		pin := podiface.ProgramPin(pinDir, name)
+		for _, p := range []string{pin, pin + "_new"} {
+			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, err)
+			}
+		}
+	}
+	if err := os.Remove(filepath.Join(pinDir, podiface.ProgramsDir)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
 func openIfaceMaps(log *slog.Logger, pinDir string, flows uint32) (*ifaceMaps, error) {
 	var maps []*ebpf.Map
 	for _, spec := range []*ebpf.MapSpec{
@@ -157,13 +234,36 @@ func (o *ifaceOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 	if err := o.load(); err != nil {
 		return err
 	}
+	addrErr, err := o.writeEntry(row)
+	if err != nil {
+		return err
+	}
+	fresh := false
+	for _, prog := range []string{policyprog.FromPod, policyprog.ToPod} {
+		outcome, err := iflink.Attach(o.pin(row.Ifindex, prog), hookOf(row.Ifindex, prog), o.progs[prog], o.mode)
+		if err != nil {
+			return fmt.Errorf("%s on %s: %w", prog, row.Interface, err)
+		}
+		fresh = fresh || outcome == iflink.Attached
+	}
+	if err := o.ensureFlows(row, fresh); err != nil {
+		return err
+	}
+	o.attached[row.Name] = row.Ifindex
+	return addrErr
+}
+
+// writeEntry writes the policy_ifaces entry of row's interface, over a
+// different one (apiary-cni's pending entry among them). The error
+// returned first is about the pod's addresses, after the entry was
+// written without them (fail closed: the pod may send from none).
+func (o *ifaceOps) writeEntry(row *tables.PodInterface) (addrErr, err error) {
 	flags := uint32(0)
 	if o.cfg.UnclassifiedPods == UnclassifiedDeny {
 		flags |= bpf.PolicyIfaceUnclassifiedDeny
 	}
 	value, addrErr := bpf.NewPolicyIfaceValue(row.CgroupID, flags, row.Addrs)
 	if addrErr != nil {
-		// Fail closed: the pod may send from none of them.
 		value, _ = bpf.NewPolicyIfaceValue(row.CgroupID, flags, nil)
 		addrErr = fmt.Errorf("the pod's addresses: %w; it may send from none", addrErr)
 	}
@@ -175,28 +275,45 @@ func (o *ifaceOps) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 	var cur bpf.PolicyIfaceValue
 	if err := o.maps.ifaces.Lookup(key, &cur); err != nil || cur != value {
 		if err := o.maps.ifaces.Put(key, value); err != nil {
-			return fmt.Errorf("write %s[%d]: %w", bpf.PolicyIfacesMap, key, err)
+			return nil, fmt.Errorf("write %s[%d]: %w", bpf.PolicyIfacesMap, key, err)
 		}
 	}
-	fresh := false
-	for _, prog := range []string{policyprog.FromPod, policyprog.ToPod} {
-		outcome, err := iflink.Attach(o.pin(row.Ifindex, prog), hookOf(row.Ifindex, prog), o.progs[prog], o.mode)
-		if err != nil {
-			return fmt.Errorf("%s on %s: %w", prog, row.Interface, err)
-		}
-		fresh = fresh || outcome == iflink.Attached
-	}
-	// A new attachment is a new interface (or a new pod on a reused
-	// index): it starts with no flows and no fragments; links that were
-	// there already (an agent restart) keep theirs.
+	return addrErr, nil
+}
+
+// ensureFlows gives row's interface its flow and fragment maps: new ones
+// when fresh. A new attachment is a new interface (or a new pod on a
+// reused index): it starts with no flows and no fragments; links that were
+// there already (an agent restart) keep theirs. Links apiary-cni made are
+// not fresh, but the plugin removed the state of an index it took over.
+func (o *ifaceOps) ensureFlows(row *tables.PodInterface, fresh bool) error {
+	key := uint32(row.Ifindex)
 	if err := ensureInner(o.maps.flows, key, fresh, bpf.PolicyIfaceFlowsInnerSpec(o.cfg.PolicyInterfaceFlows)); err != nil {
 		return fmt.Errorf("the flow map of %s: %w", row.Interface, err)
 	}
 	if err := ensureInner(o.maps.frags, key, fresh, bpf.PolicyIfaceFragsInnerSpec()); err != nil {
 		return fmt.Errorf("the fragment map of %s: %w", row.Interface, err)
 	}
-	o.attached[row.Name] = row.Ifindex
-	return addrErr
+	return nil
+}
+
+// adoptPending writes the pod's own entry over a pending one apiary-cni
+// wrote after this agent had attached the pod's interface (the plugin
+// and the agent raced on a new pod): without it the pod would stay
+// denied until its row changed.
+func (o *ifaceOps) adoptPending(row *tables.PodInterface) error {
+	if o.maps == nil || row.Ifindex == 0 || o.attached[row.Name] != row.Ifindex {
+		return nil
+	}
+	var cur bpf.PolicyIfaceValue
+	if err := o.maps.ifaces.Lookup(uint32(row.Ifindex), &cur); err == nil && !podiface.Pending(cur) {
+		return nil
+	}
+	o.log.Info("Pod interface: replacing the entry apiary-cni wrote", "endpoint", row.Name, "ifindex", row.Ifindex)
+	if _, err := o.writeEntry(row); err != nil {
+		return err
+	}
+	return o.ensureFlows(row, false)
 }
 
 // ensureInner gives interface key a new inner map of outer, made from
@@ -295,16 +412,17 @@ func (o *ifaceOps) Prune(_ context.Context, _ statedb.ReadTxn, rows iter.Seq2[*t
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	want := map[int]bool{}
+	var errs []error
 	for row := range rows {
 		if row.Ifindex != 0 {
 			want[row.Ifindex] = true
+			errs = append(errs, o.adoptPending(row))
 		}
 	}
 	entries, err := os.ReadDir(o.linksDir())
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
-	var errs []error
 	stale := map[int]bool{}
 	for _, e := range entries {
 		idx, _, ok := strings.Cut(e.Name(), "_")
@@ -392,6 +510,7 @@ func detachIfaces(pinDir string) ([]string, error) {
 			errs[i] = nil
 		}
 	}
+	errs = append(errs, unpinPrograms(pinDir))
 	for _, name := range []string{bpf.PolicyIfacesMap, bpf.PolicyIfaceFlowsMap, bpf.PolicyIfaceFragsMap, bpf.PolicyIfaceStatsMap} {
 		errs = append(errs, bpf.RemovePinnedMap(pinDir, name))
 	}

@@ -32,6 +32,10 @@ const repoRoot = "../.."
 // apiaryBin is the apiary binary TestMain built.
 var apiaryBin string
 
+// cniBin is the apiary-cni plugin TestMain built (or found next to
+// $APIARY_E2E_BIN).
+var cniBin string
+
 // binEnv names a prebuilt apiary binary to test instead of building one
 // (a release artifact, say).
 const binEnv = "APIARY_E2E_BIN"
@@ -51,6 +55,7 @@ func TestMain(m *testing.M) {
 			os.Exit(1)
 		}
 		apiaryBin = abs
+		cniBin = filepath.Join(filepath.Dir(abs), "apiary-cni")
 		os.Exit(m.Run())
 	}
 	dir, err := os.MkdirTemp("", "apiary-e2e-")
@@ -63,6 +68,14 @@ func TestMain(m *testing.M) {
 	build.Dir = repoRoot
 	if out, err := build.CombinedOutput(); err != nil {
 		fmt.Fprintf(os.Stderr, "e2e: go build ./daemon: %v\n%s", err, out)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	cniBin = filepath.Join(dir, "apiary-cni")
+	build = exec.Command("go", "build", "-o", cniBin, "./cni")
+	build.Dir = repoRoot
+	if out, err := build.CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: go build ./cni: %v\n%s", err, out)
 		os.RemoveAll(dir)
 		os.Exit(1)
 	}
