@@ -48,6 +48,7 @@ func TestCluster(t *testing.T) {
 	n.waitAgentReady()
 	n.waitAgentHealthy()
 	t.Logf("apiary installed and healthy in %s", time.Since(start).Round(time.Millisecond))
+	n.chainApiaryCNI()
 
 	w := n.startWorkloads()
 	steps := []struct {
@@ -569,6 +570,7 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 	}
 	// A pod created while no agent runs is no endpoint: the pinned
 	// programs deny it both ways (fail closed), from its first connection.
+	covered := len(podInterfacePrograms(t))
 	late := testPod("late", map[string]string{"app": "late"}, corev1.EnvVar{Name: "FIRST_CONNECT", Value: other})
 	if _, err := n.cs.CoreV1().Pods(ns).Create(ctx, late, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -582,6 +584,10 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 	}
 	if on := podInterfacePrograms(t); len(on) == 0 {
 		t.Errorf("with the agent gone, no program on the pods' interfaces; want the agent's, kept")
+	} else if len(on) != covered+1 {
+		// apiary-cni, chained after the bridge plugin, put the agent's
+		// pinned programs on late's veth as it was made.
+		t.Errorf("with the agent gone, %d pod interfaces have programs after pod late was made, want %d (late's by apiary-cni): %v", len(on), covered+1, on)
 	}
 	out, err := exec.Command(n.apiaryBin, "cleanup", "--bpf-pin-dir", n.pinDir).CombinedOutput()
 	if err != nil {

@@ -111,7 +111,7 @@ func requirements(t *testing.T) map[string]string {
 	for _, p := range []string{"bridge", "host-local", "loopback"} {
 		testenv.RequireProgram(t, p, "/usr/lib/cni")
 	}
-	for _, f := range []string{"bin/apiary-image.tar", "bin/image/apiary"} {
+	for _, f := range []string{"bin/apiary-image.tar", "bin/image/apiary", "bin/image/apiary-cni"} {
 		p := filepath.Join(repoRoot, f)
 		if _, err := os.Stat(p); err != nil {
 			testenv.Skip(t, fmt.Sprintf("needs %s: run make image (make test-cluster does)", f))
@@ -560,22 +560,60 @@ current-context: node
 	n.kubeconfigPath = kubeconfig
 }
 
+// writeCNIConf writes the node's CNI configuration: the bridge plugin on
+// the test's bridge, followed by apiary-cni on the agent's pin directory
+// pinDir unless it is empty. containerd reads the directory again when it
+// changes.
+func (n *node) writeCNIConf(pinDir string) {
+	chained := ""
+	if pinDir != "" {
+		chained = fmt.Sprintf(`, {"type": "apiary-cni", "bpfPinDir": %q}`, pinDir)
+	}
+	writeFile(n.t, filepath.Join(n.dir, "cni", "10-apiary-test.conflist"), fmt.Sprintf(`{
+  "cniVersion": "1.0.0",
+  "name": "apiary-test",
+  "plugins": [{
+    "type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": false,
+    "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q}
+  }%s]
+}
+`, bridgeName, podSubnet, nodeIP, filepath.Join(n.dir, "ipam"), chained))
+}
+
+// chainApiaryCNI chains apiary-cni after the bridge plugin, as
+// docs/kubernetes.md tells an operator to once the agent runs: from then
+// on every new pod's veth is covered at the packet level from its
+// creation (apiary-cni fails a pod's ADD while the agent's programs are
+// not pinned).
+func (n *node) chainApiaryCNI() {
+	n.writeCNIConf(n.pinDir)
+}
+
+// symlink makes link point at target, with link's directory.
+func symlink(t *testing.T, target, link string) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(link), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(target, link); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // startContainerd starts containerd on the test's own directories and
 // socket, runc from Debian, the bridge plugin on the test's bridge.
 func (n *node) startContainerd(bins map[string]string) {
 	t := n.t
 	d := filepath.Join(n.dir, "containerd")
 	n.ctrSock = filepath.Join(d, "containerd.sock")
-	cniConf := filepath.Join(n.dir, "cni")
-	writeFile(t, filepath.Join(cniConf, "10-apiary-test.conflist"), fmt.Sprintf(`{
-  "cniVersion": "1.0.0",
-  "name": "apiary-test",
-  "plugins": [{
-    "type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": false,
-    "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q}
-  }]
-}
-`, bridgeName, podSubnet, nodeIP, filepath.Join(n.dir, "ipam")))
+	n.writeCNIConf("")
+	// The node's CNI plugins: Debian's, and apiary-cni from the image's
+	// build, which chainApiaryCNI adds once the agent runs.
+	cniBin := filepath.Join(n.dir, "cni-bin")
+	for _, p := range []string{"bridge", "host-local", "loopback"} {
+		symlink(t, filepath.Join("/usr/lib/cni", p), filepath.Join(cniBin, p))
+	}
+	symlink(t, bins["bin/image/apiary-cni"], filepath.Join(cniBin, "apiary-cni"))
 	config := filepath.Join(d, "config.toml")
 	writeFile(t, config, fmt.Sprintf(`version = 2
 root = %q
@@ -601,10 +639,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
         SystemdCgroup = false
         BinaryName = %q
   [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+    bin_dir = %q
     conf_dir = %q
 `, filepath.Join(d, "root"), filepath.Join(d, "state"), n.ctrSock, n.ctrSock+".ttrpc",
-		filepath.Join(d, "opt"), pauseImage, bins["runc"], cniConf))
+		filepath.Join(d, "opt"), pauseImage, bins["runc"], cniBin, filepath.Join(n.dir, "cni")))
 	n.start("containerd", append(os.Environ(), "PATH=/usr/sbin:/usr/bin:/sbin:/bin"), bins["containerd"], "--config", config, "--log-level", "info")
 	// Shims outlive containerd: once it is stopped (cleanups run last
 	// first, so this one runs after), kill the ones it started, by PID.
