@@ -1218,6 +1218,28 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 nh, struct pkt *p)
 	return PARSE_NOT_IP;
 }
 
+/* conn_of is packet p as a connection of the endpoint it is judged for:
+ * dir DIR_EGRESS when the endpoint sent it, DIR_INGRESS when it receives
+ * it. */
+static __always_inline struct conn conn_of(const struct pkt *p, enum direction dir)
+{
+	if (dir == DIR_EGRESS)
+		return (struct conn){
+			.local_addr = p->saddr,
+			.remote_addr = p->daddr,
+			.local_port = p->sport,
+			.remote_port = p->dport,
+			.protocol = p->protocol,
+		};
+	return (struct conn){
+		.local_addr = p->daddr,
+		.remote_addr = p->saddr,
+		.local_port = p->dport,
+		.remote_port = p->sport,
+		.protocol = p->protocol,
+	};
+}
+
 /* What link_control says of a packet. */
 enum link_verdict {
 	LINK_JUDGE = 0, /* no link control: policy judges it, as any packet */
@@ -1401,13 +1423,7 @@ static __always_inline int to_dns_proxy(const struct conn *c)
 static __always_inline int dns_bypass(const struct ep_ref *ep, const struct pkt *p, enum hook hook)
 {
 	struct decision d = { .verdict = VERDICT_DENIED, .reason = REASON_DNS_BYPASS };
-	struct conn c = {
-		.local_addr = p->saddr,
-		.remote_addr = p->daddr,
-		.local_port = p->sport,
-		.remote_port = p->dport,
-		.protocol = p->protocol,
-	};
+	struct conn c = conn_of(p, DIR_EGRESS);
 
 	if (p->protocol != IPPROTO_TCP && p->protocol != IPPROTO_UDP)
 		return 0;
@@ -1456,13 +1472,7 @@ int policy_ingress(struct __sk_buff *skb)
 	parsed = parse(skb, 0, &p);
 	if (parsed == PARSE_NOT_IP)
 		return 1;
-	c = (struct conn){
-		.local_addr = p.daddr,
-		.remote_addr = p.saddr,
-		.local_port = p.dport,
-		.remote_port = p.sport,
-		.protocol = p.protocol,
-	};
+	c = conn_of(&p, DIR_INGRESS);
 	if (parsed == PARSE_BAD)
 		return ep.flags & EP_ENFORCE_INGRESS ?
 			       sock_unjudged(&ep, &c, DIR_INGRESS, HOOK_INGRESS, REASON_UNPARSABLE) :
@@ -1514,13 +1524,7 @@ int policy_egress(struct __sk_buff *skb)
 	parsed = parse(skb, 0, &p);
 	if (parsed == PARSE_NOT_IP)
 		return 1;
-	c = (struct conn){
-		.local_addr = p.saddr,
-		.remote_addr = p.daddr,
-		.local_port = p.sport,
-		.remote_port = p.dport,
-		.protocol = p.protocol,
-	};
+	c = conn_of(&p, DIR_EGRESS);
 	if (parsed == PARSE_BAD)
 		return sock_unjudged(&ep, &c, DIR_EGRESS, HOOK_EGRESS, REASON_UNPARSABLE);
 	switch (link_control(skb, &p, DIR_EGRESS, NULL)) {
@@ -1801,13 +1805,7 @@ static __always_inline int mapped_in_v6(struct __sk_buff *skb, const struct pkt 
 static __always_inline int spoofed(const struct policy_iface *ifc, const struct pkt *p)
 {
 	struct decision d = { .verdict = VERDICT_DENIED, .reason = REASON_SPOOFED };
-	struct conn c = {
-		.local_addr = p->saddr,
-		.remote_addr = p->daddr,
-		.local_port = p->sport,
-		.remote_port = p->dport,
-		.protocol = p->protocol,
-	};
+	struct conn c = conn_of(p, DIR_EGRESS);
 	struct ep_ref ep = {};
 
 	iface_endpoint(ifc, &ep);
@@ -1825,13 +1823,7 @@ static __always_inline int iface_unjudged(const struct policy_iface *ifc, const 
 					  enum reason reason)
 {
 	struct decision d = { .verdict = VERDICT_DENIED, .reason = reason };
-	struct conn c = {
-		.local_addr = dir == DIR_EGRESS ? p->saddr : p->daddr,
-		.remote_addr = dir == DIR_EGRESS ? p->daddr : p->saddr,
-		.local_port = dir == DIR_EGRESS ? p->sport : p->dport,
-		.remote_port = dir == DIR_EGRESS ? p->dport : p->sport,
-		.protocol = p->protocol,
-	};
+	struct conn c = conn_of(p, dir);
 	struct ep_ref ep = {};
 
 	iface_endpoint(ifc, &ep);
@@ -1913,22 +1905,7 @@ static __always_inline int iface_packet(struct __sk_buff *skb, enum direction di
 	}
 	if (!iface_endpoint(ifc, &ep))
 		return TCX_NEXT;
-	if (dir == DIR_EGRESS)
-		c = (struct conn){
-			.local_addr = p.saddr,
-			.remote_addr = p.daddr,
-			.local_port = p.sport,
-			.remote_port = p.dport,
-			.protocol = p.protocol,
-		};
-	else
-		c = (struct conn){
-			.local_addr = p.daddr,
-			.remote_addr = p.saddr,
-			.local_port = p.dport,
-			.remote_port = p.sport,
-			.protocol = p.protocol,
-		};
+	c = conn_of(&p, dir);
 	return iface_decide(skb, ifindex, ifc, &ep, &p, &c, dir, dir == DIR_EGRESS ? HOOK_FROM_POD : HOOK_TO_POD) ?
 		       TCX_NEXT :
 		       TCX_DROP;

@@ -180,6 +180,16 @@ func (c Config) validate() error {
 	case c.DNSRejectResponse != RejectRefused && c.DNSRejectResponse != RejectNXDomain:
 		return fmt.Errorf("--dns-reject-response=%q: want %s or %s", c.DNSRejectResponse, RejectRefused, RejectNXDomain)
 	}
+	// Checked here too, not only when the proxy starts: a typo must stop
+	// the agent whether or not --dns-proxy-addr is set yet.
+	if _, _, err := parseTrusted(c.DNSTrustedResolvers); err != nil {
+		return err
+	}
+	if c.DNSClusterService != "" {
+		if _, err := tables.ParseServiceName(c.DNSClusterService); err != nil {
+			return fmt.Errorf("--dns-cluster-service=%q: %w", c.DNSClusterService, err)
+		}
+	}
 	return nil
 }
 

@@ -17,6 +17,10 @@ func TestConfigValidate(t *testing.T) {
 		{"too many UDP loops", func(c *Config) { c.DNSProxyUDPLoops = 65 }, "--dns-proxy-udp-loops=65 must be between 1 and 64"},
 		{"no upstream timeout", func(c *Config) { c.DNSUpstreamTimeout = 0 }, "--dns-upstream-timeout=0s must be positive"},
 		{"unknown reject response", func(c *Config) { c.DNSRejectResponse = "drop" }, "--dns-reject-response"},
+		{"trusted resolvers", func(c *Config) { c.DNSTrustedResolvers = []string{"10.0.0.10", "10.1.0.0/16", "[fd00::53]:53"} }, ""},
+		{"a trusted resolver that is no address", func(c *Config) { c.DNSTrustedResolvers = []string{"not-an-ip"} }, `--dns-trusted-resolvers: "not-an-ip"`},
+		{"no cluster DNS Service", func(c *Config) { c.DNSClusterService = "" }, ""},
+		{"a cluster DNS Service without namespace", func(c *Config) { c.DNSClusterService = "kube-dns" }, `--dns-cluster-service="kube-dns"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

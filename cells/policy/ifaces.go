@@ -58,7 +58,9 @@ type ifaceDiscovery struct {
 	// change of one of them). A full rescan does, as a pod's veth comes
 	// with a link event. Other errors are retried at every scan.
 	found map[string]ifaceFound
-	// held is the interface each endpoint was given, by name.
+	// held is the interface each endpoint was given, by name: read from
+	// the table's rows at the start of each scan (the table is the
+	// record; this job its only writer), then what the scan gives.
 	held map[string]heldIface
 	// disagree is the last disagreement of Find with an endpoint's held
 	// interface that was logged, so that it is logged once.
@@ -171,8 +173,15 @@ func (d *ifaceDiscovery) scan(full bool) ifaceScan {
 	if full || d.found == nil {
 		d.found = map[string]ifaceFound{}
 	}
-	if d.held == nil {
-		d.held, d.disagree = map[string]heldIface{}, map[string]string{}
+	if d.disagree == nil {
+		d.disagree = map[string]string{}
+	}
+	d.held = map[string]heldIface{}
+	for row := range d.interfaces.All(rtxn) {
+		if row.Ifindex != 0 {
+			d.held[row.Name] = heldIface{cgroupID: row.CgroupID,
+				veth: podnet.HostVeth{Name: row.Interface, Ifindex: row.Ifindex, Netns: row.Netns}}
+		}
 	}
 	type pod struct {
 		ep *tables.Endpoint

@@ -289,14 +289,16 @@ func TestEndpointConflicts(t *testing.T) {
 	})
 
 	// The address resolves to dup's own identity: app=dup, not app=friend
-	// merged in.
-	ids, err := a.ipcacheMap()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if id := ids[ipDup+"/32"]; id != endpoints["default/dup"].Identity {
-		t.Errorf("ipcache map: %s has identity %d, dup's is %d", ipDup, id, endpoints["default/dup"].Identity)
-	}
+	// merged in. The row has its identity before the ipcache reconciler
+	// has written the map: wait for the map.
+	testenv.Eventually(t, waitTimeout, "the ipcache map has dup's identity for its address", func() (bool, string) {
+		ids, err := a.ipcacheMap()
+		if err != nil {
+			return false, err.Error()
+		}
+		id := ids[ipDup+"/32"]
+		return id == endpoints["default/dup"].Identity, fmt.Sprintf("ipcache map: %s has identity %d, dup's is %d", ipDup, id, endpoints["default/dup"].Identity)
+	})
 	var identities []struct {
 		ID     uint32
 		Labels []string
