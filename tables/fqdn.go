@@ -15,11 +15,20 @@ const FQDNNamesTableName = "fqdn-names"
 
 // FQDNName is a DNS name the proxy saw answered that at least one FQDN
 // selector matches, with the addresses of its answers. Each labelled
-// address carries the Selectors' labels under the owner "fqdn/<Name>" in
+// address carries the Selectors' labels under the owner "fqdn/<Key>" in
 // the prefixes table.
+//
+// A row without Endpoint holds the answers of the resolvers the node
+// trusts, which label addresses for every pod's toFQDNs. A row with one
+// holds the answers a resolver the node does not trust gave that endpoint
+// alone: its Selectors are "fqdn:<pattern>@<endpoint>", which only that
+// endpoint's policy selects (see EndpointFQDNLabel).
 type FQDNName struct {
 	// Name is the question name, lowercase, without the trailing dot.
 	Name string `json:"name" yaml:"name"`
+	// Endpoint is the endpoint ("namespace/pod") whose untrusted answers
+	// the row holds; empty for trusted answers.
+	Endpoint string `json:"endpoint,omitempty" yaml:"endpoint,omitempty"`
 	// IPs are the addresses of the name's A and AAAA answers, sorted.
 	IPs []FQDNIP `json:"ips" yaml:"ips"`
 	// Selectors are the labels "fqdn:<pattern>" of the selectors matching
@@ -43,6 +52,41 @@ type FQDNIP struct {
 	// breaker refused the address a new selector combination: it stays
 	// a world address.
 	Unlabelled bool `json:"unlabelled,omitempty" yaml:"unlabelled,omitempty"`
+	// By is the endpoint whose answer brought the address to the row
+	// (empty: the node, or a query sent to the proxy directly): it counts
+	// towards that endpoint's --tofqdns-max-ips-per-pod.
+	By string `json:"by,omitempty" yaml:"by,omitempty"`
+}
+
+// FQDNKey is the primary key of the fqdn-names row of name's answers for
+// endpoint: the name alone for trusted answers (endpoint empty),
+// "<name>@<endpoint>" for one endpoint's untrusted ones. A name never
+// holds '@'.
+func FQDNKey(name, endpoint string) string {
+	if endpoint == "" {
+		return name
+	}
+	return name + "@" + endpoint
+}
+
+// Key returns the row's primary key (see FQDNKey).
+func (n *FQDNName) Key() string { return FQDNKey(n.Name, n.Endpoint) }
+
+// EndpointFQDNLabel returns the label an address gets from an FQDN
+// selector label ("fqdn:<pattern>") through an answer for endpoint alone:
+// "fqdn:<pattern>@<endpoint>". A pattern never holds '@'.
+func EndpointFQDNLabel(selector, endpoint string) string {
+	return selector + "@" + endpoint
+}
+
+// SplitEndpointFQDNLabel returns the selector label and the endpoint of a
+// label made by EndpointFQDNLabel; ok is false for any other label.
+func SplitEndpointFQDNLabel(label string) (selector, endpoint string, ok bool) {
+	if !strings.HasPrefix(label, SourceFQDN+":") {
+		return "", "", false
+	}
+	selector, endpoint, ok = strings.Cut(label, "@")
+	return selector, endpoint, ok && endpoint != ""
 }
 
 // Clone returns a copy whose IPs may be modified.
@@ -54,7 +98,7 @@ func (n *FQDNName) Clone() *FQDNName {
 
 // TableHeader implements statedb.TableWritable.
 func (*FQDNName) TableHeader() []string {
-	return []string{"Name", "IPs", "Selectors", "Unlabelled", "Expires"}
+	return []string{"Name", "Endpoint", "IPs", "Selectors", "Unlabelled", "Expires"}
 }
 
 // TableRow implements statedb.TableWritable. Expires is the time until the
@@ -75,13 +119,14 @@ func (n *FQDNName) TableRow() []string {
 	if !first.IsZero() {
 		expires = time.Until(first).Truncate(time.Second).String()
 	}
-	return []string{n.Name, strings.Join(ips, ", "), strings.Join(n.Selectors, ", "), strings.Join(unlabelled, ", "), expires}
+	return []string{n.Name, n.Endpoint, strings.Join(ips, ", "), strings.Join(n.Selectors, ", "), strings.Join(unlabelled, ", "), expires}
 }
 
-// FQDNNameIndex is the primary index of the fqdn-names table.
+// FQDNNameIndex is the primary index of the fqdn-names table, by FQDNKey:
+// Query(name) finds the trusted row of name.
 var FQDNNameIndex = statedb.Index[*FQDNName, string]{
 	Name:       "name",
-	FromObject: func(n *FQDNName) index.KeySet { return index.NewKeySet(index.String(n.Name)) },
+	FromObject: func(n *FQDNName) index.KeySet { return index.NewKeySet(index.String(n.Key())) },
 	FromKey:    index.String,
 	FromString: index.FromString,
 	Unique:     true,

@@ -79,6 +79,10 @@ type Config struct {
 	ToFQDNsMinTTL int
 	// ToFQDNsMaxIPsPerName caps the addresses kept per name.
 	ToFQDNsMaxIPsPerName int
+	// ToFQDNsMaxIPsPerPod caps the (name, address) pairs one endpoint's
+	// answers may bring into the DNS cache, and so the ipcache entries
+	// it can make; 0 is no limit.
+	ToFQDNsMaxIPsPerPod int
 	// ToFQDNsGCInterval is how often expired addresses are removed.
 	ToFQDNsGCInterval time.Duration
 	// ToFQDNsMaxIdentities caps the identities carrying fqdn: labels that
@@ -114,6 +118,7 @@ var defaultConfig = Config{
 	DNSUpstreamTimeout:           2 * time.Second,
 	ToFQDNsProxyResponseMaxDelay: 100 * time.Millisecond,
 	ToFQDNsMaxIPsPerName:         1000,
+	ToFQDNsMaxIPsPerPod:          4000,
 	ToFQDNsGCInterval:            time.Minute,
 	DNSIntercept:                 true,
 	DNSProxyUDPLoops:             1,
@@ -137,6 +142,8 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Shortest time (seconds) an address of a DNS answer is kept; shorter TTLs are raised to it")
 	fs.Int("tofqdns-max-ips-per-name", def.ToFQDNsMaxIPsPerName,
 		"Most addresses kept per DNS name; the least recently seen are evicted first")
+	fs.Int("tofqdns-max-ips-per-pod", def.ToFQDNsMaxIPsPerPod,
+		"Most (name, address) pairs the DNS answers of one pod may bring into the DNS cache (and so the ipcache); past it their new addresses are not labelled (0: no limit)")
 	fs.Duration("tofqdns-gc-interval", def.ToFQDNsGCInterval,
 		"How often expired DNS addresses and their labels are removed")
 	fs.Int("tofqdns-max-identities", def.ToFQDNsMaxIdentities,
@@ -167,6 +174,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("--tofqdns-min-ttl=%d is negative", c.ToFQDNsMinTTL)
 	case c.ToFQDNsMaxIPsPerName < 1:
 		return fmt.Errorf("--tofqdns-max-ips-per-name=%d must be at least 1", c.ToFQDNsMaxIPsPerName)
+	case c.ToFQDNsMaxIPsPerPod < 0:
+		return fmt.Errorf("--tofqdns-max-ips-per-pod=%d is negative", c.ToFQDNsMaxIPsPerPod)
 	case c.ToFQDNsGCInterval <= 0:
 		return fmt.Errorf("--tofqdns-gc-interval=%s must be positive", c.ToFQDNsGCInterval)
 	case c.DNSProxyUDPLoops < 1 || c.DNSProxyUDPLoops > 64:
@@ -230,6 +239,7 @@ func newNameManager(p managerParams) (*nameManager, error) {
 		prefixes: p.Prefixes, metrics: p.Metrics,
 		minTTL:        time.Duration(p.Config.ToFQDNsMinTTL) * time.Second,
 		maxIPsPerName: p.Config.ToFQDNsMaxIPsPerName,
+		maxIPsPerPod:  p.Config.ToFQDNsMaxIPsPerPod,
 		maxIdentities: p.Config.ToFQDNsMaxIdentities,
 		selectors:     map[string]*pattern.Pattern{},
 	}
@@ -249,6 +259,9 @@ func newNameManager(p managerParams) (*nameManager, error) {
 	// stand for the selectors.
 	for _, row := range rows {
 		for _, label := range row.Selectors {
+			if sel, _, ok := tables.SplitEndpointFQDNLabel(label); ok {
+				label = sel
+			}
 			if pat, err := parseSelectorLabel(label); err == nil {
 				m.selectors[label] = pat
 			}
@@ -416,9 +429,17 @@ type jobParams struct {
 	Metrics       *fqdnMetrics
 	Node          node.Config
 	Config        Config
+	// Pods are this node's endpoints: the untrusted answers of one that
+	// is gone are dropped. Without the table, they expire.
+	Pods statedb.Table[*tables.Endpoint] `optional:"true"`
 }
 
 func registerJobs(p jobParams) {
+	if p.Pods != nil {
+		p.Jobs.Add(job.OneShot("endpoints-gone", func(ctx context.Context, h cell.Health) error {
+			return dropGoneEndpoints(ctx, h, p)
+		}))
+	}
 	p.Jobs.Add(
 		job.OneShot("selectors", func(ctx context.Context, h cell.Health) error {
 			return watchSelectors(ctx, h, p)
@@ -474,6 +495,9 @@ func watchSelectors(ctx context.Context, h cell.Health, p jobParams) error {
 		for row := range rows {
 			if !strings.HasPrefix(row.Selector, tables.SourceFQDN+":") {
 				continue
+			}
+			if _, _, ok := tables.SplitEndpointFQDNLabel(row.Selector); ok {
+				continue // one endpoint's, made from the labels this cell gave
 			}
 			pat, err := parseSelectorLabel(row.Selector)
 			if err != nil {
@@ -553,6 +577,48 @@ func preallocate(p jobParams, held map[string][]uint32, next map[string]*pattern
 	}
 	wtxn.Commit()
 	return errors.Join(errs...)
+}
+
+// goneInterval throttles dropGoneEndpoints: at most one pass over the
+// DNS cache per interval, however often endpoints change.
+const goneInterval = time.Second
+
+// dropGoneEndpoints drops the rows of the untrusted answers of endpoints
+// that are gone, and the labels their addresses had for them, once the
+// endpoints table is initialized (so that a restored row of an endpoint
+// not listed yet stays).
+func dropGoneEndpoints(ctx context.Context, h cell.Health, p jobParams) error {
+	for {
+		rtxn := p.DB.ReadTxn()
+		init, initWatch := p.Pods.Initialized(rtxn)
+		_, watch := p.Pods.AllWatch(rtxn)
+		if init {
+			n, err := p.Names.dropEndpoints(func(name string) bool {
+				_, _, found := p.Pods.Get(rtxn, tables.EndpointNameIndex.Query(name))
+				return found
+			})
+			if err != nil {
+				h.Degraded("Dropping the DNS answers of endpoints gone failed", err)
+			} else {
+				if n > 0 {
+					p.Log.Debug("Dropped the untrusted DNS answers of endpoints gone", "rows", n)
+				}
+				h.OK("Following endpoints")
+			}
+		} else {
+			watch = initWatch
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-watch:
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(goneInterval):
+		}
+	}
 }
 
 // checkpointInterval throttles checkpoint writes: at most one per interval,

@@ -18,6 +18,7 @@ type fqdnMetrics struct {
 	queries        *prometheus.CounterVec
 	refused        *prometheus.CounterVec
 	untrusted      prometheus.Counter
+	podRefused     prometheus.Counter
 }
 
 // Results of proxied requests.
@@ -60,10 +61,12 @@ func newFQDNMetrics(reg prometheus.Registerer) (*fqdnMetrics, error) {
 		}, []string{"verdict", "rcode"}),
 		untrusted: prometheus.NewCounter(prometheus.CounterOpts(opts("untrusted_answers_total",
 			"Answers for names FQDN selectors match from resolvers the node does not trust, passed on without labelling their addresses"))),
+		podRefused: prometheus.NewCounter(prometheus.CounterOpts(opts("pod_limit_refused_ips_total",
+			"Addresses of DNS answers not labelled because the pod that asked already brought --tofqdns-max-ips-per-pod addresses"))),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts(opts("proxy_refused_total",
 			"Queries and TCP connections the proxy refused before looking at them, by reason (unknown-source, source-inflight, source-tcp-connections)")), []string{"reason"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.delayExceeded, m.holdSeconds, m.breakerRefused, m.evicted, m.gcRemoved, m.dropped, m.queries, m.refused, m.untrusted} {
+	for _, c := range []prometheus.Collector{m.requests, m.delayExceeded, m.holdSeconds, m.breakerRefused, m.evicted, m.gcRemoved, m.dropped, m.queries, m.refused, m.untrusted, m.podRefused} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -22,8 +22,10 @@ import (
 // "fqdn/<name>".
 const OwnerPrefix = "fqdn/"
 
-// Owner returns the prefixes owner of name's addresses.
-func Owner(name string) string { return OwnerPrefix + name }
+// Owner returns the prefixes owner of the addresses of the fqdn-names row
+// with the key key (see tables.FQDNKey): "fqdn/<name>" for trusted
+// answers, "fqdn/<name>@<endpoint>" for one endpoint's untrusted ones.
+func Owner(key string) string { return OwnerPrefix + key }
 
 // nameManager keeps the fqdn-names table (the DNS cache) and the labels of
 // its addresses in the prefixes table: every address of a name gets the
@@ -40,14 +42,46 @@ type nameManager struct {
 
 	minTTL        time.Duration
 	maxIPsPerName int
+	maxIPsPerPod  int
 	maxIdentities int
 
 	mu sync.Mutex
 	// selectors are the FQDN selectors by label ("fqdn:<pattern>").
 	selectors map[string]*pattern.Pattern
-	// byIP are the names holding each address, the reverse of the
-	// table's rows.
+	// byIP are the rows (by key) holding each address, the reverse of
+	// the table's rows.
 	byIP map[netip.Addr]map[string]struct{}
+	// podIPs counts the addresses of the rows each endpoint's answers
+	// brought (FQDNIP.By), for --tofqdns-max-ips-per-pod.
+	podIPs map[string]int
+}
+
+// count adds delta to the addresses endpoint by brought.
+func (m *nameManager) count(by string, delta int) {
+	if by == "" {
+		return
+	}
+	if m.podIPs == nil {
+		m.podIPs = map[string]int{}
+	}
+	if m.podIPs[by] += delta; m.podIPs[by] <= 0 {
+		delete(m.podIPs, by)
+	}
+}
+
+// rowLabels returns the labels the addresses of name's row for endpoint
+// get: those of the selectors matching name, each made the endpoint's
+// own (see tables.EndpointFQDNLabel) for an endpoint's untrusted answers.
+func (m *nameManager) rowLabels(name, endpoint string) tables.Labels {
+	labels := m.matching(name)
+	if endpoint == "" || len(labels) == 0 {
+		return labels
+	}
+	out := make([]string, len(labels))
+	for i, l := range labels {
+		out[i] = tables.EndpointFQDNLabel(l, endpoint)
+	}
+	return tables.NewLabels(out...)
 }
 
 func (m *nameManager) link(ip netip.Addr, name string) {
@@ -100,18 +134,19 @@ func parseSelectorLabel(label string) (*pattern.Pattern, error) {
 }
 
 // settled tells, without waiting for the lock, that an answer for name
-// with the addresses ips and TTL ttl seen at now would change nothing
-// (see observe); false when it would, or when the lock is taken.
-func (m *nameManager) settled(name string, ips []netip.Addr, ttl time.Duration, now time.Time) bool {
+// (for endpoint alone when not empty) with the addresses ips and TTL ttl
+// seen at now would change nothing (see observe); false when it would, or
+// when the lock is taken.
+func (m *nameManager) settled(name, endpoint string, ips []netip.Addr, ttl time.Duration, now time.Time) bool {
 	if !m.mu.TryLock() {
 		return false
 	}
 	defer m.mu.Unlock()
-	labels := m.matching(name)
+	labels := m.rowLabels(name, endpoint)
 	if len(labels) == 0 || len(ips) == 0 {
 		return true
 	}
-	return m.settledLocked(name, labels, ips, m.expiry(ttl, now), now)
+	return m.settledLocked(tables.FQDNKey(name, endpoint), labels, ips, m.expiry(ttl, now), now)
 }
 
 // expiry is when addresses answered with TTL ttl at now expire: a DNS TTL
@@ -122,38 +157,46 @@ func (m *nameManager) expiry(ttl time.Duration, now time.Time) time.Time {
 	return ceilSecond(now.Add(max(ttl, m.minTTL)))
 }
 
-// settledLocked tells whether name's row already holds ips with labels,
-// expiring no earlier than expires, all seen recently enough (unchanged).
-func (m *nameManager) settledLocked(name string, labels tables.Labels, ips []netip.Addr, expires, now time.Time) bool {
-	old, _, found := m.table.Get(m.db.ReadTxn(), tables.FQDNNameIndex.Query(name))
+// settledLocked tells whether the row with the key key already holds ips
+// with labels, expiring no earlier than expires, all seen recently enough
+// (unchanged).
+func (m *nameManager) settledLocked(key string, labels tables.Labels, ips []netip.Addr, expires, now time.Time) bool {
+	old, _, found := m.table.Get(m.db.ReadTxn(), tables.FQDNNameIndex.Query(key))
 	return found && unchanged(old, labels, ips, expires, now)
 }
 
 // observe records an answer for name with the addresses ips and TTL ttl
-// seen at now. It returns whether prefixes changed, and the revision to
-// wait for. A name no selector matches records nothing.
-func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, now time.Time) (ipcache.Revision, bool, error) {
+// seen at now, which endpoint by asked for ("": the node, or a query to
+// the proxy itself). With endpoint empty the answer came from a resolver
+// the node trusts and labels its addresses for every pod; otherwise
+// (endpoint is by) for that endpoint alone. It returns whether prefixes
+// changed, the revision to wait for, and the addresses refused because by
+// brought --tofqdns-max-ips-per-pod already. A name no selector matches
+// records nothing.
+func (m *nameManager) observe(name, endpoint, by string, ips []netip.Addr, ttl time.Duration, now time.Time) (ipcache.Revision, bool, []netip.Addr, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	labels := m.matching(name)
+	labels := m.rowLabels(name, endpoint)
 	if len(labels) == 0 || len(ips) == 0 {
-		return 0, false, nil
+		return 0, false, nil, nil
 	}
+	key := tables.FQDNKey(name, endpoint)
 	expires := m.expiry(ttl, now)
-	if m.settledLocked(name, labels, ips, expires, now) {
-		return 0, false, nil
+	if m.settledLocked(key, labels, ips, expires, now) {
+		return 0, false, nil, nil
 	}
 
 	wtxn := m.db.WriteTxn(m.table)
 	defer wtxn.Abort()
-	row := &tables.FQDNName{Name: name, Selectors: labels}
-	if old, _, found := m.table.Get(wtxn, tables.FQDNNameIndex.Query(name)); found {
+	row := &tables.FQDNName{Name: name, Endpoint: endpoint, Selectors: labels}
+	if old, _, found := m.table.Get(wtxn, tables.FQDNNameIndex.Query(key)); found {
 		row = old.Clone()
 		row.Selectors = labels
 	}
 	var (
 		changes []ipcache.Change
 		fresh   []int // indexes in row.IPs of addresses new to the name
+		refused []netip.Addr
 	)
 	answered := map[netip.Addr]struct{}{}
 	index := make(map[netip.Addr]int, len(row.IPs))
@@ -170,7 +213,15 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 			}
 			continue
 		}
-		row.IPs = append(row.IPs, tables.FQDNIP{IP: ip, Expires: expires, Seen: now})
+		// An endpoint's answers bring at most --tofqdns-max-ips-per-pod
+		// addresses, so that no pod fills the ipcache (its resolver may
+		// answer any number of names with any number of addresses).
+		if by != "" && m.maxIPsPerPod > 0 && m.podIPs[by] >= m.maxIPsPerPod {
+			refused = append(refused, ip)
+			continue
+		}
+		m.count(by, 1)
+		row.IPs = append(row.IPs, tables.FQDNIP{IP: ip, Expires: expires, Seen: now, By: by})
 		index[ip] = len(row.IPs) - 1
 		fresh = append(fresh, len(row.IPs)-1)
 	}
@@ -194,8 +245,9 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 		gone := map[netip.Addr]struct{}{}
 		for _, e := range evicted {
 			gone[e.IP] = struct{}{}
-			m.unlink(e.IP, name)
-			changes = append(changes, ipcache.Delete(tables.HostPrefix(e.IP), Owner(name)))
+			m.unlink(e.IP, key)
+			m.count(e.By, -1)
+			changes = append(changes, ipcache.Delete(tables.HostPrefix(e.IP), Owner(key)))
 		}
 		var kept []tables.FQDNIP
 		var keptFresh []int
@@ -219,27 +271,34 @@ func (m *nameManager) observe(name string, ips []netip.Addr, ttl time.Duration, 
 		breaker := m.newBreaker(wtxn)
 		for _, i := range fresh {
 			ip := row.IPs[i].IP
-			m.link(ip, name)
-			if !breaker.allow(ip, name, row.Selectors) {
+			m.link(ip, key)
+			if !breaker.allow(ip, key, row.Selectors) {
 				row.IPs[i].Unlabelled = true
 				continue
 			}
-			changes = append(changes, ipcache.Upsert(tables.HostPrefix(ip), Owner(name), row.Selectors...))
+			changes = append(changes, ipcache.Upsert(tables.HostPrefix(ip), Owner(key), row.Selectors...))
 		}
+	}
+	if len(refused) > 0 {
+		m.metrics.podRefused.Add(float64(len(refused)))
+	}
+	if len(row.IPs) == 0 {
+		// Every address refused: nothing to keep.
+		return 0, false, refused, nil
 	}
 	slices.SortFunc(row.IPs, func(a, b tables.FQDNIP) int { return a.IP.Compare(b.IP) })
 	if _, _, err := m.table.Insert(wtxn, row); err != nil {
-		return 0, false, fmt.Errorf("insert %s into %s: %w", name, tables.FQDNNamesTableName, err)
+		return 0, false, refused, fmt.Errorf("insert %s into %s: %w", key, tables.FQDNNamesTableName, err)
 	}
 	wtxn.Commit()
 	if len(changes) == 0 {
-		return 0, false, nil
+		return 0, false, refused, nil
 	}
 	rev, err := m.prefixes.Update(changes...)
 	if err != nil {
-		return 0, false, fmt.Errorf("label the addresses of %s: %w", name, err)
+		return 0, false, refused, fmt.Errorf("label the addresses of %s: %w", key, err)
 	}
-	return rev, true, nil
+	return rev, true, refused, nil
 }
 
 // seenResolution is how old a known address's Seen may get before an
@@ -294,7 +353,7 @@ func (m *nameManager) setSelectors(selectors map[string]*pattern.Pattern) (ipcac
 	}
 	breaker := m.newBreaker(wtxn)
 	for _, old := range rows {
-		labels := m.matching(old.Name)
+		labels := m.rowLabels(old.Name, old.Endpoint)
 		if labels.Equal(old.Selectors) {
 			continue
 		}
@@ -303,20 +362,21 @@ func (m *nameManager) setSelectors(selectors map[string]*pattern.Pattern) (ipcac
 				return 0, err
 			}
 			for _, e := range old.IPs {
-				m.unlink(e.IP, old.Name)
+				m.unlink(e.IP, old.Key())
+				m.count(e.By, -1)
 			}
-			gone = append(gone, old.Name)
+			gone = append(gone, old.Key())
 			continue
 		}
 		row := old.Clone()
 		row.Selectors = labels
 		for i, e := range row.IPs {
-			if breaker.allow(e.IP, row.Name, labels) {
+			if breaker.allow(e.IP, row.Key(), labels) {
 				row.IPs[i].Unlabelled = false
-				changes = append(changes, ipcache.Upsert(tables.HostPrefix(e.IP), Owner(row.Name), labels...))
+				changes = append(changes, ipcache.Upsert(tables.HostPrefix(e.IP), Owner(row.Key()), labels...))
 			} else {
 				row.IPs[i].Unlabelled = true
-				changes = append(changes, ipcache.Delete(tables.HostPrefix(e.IP), Owner(row.Name)))
+				changes = append(changes, ipcache.Delete(tables.HostPrefix(e.IP), Owner(row.Key())))
 			}
 		}
 		if _, _, err := m.table.Insert(wtxn, row); err != nil {
@@ -332,14 +392,50 @@ func (m *nameManager) setSelectors(selectors map[string]*pattern.Pattern) (ipcac
 		}
 		rev = r
 	}
-	for _, name := range gone {
-		r, err := m.prefixes.DeleteOwner(Owner(name))
+	for _, key := range gone {
+		r, err := m.prefixes.DeleteOwner(Owner(key))
 		if err != nil {
-			return 0, fmt.Errorf("unlabel %s: %w", name, err)
+			return 0, fmt.Errorf("unlabel %s: %w", key, err)
 		}
 		rev = r
 	}
 	return rev, nil
+}
+
+// dropEndpoints removes the rows of the untrusted answers of the
+// endpoints live does not hold (they are gone), and their labels. It
+// returns how many rows it removed.
+func (m *nameManager) dropEndpoints(live func(endpoint string) bool) (int, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	// Read first: most passes find nothing, and need no write.
+	var gone []*tables.FQDNName
+	for row := range m.table.All(m.db.ReadTxn()) {
+		if row.Endpoint != "" && !live(row.Endpoint) {
+			gone = append(gone, row)
+		}
+	}
+	if len(gone) == 0 {
+		return 0, nil
+	}
+	wtxn := m.db.WriteTxn(m.table)
+	defer wtxn.Abort()
+	for _, row := range gone {
+		if _, _, err := m.table.Delete(wtxn, row); err != nil {
+			return 0, err
+		}
+		for _, e := range row.IPs {
+			m.unlink(e.IP, row.Key())
+			m.count(e.By, -1)
+		}
+	}
+	wtxn.Commit()
+	for _, row := range gone {
+		if _, err := m.prefixes.DeleteOwner(Owner(row.Key())); err != nil {
+			return 0, fmt.Errorf("unlabel %s: %w", row.Key(), err)
+		}
+	}
+	return len(gone), nil
 }
 
 // gc removes the addresses expired at now, and names left without any.
@@ -360,8 +456,9 @@ func (m *nameManager) gc(now time.Time) (int, error) {
 			if e.Expires.After(now) {
 				return false
 			}
-			changes = append(changes, ipcache.Delete(tables.HostPrefix(e.IP), Owner(old.Name)))
-			m.unlink(e.IP, old.Name)
+			changes = append(changes, ipcache.Delete(tables.HostPrefix(e.IP), Owner(old.Key())))
+			m.unlink(e.IP, old.Key())
+			m.count(e.By, -1)
 			return true
 		})
 		if len(keep) == len(old.IPs) {
@@ -402,9 +499,10 @@ func (m *nameManager) restore(rows []*tables.FQDNName) error {
 			return err
 		}
 		for _, e := range row.IPs {
-			m.link(e.IP, row.Name)
+			m.link(e.IP, row.Key())
+			m.count(e.By, 1)
 			if !e.Unlabelled && len(row.Selectors) > 0 {
-				changes = append(changes, ipcache.Upsert(tables.HostPrefix(e.IP), Owner(row.Name), row.Selectors...))
+				changes = append(changes, ipcache.Upsert(tables.HostPrefix(e.IP), Owner(row.Key()), row.Selectors...))
 			}
 		}
 	}
@@ -442,8 +540,8 @@ func fqdnSubset(l tables.Labels) tables.Labels {
 	return tables.NewLabels(out...)
 }
 
-// allow reports whether ip may carry labels for name: the combination of
-// them with the labels the other names give ip.
+// allow reports whether ip may carry labels for the row with the key name:
+// the combination of them with the labels the other rows give ip.
 func (b *breaker) allow(ip netip.Addr, name string, labels tables.Labels) bool {
 	if b.m.maxIdentities <= 0 {
 		return true

@@ -161,11 +161,8 @@ func (p *Proxy) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 	result := ""
 	if resp == nil {
 		var ans answer
-		resp, ans, result = p.handle(context.Background(), "tcp", req, upstream)
+		resp, ans, result, v.Unlabelled = p.handle(context.Background(), "tcp", req, upstream, v.Endpoint)
 		v.Answers = ans.ips
-		if len(ans.ips) > 0 && !p.trust.trusted(upstream) {
-			v.Unlabelled = unlabelledUntrusted
-		}
 	}
 	p.reply(w, req, resp)
 	p.record(&v, resp.Rcode, result)
@@ -253,24 +250,26 @@ func (p *Proxy) rejectRcode() int {
 	return dns.RcodeRefused
 }
 
-// handle forwards req over network ("udp" or "tcp") to upstream and
-// returns the reply for the client, what it answered, and the result for
-// the metric; an answer with new addresses is held (see hold).
-func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg, upstream string) (*dns.Msg, answer, string) {
+// handle forwards req, a query of endpoint ("" for none), over network
+// ("udp" or "tcp") to upstream and returns the reply for the client, what
+// it answered, the result for the metric and why its addresses were not
+// labelled for every pod (QueryVerdict.Unlabelled); an answer with new
+// addresses is held (see hold).
+func (p *Proxy) handle(ctx context.Context, network string, req *dns.Msg, upstream, endpoint string) (*dns.Msg, answer, string, string) {
 	maxSize := replySize(network, req)
 	wire, err := p.exchange(ctx, network, req, upstream, maxSize)
 	if err != nil {
 		resp, result := p.upstreamFailed(req, upstream, err)
-		return resp, answer{}, result
+		return resp, answer{}, result, ""
 	}
-	resp, ans, result, held := p.learn(req, wire, maxSize, upstream)
+	resp, ans, result, held, unlabelled := p.learn(req, wire, maxSize, upstream, endpoint)
 	if result == resultUntrusted {
 		result = resultForwarded
 	}
 	if held != nil {
 		p.hold(ctx, held)
 	}
-	return resp, ans, result
+	return resp, ans, result, unlabelled
 }
 
 // replySize is the largest reply to req the client takes over network: the
@@ -300,20 +299,26 @@ type heldAnswer struct {
 	since time.Time
 }
 
-// learn checks wire, upstream's reply to req, and labels the addresses it
-// gives a name FQDN selectors match. It returns the reply for the client,
-// what it answered and the result for the metric; held is non-nil when
-// the answer must wait (see hold) before the client gets it.
-func (p *Proxy) learn(req *dns.Msg, wire []byte, maxSize int, upstream string) (resp *dns.Msg, ans answer, result string, held *heldAnswer) {
+// learn checks wire, upstream's reply to req (a query of endpoint), and
+// labels the addresses it gives a name FQDN selectors match: for every
+// pod, or for endpoint alone (see scope). It returns the reply for the
+// client, what it answered, the result for the metric and why the
+// addresses were not labelled for every pod; held is non-nil when the
+// answer must wait (see hold) before the client gets it.
+func (p *Proxy) learn(req *dns.Msg, wire []byte, maxSize int, upstream, endpoint string) (resp *dns.Msg, ans answer, result string, held *heldAnswer, unlabelled string) {
 	resp, ans, result = p.check(req, wire, maxSize, upstream)
 	if result == resultDropped || len(ans.ips) == 0 {
-		return resp, ans, result, nil
+		return resp, ans, result, nil, ""
 	}
-	if !p.labels(upstream, ans) {
-		return resp, ans, resultUntrusted, nil
+	rowEndpoint, unlabelled, ok := p.scope(upstream, endpoint, ans)
+	if !ok {
+		return resp, ans, resultUntrusted, nil, unlabelled
 	}
-	result, held = p.label(ans)
-	return resp, ans, result, held
+	result, held, over := p.label(ans, rowEndpoint, endpoint)
+	if over {
+		unlabelled = unlabelledPodLimit
+	}
+	return resp, ans, result, held, unlabelled
 }
 
 // check parses wire, upstream's reply to req. A reply that does not
@@ -334,21 +339,28 @@ func (p *Proxy) check(req *dns.Msg, wire []byte, maxSize int, upstream string) (
 	return resp, ans, resultForwarded
 }
 
-// label records ans's addresses for the FQDN selectors matching its name;
-// held is non-nil when that changed what policy knows.
-func (p *Proxy) label(ans answer) (result string, held *heldAnswer) {
+// label records ans's addresses, an answer to a query of by, for the FQDN
+// selectors matching its name: for every pod with endpoint empty, for
+// endpoint alone otherwise. held is non-nil when that changed what policy
+// knows; over is true when by's --tofqdns-max-ips-per-pod left some of
+// the addresses out.
+func (p *Proxy) label(ans answer, endpoint, by string) (result string, held *heldAnswer, over bool) {
 	start := time.Now()
-	rev, changed, err := p.names.observe(ans.name, ans.ips, ans.ttl, p.now())
+	rev, changed, refused, err := p.names.observe(ans.name, endpoint, by, ans.ips, ans.ttl, p.now())
+	if len(refused) > 0 {
+		p.warnings.warn(p.log, "pod-limit", "DNS proxy: a pod's answers brought --tofqdns-max-ips-per-pod addresses already; not labelling more",
+			"endpoint", by, "name", ans.name, "refused", len(refused), "first", refused[0], "limit", p.cfg.ToFQDNsMaxIPsPerPod)
+	}
 	if err != nil {
 		// The answer is still good; policy just does not know its
 		// addresses yet.
 		p.log.Error("Could not label the addresses of a DNS answer", "name", ans.name, "error", err)
-		return resultForwarded, nil
+		return resultForwarded, nil, len(refused) > 0
 	}
 	if !changed {
-		return resultForwarded, nil
+		return resultForwarded, nil, len(refused) > 0
 	}
-	return resultLabelled, &heldAnswer{ans: ans, rev: rev, since: start}
+	return resultLabelled, &heldAnswer{ans: ans, rev: rev, since: start}, len(refused) > 0
 }
 
 // hold waits until the ipcache map has h's addresses and policy allows

@@ -10,9 +10,19 @@ import (
 	"github.com/apiary-net/apiary/tables"
 )
 
-// unlabelledUntrusted is QueryVerdict.Unlabelled for an answer from a
-// resolver the node does not trust.
-const unlabelledUntrusted = "untrusted resolver"
+// Values of QueryVerdict.Unlabelled.
+const (
+	// unlabelledUntrusted: an answer from a resolver the node does not
+	// trust, to a query of no endpoint, labelled nothing.
+	unlabelledUntrusted = "untrusted resolver"
+	// unlabelledEndpointOnly: an answer from a resolver the node does not
+	// trust labelled its addresses for the endpoint that asked alone.
+	unlabelledEndpointOnly = "untrusted resolver: for this endpoint only"
+	// unlabelledPodLimit: the endpoint that asked brought
+	// --tofqdns-max-ips-per-pod addresses already; some of the answer's
+	// were not labelled.
+	unlabelledPodLimit = "pod address limit"
+)
 
 // trust tells the resolvers whose answers label addresses for every pod's
 // toFQDNs selectors: the proxy's own upstream (--dns-upstream), those of
@@ -20,9 +30,9 @@ const unlabelledUntrusted = "untrusted resolver"
 // (--dns-cluster-service): its frontends and its backends (a pod's query
 // to the Service reaches the proxy with the backend the socket load
 // balancer chose). An answer from any other resolver — one a pod chose,
-// which may be a host it controls — is passed to the pod but labels
-// nothing: otherwise that pod could point another pod's allowed name at
-// any address.
+// which may be a host it controls — labels its addresses for the pod that
+// asked alone: otherwise that pod could point another pod's allowed name
+// at any address.
 type trust struct {
 	upstream  string
 	prefixes  []netip.Prefix
@@ -113,19 +123,27 @@ func (t *trust) ofClusterService(ap netip.AddrPort) bool {
 	return false
 }
 
-// labels tells whether ans, upstream's answer, may label its addresses;
-// an answer from an untrusted resolver for a name FQDN selectors match is
-// counted and warned about (at most once a second).
-func (p *Proxy) labels(upstream string, ans answer) bool {
+// scope tells for whom ans, upstream's answer to a query of endpoint (""
+// for none), labels its addresses: every pod (rowEndpoint empty) when the
+// node trusts upstream; endpoint alone (rowEndpoint is endpoint) when it
+// does not; nobody (ok false) for an untrusted answer to no endpoint.
+// unlabelled is the verdict's reason. An answer from an untrusted
+// resolver for a name FQDN selectors match is counted and warned about
+// (at most once a second).
+func (p *Proxy) scope(upstream, endpoint string, ans answer) (rowEndpoint, unlabelled string, ok bool) {
 	if p.trust.trusted(upstream) {
-		return true
+		return "", "", true
+	}
+	unlabelled = unlabelledUntrusted
+	if endpoint != "" {
+		unlabelled = unlabelledEndpointOnly
 	}
 	if p.names.selected(ans.name) {
 		p.metrics.untrusted.Inc()
-		p.warnings.warn(p.log, "untrusted", "DNS proxy: not labelling the addresses of an answer from a resolver the node does not trust",
-			"name", ans.name, "resolver", upstream)
+		p.warnings.warn(p.log, "untrusted", "DNS proxy: an answer from a resolver the node does not trust labels its addresses for the pod that asked only",
+			"name", ans.name, "resolver", upstream, "endpoint", endpoint)
 	}
-	return false
+	return endpoint, unlabelled, endpoint != ""
 }
 
 // selected tells whether FQDN selectors match name; true when the lock is

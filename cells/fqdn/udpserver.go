@@ -308,8 +308,8 @@ func (s *udpServer) query(data []byte, from peer, dst netip.Addr, truncated bool
 	if err != nil || ap.Addr().Zone() != "" {
 		// A name or a zoned address: net.Dial's, in a goroutine.
 		s.side.Go(func() {
-			resp, ans, result := s.p.handle(s.ctx, "udp", req, upstream)
-			q.v.Answers = ans.ips
+			resp, ans, result, unlabelled := s.p.handle(s.ctx, "udp", req, upstream, q.v.Endpoint)
+			q.v.Answers, q.v.Unlabelled = ans.ips, unlabelled
 			s.sendNow(q, s.pack(q, resp), resp.Rcode, result)
 		})
 		return
@@ -385,11 +385,18 @@ func (s *udpServer) passOn(q *udpQuery, wire []byte) {
 		s.answer(q, resp, result)
 		return
 	}
-	if len(ans.ips) > 0 && !s.p.labels(q.upstream, ans) {
-		q.v.Unlabelled = unlabelledUntrusted
-	} else if len(ans.ips) > 0 && !s.p.names.settled(ans.name, ans.ips, ans.ttl, s.p.now()) {
+	if len(ans.ips) == 0 {
+		s.replies = append(s.replies, udpReply{q: q, wire: wire, rcode: resp.Rcode, result: result})
+		return
+	}
+	endpoint, unlabelled, ok := s.p.scope(q.upstream, q.v.Endpoint, ans)
+	q.v.Unlabelled = unlabelled
+	if ok && !s.p.names.settled(ans.name, endpoint, ans.ips, ans.ttl, s.p.now()) {
 		s.side.Go(func() {
-			result, held := s.p.label(ans)
+			result, held, over := s.p.label(ans, endpoint, q.v.Endpoint)
+			if over {
+				q.v.Unlabelled = unlabelledPodLimit
+			}
 			if held != nil {
 				s.p.hold(s.ctx, held)
 			}
