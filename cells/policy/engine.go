@@ -592,7 +592,11 @@ func (e *engine) recompute(ep *endpoint) {
 					}
 				}
 			}
-			r := &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: pr.Peers, ports: ports}
+			peers := pr.Peers
+			if dir == dirEgress && !pr.Deny {
+				peers = withEndpointFQDN(peers, ep.row.Name)
+			}
+			r := &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: peers, ports: ports}
 			if len(r.ports) == 0 {
 				continue
 			}
@@ -614,6 +618,29 @@ func (e *engine) recompute(ep *endpoint) {
 		}
 	}
 	slices.SortFunc(ep.dns, func(a, b tables.DNSRule) int { return strings.Compare(a.Pattern, b.Pattern) })
+}
+
+// withEndpointFQDN returns peers with, for every FQDN selector
+// "fqdn:<pattern>" among them, the selector of the same pattern for
+// endpoint alone, "fqdn:<pattern>@<endpoint>": it selects the addresses a
+// resolver the node does not trust gave that endpoint (see
+// docs/fqdn.md), which no other endpoint's rule allows. peers is returned
+// as it is when it has no FQDN selector.
+func withEndpointFQDN(peers []string, endpoint string) []string {
+	var out []string
+	for _, p := range peers {
+		if !strings.HasPrefix(p, tables.SourceFQDN+":") {
+			continue
+		}
+		if out == nil {
+			out = append(make([]string, 0, len(peers)+1), peers...)
+		}
+		out = append(out, tables.EndpointFQDNLabel(p, endpoint))
+	}
+	if out == nil {
+		return peers
+	}
+	return out
 }
 
 func enforceState(on, deny bool) string {

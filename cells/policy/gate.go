@@ -98,6 +98,11 @@ func (g *gate) pending(rtxn statedb.ReadTxn, ips []netip.Addr) (<-chan struct{},
 			}
 			sel, _, watch, found := g.selectors.GetWatch(rtxn, tables.SelectorIndex.Query(label))
 			if !found {
+				if _, _, ok := tables.SplitEndpointFQDNLabel(label); ok {
+					// One endpoint's: the selectors cell makes it
+					// from the identity.
+					return watch, fmt.Sprintf("selector %s not made yet", label)
+				}
 				continue // no policy uses it (any more)
 			}
 			if !slices.Contains(sel.Identities, id) {

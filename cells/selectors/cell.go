@@ -82,8 +82,10 @@ type controller struct {
 	// markPolicies and markSelectors mark the tables initialized.
 	markPolicies, markSelectors func(statedb.WriteTxn)
 
-	cache    *selectorCache
-	policies map[string]*parsedPolicy
+	cache *selectorCache
+	// endpointFQDN keeps the selectors of one endpoint's FQDN labels.
+	endpointFQDN *endpointFQDN
+	policies     map[string]*parsedPolicy
 	// invalid are the policies with errors, for the health report, which
 	// runs after every batch and so must not look at every policy.
 	invalid map[string]struct{}
@@ -101,6 +103,7 @@ func registerController(p controllerParams) error {
 	c := &controller{
 		controllerParams: p,
 		cache:            newSelectorCache(),
+		endpointFQDN:     newEndpointFQDN(),
 		policies:         map[string]*parsedPolicy{},
 		invalid:          map[string]struct{}{},
 		cidrRefs:         map[netip.Prefix]int{},
@@ -176,8 +179,10 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		for change := range seq {
 			if change.Deleted {
 				c.cache.deleteIdentity(change.Object.ID)
+				c.endpointFQDN.update(c.cache, change.Object.ID, nil)
 			} else {
 				c.cache.upsertIdentity(change.Object.ID, change.Object.Labels)
+				c.endpointFQDN.update(c.cache, change.Object.ID, change.Object.Labels)
 			}
 		}
 		if err := c.flush(); err != nil {
