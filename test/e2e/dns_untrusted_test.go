@@ -5,6 +5,7 @@ import (
 	"net"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/apiary-net/apiary/internal/testenv"
@@ -107,4 +108,21 @@ func TestUntrustedResolverAllowsTheAskerOnly(t *testing.T) {
 			t.Errorf("%s to %s after a trusted resolver answered client-a: %s, want %s", who, allowedIP, got, want)
 		}
 	}
+
+	// client-a goes: the rows of its untrusted answers go with it; the
+	// trusted row stays.
+	var others []string
+	for _, doc := range strings.Split(policyPods, "---\n") {
+		if !strings.Contains(doc, "name: client-a,") {
+			others = append(others, doc)
+		}
+	}
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), strings.Join(others, "---\n"))
+	testenv.Eventually(t, waitTimeout, "client-a's fqdn-names rows to go", func() (bool, string) {
+		var rows []fqdnEndpointRow
+		if err := a.showJSON("fqdn-names", &rows); err != nil {
+			return false, err.Error()
+		}
+		return len(rows) == 1 && rows[0].Name == "trusted.allowed.test" && rows[0].Endpoint == "", fmt.Sprintf("%+v", rows)
+	})
 }
