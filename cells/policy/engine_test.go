@@ -515,3 +515,25 @@ func TestEngineDNS(t *testing.T) {
 		t.Errorf("web's DNS rules without cnp/a: %s, want %s", got, want)
 	}
 }
+
+// TestWithEndpointFQDN: an endpoint's rule naming an FQDN selector also
+// names that endpoint's own selector of the pattern; other peers alone
+// are kept as they are.
+func TestWithEndpointFQDN(t *testing.T) {
+	for _, tt := range []struct {
+		peers, want []string
+	}{
+		{nil, nil},
+		{[]string{"cidr:10.0.0.0/8"}, []string{"cidr:10.0.0.0/8"}},
+		{[]string{"fqdn:*.example.com"}, []string{"fqdn:*.example.com", "fqdn:*.example.com@default/a"}},
+		{[]string{"cidr:10.0.0.0/8", "fqdn:a.com", "fqdn:b.com"}, []string{"cidr:10.0.0.0/8", "fqdn:a.com", "fqdn:b.com", "fqdn:a.com@default/a", "fqdn:b.com@default/a"}},
+	} {
+		in := slices.Clone(tt.peers)
+		if got := withEndpointFQDN(in, "default/a"); !slices.Equal(got, tt.want) {
+			t.Errorf("withEndpointFQDN(%v) = %v, want %v", tt.peers, got, tt.want)
+		}
+		if !slices.Equal(in, tt.peers) {
+			t.Errorf("withEndpointFQDN changed its input %v to %v", tt.peers, in)
+		}
+	}
+}
