@@ -5,7 +5,10 @@
 // matches FQDN selectors (toFQDNs matchName/matchPattern) labels the
 // answer's addresses with those selectors' labels ("fqdn:<pattern>", owner
 // "fqdn/<name>" in the prefixes table) before the answer reaches the
-// client. IPs with the same selectors share one identity. The cell owns the
+// client — for every pod when a resolver the node trusts answered, for the
+// pod that asked alone ("fqdn:<pattern>@<ns>/<pod>") otherwise, and at most
+// --tofqdns-max-ips-per-pod addresses per pod. IPs with the same selectors
+// share one identity. The cell owns the
 // fqdn-names table, the DNS cache, which it expires, garbage-collects and
 // checkpoints to --state-dir. See docs/fqdn.md.
 package fqdn

@@ -62,8 +62,10 @@ type QueryVerdict struct {
 	Policy string
 	// Answers are the addresses the answer gave the name.
 	Answers []netip.Addr
-	// Unlabelled says why Answers were not labelled for FQDN selectors
-	// ("untrusted resolver"); empty when they were, or had no need.
+	// Unlabelled says why Answers were not labelled for every pod's FQDN
+	// selectors ("untrusted resolver: for this endpoint only", "untrusted
+	// resolver", "pod address limit"); empty when they were, or had no
+	// need.
 	Unlabelled string
 	// RCode is the answer's response code ("NOERROR", "REFUSED", …).
 	RCode string

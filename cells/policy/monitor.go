@@ -60,8 +60,10 @@ type DNSVerdict struct {
 	// Answers are the addresses the answer gave the name.
 	Answers []string `json:"answers"`
 	// Unlabelled says why the answer's addresses were not labelled for
-	// FQDN selectors ("untrusted resolver": a resolver the node does not
-	// trust answered, see docs/fqdn.md); absent when they were.
+	// every pod's FQDN selectors ("untrusted resolver: for this endpoint
+	// only": a resolver the node does not trust answered, and only the
+	// endpoint that asked may reach them; "pod address limit": past
+	// --tofqdns-max-ips-per-pod; see docs/fqdn.md); absent when they were.
 	Unlabelled string `json:"unlabelled,omitempty"`
 	// RCode is the answer's response code (NOERROR, NXDOMAIN, REFUSED, …).
 	RCode string `json:"rcode"`
