@@ -609,6 +609,7 @@ func dropGoneEndpoints(ctx context.Context, h cell.Health, p jobParams) error {
 				h.OK("Following endpoints")
 			}
 		} else {
+			h.OK("Waiting for the endpoints table")
 			watch = initWatch
 		}
 		select {
