@@ -3,6 +3,7 @@ package main
 import (
 	"github.com/cilium/hive/cell"
 
+	"github.com/apiary-net/apiary/cells/cnichain"
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/fqdn"
@@ -32,6 +33,7 @@ var ControlPlane = cell.Group(
 	fqdn.Cell,      // DNS proxy: addresses of names FQDN selectors match → prefixes (fqdn-names)
 	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node, their cgroups
 	policy.Cell,    // policy enforcement: per-endpoint entries → policy maps, cgroup programs (--enable-policy)
+	cnichain.Cell,  // apiary-cni chained into the node's CNI configuration (--cni-chaining-mode)
 )
 
 // agentCells is the whole agent:
