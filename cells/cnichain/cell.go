@@ -47,10 +47,10 @@ var Cell = cell.Module(
 
 // Flag names.
 const (
-	ModeFlag       = "cni-chaining-mode"
-	ConfDirFlag    = "cni-conf-dir"
-	ConfNameFlag   = "cni-conf-name"
-	PluginFlag     = "cni-plugin-source"
+	ModeFlag     = "cni-chaining-mode"
+	ConfDirFlag  = "cni-conf-dir"
+	ConfNameFlag = "cni-conf-name"
+	PluginFlag   = "cni-plugin-source"
 	// DefaultConfDir is the usual CNI configuration directory.
 	DefaultConfDir = "/etc/cni/net.d"
 )
@@ -100,11 +100,11 @@ type params struct {
 	PolicyConfig policy.Config
 	// IPAMConfig has --cni-bin-dir, where the plugins are.
 	IPAMConfig ipam.Config
-	PinDir       bpffs.PinDir
-	Jobs         job.Group
-	DB           *statedb.DB
-	Table        statedb.RWTable[*tables.CNIChain]
-	Log          *slog.Logger
+	PinDir     bpffs.PinDir
+	Jobs       job.Group
+	DB         *statedb.DB
+	Table      statedb.RWTable[*tables.CNIChain]
+	Log        *slog.Logger
 }
 
 func register(p params) error {
