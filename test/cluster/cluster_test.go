@@ -48,7 +48,7 @@ func TestCluster(t *testing.T) {
 	n.waitAgentReady()
 	n.waitAgentHealthy()
 	t.Logf("apiary installed and healthy in %s", time.Since(start).Round(time.Millisecond))
-	n.chainApiaryCNI()
+	n.waitCNIChained()
 
 	w := n.startWorkloads()
 	steps := []struct {
@@ -606,6 +606,19 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 	}
 	if _, err := os.Stat(n.pinDir); !os.IsNotExist(err) {
 		t.Errorf("%s after cleanup: %v, want it gone", n.pinDir, err)
+	}
+	// The chain outlived the agent (it covered pod late); without the
+	// pins it would fail every new pod's ADD: the uninstall takes it out.
+	if got, err := n.cniPlugins(); err != nil || fmt.Sprint(got) != fmt.Sprint([]string{"bridge", "apiary-cni@" + n.pinDir}) {
+		t.Errorf("with the agent gone, the node's CNI plugins: %v %v; want apiary-cni still chained", got, err)
+	}
+	out, err = exec.Command(n.apiaryBin, "cni", "uninstall", "--cni-conf-dir", n.cniConfDir()).CombinedOutput()
+	if err != nil {
+		t.Fatalf("apiary cni uninstall: %v\n%s", err, out)
+	}
+	t.Logf("apiary cni uninstall:\n%s", out)
+	if got, err := n.cniPlugins(); err != nil || fmt.Sprint(got) != fmt.Sprint([]string{"bridge"}) {
+		t.Errorf("after apiary cni uninstall, the node's CNI plugins: %v %v; want the bridge alone", got, err)
 	}
 	wantConnect(t, w.client, other, "ok: hello from other")
 	p, err := n.cs.CoreV1().Pods(ns).Get(ctx, "late", metav1.GetOptions{})
