@@ -22,12 +22,12 @@ import (
 // ControlPlane lists the agent's features. Including a cell switches its
 // feature on.
 var ControlPlane = cell.Group(
-	ct.Cell,   // conntrack maps: sizing, resize keeping connections, GC
-	ipam.Cell, // agent IPs (health, ingress) through the delegated CNI IPAM plugin
-	lb.Cell,   // load balancing: services, frontends, backends → lb4_*, lb6_* maps
+	ct.Cell,       // conntrack maps: sizing, resize keeping connections, GC
+	ipam.Cell,     // agent IPs (health, ingress) through the delegated CNI IPAM plugin
+	lb.Cell,       // load balancing: services, frontends, backends → lb4_*, lb6_* maps
+	socketlb.Cell, // socket LB: cgroup connect/sendmsg/recvmsg hooks of both families on the lb maps (--enable-socket-lb)
 	// kube-proxy's health endpoint and Services' healthCheckNodePorts (--kube-proxy-healthz-addr, --enable-health-check-node-port)
 	proxyhealth.Cell,
-	socketlb.Cell, // socket LB: cgroup connect/sendmsg/recvmsg hooks of both families on the lb maps (--enable-socket-lb)
 	// --identity-management-mode: agent numbers, or the operator's Identities and temporary numbers
 	identitymode.Cell,
 	identity.Cell,  // security identities: allocator, checkpoint in --state-dir
