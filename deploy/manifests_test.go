@@ -37,6 +37,7 @@ import (
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/operator"
+	"github.com/apiary-net/apiary/cells/proxyhealth"
 	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/cells/socketlb"
 )
@@ -364,7 +365,7 @@ func TestAgentDaemonSet(t *testing.T) {
 		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 3", len(m.daemonSets), m.crds)
 	}
 	spec := m.daemonSets[0].Spec.Template.Spec
-	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell, ipam.Cell, cnichain.Cell)
+	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell, ipam.Cell, cnichain.Cell, proxyhealth.Cell)
 	env := checkContainer(t, m, "agent", spec, flags)
 	c := spec.Containers[0]
 	if !spec.HostNetwork {
@@ -399,6 +400,11 @@ func TestAgentDaemonSet(t *testing.T) {
 	// API server where the config map says (empty: in-cluster).
 	if env[socketlb.EnableFlag] != "" || cm.Data[socketlb.EnableFlag] != "true" {
 		t.Errorf("socket LB: env %q, config map %q; want it on through the config map", env[socketlb.EnableFlag], cm.Data[socketlb.EnableFlag])
+	}
+	// The agent answers kube-proxy's health checks, on kube-proxy's port.
+	if cm.Data[proxyhealth.HealthzAddrFlag] != ":10256" || cm.Data[proxyhealth.HealthCheckNodePort] != "true" {
+		t.Errorf("config map %s = %q, %s = %q; want :10256 and true", proxyhealth.HealthzAddrFlag, cm.Data[proxyhealth.HealthzAddrFlag],
+			proxyhealth.HealthCheckNodePort, cm.Data[proxyhealth.HealthCheckNodePort])
 	}
 	// The agent chains apiary-cni, on the node's own CNI directories.
 	if cm.Data[cnichain.ModeFlag] != cnichain.ModeChain {
