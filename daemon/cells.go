@@ -3,6 +3,7 @@ package main
 import (
 	"github.com/cilium/hive/cell"
 
+	"github.com/apiary-net/apiary/cells/cnichain"
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/fqdn"
@@ -13,6 +14,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/lb"
 	"github.com/apiary-net/apiary/cells/policy"
+	"github.com/apiary-net/apiary/cells/proxyhealth"
 	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/cells/socketlb"
 )
@@ -24,6 +26,8 @@ var ControlPlane = cell.Group(
 	ipam.Cell,     // agent IPs (health, ingress) through the delegated CNI IPAM plugin
 	lb.Cell,       // load balancing: services, frontends, backends → lb4_*, lb6_* maps
 	socketlb.Cell, // socket LB: cgroup connect/sendmsg/recvmsg hooks of both families on the lb maps (--enable-socket-lb)
+	// kube-proxy's health endpoint and Services' healthCheckNodePorts (--kube-proxy-healthz-addr, --enable-health-check-node-port)
+	proxyhealth.Cell,
 	// --identity-management-mode: agent numbers, or the operator's Identities and temporary numbers
 	identitymode.Cell,
 	identity.Cell,  // security identities: allocator, checkpoint in --state-dir
@@ -32,6 +36,7 @@ var ControlPlane = cell.Group(
 	fqdn.Cell,      // DNS proxy: addresses of names FQDN selectors match → prefixes (fqdn-names)
 	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node, their cgroups
 	policy.Cell,    // policy enforcement: per-endpoint entries → policy maps, cgroup programs (--enable-policy)
+	cnichain.Cell,  // apiary-cni chained into the node's CNI configuration (--cni-chaining-mode)
 )
 
 // agentCells is the whole agent:

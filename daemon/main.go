@@ -36,6 +36,7 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 		newMonitorCmd(),
 		newBPFCmd(),
 		newCleanupCmd(),
+		newCNICmd(),
 		newInitNodeCmd(),
 		newVersionCmd(),
 	)

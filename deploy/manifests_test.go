@@ -26,15 +26,18 @@ import (
 
 	"github.com/apiary-net/apiary/apis/v1alpha1"
 	"github.com/apiary-net/apiary/cells/api"
+	"github.com/apiary-net/apiary/cells/cnichain"
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/cells/health"
 	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/infra"
+	"github.com/apiary-net/apiary/cells/ipam"
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/cells/operator"
+	"github.com/apiary-net/apiary/cells/proxyhealth"
 	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/cells/socketlb"
 )
@@ -362,7 +365,7 @@ func TestAgentDaemonSet(t *testing.T) {
 		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 3", len(m.daemonSets), m.crds)
 	}
 	spec := m.daemonSets[0].Spec.Template.Spec
-	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell)
+	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell, ipam.Cell, cnichain.Cell, proxyhealth.Cell)
 	env := checkContainer(t, m, "agent", spec, flags)
 	c := spec.Containers[0]
 	if !spec.HostNetwork {
@@ -379,7 +382,7 @@ func TestAgentDaemonSet(t *testing.T) {
 			return dir == vm.MountPath || strings.HasPrefix(dir, vm.MountPath+"/")
 		})
 	}
-	for _, f := range []string{"bpf-pin-dir", "state-dir"} {
+	for _, f := range []string{"bpf-pin-dir", "state-dir", cnichain.ConfDirFlag, ipam.CNIBinDirFlag} {
 		if env[f] == "" || !mounted(env[f]) {
 			t.Errorf("agent: --%s=%q is not on a mounted volume", f, env[f])
 		}
@@ -397,6 +400,24 @@ func TestAgentDaemonSet(t *testing.T) {
 	// API server where the config map says (empty: in-cluster).
 	if env[socketlb.EnableFlag] != "" || cm.Data[socketlb.EnableFlag] != "true" {
 		t.Errorf("socket LB: env %q, config map %q; want it on through the config map", env[socketlb.EnableFlag], cm.Data[socketlb.EnableFlag])
+	}
+	// The agent answers kube-proxy's health checks, on kube-proxy's port.
+	if cm.Data[proxyhealth.HealthzAddrFlag] != ":10256" || cm.Data[proxyhealth.HealthCheckNodePort] != "true" {
+		t.Errorf("config map %s = %q, %s = %q; want :10256 and true", proxyhealth.HealthzAddrFlag, cm.Data[proxyhealth.HealthzAddrFlag],
+			proxyhealth.HealthCheckNodePort, cm.Data[proxyhealth.HealthCheckNodePort])
+	}
+	// The agent chains apiary-cni, on the node's own CNI directories.
+	if cm.Data[cnichain.ModeFlag] != cnichain.ModeChain {
+		t.Errorf("config map %s = %q, want %s", cnichain.ModeFlag, cm.Data[cnichain.ModeFlag], cnichain.ModeChain)
+	}
+	for flag, host := range map[string]string{cnichain.ConfDirFlag: cnichain.DefaultConfDir, ipam.CNIBinDirFlag: ipam.DefaultCNIBinDir} {
+		if !slices.ContainsFunc(c.VolumeMounts, func(vm corev1.VolumeMount) bool {
+			return vm.MountPath == env[flag] && !vm.ReadOnly && slices.ContainsFunc(spec.Volumes, func(v corev1.Volume) bool {
+				return v.Name == vm.Name && v.HostPath != nil && v.HostPath.Path == host
+			})
+		}) {
+			t.Errorf("agent: --%s=%q is not the host's %s, writable", flag, env[flag], host)
+		}
 	}
 	if v, ok := cm.Data[k8s.APIServerFlag]; !ok || v != "" {
 		t.Errorf("config map %s = %q (present %v), want it empty: the in-cluster default", k8s.APIServerFlag, v, ok)

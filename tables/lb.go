@@ -206,6 +206,11 @@ type Service struct {
 	// Local keeps only the backends on this node.
 	ExternalTrafficPolicy TrafficPolicy `json:"externalTrafficPolicy,omitempty" yaml:"externalTrafficPolicy,omitempty"`
 	InternalTrafficPolicy TrafficPolicy `json:"internalTrafficPolicy,omitempty" yaml:"internalTrafficPolicy,omitempty"`
+	// HealthCheckNodePort is the port on which a node answers whether it
+	// has local endpoints of the service, for load balancers to steer by
+	// (spec.healthCheckNodePort): set only with ExternalTrafficPolicy
+	// Local, 0 otherwise.
+	HealthCheckNodePort uint16 `json:"healthCheckNodePort,omitempty" yaml:"healthCheckNodePort,omitempty"`
 	// Errors lists what could not be turned into frontends: invalid
 	// fields, and addresses another service already claims. The rest of
 	// the service works.
@@ -260,6 +265,9 @@ func (s *Service) TableRow() []string {
 		return string(p)
 	}
 	traffic := "Ext=" + policy(s.ExternalTrafficPolicy) + ",Int=" + policy(s.InternalTrafficPolicy)
+	if s.HealthCheckNodePort != 0 {
+		traffic += ",HealthCheck=" + strconv.Itoa(int(s.HealthCheckNodePort))
+	}
 	if s.SessionAffinityTimeout != 0 {
 		traffic += ",ClientIP=" + strconv.Itoa(int(s.SessionAffinityTimeout)) + "s"
 	}

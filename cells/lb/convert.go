@@ -90,6 +90,18 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 	if svc.InternalTrafficPolicy != tables.TrafficPolicyLocal {
 		svc.InternalTrafficPolicy = ""
 	}
+	// Kubernetes allocates it only for ExternalTrafficPolicy Local (and
+	// clears it otherwise); a --config-dir file may say anything.
+	if hc := s.Spec.HealthCheckNodePort; hc != 0 {
+		switch {
+		case svc.ExternalTrafficPolicy != tables.TrafficPolicyLocal:
+			errorf("healthCheckNodePort %d without externalTrafficPolicy Local is ignored", hc)
+		case hc < 1 || hc > 65535:
+			errorf("healthCheckNodePort %d is not a port", hc)
+		default:
+			svc.HealthCheckNodePort = uint16(hc)
+		}
+	}
 	svc.SessionAffinityTimeout = sessionAffinity(s, errorf)
 
 	// The API server keeps clusterIPs and ipFamilies in step, one address

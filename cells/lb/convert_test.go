@@ -106,6 +106,7 @@ func TestServiceFrontends(t *testing.T) {
 		wantExt      tables.TrafficPolicy
 		wantInt      tables.TrafficPolicy
 		wantAffinity uint32
+		wantHCPort   uint16
 	}{
 		{
 			name: "ClusterIP ignores a stale nodePort",
@@ -324,6 +325,34 @@ func TestServiceFrontends(t *testing.T) {
 			wantInt: tables.TrafficPolicyLocal,
 		},
 		{
+			name: "health check node port with Local",
+			svc: svc(corev1.ServiceTypeClusterIP, nil, func(s *corev1.Service) {
+				s.Spec.ExternalTrafficPolicy = corev1.ServiceExternalTrafficPolicyLocal
+				s.Spec.HealthCheckNodePort = 31000
+			}),
+			want:       []frontendSummary{clusterIP},
+			wantExt:    tables.TrafficPolicyLocal,
+			wantHCPort: 31000,
+		},
+		{
+			name: "health check node port without Local is ignored",
+			svc: svc(corev1.ServiceTypeClusterIP, nil, func(s *corev1.Service) {
+				s.Spec.HealthCheckNodePort = 31000
+			}),
+			want:       []frontendSummary{clusterIP},
+			wantErrors: 1,
+		},
+		{
+			name: "health check node port out of range",
+			svc: svc(corev1.ServiceTypeClusterIP, nil, func(s *corev1.Service) {
+				s.Spec.ExternalTrafficPolicy = corev1.ServiceExternalTrafficPolicyLocal
+				s.Spec.HealthCheckNodePort = 70000
+			}),
+			want:       []frontendSummary{clusterIP},
+			wantExt:    tables.TrafficPolicyLocal,
+			wantErrors: 1,
+		},
+		{
 			name: "unknown traffic policy means Cluster",
 			svc: svc(corev1.ServiceTypeClusterIP, nil, func(s *corev1.Service) {
 				s.Spec.ExternalTrafficPolicy = "Nearby"
@@ -340,6 +369,9 @@ func TestServiceFrontends(t *testing.T) {
 			}
 			if s.ExternalTrafficPolicy != tt.wantExt || s.InternalTrafficPolicy != tt.wantInt {
 				t.Errorf("policies = %q/%q, want %q/%q", s.ExternalTrafficPolicy, s.InternalTrafficPolicy, tt.wantExt, tt.wantInt)
+			}
+			if s.HealthCheckNodePort != tt.wantHCPort {
+				t.Errorf("health check node port = %d, want %d", s.HealthCheckNodePort, tt.wantHCPort)
 			}
 			if s.SessionAffinityTimeout != tt.wantAffinity {
 				t.Errorf("session affinity timeout = %d, want %d", s.SessionAffinityTimeout, tt.wantAffinity)

@@ -48,7 +48,7 @@ func TestCluster(t *testing.T) {
 	n.waitAgentReady()
 	n.waitAgentHealthy()
 	t.Logf("apiary installed and healthy in %s", time.Since(start).Round(time.Millisecond))
-	n.chainApiaryCNI()
+	n.waitCNIChained()
 
 	w := n.startWorkloads()
 	steps := []struct {
@@ -56,6 +56,7 @@ func TestCluster(t *testing.T) {
 		run  func(t *testing.T, n *node, w *workloads)
 	}{
 		{"ServicesFromPods", testServices},
+		{"KubeProxyHealth", testKubeProxyHealth},
 		{"EgressPolicy", testEgressPolicy},
 		{"IngressPolicyKeepsProbes", testIngressPolicy},
 		{"FirstConnection", testFirstConnection},
@@ -73,6 +74,49 @@ func TestCluster(t *testing.T) {
 			return
 		}
 	}
+}
+
+// testKubeProxyHealth: the agent answers kube-proxy's health endpoint on
+// :10256 (deploy/'s config map), and the healthCheckNodePort the API
+// server gives a LoadBalancer Service with externalTrafficPolicy Local,
+// with the count of the Service's two server pods on this node.
+func testKubeProxyHealth(t *testing.T, n *node, w *workloads) {
+	ctx := context.Background()
+	testenv.Eventually(t, waitTimeout, "kube-proxy's /healthz on :10256", func() (bool, string) {
+		code, body, err := httpGet("http://127.0.0.1:10256/healthz")
+		if err != nil {
+			return false, err.Error()
+		}
+		return code == http.StatusOK && strings.Contains(body, `"lastUpdated"`), fmt.Sprintf("%d %s", code, body)
+	})
+	svc, err := n.cs.CoreV1().Services(ns).Create(ctx, &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "edge", Namespace: ns},
+		Spec: corev1.ServiceSpec{
+			Type:                  corev1.ServiceTypeLoadBalancer,
+			ExternalTrafficPolicy: corev1.ServiceExternalTrafficPolicyLocal,
+			Selector:              map[string]string{"app": "server"},
+			Ports:                 []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080), Protocol: corev1.ProtocolTCP}},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.cs.CoreV1().Services(ns).Delete(ctx, "edge", metav1.DeleteOptions{})
+	if svc.Spec.HealthCheckNodePort == 0 {
+		t.Fatal("the API server gave no healthCheckNodePort")
+	}
+	url := fmt.Sprintf("http://%s:%d/", nodeIP, svc.Spec.HealthCheckNodePort)
+	testenv.Eventually(t, waitTimeout, "the health check node port "+url, func() (bool, string) {
+		code, body, err := httpGet(url)
+		if err != nil {
+			return false, err.Error()
+		}
+		var got struct {
+			LocalEndpoints int `json:"localEndpoints"`
+		}
+		json.Unmarshal([]byte(body), &got)
+		return code == http.StatusOK && got.LocalEndpoints == 2, fmt.Sprintf("%d %s", code, body)
+	})
 }
 
 // waitAgentHealthy waits until the agent answers /healthz with 200.
@@ -606,6 +650,19 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 	}
 	if _, err := os.Stat(n.pinDir); !os.IsNotExist(err) {
 		t.Errorf("%s after cleanup: %v, want it gone", n.pinDir, err)
+	}
+	// The chain outlived the agent (it covered pod late); without the
+	// pins it would fail every new pod's ADD: the uninstall takes it out.
+	if got, err := n.cniPlugins(); err != nil || fmt.Sprint(got) != fmt.Sprint([]string{"bridge", "apiary-cni@" + n.pinDir}) {
+		t.Errorf("with the agent gone, the node's CNI plugins: %v %v; want apiary-cni still chained", got, err)
+	}
+	out, err = exec.Command(n.apiaryBin, "cni", "uninstall", "--cni-conf-dir", n.cniConfDir()).CombinedOutput()
+	if err != nil {
+		t.Fatalf("apiary cni uninstall: %v\n%s", err, out)
+	}
+	t.Logf("apiary cni uninstall:\n%s", out)
+	if got, err := n.cniPlugins(); err != nil || fmt.Sprint(got) != fmt.Sprint([]string{"bridge"}) {
+		t.Errorf("after apiary cni uninstall, the node's CNI plugins: %v %v; want the bridge alone", got, err)
 	}
 	wantConnect(t, w.client, other, "ok: hello from other")
 	p, err := n.cs.CoreV1().Pods(ns).Get(ctx, "late", metav1.GetOptions{})

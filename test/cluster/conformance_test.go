@@ -99,7 +99,7 @@ func TestNetworkPolicyConformance(t *testing.T) {
 	n.install(agentDirs{pinDir: n.pinDir, stateDir: filepath.Join(n.dir, "agent-state")})
 	n.waitAgentReady()
 	n.waitAgentHealthy()
-	n.chainApiaryCNI()
+	n.waitCNIChained()
 	t.Logf("apiary installed; %s imported as %s", bins["agnhost"], agnhost)
 
 	netpolFocus := regexp.QuoteMeta(netpolSuite)

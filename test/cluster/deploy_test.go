@@ -155,8 +155,13 @@ func (n *node) install(dirs agentDirs) {
 				}
 			}
 			for i, v := range spec.Volumes {
-				if v.Name == "state" {
+				switch v.Name {
+				case "state":
 					spec.Volumes[i].HostPath.Path = dirs.stateDir
+				case "cni-conf":
+					spec.Volumes[i].HostPath.Path = n.cniConfDir()
+				case "cni-bin":
+					spec.Volumes[i].HostPath.Path = n.cniBinDir()
 				}
 			}
 			n.unconvert(&ds, o)

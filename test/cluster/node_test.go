@@ -10,6 +10,7 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/json"
 	"encoding/pem"
 	"errors"
 	"fmt"
@@ -560,33 +561,78 @@ current-context: node
 	n.kubeconfigPath = kubeconfig
 }
 
+// cniConfName is the node's CNI configuration, in n.cniConfDir().
+const cniConfName = "10-apiary-test.conflist"
+
+// cniConfDir and cniBinDir are the node's CNI directories, which the
+// agent's DaemonSet mounts in place of the host's /etc/cni/net.d and
+// /opt/cni/bin.
+func (n *node) cniConfDir() string { return filepath.Join(n.dir, "cni") }
+func (n *node) cniBinDir() string  { return filepath.Join(n.dir, "cni-bin") }
+
 // writeCNIConf writes the node's CNI configuration: the bridge plugin on
-// the test's bridge, followed by apiary-cni on the agent's pin directory
-// pinDir unless it is empty. containerd reads the directory again when it
-// changes.
-func (n *node) writeCNIConf(pinDir string) {
-	chained := ""
-	if pinDir != "" {
-		chained = fmt.Sprintf(`, {"type": "apiary-cni", "bpfPinDir": %q}`, pinDir)
-	}
-	writeFile(n.t, filepath.Join(n.dir, "cni", "10-apiary-test.conflist"), fmt.Sprintf(`{
+// the test's bridge, as a node's primary plugin leaves it. The agent
+// chains apiary-cni after it once it runs. containerd reads the directory
+// again when it changes.
+func (n *node) writeCNIConf() {
+	writeFile(n.t, filepath.Join(n.cniConfDir(), cniConfName), fmt.Sprintf(`{
   "cniVersion": "1.0.0",
   "name": "apiary-test",
   "plugins": [{
     "type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": false,
     "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q}
-  }%s]
+  }]
 }
-`, bridgeName, podSubnet, nodeIP, filepath.Join(n.dir, "ipam"), chained))
+`, bridgeName, podSubnet, nodeIP, filepath.Join(n.dir, "ipam")))
 }
 
-// chainApiaryCNI chains apiary-cni after the bridge plugin, as
-// docs/kubernetes.md tells an operator to once the agent runs: from then
-// on every new pod's veth is covered at the packet level from its
-// creation (apiary-cni fails a pod's ADD while the agent's programs are
-// not pinned).
-func (n *node) chainApiaryCNI() {
-	n.writeCNIConf(n.pinDir)
+// cniPlugins returns the plugin types of the node's CNI configuration,
+// with apiary-cni's pin directory.
+func (n *node) cniPlugins() ([]string, error) {
+	data, err := os.ReadFile(filepath.Join(n.cniConfDir(), cniConfName))
+	if err != nil {
+		return nil, err
+	}
+	var conf struct {
+		Plugins []struct {
+			Type      string `json:"type"`
+			BPFPinDir string `json:"bpfPinDir"`
+		} `json:"plugins"`
+	}
+	if err := json.Unmarshal(data, &conf); err != nil {
+		return nil, fmt.Errorf("%s: %w", data, err)
+	}
+	var out []string
+	for _, p := range conf.Plugins {
+		if p.BPFPinDir != "" {
+			out = append(out, p.Type+"@"+p.BPFPinDir)
+		} else {
+			out = append(out, p.Type)
+		}
+	}
+	return out, nil
+}
+
+// waitCNIChained waits until the agent (--cni-chaining-mode=chain, as
+// deploy/ ships it) has copied apiary-cni into the node's plugin
+// directory and chained it after the bridge plugin, as docs/kubernetes.md
+// says it does once its interface programs are pinned: from then on every
+// new pod's veth is covered at the packet level from its creation.
+func (n *node) waitCNIChained() {
+	want := fmt.Sprint([]string{"bridge", "apiary-cni@" + n.pinDir})
+	testenv.Eventually(n.t, waitTimeout, "the agent chains apiary-cni", func() (bool, string) {
+		got, err := n.cniPlugins()
+		if err != nil {
+			return false, err.Error()
+		}
+		if fmt.Sprint(got) != want {
+			return false, fmt.Sprintf("plugins %v, want %s", got, want)
+		}
+		if _, err := os.Stat(filepath.Join(n.cniBinDir(), "apiary-cni")); err != nil {
+			return false, err.Error()
+		}
+		return true, ""
+	})
 }
 
 // symlink makes link point at target, with link's directory.
@@ -606,14 +652,13 @@ func (n *node) startContainerd(bins map[string]string) {
 	t := n.t
 	d := filepath.Join(n.dir, "containerd")
 	n.ctrSock = filepath.Join(d, "containerd.sock")
-	n.writeCNIConf("")
-	// The node's CNI plugins: Debian's, and apiary-cni from the image's
-	// build, which chainApiaryCNI adds once the agent runs.
-	cniBin := filepath.Join(n.dir, "cni-bin")
+	n.writeCNIConf()
+	// The node's CNI plugins: Debian's; the agent copies apiary-cni from
+	// its image next to them.
+	cniBin := n.cniBinDir()
 	for _, p := range []string{"bridge", "host-local", "loopback"} {
 		symlink(t, filepath.Join("/usr/lib/cni", p), filepath.Join(cniBin, p))
 	}
-	symlink(t, bins["bin/image/apiary-cni"], filepath.Join(cniBin, "apiary-cni"))
 	config := filepath.Join(d, "config.toml")
 	writeFile(t, config, fmt.Sprintf(`version = 2
 root = %q
@@ -642,7 +687,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
     bin_dir = %q
     conf_dir = %q
 `, filepath.Join(d, "root"), filepath.Join(d, "state"), n.ctrSock, n.ctrSock+".ttrpc",
-		filepath.Join(d, "opt"), pauseImage, bins["runc"], cniBin, filepath.Join(n.dir, "cni")))
+		filepath.Join(d, "opt"), pauseImage, bins["runc"], cniBin, n.cniConfDir()))
 	n.start("containerd", append(os.Environ(), "PATH=/usr/sbin:/usr/bin:/sbin:/bin"), bins["containerd"], "--config", config, "--log-level", "info")
 	// Shims outlive containerd: once it is stopped (cleanups run last
 	// first, so this one runs after), kill the ones it started, by PID.
