@@ -12,6 +12,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ipam"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/lb"
+	"github.com/apiary-net/apiary/cells/nodeport"
 	"github.com/apiary-net/apiary/cells/policy"
 	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/cells/socketlb"
@@ -24,6 +25,7 @@ var ControlPlane = cell.Group(
 	ipam.Cell,     // agent IPs (health, ingress) through the delegated CNI IPAM plugin
 	lb.Cell,       // load balancing: services, frontends, backends → lb4_*, lb6_* maps
 	socketlb.Cell, // socket LB: cgroup connect/sendmsg/recvmsg hooks of both families on the lb maps (--enable-socket-lb)
+	nodeport.Cell, // north-south LB: tc programs on the external devices for NodePort, LoadBalancer, external IPs (--enable-nodeport)
 	// --identity-management-mode: agent numbers, or the operator's Identities and temporary numbers
 	identitymode.Cell,
 	identity.Cell,  // security identities: allocator, checkpoint in --state-dir
