@@ -157,6 +157,7 @@ enum {
 	NP_STAT_NAT_FULL,    /* dropped: nodeport_nat4 is full */
 	NP_STAT_NAT_PORTS,   /* dropped: no free NAT port for the backend */
 	NP_STAT_NO_SNAT_ADDR,/* dropped: the device to the backend has no address */
+	NP_STAT_NO_ROUTE,    /* dropped: no route to a translated destination */
 	NP_STAT_ENTRIES,
 };
 
@@ -323,7 +324,7 @@ static __always_inline const struct lb4_backend *pick_backend(struct lb4_key *ke
  * device's; 0 when it routes it elsewhere (a local backend). *none says
  * the device has no address. */
 static __always_inline __be32 snat_addr(struct __sk_buff *skb, const struct pkt4 *p, __be32 addr,
-					int *none)
+					int *none, __u32 *out_ifindex)
 {
 	struct bpf_fib_lookup fib = {
 		.family = 2, /* AF_INET */
@@ -339,16 +340,45 @@ static __always_inline __be32 snat_addr(struct __sk_buff *skb, const struct pkt4
 	long rc;
 
 	*none = 0;
-	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_OUTPUT | BPF_FIB_LOOKUP_SKIP_NEIGH);
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_SKIP_NEIGH);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 		return 0;
 	ifindex = fib.ifindex;
+	*out_ifindex = ifindex;
 	dev = bpf_map_lookup_elem(&nodeport_devices, &ifindex);
 	if (!dev)
 		return 0;
 	if (!dev->addr4)
 		*none = 1;
 	return dev->addr4;
+}
+
+/*
+ * out4 sends a packet whose source is now one of the node's addresses
+ * straight out of the device the kernel routes daddr through (ifindex, or
+ * looked up when 0), with the neighbour resolved there: through the
+ * kernel's input path, a packet arriving with a local source address
+ * would be dropped as a martian.
+ */
+static __always_inline int out4(struct __sk_buff *skb, __be32 saddr, __be32 daddr, __u32 ifindex)
+{
+	struct bpf_fib_lookup fib = {
+		.family = 2, /* AF_INET */
+		.ipv4_src = saddr,
+		.ipv4_dst = daddr,
+		.ifindex = skb->ingress_ifindex,
+	};
+	long rc;
+
+	if (!ifindex) {
+		rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_SKIP_NEIGH);
+		if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH) {
+			count(NP_STAT_NO_ROUTE);
+			return TCX_DROP;
+		}
+		ifindex = fib.ifindex;
+	}
+	return (int)bpf_redirect_neigh(ifindex, NULL, 0, 0);
 }
 
 /* new_flow4 sends a new flow to frontend (p->daddr, p->dport) to a
@@ -367,6 +397,7 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 	struct np4_entry fe = {}, re = {};
 	__be32 be_addr, nat_addr;
 	__be16 be_port, nat_port = p->sport;
+	__u32 out_ifindex = 0;
 	__u64 now;
 	int none, i;
 	long err;
@@ -383,7 +414,7 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 	be_port = be->port;
 	now = bpf_ktime_get_ns();
 
-	nat_addr = snat_addr(skb, p, be_addr, &none);
+	nat_addr = snat_addr(skb, p, be_addr, &none, &out_ifindex);
 	if (none) {
 		count(NP_STAT_NO_SNAT_ADDR);
 		return TCX_DROP;
@@ -418,6 +449,18 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 			/* Taken: by an idle flow, whose port this one may have. */
 			old = bpf_map_lookup_elem(&nodeport_nat4, &rk);
 			if (old && stale(old, now)) {
+				/* The idle flow goes whole: its forward entry
+				 * would send its client's packets with this port. */
+				struct np4_key ofk = {
+					.saddr = old->addr,
+					.daddr = old->nat_addr,
+					.sport = old->port,
+					.dport = old->nat_port,
+					.proto = old->proto,
+					.dir = NP_DIR_FWD,
+				};
+
+				bpf_map_delete_elem(&nodeport_nat4, &ofk);
 				*old = re;
 				break;
 			}
@@ -454,8 +497,11 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 		return TCX_DROP;
 	}
 	count(nat_addr ? NP_STAT_NEW_REMOTE : NP_STAT_NEW_LOCAL);
-	return rewrite4(skb, p, nat_addr ? nat_addr : p->saddr, nat_addr ? nat_port : p->sport,
-			be_addr, be_port);
+	if (!nat_addr)
+		return rewrite4(skb, p, p->saddr, p->sport, be_addr, be_port);
+	if (rewrite4(skb, p, nat_addr, nat_port, be_addr, be_port) != TCX_NEXT)
+		return TCX_DROP;
+	return out4(skb, nat_addr, be_addr, out_ifindex);
 }
 
 /* reply4 translates a reply of a known flow back, when key names one
@@ -483,7 +529,9 @@ static __always_inline int reply4(struct __sk_buff *skb, const struct pkt4 *p, i
 	faddr = e->nat_addr;
 	fport = e->nat_port;
 	count(NP_STAT_REV);
-	return rewrite4(skb, p, faddr, fport, caddr, cport);
+	if (rewrite4(skb, p, faddr, fport, caddr, cport) != TCX_NEXT)
+		return TCX_DROP;
+	return snat ? out4(skb, faddr, caddr, 0) : TCX_NEXT;
 }
 
 /* nodeport_ingress: what arrives at an external device. */
@@ -514,8 +562,11 @@ int nodeport_ingress(struct __sk_buff *skb)
 
 		e->last_seen = bpf_ktime_get_ns();
 		count(NP_STAT_FWD);
-		return rewrite4(skb, &p, nat_addr ? nat_addr : p.saddr, nat_addr ? nat_port : p.sport,
-				be_addr, be_port);
+		if (!nat_addr)
+			return rewrite4(skb, &p, p.saddr, p.sport, be_addr, be_port);
+		if (rewrite4(skb, &p, nat_addr, nat_port, be_addr, be_port) != TCX_NEXT)
+			return TCX_DROP;
+		return out4(skb, nat_addr, be_addr, 0);
 	}
 	ret = new_flow4(skb, &p);
 	return ret == -2 ? TCX_NEXT : ret;

@@ -99,13 +99,14 @@ const (
 	StatNATFull
 	StatNATPorts
 	StatNoSNATAddr
+	StatNoRoute
 	statCount
 )
 
 // StatNames names each Stat, as metrics and the CLI show them.
 var StatNames = [statCount]string{
 	"new_local", "new_remote", "forward", "reply",
-	"drop_no_backend", "drop_nat_full", "drop_nat_ports", "drop_no_snat_address",
+	"drop_no_backend", "drop_nat_full", "drop_nat_ports", "drop_no_snat_address", "drop_no_route",
 }
 
 // NAT port range the programs allocate from: above Linux's default
