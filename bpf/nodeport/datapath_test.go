@@ -1,0 +1,334 @@
+package nodeport
+
+import (
+	"encoding/binary"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/internal/testenv"
+)
+
+const (
+	tcxNext = 0xffffffff // -1
+	tcxDrop = 2
+	tcp     = 6
+	udp     = 17
+)
+
+// datapath is the programs loaded on maps of their own, in memory.
+type datapath struct {
+	maps  Maps
+	progs map[string]*ebpf.Program
+}
+
+func newDatapath(tb testing.TB) *datapath {
+	tb.Helper()
+	testenv.RequireRoot(tb)
+	spec, err := Spec()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	mk := func(name string) *ebpf.Map {
+		m, err := ebpf.NewMap(spec.Maps[name].Copy())
+		if err != nil {
+			tb.Fatalf("map %s: %v", name, err)
+		}
+		tb.Cleanup(func() { m.Close() })
+		return m
+	}
+	d := &datapath{maps: Maps{
+		Services4: mk(bpf.LB4ServicesMap), Backends4: mk(bpf.LB4BackendsMap),
+		Devices: mk(DevicesMap), NAT4: mk(NAT4Map), Stats: mk(StatsMap),
+	}}
+	d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute}, d.maps)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		for _, p := range d.progs {
+			p.Close()
+		}
+	})
+	return d
+}
+
+// service writes a frontend with flags and the backends, IDs from 1.
+func (d *datapath) service(tb testing.TB, fe netip.AddrPort, proto uint8, flags bpf.ServiceFlags, backends ...netip.AddrPort) {
+	tb.Helper()
+	key := bpf.LB4ServiceKey{Address: fe.Addr().As4(), Port: bpf.NewBe16(fe.Port()), Proto: proto}
+	if err := d.maps.Services4.Put(key, bpf.LB4ServiceValue{Count: uint16(len(backends)), RevNat: bpf.NewBe16(1), Flags: flags}); err != nil {
+		tb.Fatal(err)
+	}
+	for i, be := range backends {
+		id := uint32(i + 1)
+		key.Slot = uint16(i + 1)
+		if err := d.maps.Services4.Put(key, bpf.LB4ServiceValue{BackendID: id, RevNat: bpf.NewBe16(1), Flags: flags}); err != nil {
+			tb.Fatal(err)
+		}
+		if err := d.maps.Backends4.Put(id, bpf.LB4BackendValue{Address: be.Addr().As4(), Port: bpf.NewBe16(be.Port()), Proto: proto}); err != nil {
+			tb.Fatal(err)
+		}
+	}
+}
+
+func (d *datapath) run(tb testing.TB, prog string, frame []byte) (uint32, []byte) {
+	tb.Helper()
+	out := make([]byte, len(frame)+256)
+	ret, err := d.progs[prog].Run(&ebpf.RunOptions{Data: frame, DataOut: out})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return ret, out[:len(frame)]
+}
+
+func (d *datapath) stat(tb testing.TB, s Stat) uint64 {
+	tb.Helper()
+	st, err := Stats(d.maps.Stats)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return st[StatNames[s]]
+}
+
+// frame builds an Ethernet frame of an IPv4 TCP SYN or UDP datagram with
+// correct checksums.
+func frame(proto uint8, src, dst netip.AddrPort) []byte {
+	l4len := 20
+	if proto == udp {
+		l4len = 8 + 4
+	}
+	b := make([]byte, 14+20+l4len)
+	binary.BigEndian.PutUint16(b[12:], 0x0800)
+	ip := b[14:34]
+	ip[0] = 0x45
+	binary.BigEndian.PutUint16(ip[2:], uint16(20+l4len))
+	ip[8] = 64
+	ip[9] = proto
+	s4, d4 := src.Addr().As4(), dst.Addr().As4()
+	copy(ip[12:], s4[:])
+	copy(ip[16:], d4[:])
+	binary.BigEndian.PutUint16(ip[10:], csum(ip, 0))
+	l4 := b[34:]
+	binary.BigEndian.PutUint16(l4[0:], src.Port())
+	binary.BigEndian.PutUint16(l4[2:], dst.Port())
+	if proto == tcp {
+		l4[12] = 5 << 4
+		l4[13] = 0x02 // SYN
+		binary.BigEndian.PutUint16(l4[14:], 65535)
+		binary.BigEndian.PutUint16(l4[16:], csum(l4, pseudo(ip, proto, len(l4))))
+	} else {
+		binary.BigEndian.PutUint16(l4[4:], uint16(l4len))
+		copy(l4[8:], "ping")
+		binary.BigEndian.PutUint16(l4[6:], csum(l4, pseudo(ip, proto, len(l4))))
+	}
+	return b
+}
+
+func pseudo(ip []byte, proto uint8, n int) uint32 {
+	var s uint32
+	for i := 12; i < 20; i += 2 {
+		s += uint32(binary.BigEndian.Uint16(ip[i:]))
+	}
+	return s + uint32(proto) + uint32(n)
+}
+
+// csum is the Internet checksum of b plus the partial sum s; over a
+// packet with its checksum in place it is 0.
+func csum(b []byte, s uint32) uint16 {
+	for i := 0; i+1 < len(b); i += 2 {
+		s += uint32(binary.BigEndian.Uint16(b[i:]))
+	}
+	if len(b)%2 == 1 {
+		s += uint32(b[len(b)-1]) << 8
+	}
+	for s > 0xffff {
+		s = s&0xffff + s>>16
+	}
+	return ^uint16(s)
+}
+
+// parsed reads the addresses of a frame and checks its checksums.
+func parsed(tb testing.TB, b []byte) (src, dst netip.AddrPort) {
+	tb.Helper()
+	ip, l4 := b[14:34], b[34:]
+	if c := csum(ip, 0); c != 0 {
+		tb.Errorf("IP checksum off by %#x", c)
+	}
+	if c := csum(l4, pseudo(ip, ip[9], len(l4))); c != 0 {
+		tb.Errorf("L4 checksum off by %#x", c)
+	}
+	src = netip.AddrPortFrom(netip.AddrFrom4([4]byte(ip[12:16])), binary.BigEndian.Uint16(l4[0:]))
+	dst = netip.AddrPortFrom(netip.AddrFrom4([4]byte(ip[16:20])), binary.BigEndian.Uint16(l4[2:]))
+	return src, dst
+}
+
+var (
+	client   = netip.MustParseAddrPort("192.0.2.7:40000")
+	nodePort = netip.MustParseAddrPort("10.0.0.1:30080")
+	backend  = netip.MustParseAddrPort("10.244.0.5:8080")
+)
+
+// TestTranslate: a new flow from outside to a NodePort frontend goes to
+// the backend (local: the client's address kept), with checksums right;
+// its next packet takes the same way as a known flow; the backend's reply
+// leaving through the device gets the frontend back. TCP and UDP.
+func TestTranslate(t *testing.T) {
+	for _, proto := range []uint8{tcp, udp} {
+		t.Run(map[uint8]string{tcp: "TCP", udp: "UDP"}[proto], func(t *testing.T) {
+			d := newDatapath(t)
+			d.service(t, nodePort, proto, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend)
+			for i := range 2 {
+				ret, out := d.run(t, IngressProg, frame(proto, client, nodePort))
+				src, dst := parsed(t, out)
+				if ret != tcxNext || src != client || dst != backend {
+					t.Fatalf("packet %d: verdict %#x, %s -> %s; want %s -> %s", i, ret, src, dst, client, backend)
+				}
+			}
+			if n := d.stat(t, StatNewLocal); n != 1 {
+				t.Errorf("new_local %d, want 1", n)
+			}
+			if n := d.stat(t, StatForward); n != 1 {
+				t.Errorf("forward %d, want 1", n)
+			}
+			ret, out := d.run(t, EgressProg, frame(proto, backend, client))
+			src, dst := parsed(t, out)
+			if ret != tcxNext || src != nodePort || dst != client {
+				t.Fatalf("reply: verdict %#x, %s -> %s; want %s -> %s", ret, src, dst, nodePort, client)
+			}
+			flows, err := Flows(d.maps.NAT4)
+			if err != nil || len(flows) != 1 || flows[0].Backend != backend || flows[0].NAT.IsValid() {
+				t.Errorf("flows %+v %v", flows, err)
+			}
+		})
+	}
+}
+
+// TestNotTranslated: a ClusterIP frontend (not routable) and an address
+// that is no frontend pass untouched; a frontend without backends drops,
+// counted.
+func TestNotTranslated(t *testing.T) {
+	d := newDatapath(t)
+	clusterIP := netip.MustParseAddrPort("10.96.0.10:80")
+	empty := netip.MustParseAddrPort("10.0.0.1:30099")
+	d.service(t, clusterIP, tcp, 0, backend)
+	d.service(t, empty, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable)
+	for _, dst := range []netip.AddrPort{clusterIP, netip.MustParseAddrPort("10.0.0.1:22")} {
+		in := frame(tcp, client, dst)
+		ret, out := d.run(t, IngressProg, in)
+		if ret != tcxNext || string(out) != string(in) {
+			t.Errorf("to %s: verdict %#x, changed %v", dst, ret, string(out) != string(in))
+		}
+	}
+	if ret, _ := d.run(t, IngressProg, frame(tcp, client, empty)); ret != tcxDrop {
+		t.Errorf("to a frontend without backends: verdict %#x, want drop", ret)
+	}
+	if n := d.stat(t, StatNoBackend); n != 1 {
+		t.Errorf("drop_no_backend %d, want 1", n)
+	}
+	// An unknown reply leaving passes untouched.
+	if ret, _ := d.run(t, EgressProg, frame(tcp, backend, client)); ret != tcxNext {
+		t.Errorf("unknown reply: verdict %#x", ret)
+	}
+}
+
+// TestNATFull: with the NAT map full, a new flow is dropped and counted,
+// not translated half-way.
+func TestNATFull(t *testing.T) {
+	d := newDatapath(t)
+	spec, err := MapSpec(NAT4Map, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	small, err := ebpf.NewMap(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer small.Close()
+	d.maps.NAT4 = small
+	d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute}, d.maps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.service(t, nodePort, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend)
+	if ret, _ := d.run(t, IngressProg, frame(tcp, client, nodePort)); ret != tcxNext {
+		t.Fatalf("first flow: verdict %#x", ret)
+	}
+	other := netip.AddrPortFrom(client.Addr(), client.Port()+1)
+	if ret, _ := d.run(t, IngressProg, frame(tcp, other, nodePort)); ret != tcxDrop {
+		t.Fatalf("second flow, map full: verdict %#x, want drop", ret)
+	}
+	if n := d.stat(t, StatNATFull); n != 1 {
+		t.Errorf("drop_nat_full %d, want 1", n)
+	}
+}
+
+// TestExpire: idle flows go with both entries; fresh ones stay.
+func TestExpire(t *testing.T) {
+	d := newDatapath(t)
+	d.service(t, nodePort, udp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend)
+	d.run(t, IngressProg, frame(udp, client, nodePort))
+	cfg := Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute}
+	flows, _ := Flows(d.maps.NAT4)
+	if len(flows) != 1 {
+		t.Fatalf("flows %+v", flows)
+	}
+	seen := flows[0].LastSeen
+	if del, kept, err := Expire(d.maps.NAT4, seen+30*time.Second, cfg); err != nil || del != 0 || kept != 2 {
+		t.Errorf("within the timeout: deleted %d kept %d %v", del, kept, err)
+	}
+	if del, kept, err := Expire(d.maps.NAT4, seen+2*time.Minute, cfg); err != nil || del != 2 || kept != 0 {
+		t.Errorf("past the timeout: deleted %d kept %d %v", del, kept, err)
+	}
+}
+
+// BenchmarkPacket measures one run of the ingress program
+// (BPF_PROG_TEST_RUN) on a packet of a known flow, in the kernel's own
+// loop, and on a new flow (local backend).
+func BenchmarkPacket(b *testing.B) {
+	d := newDatapath(b)
+	d.service(b, nodePort, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend)
+	known := frame(tcp, client, nodePort)
+	if ret, _ := d.run(b, IngressProg, known); ret != tcxNext {
+		b.Fatalf("first packet: %#x", ret)
+	}
+	b.Run("known-flow", func(b *testing.B) {
+		ret, per, err := d.progs[IngressProg].Benchmark(known, b.N, nil)
+		if err != nil || ret != tcxNext {
+			b.Fatal(ret, err)
+		}
+		b.ReportMetric(float64(per.Nanoseconds()), "prog-ns/op")
+	})
+	b.Run("new-flow", func(b *testing.B) {
+		// One run per call, the NAT map emptied before each, so that
+		// every run is a new flow (a backend chosen, two entries made).
+		newFlow := frame(tcp, netip.AddrPortFrom(client.Addr(), 50000), nodePort)
+		var total time.Duration
+		for i := 0; i < b.N; i++ {
+			clearNAT(b, d.maps.NAT4)
+			_, per, err := d.progs[IngressProg].Benchmark(newFlow, 1, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			total += per
+		}
+		b.ReportMetric(float64(total.Nanoseconds())/float64(b.N), "prog-ns/op")
+	})
+}
+
+func clearNAT(tb testing.TB, m *ebpf.Map) {
+	var k NATKey
+	var keys []NATKey
+	var v NATEntry
+	for it := m.Iterate(); it.Next(&k, &v); {
+		keys = append(keys, k)
+	}
+	for _, k := range keys {
+		if err := m.Delete(&k); err != nil {
+			tb.Fatal(err)
+		}
+	}
+}
