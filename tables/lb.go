@@ -206,6 +206,14 @@ type Service struct {
 	// Local keeps only the backends on this node.
 	ExternalTrafficPolicy TrafficPolicy `json:"externalTrafficPolicy,omitempty" yaml:"externalTrafficPolicy,omitempty"`
 	InternalTrafficPolicy TrafficPolicy `json:"internalTrafficPolicy,omitempty" yaml:"internalTrafficPolicy,omitempty"`
+	// LoadBalancerSourceRanges are the client prefixes a LoadBalancer
+	// frontend takes traffic from, outside the node (spec.
+	// loadBalancerSourceRanges); empty: any.
+	LoadBalancerSourceRanges []netip.Prefix `json:"loadBalancerSourceRanges,omitempty" yaml:"loadBalancerSourceRanges,omitempty"`
+	// SourceRangesSet: the spec lists source ranges. With none of them
+	// valid, the LoadBalancer frontends take no traffic from outside
+	// (fail closed) rather than any.
+	SourceRangesSet bool `json:"sourceRangesSet,omitempty" yaml:"sourceRangesSet,omitempty"`
 	// Errors lists what could not be turned into frontends: invalid
 	// fields, and addresses another service already claims. The rest of
 	// the service works.

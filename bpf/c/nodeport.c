@@ -147,6 +147,28 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } nodeport_nat4 SEC(".maps");
 
+/*
+ * nodeport_srcrange4 (the agent's): the client prefixes each LoadBalancer
+ * frontend (by its rev-NAT index) takes traffic from. A frontend with
+ * ranges has an entry for itself alone (prefixlen 32: any address, value
+ * 0), under those of its prefixes (value 1): the longest match says
+ * whether a client is let in; no match, the frontend has no ranges.
+ */
+struct np_srcrange4_key {
+	__u32 prefixlen; /* 32 + the prefix's bits */
+	__be16 rev_nat;
+	__u16 pad;
+	__be32 addr;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct np_srcrange4_key);
+	__type(value, __u8);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} nodeport_srcrange4 SEC(".maps");
+
 /* nodeport_stats: per-CPU counts by NP_STAT_*. */
 enum {
 	NP_STAT_NEW_LOCAL,   /* new flows to a local backend */
@@ -158,6 +180,7 @@ enum {
 	NP_STAT_NAT_PORTS,   /* dropped: no free NAT port for the backend */
 	NP_STAT_NO_SNAT_ADDR,/* dropped: the device to the backend has no address */
 	NP_STAT_NO_ROUTE,    /* dropped: no route to a translated destination */
+	NP_STAT_SOURCE_RANGE,/* dropped: a client outside loadBalancerSourceRanges */
 	NP_STAT_ENTRIES,
 };
 
@@ -182,6 +205,7 @@ volatile const __u64 udp_timeout_ns = 60 * 1000000000ULL;
 #define TCX_NEXT -1
 #define TCX_DROP 2
 
+#define SVC_FLAG_LOADBALANCER (1 << 5)
 #define SVC_FLAG_ROUTABLE (1 << 6)
 #define BACKEND_ACTIVE 0
 #define BACKEND_TERMINATING 1
@@ -405,6 +429,19 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 	svc = bpf_map_lookup_elem(&lb4_services, &key);
 	if (!svc || !(svc->flags & SVC_FLAG_ROUTABLE))
 		return -2;
+	if (svc->flags & SVC_FLAG_LOADBALANCER) {
+		struct np_srcrange4_key rk = {
+			.prefixlen = 64,
+			.rev_nat = svc->rev_nat_index,
+			.addr = p->saddr,
+		};
+		__u8 *allowed = bpf_map_lookup_elem(&nodeport_srcrange4, &rk);
+
+		if (allowed && !*allowed) {
+			count(NP_STAT_SOURCE_RANGE);
+			return TCX_DROP;
+		}
+	}
 	be = pick_backend(&key, svc);
 	if (!be) {
 		count(NP_STAT_NO_BACKEND);

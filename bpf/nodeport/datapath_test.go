@@ -42,7 +42,7 @@ func newDatapath(tb testing.TB) *datapath {
 	}
 	d := &datapath{maps: Maps{
 		Services4: mk(bpf.LB4ServicesMap), Backends4: mk(bpf.LB4BackendsMap),
-		Devices: mk(DevicesMap), NAT4: mk(NAT4Map), Stats: mk(StatsMap),
+		Devices: mk(DevicesMap), NAT4: mk(NAT4Map), Stats: mk(StatsMap), SourceRange4: mk(SourceRange4Map),
 	}}
 	d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute}, d.maps)
 	if err != nil {
@@ -330,5 +330,35 @@ func clearNAT(tb testing.TB, m *ebpf.Map) {
 		if err := m.Delete(&k); err != nil {
 			tb.Fatal(err)
 		}
+	}
+}
+
+// TestSourceRanges: a LoadBalancer frontend with source ranges takes new
+// flows from clients inside them only, the others dropped and counted; a
+// NodePort frontend of the same rev-NAT index is not bound by them.
+func TestSourceRanges(t *testing.T) {
+	d := newDatapath(t)
+	lbIP := netip.MustParseAddrPort("203.0.113.10:80")
+	d.service(t, lbIP, tcp, bpf.SvcFlagLoadBalancer|bpf.SvcFlagRoutable, backend)
+	for k, v := range SourceRangeKeys(1, []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")}) {
+		if err := d.maps.SourceRange4.Put(k, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if ret, out := d.run(t, IngressProg, frame(tcp, client, lbIP)); ret != tcxNext {
+		t.Errorf("client in range: verdict %#x", ret)
+	} else if _, dst := parsed(t, out); dst != backend {
+		t.Errorf("client in range: to %s, want %s", dst, backend)
+	}
+	outside := netip.MustParseAddrPort("198.51.100.1:40000")
+	if ret, _ := d.run(t, IngressProg, frame(tcp, outside, lbIP)); ret != tcxDrop {
+		t.Errorf("client outside the ranges: verdict %#x, want drop", ret)
+	}
+	if n := d.stat(t, StatSourceRange); n != 1 {
+		t.Errorf("drop_source_range %d, want 1", n)
+	}
+	d.service(t, nodePort, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend)
+	if ret, _ := d.run(t, IngressProg, frame(tcp, outside, nodePort)); ret != tcxNext {
+		t.Errorf("NodePort from outside the ranges: verdict %#x", ret)
 	}
 }

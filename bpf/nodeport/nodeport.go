@@ -23,10 +23,37 @@ const (
 	NAT4Map = "nodeport_nat4"
 	// StatsMap holds per-CPU counts by Stat.
 	StatsMap = "nodeport_stats"
+	// SourceRange4Map holds the LoadBalancer frontends' source ranges
+	// (SourceRangeKey).
+	SourceRange4Map = "nodeport_srcrange4"
 )
 
 // OwnMaps lists the maps the programs use besides the load balancer's.
-var OwnMaps = [...]string{DevicesMap, NAT4Map, StatsMap}
+var OwnMaps = [...]string{DevicesMap, NAT4Map, StatsMap, SourceRange4Map}
+
+// SourceRangeKey is the key of nodeport_srcrange4 (struct
+// np_srcrange4_key): a frontend's (rev-NAT index) client prefix. The
+// frontend's own entry, Prefixlen 32 with value 0, denies what no prefix
+// of its (value 1) allows.
+type SourceRangeKey struct {
+	Prefixlen uint32 // 32 + the prefix's bits
+	RevNat    bpf.Be16
+	Pad       uint16
+	Addr      [4]byte
+}
+
+// SourceRangeKeys returns the entries that let the prefixes in to the
+// frontend rev-NAT index id: its own entry (value 0) first.
+func SourceRangeKeys(id uint16, prefixes []netip.Prefix) map[SourceRangeKey]uint8 {
+	out := map[SourceRangeKey]uint8{{Prefixlen: 32, RevNat: bpf.NewBe16(id)}: 0}
+	for _, p := range prefixes {
+		if !p.Addr().Is4() {
+			continue
+		}
+		out[SourceRangeKey{Prefixlen: 32 + uint32(p.Bits()), RevNat: bpf.NewBe16(id), Addr: p.Masked().Addr().As4()}] = 1
+	}
+	return out
+}
 
 // Program names: the ingress and egress programs of an external device.
 const (
@@ -100,13 +127,14 @@ const (
 	StatNATPorts
 	StatNoSNATAddr
 	StatNoRoute
+	StatSourceRange
 	statCount
 )
 
 // StatNames names each Stat, as metrics and the CLI show them.
 var StatNames = [statCount]string{
 	"new_local", "new_remote", "forward", "reply",
-	"drop_no_backend", "drop_nat_full", "drop_nat_ports", "drop_no_snat_address", "drop_no_route",
+	"drop_no_backend", "drop_nat_full", "drop_nat_ports", "drop_no_snat_address", "drop_no_route", "drop_source_range",
 }
 
 // NAT port range the programs allocate from: above Linux's default
@@ -133,7 +161,7 @@ type Maps struct {
 	// The load balancer's (bpf.LB4ServicesMap, bpf.LB4BackendsMap).
 	Services4, Backends4 *ebpf.Map
 	// The programs' own (see OwnMaps, MapSpec).
-	Devices, NAT4, Stats *ebpf.Map
+	Devices, NAT4, Stats, SourceRange4 *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's map definitions.
@@ -152,11 +180,12 @@ func Load(cfg Config, m Maps) (map[string]*ebpf.Program, error) {
 		}
 	}
 	return bpf.LoadPrograms(spec, map[string]*ebpf.Map{
-		nodeportMapLb4Services:     m.Services4,
-		nodeportMapLb4Backends:     m.Backends4,
-		nodeportMapNodeportDevices: m.Devices,
-		nodeportMapNodeportNat4:    m.NAT4,
-		nodeportMapNodeportStats:   m.Stats,
+		nodeportMapLb4Services:       m.Services4,
+		nodeportMapLb4Backends:       m.Backends4,
+		nodeportMapNodeportDevices:   m.Devices,
+		nodeportMapNodeportNat4:      m.NAT4,
+		nodeportMapNodeportStats:     m.Stats,
+		nodeportMapNodeportSrcrange4: m.SourceRange4,
 	}, "nodeport programs")
 }
 

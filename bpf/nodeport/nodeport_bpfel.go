@@ -16,17 +16,18 @@ import (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	nodeportMapLb4Backends      = "lb4_backends"
-	nodeportMapLb4Services      = "lb4_services"
-	nodeportMapNodeportDevices  = "nodeport_devices"
-	nodeportMapNodeportNat4     = "nodeport_nat4"
-	nodeportMapNodeportStats    = "nodeport_stats"
-	nodeportProgNodeportEgress  = "nodeport_egress"
-	nodeportProgNodeportIngress = "nodeport_ingress"
-	nodeportVarNatPortMax       = "nat_port_max"
-	nodeportVarNatPortMin       = "nat_port_min"
-	nodeportVarTcpTimeoutNs     = "tcp_timeout_ns"
-	nodeportVarUdpTimeoutNs     = "udp_timeout_ns"
+	nodeportMapLb4Backends       = "lb4_backends"
+	nodeportMapLb4Services       = "lb4_services"
+	nodeportMapNodeportDevices   = "nodeport_devices"
+	nodeportMapNodeportNat4      = "nodeport_nat4"
+	nodeportMapNodeportSrcrange4 = "nodeport_srcrange4"
+	nodeportMapNodeportStats     = "nodeport_stats"
+	nodeportProgNodeportEgress   = "nodeport_egress"
+	nodeportProgNodeportIngress  = "nodeport_ingress"
+	nodeportVarNatPortMax        = "nat_port_max"
+	nodeportVarNatPortMin        = "nat_port_min"
+	nodeportVarTcpTimeoutNs      = "tcp_timeout_ns"
+	nodeportVarUdpTimeoutNs      = "udp_timeout_ns"
 )
 
 // loadNodeport returns the embedded CollectionSpec for nodeport.
@@ -79,11 +80,12 @@ type nodeportProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type nodeportMapSpecs struct {
-	Lb4Backends     *ebpf.MapSpec `ebpf:"lb4_backends"`
-	Lb4Services     *ebpf.MapSpec `ebpf:"lb4_services"`
-	NodeportDevices *ebpf.MapSpec `ebpf:"nodeport_devices"`
-	NodeportNat4    *ebpf.MapSpec `ebpf:"nodeport_nat4"`
-	NodeportStats   *ebpf.MapSpec `ebpf:"nodeport_stats"`
+	Lb4Backends       *ebpf.MapSpec `ebpf:"lb4_backends"`
+	Lb4Services       *ebpf.MapSpec `ebpf:"lb4_services"`
+	NodeportDevices   *ebpf.MapSpec `ebpf:"nodeport_devices"`
+	NodeportNat4      *ebpf.MapSpec `ebpf:"nodeport_nat4"`
+	NodeportSrcrange4 *ebpf.MapSpec `ebpf:"nodeport_srcrange4"`
+	NodeportStats     *ebpf.MapSpec `ebpf:"nodeport_stats"`
 }
 
 // nodeportVariableSpecs contains global variables before they are loaded into the kernel.
@@ -116,11 +118,12 @@ func (o *nodeportObjects) Close() error {
 //
 // It can be passed to loadNodeportObjects or ebpf.CollectionSpec.LoadAndAssign.
 type nodeportMaps struct {
-	Lb4Backends     *ebpf.Map `ebpf:"lb4_backends"`
-	Lb4Services     *ebpf.Map `ebpf:"lb4_services"`
-	NodeportDevices *ebpf.Map `ebpf:"nodeport_devices"`
-	NodeportNat4    *ebpf.Map `ebpf:"nodeport_nat4"`
-	NodeportStats   *ebpf.Map `ebpf:"nodeport_stats"`
+	Lb4Backends       *ebpf.Map `ebpf:"lb4_backends"`
+	Lb4Services       *ebpf.Map `ebpf:"lb4_services"`
+	NodeportDevices   *ebpf.Map `ebpf:"nodeport_devices"`
+	NodeportNat4      *ebpf.Map `ebpf:"nodeport_nat4"`
+	NodeportSrcrange4 *ebpf.Map `ebpf:"nodeport_srcrange4"`
+	NodeportStats     *ebpf.Map `ebpf:"nodeport_stats"`
 }
 
 func (m *nodeportMaps) Close() error {
@@ -129,6 +132,7 @@ func (m *nodeportMaps) Close() error {
 		m.Lb4Services,
 		m.NodeportDevices,
 		m.NodeportNat4,
+		m.NodeportSrcrange4,
 		m.NodeportStats,
 	)
 }

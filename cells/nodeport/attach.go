@@ -44,6 +44,10 @@ type attacher struct {
 	db      *statedb.DB
 	devices statedb.RWTable[*tables.NodePortDevice]
 
+	// attached is closed once the programs and their maps are in place.
+	attached     chan struct{}
+	attachedOnce sync.Once
+
 	mu  sync.Mutex
 	own map[string]*ebpf.Map
 }
@@ -54,7 +58,7 @@ func newAttacher(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, maps lb.Maps
 		return nil, err
 	}
 	return &attacher{log: log, cfg: cfg, pinDir: string(pinDir), lbMaps: maps, nodeIPs: nodeCfg.NodeIPs,
-		db: db, devices: devices}, nil
+		db: db, devices: devices, attached: make(chan struct{})}, nil
 }
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
@@ -86,6 +90,9 @@ func (a *attacher) run(ctx context.Context, health cell.Health) error {
 	}
 	a.log.Info(msg)
 	health.OK(msg)
+	if a.cfg.EnableNodePort {
+		a.attachedOnce.Do(func() { close(a.attached) })
+	}
 	<-ctx.Done()
 	return nil
 }
@@ -212,7 +219,8 @@ func (a *attacher) attach() (string, error) {
 			return err
 		}
 		progs, err = nodeport.Load(a.progConfig(), nodeport.Maps{Services4: s4, Backends4: b4,
-			Devices: own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap]})
+			Devices: own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap],
+			SourceRange4: own[nodeport.SourceRange4Map]})
 		return err
 	})
 	if err != nil {

@@ -267,6 +267,51 @@ func setupNodePort(t *testing.T, extra string) *npSetup {
 	return s
 }
 
+// npLoadBalancers: two LoadBalancer services on the backend pod, one whose
+// source ranges hold the client, one whose do not.
+const npLoadBalancers = `---
+apiVersion: v1
+kind: Service
+metadata: {name: np-lb-in, namespace: default}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.83
+  loadBalancerSourceRanges: ["10.241.0.0/24"]
+  ports: [{name: tcp, port: 80, targetPort: 8080, nodePort: 30083, protocol: TCP}]
+status: {loadBalancer: {ingress: [{ip: ` + npLBIn + `}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: np-lb-in-1, namespace: default, labels: {kubernetes.io/service-name: np-lb-in}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints: [{addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: np-lb-out, namespace: default}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.84
+  loadBalancerSourceRanges: ["192.0.2.0/24"]
+  ports: [{name: tcp, port: 80, targetPort: 8080, nodePort: 30084, protocol: TCP}]
+status: {loadBalancer: {ingress: [{ip: ` + npLBOut + `}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: np-lb-out-1, namespace: default, labels: {kubernetes.io/service-name: np-lb-out}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints: [{addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}]
+`
+
+// LoadBalancer ingress IPs of npLoadBalancers, routed to the node by the
+// client's default route.
+const (
+	npLBIn  = "10.241.9.1"
+	npLBOut = "10.241.9.2"
+)
+
 // TestNodePortFromOutside: a client outside the node (its own network
 // namespace, behind an external device) reaches a NodePort service at
 // <node address>:<nodePort>, over TCP and UDP, through the shipped
@@ -275,7 +320,7 @@ func setupNodePort(t *testing.T, extra string) *npSetup {
 // node's address there (SNAT), and its replies come back to the client.
 // The flows are in `apiary bpf nodeport list`, the counts in `stats`.
 func TestNodePortFromOutside(t *testing.T) {
-	s := setupNodePort(t, "")
+	s := setupNodePort(t, npLoadBalancers)
 	for _, tc := range []struct {
 		name, port, seen string
 	}{
@@ -294,6 +339,30 @@ func TestNodePortFromOutside(t *testing.T) {
 			})
 		})
 	}
+	t.Run("loadBalancerSourceRanges", func(t *testing.T) {
+		testenv.Eventually(t, waitTimeout, "the LoadBalancer IP whose ranges hold the client", func() (bool, string) {
+			got := s.client.run(t, connectEnv+"="+npLBIn+":80")
+			return got == "ok: hello "+npClient4, got
+		})
+		// Its node port is not bound by the ranges (kube-proxy's rule).
+		if got := s.client.run(t, connectEnv+"="+npNode4+":30084"); got != "ok: hello "+npClient4 {
+			t.Errorf("node port of the ranged service: %q", got)
+		}
+		if got := s.client.run(t, connectEnv+"="+npLBOut+":80"); got != "timeout" {
+			t.Errorf("the LoadBalancer IP whose ranges leave the client out: %q, want timeout", got)
+		}
+		if n := s.nodePortStat(t, "drop_source_range"); n == 0 {
+			t.Errorf("drop_source_range not counted")
+		}
+	})
+
+	// The pinned programs and maps hold while the agent is down.
+	s.a.stop(t)
+	if got := s.client.run(t, connectEnv+"="+npNode4+":30082"); got != "ok: hello "+npRemoteGw4 {
+		t.Errorf("agent down: %q", got)
+	}
+	s.a.start(t)
+
 	out, err := s.a.bpf("nodeport", "list")
 	if err != nil || !strings.Contains(out, npClient4) || !strings.Contains(out, npRemote4+":8080 via "+npRemoteGw4) {
 		t.Errorf("apiary bpf nodeport list: %v\n%s", err, out)
@@ -309,6 +378,24 @@ func TestNodePortFromOutside(t *testing.T) {
 		got := s.client.run(t, connectEnv+"="+npNode4+":30081")
 		return got == "ECONNREFUSED", got
 	})
+}
+
+// nodePortStat reads one counter of `apiary bpf nodeport stats`.
+func (s *npSetup) nodePortStat(t *testing.T, name string) uint64 {
+	t.Helper()
+	out, err := s.a.bpf("nodeport", "stats")
+	if err != nil {
+		t.Fatalf("apiary bpf nodeport stats: %v\n%s", err, out)
+	}
+	for line := range strings.Lines(out) {
+		var k string
+		var n uint64
+		if _, err := fmt.Sscan(line, &k, &n); err == nil && k == name {
+			return n
+		}
+	}
+	t.Fatalf("apiary bpf nodeport stats has no %s:\n%s", name, out)
+	return 0
 }
 
 // TestNodePortPolicy: a translated packet meets the backend pod's
