@@ -35,7 +35,7 @@ var Cell = cell.Module(
 	cell.Config(defaultConfig),
 	cell.ProvidePrivate(tables.NewNodePortDevicesTable, newAttacher, newSourceRanges),
 	cell.Provide(func(t statedb.RWTable[*tables.NodePortDevice]) statedb.Table[*tables.NodePortDevice] { return t }),
-	cell.Invoke(registerJobs),
+	cell.Invoke(registerJobs, registerMetrics),
 )
 
 // Flag names.

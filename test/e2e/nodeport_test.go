@@ -354,6 +354,12 @@ func TestNodePortFromOutside(t *testing.T) {
 		if n := s.nodePortStat(t, "drop_source_range"); n == 0 {
 			t.Errorf("drop_source_range not counted")
 		}
+		if n, err := s.a.labelledMetric(`apiary_nodeport_packets_total{event="drop_source_range"}`); err != nil || n == 0 {
+			t.Errorf("apiary_nodeport_packets_total{event=\"drop_source_range\"}: %v %v", n, err)
+		}
+		if n, err := s.a.metric("apiary_nodeport_nat_entries"); err != nil || n < 2 {
+			t.Errorf("apiary_nodeport_nat_entries: %v %v, want at least 2", n, err)
+		}
 	})
 
 	// The pinned programs and maps hold while the agent is down.
