@@ -93,6 +93,44 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } lb4_backends SEC(".maps");
 
+/* lb_affinity_match (the load balancer's): (backend, service) of each
+ * active backend of a service with session affinity. */
+struct lb_affinity_match {
+	__u32 backend_id;
+	__be16 rev_nat_id;
+	__u16 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb_affinity_match);
+	__type(value, __u8);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} lb_affinity_match SEC(".maps");
+
+/* nodeport_affinity4 (these programs'): per client address and frontend,
+ * the backend chosen last, for ClientIP session affinity. An LRU: when
+ * full, the clients seen least recently lose their affinity. */
+struct np4_affinity_key {
+	__be32 client;
+	__be16 rev_nat;
+	__u16 pad;
+};
+
+struct np_affinity_val {
+	__u64 last_used; /* bpf_ktime_get_ns */
+	__u32 backend_id;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct np4_affinity_key);
+	__type(value, struct np_affinity_val);
+	__uint(max_entries, 65536);
+} nodeport_affinity4 SEC(".maps");
+
 /* nodeport_devices (the agent's): an external device's ifindex -> the
  * address remote backends see as the source of what leaves through it. */
 struct np_device {
@@ -205,6 +243,9 @@ volatile const __u64 udp_timeout_ns = 60 * 1000000000ULL;
 #define TCX_NEXT -1
 #define TCX_DROP 2
 
+#define SVC_FLAG_AFFINITY (1 << 4)
+#define AFFINITY_TIMEOUT_MASK 0xFFFFFF /* of slot 0's backend_id, seconds */
+#define NSEC_PER_SEC 1000000000ULL
 #define SVC_FLAG_LOADBALANCER (1 << 5)
 #define SVC_FLAG_ROUTABLE (1 << 6)
 #define BACKEND_ACTIVE 0
@@ -323,7 +364,7 @@ static __always_inline int stale(const struct np4_entry *e, __u64 now)
 
 /* pick_backend chooses one of the service's usable backends at random. */
 static __always_inline const struct lb4_backend *pick_backend(struct lb4_key *key,
-							       const struct lb4_service *svc)
+							       const struct lb4_service *svc, __u32 *out_id)
 {
 	const struct lb4_service *slot;
 	const struct lb4_backend *be;
@@ -340,6 +381,36 @@ static __always_inline const struct lb4_backend *pick_backend(struct lb4_key *ke
 	be = bpf_map_lookup_elem(&lb4_backends, &id);
 	if (!be || (be->flags != BACKEND_ACTIVE && be->flags != BACKEND_TERMINATING))
 		return NULL;
+	*out_id = id;
+	return be;
+}
+
+/*
+ * affinity_backend returns the backend the client used last for the
+ * frontend, while that choice holds: within the service's timeout, still
+ * one of its active backends (lb_affinity_match, as the socket hooks
+ * check). Following it refreshes it.
+ */
+static __always_inline const struct lb4_backend *affinity_backend(const struct np4_affinity_key *akey,
+								   __u32 timeout, __u64 now)
+{
+	struct lb_affinity_match match = { .rev_nat_id = akey->rev_nat };
+	struct np_affinity_val *val = bpf_map_lookup_elem(&nodeport_affinity4, akey);
+	const struct lb4_backend *be;
+	__u32 id;
+
+	if (!val)
+		return NULL;
+	id = val->backend_id;
+	if ((__s64)(now - val->last_used) > (__s64)((__u64)timeout * NSEC_PER_SEC))
+		return NULL;
+	match.backend_id = id;
+	if (!bpf_map_lookup_elem(&lb_affinity_match, &match))
+		return NULL;
+	be = bpf_map_lookup_elem(&lb4_backends, &id);
+	if (!be || be->flags != BACKEND_ACTIVE)
+		return NULL;
+	val->last_used = now;
 	return be;
 }
 
@@ -416,8 +487,10 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 		.proto = p->proto,
 	};
 	const struct lb4_service *svc;
-	const struct lb4_backend *be;
+	const struct lb4_backend *be = NULL;
+	struct np4_affinity_key akey = {};
 	struct np4_key fk = {}, rk = {};
+	__u32 be_id = 0;
 	struct np4_entry fe = {}, re = {};
 	__be32 be_addr, nat_addr;
 	__be16 be_port, nat_port = p->sport;
@@ -442,14 +515,29 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 			return TCX_DROP;
 		}
 	}
-	be = pick_backend(&key, svc);
+	now = bpf_ktime_get_ns();
+	if (svc->flags & SVC_FLAG_AFFINITY) {
+		akey.client = p->saddr;
+		akey.rev_nat = svc->rev_nat_index;
+		be = affinity_backend(&akey, svc->backend_id & AFFINITY_TIMEOUT_MASK, now);
+	}
 	if (!be) {
-		count(NP_STAT_NO_BACKEND);
-		return TCX_DROP;
+		be = pick_backend(&key, svc, &be_id);
+		if (!be) {
+			count(NP_STAT_NO_BACKEND);
+			return TCX_DROP;
+		}
+		if (svc->flags & SVC_FLAG_AFFINITY) {
+			struct np_affinity_val av = {
+				.last_used = now,
+				.backend_id = be_id,
+			};
+
+			bpf_map_update_elem(&nodeport_affinity4, &akey, &av, BPF_ANY);
+		}
 	}
 	be_addr = be->address;
 	be_port = be->port;
-	now = bpf_ktime_get_ns();
 
 	nat_addr = snat_addr(skb, p, be_addr, &none, &out_ifindex);
 	if (none) {

@@ -43,6 +43,7 @@ func newDatapath(tb testing.TB) *datapath {
 	d := &datapath{maps: Maps{
 		Services4: mk(bpf.LB4ServicesMap), Backends4: mk(bpf.LB4BackendsMap),
 		Devices: mk(DevicesMap), NAT4: mk(NAT4Map), Stats: mk(StatsMap), SourceRange4: mk(SourceRange4Map),
+		AffinityMatch: mk(bpf.LBAffinityMatchMap), Affinity4: mk(Affinity4Map),
 	}}
 	d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute}, d.maps)
 	if err != nil {
@@ -59,8 +60,23 @@ func newDatapath(tb testing.TB) *datapath {
 // service writes a frontend with flags and the backends, IDs from 1.
 func (d *datapath) service(tb testing.TB, fe netip.AddrPort, proto uint8, flags bpf.ServiceFlags, backends ...netip.AddrPort) {
 	tb.Helper()
+	d.serviceAffinity(tb, fe, proto, flags, 0, backends...)
+}
+
+// serviceAffinity is service with a session affinity timeout (seconds),
+// the backends in lb_affinity_match as the agent writes them.
+func (d *datapath) serviceAffinity(tb testing.TB, fe netip.AddrPort, proto uint8, flags bpf.ServiceFlags, timeout uint32, backends ...netip.AddrPort) {
+	tb.Helper()
 	key := bpf.LB4ServiceKey{Address: fe.Addr().As4(), Port: bpf.NewBe16(fe.Port()), Proto: proto}
-	if err := d.maps.Services4.Put(key, bpf.LB4ServiceValue{Count: uint16(len(backends)), RevNat: bpf.NewBe16(1), Flags: flags}); err != nil {
+	if timeout != 0 {
+		flags |= bpf.SvcFlagSessionAffinity
+		for i := range backends {
+			if err := d.maps.AffinityMatch.Put(bpf.LBAffinityMatchKey{BackendID: uint32(i + 1), RevNat: bpf.NewBe16(1)}, uint8(0)); err != nil {
+				tb.Fatal(err)
+			}
+		}
+	}
+	if err := d.maps.Services4.Put(key, bpf.LB4ServiceValue{BackendID: timeout, Count: uint16(len(backends)), RevNat: bpf.NewBe16(1), Flags: flags}); err != nil {
 		tb.Fatal(err)
 	}
 	for i, be := range backends {
@@ -360,5 +376,37 @@ func TestSourceRanges(t *testing.T) {
 	d.service(t, nodePort, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend)
 	if ret, _ := d.run(t, IngressProg, frame(tcp, outside, nodePort)); ret != tcxNext {
 		t.Errorf("NodePort from outside the ranges: verdict %#x", ret)
+	}
+}
+
+// TestSessionAffinity: with ClientIP affinity, every new flow of a client
+// goes to the backend its first went to; without, flows spread.
+func TestSessionAffinity(t *testing.T) {
+	other := netip.MustParseAddrPort("10.244.0.6:8080")
+	for _, tt := range []struct {
+		name    string
+		timeout uint32
+		want    int // distinct backends over 32 flows
+	}{
+		{"ClientIP", 60, 1},
+		{"None", 0, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := newDatapath(t)
+			d.serviceAffinity(t, nodePort, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, tt.timeout, backend, other)
+			seen := map[netip.AddrPort]bool{}
+			for i := range 32 {
+				src := netip.AddrPortFrom(client.Addr(), client.Port()+uint16(i))
+				ret, out := d.run(t, IngressProg, frame(tcp, src, nodePort))
+				if ret != tcxNext {
+					t.Fatalf("flow %d: verdict %#x", i, ret)
+				}
+				_, dst := parsed(t, out)
+				seen[dst] = true
+			}
+			if len(seen) != tt.want {
+				t.Errorf("backends used %v, want %d of them", seen, tt.want)
+			}
+		})
 	}
 }

@@ -26,10 +26,14 @@ const (
 	// SourceRange4Map holds the LoadBalancer frontends' source ranges
 	// (SourceRangeKey).
 	SourceRange4Map = "nodeport_srcrange4"
+
+	// Affinity4Map remembers, per client address and frontend, the
+	// backend chosen last (ClientIP session affinity); an LRU.
+	Affinity4Map = "nodeport_affinity4"
 )
 
 // OwnMaps lists the maps the programs use besides the load balancer's.
-var OwnMaps = [...]string{DevicesMap, NAT4Map, StatsMap, SourceRange4Map}
+var OwnMaps = [...]string{DevicesMap, NAT4Map, StatsMap, SourceRange4Map, Affinity4Map}
 
 // SourceRangeKey is the key of nodeport_srcrange4 (struct
 // np_srcrange4_key): a frontend's (rev-NAT index) client prefix. The
@@ -158,10 +162,11 @@ type Config struct {
 
 // Maps are the maps the programs use.
 type Maps struct {
-	// The load balancer's (bpf.LB4ServicesMap, bpf.LB4BackendsMap).
-	Services4, Backends4 *ebpf.Map
+	// The load balancer's (bpf.LB4ServicesMap, bpf.LB4BackendsMap,
+	// bpf.LBAffinityMatchMap).
+	Services4, Backends4, AffinityMatch *ebpf.Map
 	// The programs' own (see OwnMaps, MapSpec).
-	Devices, NAT4, Stats, SourceRange4 *ebpf.Map
+	Devices, NAT4, Stats, SourceRange4, Affinity4 *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's map definitions.
@@ -186,6 +191,8 @@ func Load(cfg Config, m Maps) (map[string]*ebpf.Program, error) {
 		nodeportMapNodeportNat4:      m.NAT4,
 		nodeportMapNodeportStats:     m.Stats,
 		nodeportMapNodeportSrcrange4: m.SourceRange4,
+		nodeportMapLbAffinityMatch:   m.AffinityMatch,
+		nodeportMapNodeportAffinity4: m.Affinity4,
 	}, "nodeport programs")
 }
 

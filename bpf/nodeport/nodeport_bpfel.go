@@ -18,6 +18,8 @@ import (
 const (
 	nodeportMapLb4Backends       = "lb4_backends"
 	nodeportMapLb4Services       = "lb4_services"
+	nodeportMapLbAffinityMatch   = "lb_affinity_match"
+	nodeportMapNodeportAffinity4 = "nodeport_affinity4"
 	nodeportMapNodeportDevices   = "nodeport_devices"
 	nodeportMapNodeportNat4      = "nodeport_nat4"
 	nodeportMapNodeportSrcrange4 = "nodeport_srcrange4"
@@ -82,6 +84,8 @@ type nodeportProgramSpecs struct {
 type nodeportMapSpecs struct {
 	Lb4Backends       *ebpf.MapSpec `ebpf:"lb4_backends"`
 	Lb4Services       *ebpf.MapSpec `ebpf:"lb4_services"`
+	LbAffinityMatch   *ebpf.MapSpec `ebpf:"lb_affinity_match"`
+	NodeportAffinity4 *ebpf.MapSpec `ebpf:"nodeport_affinity4"`
 	NodeportDevices   *ebpf.MapSpec `ebpf:"nodeport_devices"`
 	NodeportNat4      *ebpf.MapSpec `ebpf:"nodeport_nat4"`
 	NodeportSrcrange4 *ebpf.MapSpec `ebpf:"nodeport_srcrange4"`
@@ -120,6 +124,8 @@ func (o *nodeportObjects) Close() error {
 type nodeportMaps struct {
 	Lb4Backends       *ebpf.Map `ebpf:"lb4_backends"`
 	Lb4Services       *ebpf.Map `ebpf:"lb4_services"`
+	LbAffinityMatch   *ebpf.Map `ebpf:"lb_affinity_match"`
+	NodeportAffinity4 *ebpf.Map `ebpf:"nodeport_affinity4"`
 	NodeportDevices   *ebpf.Map `ebpf:"nodeport_devices"`
 	NodeportNat4      *ebpf.Map `ebpf:"nodeport_nat4"`
 	NodeportSrcrange4 *ebpf.Map `ebpf:"nodeport_srcrange4"`
@@ -130,6 +136,8 @@ func (m *nodeportMaps) Close() error {
 	return _NodeportClose(
 		m.Lb4Backends,
 		m.Lb4Services,
+		m.LbAffinityMatch,
+		m.NodeportAffinity4,
 		m.NodeportDevices,
 		m.NodeportNat4,
 		m.NodeportSrcrange4,

@@ -218,7 +218,12 @@ func (a *attacher) attach() (string, error) {
 		if err != nil {
 			return err
 		}
-		progs, err = nodeport.Load(a.progConfig(), nodeport.Maps{Services4: s4, Backends4: b4,
+		am, err := bpf.KernelMap(lm.AffinityMatch)
+		if err != nil {
+			return err
+		}
+		progs, err = nodeport.Load(a.progConfig(), nodeport.Maps{Services4: s4, Backends4: b4, AffinityMatch: am,
+			Affinity4: own[nodeport.Affinity4Map],
 			Devices: own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap],
 			SourceRange4: own[nodeport.SourceRange4Map]})
 		return err
