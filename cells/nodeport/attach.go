@@ -224,7 +224,7 @@ func (a *attacher) attach() (string, error) {
 		}
 		progs, err = nodeport.Load(a.progConfig(), nodeport.Maps{Services4: s4, Backends4: b4, AffinityMatch: am,
 			Affinity4: own[nodeport.Affinity4Map],
-			Devices: own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap],
+			Devices:   own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap],
 			SourceRange4: own[nodeport.SourceRange4Map]})
 		return err
 	})
