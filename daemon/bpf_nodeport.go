@@ -26,7 +26,7 @@ func newNodePortCmd(pinDir *string) *cobra.Command {
 	cmd.AddCommand(&cobra.Command{
 		Use:   "list",
 		Short: "Print the translated flows, one per line",
-		Long: "Print each flow of nodeport_nat4: protocol, client, frontend, backend and, for a\n" +
+		Long: "Print each flow of nodeport_nat4 and nodeport_nat6: protocol, client, frontend, backend and, for a\n" +
 			"remote backend, the address and port it sees (\"via\").",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -39,6 +39,16 @@ func newNodePortCmd(pinDir *string) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			m6, err := open(nodeport.NAT6Map)
+			if err != nil {
+				return err
+			}
+			defer m6.Close()
+			flows6, err := nodeport.Flows6(m6)
+			if err != nil {
+				return err
+			}
+			flows = append(flows, flows6...)
 			lines := make([]string, 0, len(flows))
 			for _, f := range flows {
 				proto := map[uint8]string{6: "TCP", 17: "UDP"}[f.Proto]

@@ -23,6 +23,8 @@ type NodePortDevice struct {
 	// SNATAddr is the address remote backends see as the source of
 	// flows leaving through it; invalid when it has none.
 	SNATAddr netip.Addr `json:"snatAddr,omitzero" yaml:"snatAddr,omitempty"`
+	// SNATAddr6 is the same for IPv6.
+	SNATAddr6 netip.Addr `json:"snatAddr6,omitzero" yaml:"snatAddr6,omitempty"`
 	// Attach says how the programs are attached ("tcx" or "tc"), empty
 	// when they are not.
 	Attach string `json:"attach,omitempty" yaml:"attach,omitempty"`
@@ -32,16 +34,18 @@ type NodePortDevice struct {
 
 // TableHeader implements statedb.TableWritable.
 func (*NodePortDevice) TableHeader() []string {
-	return []string{"Name", "Ifindex", "SNATAddr", "Attach", "Error"}
+	return []string{"Name", "Ifindex", "SNATAddr", "SNATAddr6", "Attach", "Error"}
 }
 
 // TableRow implements statedb.TableWritable.
 func (d *NodePortDevice) TableRow() []string {
-	addr := ""
-	if d.SNATAddr.IsValid() {
-		addr = d.SNATAddr.String()
+	addr := func(a netip.Addr) string {
+		if a.IsValid() {
+			return a.String()
+		}
+		return ""
 	}
-	return []string{d.Name, strconv.Itoa(d.Ifindex), addr, d.Attach, d.Error}
+	return []string{d.Name, strconv.Itoa(d.Ifindex), addr(d.SNATAddr), addr(d.SNATAddr6), d.Attach, d.Error}
 }
 
 // NodePortDeviceNameIndex is the primary index of the nodeport-devices

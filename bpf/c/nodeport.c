@@ -42,6 +42,7 @@
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/tcp.h>
 #include <linux/udp.h>
 #include <linux/pkt_cls.h>
@@ -93,6 +94,46 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } lb4_backends SEC(".maps");
 
+union v6addr {
+	__u8 addr[16];
+	__be32 p[4];
+};
+
+struct lb6_key {
+	union v6addr address;
+	__be16 dport;
+	__u16 backend_slot;
+	__u8 proto;
+	__u8 scope;
+	__u8 pad[2];
+};
+
+struct lb6_backend {
+	union v6addr address;
+	__be16 port;
+	__u8 proto;
+	__u8 flags;
+	__u16 cluster_id;
+	__u8 zone;
+	__u8 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb6_key);
+	__type(value, struct lb4_service); /* struct lb6_service: the same layout */
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} lb6_services SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, struct lb6_backend);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} lb6_backends SEC(".maps");
+
 /* lb_affinity_match (the load balancer's): (backend, service) of each
  * active backend of a service with session affinity. */
 struct lb_affinity_match {
@@ -136,6 +177,7 @@ struct {
 struct np_device {
 	__be32 addr4; /* 0: none, a remote backend behind it is unreachable */
 	__u32 flags;
+	union v6addr addr6; /* :: for none */
 };
 
 struct {
@@ -206,6 +248,51 @@ struct {
 	__uint(max_entries, 65536);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } nodeport_srcrange4 SEC(".maps");
+
+/* nodeport_nat6 and nodeport_srcrange6: the IPv6 twins. */
+struct np6_key {
+	union v6addr saddr;
+	union v6addr daddr;
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 dir;
+	__u8 pad[2];
+};
+
+struct np6_entry {
+	__u64 last_seen;
+	union v6addr addr;
+	union v6addr nat_addr;
+	__be16 port;
+	__be16 nat_port;
+	__u8 flags;
+	__u8 proto;
+	__u8 pad[2];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct np6_key);
+	__type(value, struct np6_entry);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} nodeport_nat6 SEC(".maps");
+
+struct np_srcrange6_key {
+	__u32 prefixlen; /* 32 + the prefix's bits */
+	__be16 rev_nat;
+	__u16 pad;
+	union v6addr addr;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct np_srcrange6_key);
+	__type(value, __u8);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} nodeport_srcrange6 SEC(".maps");
 
 /* nodeport_stats: per-CPU counts by NP_STAT_*. */
 enum {
@@ -659,16 +746,377 @@ static __always_inline int reply4(struct __sk_buff *skb, const struct pkt4 *p, i
 	return snat ? out4(skb, faddr, caddr, 0) : TCX_NEXT;
 }
 
-/* nodeport_ingress: what arrives at an external device. */
-SEC("tc")
-int nodeport_ingress(struct __sk_buff *skb)
+/* ---- IPv6: the same for packets without extension headers. ---- */
+
+#define IP6_OFF ETH_HLEN
+#define IP6_SRC_OFF (IP6_OFF + offsetof(struct ipv6hdr, saddr))
+#define IP6_DST_OFF (IP6_OFF + offsetof(struct ipv6hdr, daddr))
+
+struct pkt6 {
+	union v6addr saddr, daddr;
+	__be16 sport, dport;
+	__u32 l4_off;
+	__u8 proto;
+};
+
+static __always_inline int v6_zero(const union v6addr *a)
+{
+	return !(a->p[0] | a->p[1] | a->p[2] | a->p[3]);
+}
+
+static __always_inline int v6_eq(const union v6addr *a, const union v6addr *b)
+{
+	return a->p[0] == b->p[0] && a->p[1] == b->p[1] && a->p[2] == b->p[2] && a->p[3] == b->p[3];
+}
+
+/* parse6 reads an IPv6 TCP or UDP packet whose next header is TCP or UDP
+ * at once; 0 for anything else (extension headers included), which
+ * passes untouched. */
+static __always_inline int parse6(struct __sk_buff *skb, struct pkt6 *p)
+{
+	struct ipv6hdr ip;
+	__be16 ports[2];
+
+	if (skb->protocol != bpf_htons(ETH_P_IPV6))
+		return 0;
+	if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0)
+		return 0;
+	if (ip.nexthdr != IPPROTO_TCP && ip.nexthdr != IPPROTO_UDP)
+		return 0;
+	p->l4_off = IP6_OFF + sizeof(ip);
+	if (bpf_skb_load_bytes(skb, p->l4_off, ports, sizeof(ports)) < 0)
+		return 0;
+	__builtin_memcpy(&p->saddr, &ip.saddr, 16);
+	__builtin_memcpy(&p->daddr, &ip.daddr, 16);
+	p->sport = ports[0];
+	p->dport = ports[1];
+	p->proto = ip.nexthdr;
+	return 1;
+}
+
+static __always_inline __u32 l4_csum_off6(const struct pkt6 *p)
+{
+	return p->l4_off + (p->proto == IPPROTO_TCP ? offsetof(struct tcphdr, check) :
+						       offsetof(struct udphdr, check));
+}
+
+/* set_addr6 rewrites the address at off from old to new, with the
+ * pseudo-header checksum (IPv6 has no header checksum). */
+static __always_inline int set_addr6(struct __sk_buff *skb, const struct pkt6 *p, __u32 off,
+				     const union v6addr *old, const union v6addr *new)
+{
+	__s64 diff;
+
+	if (v6_eq(old, new))
+		return 0;
+	diff = bpf_csum_diff((__be32 *)old, 16, (__be32 *)new, 16, 0);
+	if (diff < 0)
+		return -1;
+	/* UDP over IPv6 must carry a checksum: no MANGLED_0. */
+	if (bpf_l4_csum_replace(skb, l4_csum_off6(p), 0, diff, BPF_F_PSEUDO_HDR) < 0)
+		return -1;
+	return bpf_skb_store_bytes(skb, off, new, 16, 0);
+}
+
+static __always_inline int set_port6(struct __sk_buff *skb, const struct pkt6 *p, __u32 off,
+				     __be16 old, __be16 new)
+{
+	if (old == new)
+		return 0;
+	if (bpf_l4_csum_replace(skb, l4_csum_off6(p), old, new, sizeof(new)) < 0)
+		return -1;
+	return bpf_skb_store_bytes(skb, off, &new, sizeof(new), 0);
+}
+
+static __always_inline int rewrite6(struct __sk_buff *skb, const struct pkt6 *p,
+				    const union v6addr *saddr, __be16 sport,
+				    const union v6addr *daddr, __be16 dport)
+{
+	if (set_addr6(skb, p, IP6_SRC_OFF, &p->saddr, saddr) < 0 ||
+	    set_addr6(skb, p, IP6_DST_OFF, &p->daddr, daddr) < 0 ||
+	    set_port6(skb, p, p->l4_off, p->sport, sport) < 0 ||
+	    set_port6(skb, p, p->l4_off + 2, p->dport, dport) < 0)
+		return TCX_DROP;
+	return TCX_NEXT;
+}
+
+static __always_inline int stale6(const struct np6_entry *e, __u64 now)
+{
+	return (__s64)(now - e->last_seen) > (__s64)timeout_of(e->proto);
+}
+
+/* fib6 returns the device the kernel routes daddr through, 0 for none. */
+static __always_inline __u32 fib6(struct __sk_buff *skb, const union v6addr *saddr,
+				  const union v6addr *daddr)
+{
+	struct bpf_fib_lookup fib = {
+		.family = 10, /* AF_INET6 */
+		.ifindex = skb->ingress_ifindex,
+	};
+	long rc;
+
+	__builtin_memcpy(fib.ipv6_src, saddr, 16);
+	__builtin_memcpy(fib.ipv6_dst, daddr, 16);
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_SKIP_NEIGH);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
+		return 0;
+	return fib.ifindex;
+}
+
+static __always_inline int out6(struct __sk_buff *skb, const union v6addr *saddr,
+				const union v6addr *daddr, __u32 ifindex)
+{
+	if (!ifindex)
+		ifindex = fib6(skb, saddr, daddr);
+	if (!ifindex) {
+		count(NP_STAT_NO_ROUTE);
+		return TCX_DROP;
+	}
+	return (int)bpf_redirect_neigh(ifindex, NULL, 0, 0);
+}
+
+static __always_inline const struct lb6_backend *pick_backend6(struct lb6_key *key,
+								const struct lb4_service *svc)
+{
+	const struct lb4_service *slot;
+	const struct lb6_backend *be;
+	__u32 n = svc->count ? svc->count : svc->qcount;
+	__u32 id;
+
+	if (n == 0)
+		return NULL;
+	key->backend_slot = (__u16)(bpf_get_prandom_u32() % n + 1);
+	slot = bpf_map_lookup_elem(&lb6_services, key);
+	if (!slot)
+		return NULL;
+	id = slot->backend_id;
+	be = bpf_map_lookup_elem(&lb6_backends, &id);
+	if (!be || (be->flags != BACKEND_ACTIVE && be->flags != BACKEND_TERMINATING))
+		return NULL;
+	return be;
+}
+
+static __always_inline int new_flow6(struct __sk_buff *skb, const struct pkt6 *p)
+{
+	struct lb6_key key = {
+		.dport = p->dport,
+		.proto = p->proto,
+	};
+	const struct lb4_service *svc;
+	const struct lb6_backend *be;
+	struct np6_key fk = {}, rk = {};
+	struct np6_entry fe = {}, re = {};
+	union v6addr be_addr, nat_addr = {};
+	__be16 be_port, nat_port = p->sport;
+	struct np_device *dev = NULL;
+	__u32 ifindex;
+	__u64 now;
+	int i;
+	long err;
+
+	key.address = p->daddr;
+	svc = bpf_map_lookup_elem(&lb6_services, &key);
+	if (!svc || !(svc->flags & SVC_FLAG_ROUTABLE))
+		return -2;
+	if (svc->flags & SVC_FLAG_LOADBALANCER) {
+		struct np_srcrange6_key sk = {
+			.prefixlen = 32 + 128,
+			.rev_nat = svc->rev_nat_index,
+			.addr = p->saddr,
+		};
+		__u8 *allowed = bpf_map_lookup_elem(&nodeport_srcrange6, &sk);
+
+		if (allowed && !*allowed) {
+			count(NP_STAT_SOURCE_RANGE);
+			return TCX_DROP;
+		}
+	}
+	be = pick_backend6(&key, svc);
+	if (!be) {
+		count(NP_STAT_NO_BACKEND);
+		return TCX_DROP;
+	}
+	be_addr = be->address;
+	be_port = be->port;
+	now = bpf_ktime_get_ns();
+
+	ifindex = fib6(skb, &p->saddr, &be_addr);
+	if (ifindex)
+		dev = bpf_map_lookup_elem(&nodeport_devices, &ifindex);
+	if (dev) {
+		nat_addr = dev->addr6;
+		if (v6_zero(&nat_addr)) {
+			count(NP_STAT_NO_SNAT_ADDR);
+			return TCX_DROP;
+		}
+	}
+
+	rk.saddr = be_addr;
+	rk.sport = be_port;
+	rk.proto = p->proto;
+	rk.dir = NP_DIR_REV;
+	re.last_seen = now;
+	re.addr = p->saddr;
+	re.port = p->sport;
+	re.nat_addr = p->daddr;
+	re.nat_port = p->dport;
+	re.proto = p->proto;
+	if (dev) {
+		re.flags = NP_FLAG_SNAT;
+		rk.daddr = nat_addr;
+		for (i = 0; i < NAT_TRIES; i++) {
+			__u32 span = (__u32)nat_port_max - nat_port_min + 1;
+			struct np6_entry *old;
+
+			nat_port = bpf_htons((__u16)(nat_port_min + bpf_get_prandom_u32() % span));
+			rk.dport = nat_port;
+			err = bpf_map_update_elem(&nodeport_nat6, &rk, &re, BPF_NOEXIST);
+			if (err == 0)
+				break;
+			if (err != -17 /* EEXIST */) {
+				count(NP_STAT_NAT_FULL);
+				return TCX_DROP;
+			}
+			old = bpf_map_lookup_elem(&nodeport_nat6, &rk);
+			if (old && stale6(old, now)) {
+				struct np6_key ofk = {
+					.saddr = old->addr,
+					.daddr = old->nat_addr,
+					.sport = old->port,
+					.dport = old->nat_port,
+					.proto = old->proto,
+					.dir = NP_DIR_FWD,
+				};
+
+				bpf_map_delete_elem(&nodeport_nat6, &ofk);
+				*old = re;
+				break;
+			}
+		}
+		if (i == NAT_TRIES) {
+			count(NP_STAT_NAT_PORTS);
+			return TCX_DROP;
+		}
+	} else {
+		rk.daddr = p->saddr;
+		rk.dport = p->sport;
+		if (bpf_map_update_elem(&nodeport_nat6, &rk, &re, BPF_ANY) < 0) {
+			count(NP_STAT_NAT_FULL);
+			return TCX_DROP;
+		}
+	}
+
+	fk.saddr = p->saddr;
+	fk.daddr = p->daddr;
+	fk.sport = p->sport;
+	fk.dport = p->dport;
+	fk.proto = p->proto;
+	fk.dir = NP_DIR_FWD;
+	fe.last_seen = now;
+	fe.addr = be_addr;
+	fe.port = be_port;
+	fe.nat_addr = nat_addr;
+	fe.nat_port = dev ? nat_port : 0;
+	fe.flags = re.flags;
+	fe.proto = p->proto;
+	if (bpf_map_update_elem(&nodeport_nat6, &fk, &fe, BPF_ANY) < 0) {
+		bpf_map_delete_elem(&nodeport_nat6, &rk);
+		count(NP_STAT_NAT_FULL);
+		return TCX_DROP;
+	}
+	count(dev ? NP_STAT_NEW_REMOTE : NP_STAT_NEW_LOCAL);
+	if (!dev)
+		return rewrite6(skb, p, &p->saddr, p->sport, &be_addr, be_port);
+	if (rewrite6(skb, p, &nat_addr, nat_port, &be_addr, be_port) != TCX_NEXT)
+		return TCX_DROP;
+	return out6(skb, &nat_addr, &be_addr, ifindex);
+}
+
+static __always_inline int reply6(struct __sk_buff *skb, const struct pkt6 *p, int snat)
+{
+	struct np6_key k = {
+		.sport = p->sport,
+		.dport = p->dport,
+		.proto = p->proto,
+		.dir = NP_DIR_REV,
+	};
+	struct np6_entry *e;
+	union v6addr caddr, faddr;
+	__be16 cport, fport;
+
+	k.saddr = p->saddr;
+	k.daddr = p->daddr;
+	e = bpf_map_lookup_elem(&nodeport_nat6, &k);
+	if (!e || !(e->flags & NP_FLAG_SNAT) != !snat)
+		return -2;
+	e->last_seen = bpf_ktime_get_ns();
+	caddr = e->addr;
+	cport = e->port;
+	faddr = e->nat_addr;
+	fport = e->nat_port;
+	count(NP_STAT_REV);
+	if (rewrite6(skb, p, &faddr, fport, &caddr, cport) != TCX_NEXT)
+		return TCX_DROP;
+	return snat ? out6(skb, &faddr, &caddr, 0) : TCX_NEXT;
+}
+
+/* ingress6 and egress6 are functions of their own (not inlined): the
+ * IPv6 path's stack is then not added to the IPv4 path's. */
+static __attribute__((noinline)) int ingress6(struct __sk_buff *skb)
+{
+	struct np6_key k = {};
+	struct np6_entry *e;
+	struct pkt6 pkt, *p = &pkt;
+	int ret;
+
+	if (!skb || !parse6(skb, p))
+		return TCX_NEXT;
+	k.sport = p->sport;
+	k.dport = p->dport;
+	k.proto = p->proto;
+	k.dir = NP_DIR_FWD;
+	ret = reply6(skb, p, 1);
+	if (ret != -2)
+		return ret;
+	k.saddr = p->saddr;
+	k.daddr = p->daddr;
+	e = bpf_map_lookup_elem(&nodeport_nat6, &k);
+	if (e) {
+		union v6addr be_addr = e->addr, nat_addr = e->nat_addr;
+		__be16 be_port = e->port, nat_port = e->nat_port;
+		int snat = e->flags & NP_FLAG_SNAT;
+
+		e->last_seen = bpf_ktime_get_ns();
+		count(NP_STAT_FWD);
+		if (!snat)
+			return rewrite6(skb, p, &p->saddr, p->sport, &be_addr, be_port);
+		if (rewrite6(skb, p, &nat_addr, nat_port, &be_addr, be_port) != TCX_NEXT)
+			return TCX_DROP;
+		return out6(skb, &nat_addr, &be_addr, 0);
+	}
+	ret = new_flow6(skb, p);
+	return ret == -2 ? TCX_NEXT : ret;
+}
+
+static __attribute__((noinline)) int egress6(struct __sk_buff *skb)
+{
+	struct pkt6 p;
+	int ret;
+
+	if (!skb || !parse6(skb, &p))
+		return TCX_NEXT;
+	ret = reply6(skb, &p, 0);
+	return ret == -2 ? TCX_NEXT : ret;
+}
+
+static __attribute__((noinline)) int ingress4(struct __sk_buff *skb)
 {
 	struct np4_key k = {};
 	struct np4_entry *e;
 	struct pkt4 p;
 	int ret;
 
-	if (!parse4(skb, &p))
+	if (!skb || !parse4(skb, &p))
 		return TCX_NEXT;
 	ret = reply4(skb, &p, 1);
 	if (ret != -2)
@@ -697,6 +1145,15 @@ int nodeport_ingress(struct __sk_buff *skb)
 	return ret == -2 ? TCX_NEXT : ret;
 }
 
+/* nodeport_ingress: what arrives at an external device. */
+SEC("tc")
+int nodeport_ingress(struct __sk_buff *skb)
+{
+	if (skb->protocol == bpf_htons(ETH_P_IPV6))
+		return ingress6(skb);
+	return ingress4(skb);
+}
+
 /* nodeport_egress: what leaves through an external device; a local
  * backend's replies get their frontend back. */
 SEC("tc")
@@ -705,6 +1162,8 @@ int nodeport_egress(struct __sk_buff *skb)
 	struct pkt4 p;
 	int ret;
 
+	if (skb->protocol == bpf_htons(ETH_P_IPV6))
+		return egress6(skb);
 	if (!parse4(skb, &p))
 		return TCX_NEXT;
 	ret = reply4(skb, &p, 0);

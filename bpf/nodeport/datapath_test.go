@@ -44,6 +44,8 @@ func newDatapath(tb testing.TB) *datapath {
 		Services4: mk(bpf.LB4ServicesMap), Backends4: mk(bpf.LB4BackendsMap),
 		Devices: mk(DevicesMap), NAT4: mk(NAT4Map), Stats: mk(StatsMap), SourceRange4: mk(SourceRange4Map),
 		AffinityMatch: mk(bpf.LBAffinityMatchMap), Affinity4: mk(Affinity4Map),
+		Services6: mk(bpf.LB6ServicesMap), Backends6: mk(bpf.LB6BackendsMap),
+		NAT6: mk(NAT6Map), SourceRange6: mk(SourceRange6Map),
 	}}
 	d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute}, d.maps)
 	if err != nil {
@@ -409,4 +411,118 @@ func TestSessionAffinity(t *testing.T) {
 			}
 		})
 	}
+}
+
+// service6 writes an IPv6 frontend with the backends, IDs from 101.
+func (d *datapath) service6(tb testing.TB, fe netip.AddrPort, proto uint8, flags bpf.ServiceFlags, backends ...netip.AddrPort) {
+	tb.Helper()
+	key := bpf.LB6ServiceKey{Address: fe.Addr().As16(), Port: bpf.NewBe16(fe.Port()), Proto: proto}
+	if err := d.maps.Services6.Put(key, bpf.LB6ServiceValue{Count: uint16(len(backends)), RevNat: bpf.NewBe16(2), Flags: flags}); err != nil {
+		tb.Fatal(err)
+	}
+	for i, be := range backends {
+		id := uint32(101 + i)
+		key.Slot = uint16(i + 1)
+		if err := d.maps.Services6.Put(key, bpf.LB6ServiceValue{BackendID: id, RevNat: bpf.NewBe16(2), Flags: flags}); err != nil {
+			tb.Fatal(err)
+		}
+		if err := d.maps.Backends6.Put(id, bpf.LB6BackendValue{Address: be.Addr().As16(), Port: bpf.NewBe16(be.Port()), Proto: proto}); err != nil {
+			tb.Fatal(err)
+		}
+	}
+}
+
+// frame6 is frame for IPv6.
+func frame6(proto uint8, src, dst netip.AddrPort) []byte {
+	l4len := 20
+	if proto == udp {
+		l4len = 8 + 4
+	}
+	b := make([]byte, 14+40+l4len)
+	binary.BigEndian.PutUint16(b[12:], 0x86dd)
+	ip := b[14:54]
+	ip[0] = 0x60
+	binary.BigEndian.PutUint16(ip[4:], uint16(l4len))
+	ip[6] = proto
+	ip[7] = 64
+	s16, d16 := src.Addr().As16(), dst.Addr().As16()
+	copy(ip[8:], s16[:])
+	copy(ip[24:], d16[:])
+	l4 := b[54:]
+	binary.BigEndian.PutUint16(l4[0:], src.Port())
+	binary.BigEndian.PutUint16(l4[2:], dst.Port())
+	if proto == tcp {
+		l4[12] = 5 << 4
+		l4[13] = 0x02
+		binary.BigEndian.PutUint16(l4[14:], 65535)
+		binary.BigEndian.PutUint16(l4[16:], csum(l4, pseudo6(ip, proto, len(l4))))
+	} else {
+		binary.BigEndian.PutUint16(l4[4:], uint16(l4len))
+		copy(l4[8:], "ping")
+		binary.BigEndian.PutUint16(l4[6:], csum(l4, pseudo6(ip, proto, len(l4))))
+	}
+	return b
+}
+
+func pseudo6(ip []byte, proto uint8, n int) uint32 {
+	var s uint32
+	for i := 8; i < 40; i += 2 {
+		s += uint32(binary.BigEndian.Uint16(ip[i:]))
+	}
+	return s + uint32(proto) + uint32(n)
+}
+
+func parsed6(tb testing.TB, b []byte) (src, dst netip.AddrPort) {
+	tb.Helper()
+	ip, l4 := b[14:54], b[54:]
+	if c := csum(l4, pseudo6(ip, ip[6], len(l4))); c != 0 {
+		tb.Errorf("L4 checksum off by %#x", c)
+	}
+	src = netip.AddrPortFrom(netip.AddrFrom16([16]byte(ip[8:24])), binary.BigEndian.Uint16(l4[0:]))
+	dst = netip.AddrPortFrom(netip.AddrFrom16([16]byte(ip[24:40])), binary.BigEndian.Uint16(l4[2:]))
+	return src, dst
+}
+
+// TestTranslate6: TestTranslate for IPv6, and IPv6 source ranges.
+func TestTranslate6(t *testing.T) {
+	client6 := netip.MustParseAddrPort("[2001:db8::7]:40000")
+	front6 := netip.MustParseAddrPort("[fd00::1]:30080")
+	backend6 := netip.MustParseAddrPort("[fd00:244::5]:8080")
+	for _, proto := range []uint8{tcp, udp} {
+		t.Run(map[uint8]string{tcp: "TCP", udp: "UDP"}[proto], func(t *testing.T) {
+			d := newDatapath(t)
+			d.service6(t, front6, proto, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend6)
+			for i := range 2 {
+				ret, out := d.run(t, IngressProg, frame6(proto, client6, front6))
+				src, dst := parsed6(t, out)
+				if ret != tcxNext || src != client6 || dst != backend6 {
+					t.Fatalf("packet %d: verdict %#x, %s -> %s; want %s -> %s", i, ret, src, dst, client6, backend6)
+				}
+			}
+			ret, out := d.run(t, EgressProg, frame6(proto, backend6, client6))
+			src, dst := parsed6(t, out)
+			if ret != tcxNext || src != front6 || dst != client6 {
+				t.Fatalf("reply: verdict %#x, %s -> %s; want %s -> %s", ret, src, dst, front6, client6)
+			}
+			flows, err := Flows6(d.maps.NAT6)
+			if err != nil || len(flows) != 1 || flows[0].Backend != backend6 {
+				t.Errorf("flows %+v %v", flows, err)
+			}
+		})
+	}
+	t.Run("source ranges", func(t *testing.T) {
+		d := newDatapath(t)
+		d.service6(t, front6, tcp, bpf.SvcFlagLoadBalancer|bpf.SvcFlagRoutable, backend6)
+		for k, v := range SourceRange6Keys(2, []netip.Prefix{netip.MustParsePrefix("2001:db8::/64")}) {
+			if err := d.maps.SourceRange6.Put(k, v); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if ret, _ := d.run(t, IngressProg, frame6(tcp, client6, front6)); ret != tcxNext {
+			t.Errorf("client in range: verdict %#x", ret)
+		}
+		if ret, _ := d.run(t, IngressProg, frame6(tcp, netip.MustParseAddrPort("[2001:db9::1]:1000"), front6)); ret != tcxDrop {
+			t.Errorf("client outside: verdict %#x, want drop", ret)
+		}
+	})
 }

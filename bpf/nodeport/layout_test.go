@@ -45,6 +45,11 @@ func TestLayout(t *testing.T) {
 		{"np4_entry", reflect.TypeFor[NATEntry]()},
 		{"np_srcrange4_key", reflect.TypeFor[SourceRangeKey]()},
 		{"np4_affinity_key", reflect.TypeFor[affinityKey4]()},
+		{"lb6_key", reflect.TypeFor[bpf.LB6ServiceKey]()},
+		{"lb6_backend", reflect.TypeFor[bpf.LB6BackendValue]()},
+		{"np6_key", reflect.TypeFor[NAT6Key]()},
+		{"np6_entry", reflect.TypeFor[NAT6Entry]()},
+		{"np_srcrange6_key", reflect.TypeFor[SourceRange6Key]()},
 		{"np_affinity_val", reflect.TypeFor[affinityVal]()},
 	} {
 		t.Run(tc.cStruct, func(t *testing.T) {
@@ -71,7 +76,7 @@ func TestLayout(t *testing.T) {
 			}
 		})
 	}
-	for _, name := range []string{bpf.LB4ServicesMap, bpf.LB4BackendsMap, bpf.LBAffinityMatchMap} {
+	for _, name := range []string{bpf.LB4ServicesMap, bpf.LB4BackendsMap, bpf.LB6ServicesMap, bpf.LB6BackendsMap, bpf.LBAffinityMatchMap} {
 		want, err := bpf.LBMapSpec(name, 16)
 		if err != nil {
 			t.Fatal(err)
@@ -93,6 +98,8 @@ func TestLayout(t *testing.T) {
 		{DevicesMap, ebpf.Hash, reflect.TypeFor[uint32](), reflect.TypeFor[Device]()},
 		{NAT4Map, ebpf.Hash, reflect.TypeFor[NATKey](), reflect.TypeFor[NATEntry]()},
 		{SourceRange4Map, ebpf.LPMTrie, reflect.TypeFor[SourceRangeKey](), reflect.TypeFor[uint8]()},
+		{NAT6Map, ebpf.Hash, reflect.TypeFor[NAT6Key](), reflect.TypeFor[NAT6Entry]()},
+		{SourceRange6Map, ebpf.LPMTrie, reflect.TypeFor[SourceRange6Key](), reflect.TypeFor[uint8]()},
 		{Affinity4Map, ebpf.LRUHash, reflect.TypeFor[affinityKey4](), reflect.TypeFor[affinityVal]()},
 	} {
 		ms, err := MapSpec(tc.name, 16)

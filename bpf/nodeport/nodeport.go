@@ -21,11 +21,15 @@ const (
 	// NAT4Map holds each translated flow's forward and reply tuples
 	// (NATKey, NATEntry), sized by --bpf-nat-max.
 	NAT4Map = "nodeport_nat4"
+	// NAT6Map is its IPv6 twin (NAT6Key, NAT6Entry), of the same size.
+	NAT6Map = "nodeport_nat6"
 	// StatsMap holds per-CPU counts by Stat.
 	StatsMap = "nodeport_stats"
 	// SourceRange4Map holds the LoadBalancer frontends' source ranges
 	// (SourceRangeKey).
 	SourceRange4Map = "nodeport_srcrange4"
+	// SourceRange6Map is its IPv6 twin (SourceRange6Key).
+	SourceRange6Map = "nodeport_srcrange6"
 
 	// Affinity4Map remembers, per client address and frontend, the
 	// backend chosen last (ClientIP session affinity); an LRU.
@@ -33,7 +37,7 @@ const (
 )
 
 // OwnMaps lists the maps the programs use besides the load balancer's.
-var OwnMaps = [...]string{DevicesMap, NAT4Map, StatsMap, SourceRange4Map, Affinity4Map}
+var OwnMaps = [...]string{DevicesMap, NAT4Map, NAT6Map, StatsMap, SourceRange4Map, SourceRange6Map, Affinity4Map}
 
 // SourceRangeKey is the key of nodeport_srcrange4 (struct
 // np_srcrange4_key): a frontend's (rev-NAT index) client prefix. The
@@ -46,8 +50,18 @@ type SourceRangeKey struct {
 	Addr      [4]byte
 }
 
-// SourceRangeKeys returns the entries that let the prefixes in to the
-// frontend rev-NAT index id: its own entry (value 0) first.
+// SourceRange6Key is the key of nodeport_srcrange6 (struct
+// np_srcrange6_key), SourceRangeKey with an IPv6 address.
+type SourceRange6Key struct {
+	Prefixlen uint32 // 32 + the prefix's bits
+	RevNat    bpf.Be16
+	Pad       uint16
+	Addr      [16]byte
+}
+
+// SourceRangeKeys returns the entries that let the prefixes of the
+// frontend's family in to the frontend rev-NAT index id: its own entry
+// (value 0) and one per prefix (value 1).
 func SourceRangeKeys(id uint16, prefixes []netip.Prefix) map[SourceRangeKey]uint8 {
 	out := map[SourceRangeKey]uint8{{Prefixlen: 32, RevNat: bpf.NewBe16(id)}: 0}
 	for _, p := range prefixes {
@@ -55,6 +69,18 @@ func SourceRangeKeys(id uint16, prefixes []netip.Prefix) map[SourceRangeKey]uint
 			continue
 		}
 		out[SourceRangeKey{Prefixlen: 32 + uint32(p.Bits()), RevNat: bpf.NewBe16(id), Addr: p.Masked().Addr().As4()}] = 1
+	}
+	return out
+}
+
+// SourceRange6Keys is SourceRangeKeys for an IPv6 frontend.
+func SourceRange6Keys(id uint16, prefixes []netip.Prefix) map[SourceRange6Key]uint8 {
+	out := map[SourceRange6Key]uint8{{Prefixlen: 32, RevNat: bpf.NewBe16(id)}: 0}
+	for _, p := range prefixes {
+		if !p.Addr().Is6() || p.Addr().Is4In6() {
+			continue
+		}
+		out[SourceRange6Key{Prefixlen: 32 + uint32(p.Bits()), RevNat: bpf.NewBe16(id), Addr: p.Masked().Addr().As16()}] = 1
 	}
 	return out
 }
@@ -69,6 +95,7 @@ const (
 type Device struct {
 	Addr4 [4]byte
 	Flags uint32
+	Addr6 [16]byte
 }
 
 // Directions of a NATKey.
@@ -85,6 +112,28 @@ type NATKey struct {
 	Proto        uint8
 	Dir          uint8
 	Pad          [2]byte
+}
+
+// NAT6Key is the key of nodeport_nat6 (struct np6_key).
+type NAT6Key struct {
+	SAddr, DAddr [16]byte
+	SPort, DPort bpf.Be16
+	Proto        uint8
+	Dir          uint8
+	Pad          [2]byte
+}
+
+// NAT6Entry is the value of nodeport_nat6 (struct np6_entry), NATEntry
+// with IPv6 addresses.
+type NAT6Entry struct {
+	LastSeen uint64
+	Addr     [16]byte
+	NATAddr  [16]byte
+	Port     bpf.Be16
+	NATPort  bpf.Be16
+	Flags    uint8
+	Proto    uint8
+	Pad      [2]byte
 }
 
 // FlagSNAT marks the entries of a flow to a remote backend, whose source
@@ -108,7 +157,7 @@ type NATEntry struct {
 
 // Byte sizes of the structs above, as the C lays them out.
 const (
-	DeviceSize   = 8
+	DeviceSize   = 24
 	NATKeySize   = 16
 	NATEntrySize = 24
 )
@@ -163,10 +212,10 @@ type Config struct {
 // Maps are the maps the programs use.
 type Maps struct {
 	// The load balancer's (bpf.LB4ServicesMap, bpf.LB4BackendsMap,
-	// bpf.LBAffinityMatchMap).
-	Services4, Backends4, AffinityMatch *ebpf.Map
+	// bpf.LB6ServicesMap, bpf.LB6BackendsMap, bpf.LBAffinityMatchMap).
+	Services4, Backends4, Services6, Backends6, AffinityMatch *ebpf.Map
 	// The programs' own (see OwnMaps, MapSpec).
-	Devices, NAT4, Stats, SourceRange4, Affinity4 *ebpf.Map
+	Devices, NAT4, NAT6, Stats, SourceRange4, SourceRange6, Affinity4 *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's map definitions.
@@ -192,6 +241,10 @@ func Load(cfg Config, m Maps) (map[string]*ebpf.Program, error) {
 		nodeportMapNodeportStats:     m.Stats,
 		nodeportMapNodeportSrcrange4: m.SourceRange4,
 		nodeportMapLbAffinityMatch:   m.AffinityMatch,
+		nodeportMapLb6Services:       m.Services6,
+		nodeportMapLb6Backends:       m.Backends6,
+		nodeportMapNodeportNat6:      m.NAT6,
+		nodeportMapNodeportSrcrange6: m.SourceRange6,
 		nodeportMapNodeportAffinity4: m.Affinity4,
 	}, "nodeport programs")
 }
@@ -208,7 +261,7 @@ func MapSpec(name string, maxEntries uint32) (*ebpf.MapSpec, error) {
 		return nil, err
 	}
 	ms := spec.Maps[name].Copy()
-	if name == NAT4Map {
+	if name == NAT4Map || name == NAT6Map {
 		ms.MaxEntries = maxEntries
 	}
 	return ms, nil
@@ -226,36 +279,110 @@ type Flow struct {
 	LastSeen time.Duration // CLOCK_MONOTONIC
 }
 
-func addrPort(a [4]byte, p bpf.Be16) netip.AddrPort {
-	return netip.AddrPortFrom(netip.AddrFrom4(a), p.Uint16())
+// natKey and natEntry are the keys and values of both NAT maps.
+type natKey interface {
+	comparable
+	dir() uint8
+	flow(v any) Flow
+	replyKey(v any) any
 }
 
-// Flows lists the forward entries of the NAT map.
-func Flows(nat *ebpf.Map) ([]Flow, error) {
+func (k NATKey) dir() uint8 { return k.Dir }
+
+func (k NATKey) flow(e any) Flow {
+	v := e.(NATEntry)
+	f := Flow{
+		Proto:    k.Proto,
+		Client:   netip.AddrPortFrom(netip.AddrFrom4(k.SAddr), k.SPort.Uint16()),
+		Frontend: netip.AddrPortFrom(netip.AddrFrom4(k.DAddr), k.DPort.Uint16()),
+		Backend:  netip.AddrPortFrom(netip.AddrFrom4(v.Addr), v.Port.Uint16()),
+		LastSeen: time.Duration(v.LastSeen),
+	}
+	if v.Flags&FlagSNAT != 0 {
+		f.NAT = netip.AddrPortFrom(netip.AddrFrom4(v.NATAddr), v.NATPort.Uint16())
+	}
+	return f
+}
+
+func (k NATKey) replyKey(e any) any { return ReplyKey(k, e.(NATEntry)) }
+
+func (k NAT6Key) dir() uint8 { return k.Dir }
+
+func (k NAT6Key) flow(e any) Flow {
+	v := e.(NAT6Entry)
+	f := Flow{
+		Proto:    k.Proto,
+		Client:   netip.AddrPortFrom(netip.AddrFrom16(k.SAddr), k.SPort.Uint16()),
+		Frontend: netip.AddrPortFrom(netip.AddrFrom16(k.DAddr), k.DPort.Uint16()),
+		Backend:  netip.AddrPortFrom(netip.AddrFrom16(v.Addr), v.Port.Uint16()),
+		LastSeen: time.Duration(v.LastSeen),
+	}
+	if v.Flags&FlagSNAT != 0 {
+		f.NAT = netip.AddrPortFrom(netip.AddrFrom16(v.NATAddr), v.NATPort.Uint16())
+	}
+	return f
+}
+
+func (k NAT6Key) replyKey(e any) any {
+	v := e.(NAT6Entry)
+	r := NAT6Key{SAddr: v.Addr, SPort: v.Port, Proto: k.Proto, Dir: DirReply}
+	if v.Flags&FlagSNAT != 0 {
+		r.DAddr, r.DPort = v.NATAddr, v.NATPort
+	} else {
+		r.DAddr, r.DPort = k.SAddr, k.SPort
+	}
+	return r
+}
+
+// lastSeen and proto read either entry type.
+func lastSeen(e any) uint64 {
+	if v, ok := e.(NATEntry); ok {
+		return v.LastSeen
+	}
+	return e.(NAT6Entry).LastSeen
+}
+
+func protoOf(e any) uint8 {
+	if v, ok := e.(NATEntry); ok {
+		return v.Proto
+	}
+	return e.(NAT6Entry).Proto
+}
+
+func readNAT[K natKey, V any](nat *ebpf.Map) (fwd, rev map[K]any, err error) {
 	var (
-		k   NATKey
-		v   NATEntry
-		out []Flow
+		k K
+		v V
 	)
+	fwd, rev = map[K]any{}, map[K]any{}
 	it := nat.Iterate()
 	for it.Next(&k, &v) {
-		if k.Dir != DirForward {
-			continue
+		if k.dir() == DirForward {
+			fwd[k] = v
+		} else {
+			rev[k] = v
 		}
-		f := Flow{
-			Proto:    k.Proto,
-			Client:   addrPort(k.SAddr, k.SPort),
-			Frontend: addrPort(k.DAddr, k.DPort),
-			Backend:  addrPort(v.Addr, v.Port),
-			LastSeen: time.Duration(v.LastSeen),
-		}
-		if v.Flags&FlagSNAT != 0 {
-			f.NAT = addrPort(v.NATAddr, v.NATPort)
-		}
-		out = append(out, f)
 	}
 	if err := it.Err(); err != nil {
-		return nil, fmt.Errorf("iterate %s: %w", NAT4Map, err)
+		return nil, nil, fmt.Errorf("iterate the NAT map: %w", err)
+	}
+	return fwd, rev, nil
+}
+
+// Flows lists the forward entries of nodeport_nat4.
+func Flows(nat *ebpf.Map) ([]Flow, error) { return flows[NATKey, NATEntry](nat) }
+
+// Flows6 lists the forward entries of nodeport_nat6.
+func Flows6(nat *ebpf.Map) ([]Flow, error) { return flows[NAT6Key, NAT6Entry](nat) }
+
+func flows[K natKey, V any](nat *ebpf.Map) ([]Flow, error) {
+	fwd, _, err := readNAT[K, V](nat)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Flow, 0, len(fwd))
+	for k, v := range fwd {
+		out = append(out, k.flow(v))
 	}
 	return out, nil
 }
@@ -289,42 +416,38 @@ func ReplyKey(k NATKey, v NATEntry) NATKey {
 	return r
 }
 
-// Expire deletes the flows idle past their protocol's timeout at now
-// (CLOCK_MONOTONIC): both entries of a flow together, when neither
-// direction was seen within the timeout, and reply entries whose forward
-// entry is gone. It returns how many entries it deleted and kept.
+// Expire deletes the flows of nodeport_nat4 idle past their protocol's
+// timeout at now (CLOCK_MONOTONIC): both entries of a flow together, when
+// neither direction was seen within the timeout, and reply entries whose
+// forward entry is gone. It returns how many entries it deleted and kept.
 func Expire(nat *ebpf.Map, now time.Duration, cfg Config) (deleted, kept int, err error) {
-	var (
-		k NATKey
-		v NATEntry
-	)
-	fwd := map[NATKey]NATEntry{}
-	rev := map[NATKey]NATEntry{}
-	it := nat.Iterate()
-	for it.Next(&k, &v) {
-		if k.Dir == DirForward {
-			fwd[k] = v
-		} else {
-			rev[k] = v
-		}
+	return expire[NATKey, NATEntry](nat, now, cfg)
+}
+
+// Expire6 is Expire for nodeport_nat6.
+func Expire6(nat *ebpf.Map, now time.Duration, cfg Config) (deleted, kept int, err error) {
+	return expire[NAT6Key, NAT6Entry](nat, now, cfg)
+}
+
+func expire[K natKey, V any](nat *ebpf.Map, now time.Duration, cfg Config) (deleted, kept int, err error) {
+	fwd, rev, err := readNAT[K, V](nat)
+	if err != nil {
+		return 0, 0, err
 	}
-	if err := it.Err(); err != nil {
-		return 0, 0, fmt.Errorf("iterate %s: %w", NAT4Map, err)
-	}
-	idle := func(v NATEntry, last uint64) bool {
+	idle := func(v any, last uint64) bool {
 		timeout := cfg.UDPTimeout
-		if v.Proto == 6 { // TCP
+		if protoOf(v) == 6 { // TCP
 			timeout = cfg.TCPTimeout
 		}
 		return now-time.Duration(last) > timeout
 	}
-	var dead []NATKey
+	var dead []K
 	for k, v := range fwd {
-		rk := ReplyKey(k, v)
-		last := v.LastSeen
+		rk := k.replyKey(v).(K)
+		last := lastSeen(v)
 		r, ok := rev[rk]
 		if ok {
-			last = max(last, r.LastSeen)
+			last = max(last, lastSeen(r))
 			delete(rev, rk)
 		}
 		if !idle(v, last) {
@@ -337,7 +460,7 @@ func Expire(nat *ebpf.Map, now time.Duration, cfg Config) (deleted, kept int, er
 		}
 	}
 	for k, v := range rev {
-		if idle(v, v.LastSeen) {
+		if idle(v, lastSeen(v)) {
 			dead = append(dead, k)
 		} else {
 			kept++ // being made: its forward entry follows

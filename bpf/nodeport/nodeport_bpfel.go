@@ -18,11 +18,15 @@ import (
 const (
 	nodeportMapLb4Backends       = "lb4_backends"
 	nodeportMapLb4Services       = "lb4_services"
+	nodeportMapLb6Backends       = "lb6_backends"
+	nodeportMapLb6Services       = "lb6_services"
 	nodeportMapLbAffinityMatch   = "lb_affinity_match"
 	nodeportMapNodeportAffinity4 = "nodeport_affinity4"
 	nodeportMapNodeportDevices   = "nodeport_devices"
 	nodeportMapNodeportNat4      = "nodeport_nat4"
+	nodeportMapNodeportNat6      = "nodeport_nat6"
 	nodeportMapNodeportSrcrange4 = "nodeport_srcrange4"
+	nodeportMapNodeportSrcrange6 = "nodeport_srcrange6"
 	nodeportMapNodeportStats     = "nodeport_stats"
 	nodeportProgNodeportEgress   = "nodeport_egress"
 	nodeportProgNodeportIngress  = "nodeport_ingress"
@@ -84,11 +88,15 @@ type nodeportProgramSpecs struct {
 type nodeportMapSpecs struct {
 	Lb4Backends       *ebpf.MapSpec `ebpf:"lb4_backends"`
 	Lb4Services       *ebpf.MapSpec `ebpf:"lb4_services"`
+	Lb6Backends       *ebpf.MapSpec `ebpf:"lb6_backends"`
+	Lb6Services       *ebpf.MapSpec `ebpf:"lb6_services"`
 	LbAffinityMatch   *ebpf.MapSpec `ebpf:"lb_affinity_match"`
 	NodeportAffinity4 *ebpf.MapSpec `ebpf:"nodeport_affinity4"`
 	NodeportDevices   *ebpf.MapSpec `ebpf:"nodeport_devices"`
 	NodeportNat4      *ebpf.MapSpec `ebpf:"nodeport_nat4"`
+	NodeportNat6      *ebpf.MapSpec `ebpf:"nodeport_nat6"`
 	NodeportSrcrange4 *ebpf.MapSpec `ebpf:"nodeport_srcrange4"`
+	NodeportSrcrange6 *ebpf.MapSpec `ebpf:"nodeport_srcrange6"`
 	NodeportStats     *ebpf.MapSpec `ebpf:"nodeport_stats"`
 }
 
@@ -124,11 +132,15 @@ func (o *nodeportObjects) Close() error {
 type nodeportMaps struct {
 	Lb4Backends       *ebpf.Map `ebpf:"lb4_backends"`
 	Lb4Services       *ebpf.Map `ebpf:"lb4_services"`
+	Lb6Backends       *ebpf.Map `ebpf:"lb6_backends"`
+	Lb6Services       *ebpf.Map `ebpf:"lb6_services"`
 	LbAffinityMatch   *ebpf.Map `ebpf:"lb_affinity_match"`
 	NodeportAffinity4 *ebpf.Map `ebpf:"nodeport_affinity4"`
 	NodeportDevices   *ebpf.Map `ebpf:"nodeport_devices"`
 	NodeportNat4      *ebpf.Map `ebpf:"nodeport_nat4"`
+	NodeportNat6      *ebpf.Map `ebpf:"nodeport_nat6"`
 	NodeportSrcrange4 *ebpf.Map `ebpf:"nodeport_srcrange4"`
+	NodeportSrcrange6 *ebpf.Map `ebpf:"nodeport_srcrange6"`
 	NodeportStats     *ebpf.Map `ebpf:"nodeport_stats"`
 }
 
@@ -136,11 +148,15 @@ func (m *nodeportMaps) Close() error {
 	return _NodeportClose(
 		m.Lb4Backends,
 		m.Lb4Services,
+		m.Lb6Backends,
+		m.Lb6Services,
 		m.LbAffinityMatch,
 		m.NodeportAffinity4,
 		m.NodeportDevices,
 		m.NodeportNat4,
+		m.NodeportNat6,
 		m.NodeportSrcrange4,
+		m.NodeportSrcrange6,
 		m.NodeportStats,
 	)
 }

@@ -99,9 +99,9 @@ func (a *attacher) run(ctx context.Context, health cell.Health) error {
 
 // device is an external device found.
 type device struct {
-	name    string
-	ifindex int
-	addr4   netip.Addr
+	name         string
+	ifindex      int
+	addr4, addr6 netip.Addr
 }
 
 // findDevices resolves --devices, or the devices of the default routes.
@@ -140,16 +140,16 @@ func (a *attacher) findDevices() ([]device, []*tables.NodePortDevice, error) {
 			row.Error = err.Error()
 			continue
 		}
-		d := device{name: name, ifindex: ifc.Index, addr4: a.deviceAddr4(ifc)}
-		row.Ifindex, row.SNATAddr = d.ifindex, d.addr4
+		d := device{name: name, ifindex: ifc.Index, addr4: a.deviceAddr(ifc, true), addr6: a.deviceAddr(ifc, false)}
+		row.Ifindex, row.SNATAddr, row.SNATAddr6 = d.ifindex, d.addr4, d.addr6
 		devs = append(devs, d)
 	}
 	return devs, rows, nil
 }
 
-// deviceAddr4 picks the device's IPv4 address for SNAT: a node address on
-// it first, else its first global unicast one.
-func (a *attacher) deviceAddr4(ifc *net.Interface) netip.Addr {
+// deviceAddr picks the device's IPv4 (or IPv6) address for SNAT: a node
+// address on it first, else its first global unicast one.
+func (a *attacher) deviceAddr(ifc *net.Interface, v4 bool) netip.Addr {
 	addrs, err := ifc.Addrs()
 	if err != nil {
 		return netip.Addr{}
@@ -157,7 +157,7 @@ func (a *attacher) deviceAddr4(ifc *net.Interface) netip.Addr {
 	var first netip.Addr
 	for _, ad := range addrs {
 		pfx, err := netip.ParsePrefix(ad.String())
-		if err != nil || !pfx.Addr().Is4() || !pfx.Addr().IsGlobalUnicast() {
+		if err != nil || pfx.Addr().Is4() != v4 || !pfx.Addr().IsGlobalUnicast() {
 			continue
 		}
 		ip := pfx.Addr()
@@ -222,9 +222,18 @@ func (a *attacher) attach() (string, error) {
 		if err != nil {
 			return err
 		}
+		s6, err := bpf.KernelMap(lm.Services6)
+		if err != nil {
+			return err
+		}
+		b6, err := bpf.KernelMap(lm.Backends6)
+		if err != nil {
+			return err
+		}
 		progs, err = nodeport.Load(a.progConfig(), nodeport.Maps{Services4: s4, Backends4: b4, AffinityMatch: am,
-			Affinity4: own[nodeport.Affinity4Map],
-			Devices:   own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap],
+			Affinity4: own[nodeport.Affinity4Map], Services6: s6, Backends6: b6,
+			NAT6: own[nodeport.NAT6Map], SourceRange6: own[nodeport.SourceRange6Map],
+			Devices: own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap],
 			SourceRange4: own[nodeport.SourceRange4Map]})
 		return err
 	})
@@ -249,6 +258,9 @@ func (a *attacher) attach() (string, error) {
 		var v nodeport.Device
 		if d.addr4.IsValid() {
 			v.Addr4 = d.addr4.As4()
+		}
+		if d.addr6.IsValid() {
+			v.Addr6 = d.addr6.As16()
 		}
 		if err := own[nodeport.DevicesMap].Put(uint32(d.ifindex), v); err != nil {
 			closeMaps(own)
@@ -293,7 +305,7 @@ func (a *attacher) attach() (string, error) {
 		if _, err := os.Stat(linkPin(a.linksDir(), dev.ifindex, false)); err == nil {
 			rows[i].Attach = "tcx"
 		}
-		done = append(done, fmt.Sprintf("%s (%s, SNAT %v)", dev.name, rows[i].Attach, dev.addr4))
+		done = append(done, fmt.Sprintf("%s (%s, SNAT %v %v)", dev.name, rows[i].Attach, dev.addr4, dev.addr6))
 	}
 	for _, ifindex := range stale {
 		a.detachDevice(int(ifindex))
@@ -372,19 +384,21 @@ func (a *attacher) detach() (string, error) {
 func (a *attacher) gc(ctx context.Context) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	nat := a.own[nodeport.NAT4Map]
-	if nat == nil {
+	nat4, nat6 := a.own[nodeport.NAT4Map], a.own[nodeport.NAT6Map]
+	if nat4 == nil || nat6 == nil {
 		return nil
 	}
 	var ts unix.Timespec
 	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
 		return err
 	}
-	deleted, _, err := nodeport.Expire(nat, time.Duration(ts.Nano()), a.progConfig())
-	if deleted > 0 {
-		a.log.Debug("Expired idle nodeport NAT entries", "deleted", deleted)
+	now := time.Duration(ts.Nano())
+	d4, _, err4 := nodeport.Expire(nat4, now, a.progConfig())
+	d6, _, err6 := nodeport.Expire6(nat6, now, a.progConfig())
+	if d4+d6 > 0 {
+		a.log.Debug("Expired idle nodeport NAT entries", "deleted", d4+d6)
 	}
-	return err
+	return errors.Join(err4, err6)
 }
 
 // close drops this process's handles; pinned links and maps stay.

@@ -24,7 +24,7 @@ func registerMetrics(reg prometheus.Registerer, a *attacher) error {
 			"Packets of the nodeport programs by event: new_local, new_remote, forward, reply, and drop_* (no_backend, nat_full, nat_ports, no_snat_address, no_route, source_range); counted in the datapath",
 			[]string{"event"}, nil),
 		entries: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "nodeport", "nat_entries"),
-			"Entries in nodeport_nat4 (two per translated flow), against --"+NATMaxFlag, nil, nil),
+			"Entries in nodeport_nat4 (family 4) and nodeport_nat6 (family 6), two per translated flow, against --"+NATMaxFlag, []string{"family"}, nil),
 		a: a,
 	})
 }
@@ -37,8 +37,8 @@ func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	c.a.mu.Lock()
 	defer c.a.mu.Unlock()
-	stats, nat := c.a.own[nodeport.StatsMap], c.a.own[nodeport.NAT4Map]
-	if stats == nil || nat == nil {
+	stats, nat, nat6 := c.a.own[nodeport.StatsMap], c.a.own[nodeport.NAT4Map], c.a.own[nodeport.NAT6Map]
+	if stats == nil || nat == nil || nat6 == nil {
 		return
 	}
 	st, err := nodeport.Stats(stats)
@@ -49,13 +49,15 @@ func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, name := range nodeport.StatNames {
 		ch <- prometheus.MustNewConstMetric(c.packets, prometheus.CounterValue, float64(st[name]), name)
 	}
-	ch <- prometheus.MustNewConstMetric(c.entries, prometheus.GaugeValue, float64(countEntries(nat)))
+	ch <- prometheus.MustNewConstMetric(c.entries, prometheus.GaugeValue, float64(countEntries[nodeport.NATKey, nodeport.NATEntry](nat)), "4")
+	ch <- prometheus.MustNewConstMetric(c.entries, prometheus.GaugeValue, float64(countEntries[nodeport.NAT6Key, nodeport.NAT6Entry](nat6)), "6")
 }
 
-func countEntries(m *ebpf.Map) int {
+// countEntries counts a NAT map's entries.
+func countEntries[K, V any](m *ebpf.Map) int {
 	var (
-		k nodeport.NATKey
-		v nodeport.NATEntry
+		k K
+		v V
 		n int
 	)
 	for it := m.Iterate(); it.Next(&k, &v); {

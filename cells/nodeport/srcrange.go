@@ -2,6 +2,7 @@ package nodeport
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/cilium/ebpf"
@@ -27,37 +28,44 @@ func newSourceRanges(a *attacher, db *statedb.DB, services statedb.Table[*tables
 }
 
 // desired lists the entries the frontends in txn ask for: every
-// reconciled LoadBalancer frontend of a service with source ranges.
-func (s *sourceRanges) desired(txn statedb.ReadTxn) map[nodeport.SourceRangeKey]uint8 {
-	out := map[nodeport.SourceRangeKey]uint8{}
+// reconciled LoadBalancer frontend of a service with source ranges, by
+// family.
+func (s *sourceRanges) desired(txn statedb.ReadTxn) (map[nodeport.SourceRangeKey]uint8, map[nodeport.SourceRange6Key]uint8) {
+	out4, out6 := map[nodeport.SourceRangeKey]uint8{}, map[nodeport.SourceRange6Key]uint8{}
 	for fe := range s.frontends.All(txn) {
-		if fe.Type != tables.FrontendLoadBalancer || fe.ID == 0 || !fe.Address.Addr.Is4() {
+		if fe.Type != tables.FrontendLoadBalancer || fe.ID == 0 {
 			continue
 		}
 		svc, _, ok := s.services.Get(txn, tables.ServiceNameIndex.Query(fe.Service))
 		if !ok || !svc.SourceRangesSet {
 			continue
 		}
-		for k, v := range nodeport.SourceRangeKeys(fe.ID, svc.LoadBalancerSourceRanges) {
-			out[k] = v
+		if fe.Address.Addr.Is4() {
+			for k, v := range nodeport.SourceRangeKeys(fe.ID, svc.LoadBalancerSourceRanges) {
+				out4[k] = v
+			}
+		} else {
+			for k, v := range nodeport.SourceRange6Keys(fe.ID, svc.LoadBalancerSourceRanges) {
+				out6[k] = v
+			}
 		}
 	}
-	return out
+	return out4, out6
 }
 
 // syncRanges makes the map hold exactly want: new entries first, then the
 // strays, so that no frontend is open for a moment while its ranges
 // change.
-func syncRanges(m *ebpf.Map, want map[nodeport.SourceRangeKey]uint8) error {
+func syncRanges[K comparable](m *ebpf.Map, want map[K]uint8) error {
 	for k, v := range want {
 		if err := m.Put(k, v); err != nil {
-			return fmt.Errorf("write %s: %w", nodeport.SourceRange4Map, err)
+			return fmt.Errorf("write a source-range map: %w", err)
 		}
 	}
 	var (
-		k     nodeport.SourceRangeKey
+		k     K
 		v     uint8
-		stray []nodeport.SourceRangeKey
+		stray []K
 	)
 	it := m.Iterate()
 	for it.Next(&k, &v) {
@@ -66,11 +74,11 @@ func syncRanges(m *ebpf.Map, want map[nodeport.SourceRangeKey]uint8) error {
 		}
 	}
 	if err := it.Err(); err != nil {
-		return fmt.Errorf("iterate %s: %w", nodeport.SourceRange4Map, err)
+		return fmt.Errorf("iterate a source-range map: %w", err)
 	}
 	for _, k := range stray {
 		if err := m.Delete(k); err != nil {
-			return fmt.Errorf("delete from %s: %w", nodeport.SourceRange4Map, err)
+			return fmt.Errorf("delete from a source-range map: %w", err)
 		}
 	}
 	return nil
@@ -82,12 +90,13 @@ func (s *sourceRanges) run(ctx context.Context, health cell.Health) error {
 		txn := s.db.ReadTxn()
 		_, fw := s.frontends.AllWatch(txn)
 		_, sw := s.services.AllWatch(txn)
-		want := s.desired(txn)
+		want4, want6 := s.desired(txn)
 		s.a.mu.Lock()
 		m := s.a.own[nodeport.SourceRange4Map]
+		m6 := s.a.own[nodeport.SourceRange6Map]
 		var err error
-		if m != nil {
-			err = syncRanges(m, want)
+		if m != nil && m6 != nil {
+			err = errors.Join(syncRanges(m, want4), syncRanges(m6, want6))
 		}
 		s.a.mu.Unlock()
 		switch {
@@ -96,7 +105,7 @@ func (s *sourceRanges) run(ctx context.Context, health cell.Health) error {
 		case m == nil:
 			health.OK("waiting for the programs' maps")
 		default:
-			health.OK(fmt.Sprintf("%d source-range entries", len(want)))
+			health.OK(fmt.Sprintf("%d source-range entries", len(want4)+len(want6)))
 		}
 		var attached <-chan struct{}
 		if m == nil {

@@ -357,7 +357,7 @@ func TestNodePortFromOutside(t *testing.T) {
 		if n, err := s.a.labelledMetric(`apiary_nodeport_packets_total{event="drop_source_range"}`); err != nil || n == 0 {
 			t.Errorf("apiary_nodeport_packets_total{event=\"drop_source_range\"}: %v %v", n, err)
 		}
-		if n, err := s.a.metric("apiary_nodeport_nat_entries"); err != nil || n < 2 {
+		if n, err := s.a.labelledMetric(`apiary_nodeport_nat_entries{family="4"}`); err != nil || n < 2 {
 			t.Errorf("apiary_nodeport_nat_entries: %v %v, want at least 2", n, err)
 		}
 	})
