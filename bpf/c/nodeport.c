@@ -3,7 +3,8 @@
  * North-south load balancing: a pair of tc programs on the node's external
  * devices that translate traffic from outside the node to a Service's
  * NodePort (node address : nodePort), LoadBalancer ingress IPs and
- * external IPs to one of its backends, IPv4.
+ * external IPs to one of its backends, IPv4 and IPv6 (the IPv6 half at
+ * the end, the same design on the lb6 maps and nodeport_nat6).
  *
  * The frontends and backends are the load balancer's own maps (lb4_*),
  * the ones the socket hooks read: a frontend is translated here only when

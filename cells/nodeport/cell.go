@@ -72,11 +72,11 @@ var defaultConfig = Config{
 // Flags implements cell.Flagger.
 func (def Config) Flags(fs *pflag.FlagSet) {
 	fs.Bool(EnableFlag, def.EnableNodePort,
-		"Translate traffic from outside the node to NodePort, LoadBalancer and external-IP frontends (IPv4) in tc programs on --"+DevicesFlag+"; false detaches them")
+		"Translate traffic from outside the node to NodePort, LoadBalancer and external-IP frontends (IPv4 and IPv6) in tc programs on --"+DevicesFlag+"; false detaches them")
 	fs.StringSlice(DevicesFlag, def.Devices,
 		"External devices for --"+EnableFlag+" (comma-separated); empty: the devices of the default routes")
 	fs.Uint32(NATMaxFlag, def.BPFNATMax,
-		"Size of the nodeport NAT map (nodeport_nat4): two entries per translated flow; a full map drops new flows, counted")
+		"Size of each nodeport NAT map (nodeport_nat4, nodeport_nat6): two entries per translated flow; a full map drops new flows, counted")
 	fs.Duration(TCPTimeoutFlag, def.NATTCPTimeout, "Idle time after which a translated TCP flow's NAT entries are removed")
 	fs.Duration(UDPTimeoutFlag, def.NATUDPTimeout, "Idle time after which a translated UDP flow's NAT entries are removed")
 }

@@ -29,6 +29,10 @@ const (
 	npRemoteGw4 = "10.241.2.1" // the node's address on the remote link
 	npRemote4   = "10.241.2.2"
 	uidNP       = "1d1d1d1d-0000-4000-8000-00000000001d"
+	npNode6     = "fd00:e6::1"
+	npClient6   = "fd00:e6::2"
+	npRemoteGw6 = "fd00:e7::1"
+	npRemote6   = "fd00:e7::2"
 )
 
 // Helpers of the nodeport tests.
@@ -53,11 +57,11 @@ func runNodePortHelper() (int, bool) {
 }
 
 func npServe(addr string) error {
-	ln, err := net.Listen("tcp4", addr)
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return err
 	}
-	uc, err := net.ListenPacket("udp4", addr)
+	uc, err := net.ListenPacket("udp", addr)
 	if err != nil {
 		return err
 	}
@@ -69,7 +73,7 @@ func npServe(addr string) error {
 			if err != nil {
 				return
 			}
-			uc.WriteTo([]byte("hello "+from.(*net.UDPAddr).IP.String()), from)
+			uc.WriteTo([]byte("hello "+from.(*net.UDPAddr).AddrPort().Addr().Unmap().String()), from)
 		}
 	}()
 	for {
@@ -77,13 +81,13 @@ func npServe(addr string) error {
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(c, "hello %s\n", c.RemoteAddr().(*net.TCPAddr).IP)
+		fmt.Fprintf(c, "hello %s\n", c.RemoteAddr().(*net.TCPAddr).AddrPort().Addr().Unmap())
 		c.Close()
 	}
 }
 
 func npUDP(addr string) string {
-	c, err := net.Dial("udp4", addr)
+	c, err := net.Dial("udp", addr)
 	if err != nil {
 		return "error: " + err.Error()
 	}
@@ -109,7 +113,7 @@ type npNetns struct {
 	netns, hostIf string
 }
 
-func makeNPNetns(t *testing.T, name, gw, addr string) *npNetns {
+func makeNPNetns(t *testing.T, name, gw, addr, gw6, addr6 string) *npNetns {
 	t.Helper()
 	n := &npNetns{
 		netns:  fmt.Sprintf("apiary-e2e-%s-%d", name, os.Getpid()),
@@ -120,12 +124,15 @@ func makeNPNetns(t *testing.T, name, gw, addr string) *npNetns {
 	ipCmd(t, "link", "add", n.hostIf, "type", "veth", "peer", "name", "eth0", "netns", n.netns)
 	t.Cleanup(func() { exec.Command("ip", "link", "del", n.hostIf).Run() })
 	ipCmd(t, "addr", "add", gw+"/24", "dev", n.hostIf)
+	ipCmd(t, "-6", "addr", "add", gw6+"/64", "dev", n.hostIf, "nodad")
 	ipCmd(t, "link", "set", n.hostIf, "up")
 	in := func(args ...string) { ipCmd(t, append([]string{"netns", "exec", n.netns}, args...)...) }
 	in("ip", "link", "set", "lo", "up")
 	in("ip", "addr", "add", addr+"/24", "dev", "eth0")
+	in("ip", "-6", "addr", "add", addr6+"/64", "dev", "eth0", "nodad")
 	in("ip", "link", "set", "eth0", "up")
 	in("ip", "route", "add", "default", "via", gw)
+	in("ip", "-6", "route", "add", "default", "via", gw6)
 	return n
 }
 
@@ -182,6 +189,9 @@ metadata: {name: np-local, namespace: default}
 spec:
   type: NodePort
   clusterIP: 10.96.0.81
+  clusterIPs: [10.96.0.81, "fd00:96::81"]
+  ipFamilies: [IPv4, IPv6]
+  ipFamilyPolicy: RequireDualStack
   ports:
   - {name: tcp, port: 80, targetPort: 8080, nodePort: 30081, protocol: TCP}
   - {name: udp, port: 80, targetPort: 8080, nodePort: 30081, protocol: UDP}
@@ -193,12 +203,22 @@ addressType: IPv4
 ports: [{name: tcp, port: 8080, protocol: TCP}, {name: udp, port: 8080, protocol: UDP}]
 endpoints: [{addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}]
 ---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: np-local-6, namespace: default, labels: {kubernetes.io/service-name: np-local}}
+addressType: IPv6
+ports: [{name: tcp, port: 8080, protocol: TCP}, {name: udp, port: 8080, protocol: UDP}]
+endpoints: [{addresses: ["` + npPod6 + `"], nodeName: e2e-node, conditions: {ready: true}}]
+---
 apiVersion: v1
 kind: Service
 metadata: {name: np-remote, namespace: default}
 spec:
   type: NodePort
   clusterIP: 10.96.0.82
+  clusterIPs: [10.96.0.82, "fd00:96::82"]
+  ipFamilies: [IPv4, IPv6]
+  ipFamilyPolicy: RequireDualStack
   ports:
   - {name: tcp, port: 80, targetPort: 8080, nodePort: 30082, protocol: TCP}
   - {name: udp, port: 80, targetPort: 8080, nodePort: 30082, protocol: UDP}
@@ -209,6 +229,13 @@ metadata: {name: np-remote-1, namespace: default, labels: {kubernetes.io/service
 addressType: IPv4
 ports: [{name: tcp, port: 8080, protocol: TCP}, {name: udp, port: 8080, protocol: UDP}]
 endpoints: [{addresses: ["` + npRemote4 + `"], nodeName: e2e-other, conditions: {ready: true}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: np-remote-6, namespace: default, labels: {kubernetes.io/service-name: np-remote}}
+addressType: IPv6
+ports: [{name: tcp, port: 8080, protocol: TCP}, {name: udp, port: 8080, protocol: UDP}]
+endpoints: [{addresses: ["` + npRemote6 + `"], nodeName: e2e-other, conditions: {ready: true}}]
 `
 
 // npDenyWorld: the backend pod takes traffic from the host only.
@@ -239,15 +266,22 @@ func setupNodePort(t *testing.T, extra string) *npSetup {
 		}
 		t.Cleanup(func() { os.WriteFile("/proc/sys/net/ipv4/ip_forward", b, 0o644) })
 	}
+	const fwd6 = "/proc/sys/net/ipv6/conf/all/forwarding"
+	if b, err := os.ReadFile(fwd6); err != nil || strings.TrimSpace(string(b)) != "1" {
+		if err := os.WriteFile(fwd6, []byte("1"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.WriteFile(fwd6, b, 0o644) })
+	}
 	s := &npSetup{cgRoot: testenv.Cgroup(t), configDir: t.TempDir()}
-	s.client = makeNPNetns(t, "npo", npNode4, npClient4)
-	s.remote = makeNPNetns(t, "npr", npRemoteGw4, npRemote4)
+	s.client = makeNPNetns(t, "npo", npNode4, npClient4, npNode6, npClient6)
+	s.remote = makeNPNetns(t, "npr", npRemoteGw4, npRemote4, npRemoteGw6, npRemote6)
 	s.pod = makeIfPodVia(t, s.cgRoot, uidNP, "npb", npPodGw4, npPodGw6, npPod4, npPod6)
-	startServer(t, s.pod.command(t, true, []string{npServeEnv + "=0.0.0.0:8080"}), npPod4)
-	startServer(t, s.remote.command(npServeEnv+"=0.0.0.0:8080"), npRemote4)
+	startServer(t, s.pod.command(t, true, []string{npServeEnv + "=:8080"}), npPod4)
+	startServer(t, s.remote.command(npServeEnv+"=:8080"), npRemote4)
 	writeFile(t, filepath.Join(s.configDir, "np.yaml"), npConfig+extra)
 	s.a = startAgent(t, agentOptions{configDir: s.configDir, flags: []string{
-		"--node-name=e2e-node", "--cgroup-root=" + s.cgRoot, "--node-ips=" + npNode4,
+		"--node-name=e2e-node", "--cgroup-root=" + s.cgRoot, "--node-ips=" + npNode4 + "," + npNode6, "--enable-ipv6",
 		"--enable-nodeport", "--devices=" + s.client.hostIf + "," + s.remote.hostIf,
 	}})
 	s.a.waitPodInterfaces(t, map[string]string{"default/npb": s.pod.hostIf})
@@ -315,20 +349,23 @@ const (
 // TestNodePortFromOutside: a client outside the node (its own network
 // namespace, behind an external device) reaches a NodePort service at
 // <node address>:<nodePort>, over TCP and UDP, through the shipped
-// binary's programs: a backend pod on the node sees the client's own
-// address; a remote backend (behind another external device) sees the
-// node's address there (SNAT), and its replies come back to the client.
+// binary's programs, IPv4 and IPv6: a backend pod on the node sees the
+// client's own address; a remote backend (behind another external device)
+// sees the node's address there (SNAT), and its replies come back to the
+// client.
 // The flows are in `apiary bpf nodeport list`, the counts in `stats`.
 func TestNodePortFromOutside(t *testing.T) {
 	s := setupNodePort(t, npLoadBalancers)
 	for _, tc := range []struct {
-		name, port, seen string
+		name, addr, seen string
 	}{
-		{"local backend", "30081", npClient4},
-		{"remote backend", "30082", npRemoteGw4},
+		{"local backend", npNode4 + ":30081", npClient4},
+		{"remote backend", npNode4 + ":30082", npRemoteGw4},
+		{"IPv6 local backend", "[" + npNode6 + "]:30081", npClient6},
+		{"IPv6 remote backend", "[" + npNode6 + "]:30082", npRemoteGw6},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			addr := npNode4 + ":" + tc.port
+			addr := tc.addr
 			testenv.Eventually(t, waitTimeout, "TCP to "+addr, func() (bool, string) {
 				got := s.client.run(t, connectEnv+"="+addr)
 				return got == "ok: hello "+tc.seen, got
@@ -370,7 +407,8 @@ func TestNodePortFromOutside(t *testing.T) {
 	s.a.start(t)
 
 	out, err := s.a.bpf("nodeport", "list")
-	if err != nil || !strings.Contains(out, npClient4) || !strings.Contains(out, npRemote4+":8080 via "+npRemoteGw4) {
+	if err != nil || !strings.Contains(out, npClient4) || !strings.Contains(out, npRemote4+":8080 via "+npRemoteGw4) ||
+		!strings.Contains(out, "["+npRemote6+"]:8080 via ["+npRemoteGw6+"]") {
 		t.Errorf("apiary bpf nodeport list: %v\n%s", err, out)
 	}
 	out, err = s.a.bpf("nodeport", "stats")
