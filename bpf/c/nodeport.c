@@ -31,7 +31,8 @@
  * (NP_STAT_NAT_FULL) and the new flow dropped, never an old flow evicted
  * behind its back.
  *
- * A frontend with no usable backend drops the packet, counted
+ * A frontend with no usable backend refuses: an IPv4 TCP packet gets a
+ * reset back (reset4), anything else is dropped; both counted
  * (NP_STAT_NO_BACKEND). Fragments after the first carry no ports and pass
  * untranslated.
  *
@@ -307,6 +308,7 @@ enum {
 	NP_STAT_NO_SNAT_ADDR,/* dropped: the device to the backend has no address */
 	NP_STAT_NO_ROUTE,    /* dropped: no route to a translated destination */
 	NP_STAT_SOURCE_RANGE,/* dropped: a client outside loadBalancerSourceRanges */
+	NP_STAT_RESET,       /* TCP resets sent for a frontend without backends */
 	NP_STAT_ENTRIES,
 };
 
@@ -564,6 +566,101 @@ static __always_inline int out4(struct __sk_buff *skb, __be32 saddr, __be32 dadd
 	return (int)bpf_redirect_neigh(ifindex, NULL, 0, 0);
 }
 
+/* The headers of a TCP reset built in place of a packet. */
+struct rst4 {
+	struct iphdr ip;
+	struct tcphdr tcp;
+};
+
+struct pseudo4 {
+	__be32 saddr;
+	__be32 daddr;
+	__u8 zero;
+	__u8 proto;
+	__be16 len;
+};
+
+static __always_inline __u16 csum_fold(__s64 sum)
+{
+	__u32 s = (__u32)sum;
+
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	return (__u16)~s;
+}
+
+/*
+ * reset4 answers a TCP packet to a frontend nobody serves with a reset,
+ * as a host with nothing listening would (and as kube-proxy's reject
+ * does): the packet is cut to its headers, turned around, and sent back
+ * out of the device it came in through. A reset, or a packet with IP
+ * options, is only dropped.
+ */
+static __always_inline int reset4(struct __sk_buff *skb, const struct pkt4 *p)
+{
+	struct iphdr ip;
+	struct tcphdr tcp;
+	struct rst4 r = {};
+	struct pseudo4 ph = {};
+	__u8 mac[2 * ETH_ALEN], omac[2 * ETH_ALEN];
+	__u32 payload;
+	__s64 sum;
+
+	if (p->proto != IPPROTO_TCP)
+		return TCX_DROP;
+	if (bpf_skb_load_bytes(skb, 0, mac, sizeof(mac)) < 0 ||
+	    bpf_skb_load_bytes(skb, IP_OFF, &ip, sizeof(ip)) < 0 ||
+	    bpf_skb_load_bytes(skb, p->l4_off, &tcp, sizeof(tcp)) < 0)
+		return TCX_DROP;
+	if (ip.ihl != 5 || tcp.rst || tcp.doff < 5)
+		return TCX_DROP;
+	payload = bpf_ntohs(ip.tot_len) - 20 - tcp.doff * 4;
+
+	r.ip.version = 4;
+	r.ip.ihl = 5;
+	r.ip.tot_len = bpf_htons(40);
+	r.ip.ttl = 64;
+	r.ip.protocol = IPPROTO_TCP;
+	r.ip.saddr = p->daddr;
+	r.ip.daddr = p->saddr;
+	sum = bpf_csum_diff(NULL, 0, (__be32 *)&r.ip, sizeof(r.ip), 0);
+	if (sum < 0)
+		return TCX_DROP;
+	r.ip.check = csum_fold(sum);
+
+	r.tcp.source = p->dport;
+	r.tcp.dest = p->sport;
+	r.tcp.doff = 5;
+	r.tcp.rst = 1;
+	if (tcp.ack) {
+		r.tcp.seq = tcp.ack_seq;
+	} else {
+		r.tcp.ack = 1;
+		r.tcp.ack_seq = bpf_htonl(bpf_ntohl(tcp.seq) + payload + tcp.syn + tcp.fin);
+	}
+	ph.saddr = r.ip.saddr;
+	ph.daddr = r.ip.daddr;
+	ph.proto = IPPROTO_TCP;
+	ph.len = bpf_htons(sizeof(r.tcp));
+	sum = bpf_csum_diff(NULL, 0, (__be32 *)&ph, sizeof(ph), 0);
+	if (sum < 0)
+		return TCX_DROP;
+	sum = bpf_csum_diff(NULL, 0, (__be32 *)&r.tcp, sizeof(r.tcp), (__u32)sum);
+	if (sum < 0)
+		return TCX_DROP;
+	r.tcp.check = csum_fold(sum);
+
+	/* Turned around: the destination MAC is the sender's. */
+	__builtin_memcpy(omac, mac + ETH_ALEN, ETH_ALEN);
+	__builtin_memcpy(omac + ETH_ALEN, mac, ETH_ALEN);
+	if (bpf_skb_change_tail(skb, ETH_HLEN + sizeof(r), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, omac, sizeof(omac), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, IP_OFF, &r, sizeof(r), 0) < 0)
+		return TCX_DROP;
+	count(NP_STAT_RESET);
+	return (int)bpf_redirect(skb->ifindex, 0);
+}
+
 /* new_flow4 sends a new flow to frontend (p->daddr, p->dport) to a
  * backend: TCX_NEXT with the packet translated, TCX_DROP, or -2 when the
  * destination is no routable frontend. */
@@ -613,7 +710,7 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 		be = pick_backend(&key, svc, &be_id);
 		if (!be) {
 			count(NP_STAT_NO_BACKEND);
-			return TCX_DROP;
+			return reset4(skb, p);
 		}
 		if (svc->flags & SVC_FLAG_AFFINITY) {
 			struct np_affinity_val av = {

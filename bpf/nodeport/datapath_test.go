@@ -15,8 +15,10 @@ import (
 const (
 	tcxNext = 0xffffffff // -1
 	tcxDrop = 2
-	tcp     = 6
-	udp     = 17
+	// tcRedirect is TC_ACT_REDIRECT (TCX_REDIRECT).
+	tcRedirect = 7
+	tcp        = 6
+	udp        = 17
 )
 
 // datapath is the programs loaded on maps of their own, in memory.
@@ -226,7 +228,8 @@ func TestTranslate(t *testing.T) {
 }
 
 // TestNotTranslated: a ClusterIP frontend (not routable) and an address
-// that is no frontend pass untouched; a frontend without backends drops,
+// that is no frontend pass untouched; a frontend without backends answers
+// TCP with a reset sent back out of the device, and drops UDP; both
 // counted.
 func TestNotTranslated(t *testing.T) {
 	d := newDatapath(t)
@@ -241,11 +244,35 @@ func TestNotTranslated(t *testing.T) {
 			t.Errorf("to %s: verdict %#x, changed %v", dst, ret, string(out) != string(in))
 		}
 	}
-	if ret, _ := d.run(t, IngressProg, frame(tcp, client, empty)); ret != tcxDrop {
-		t.Errorf("to a frontend without backends: verdict %#x, want drop", ret)
+	// TCP is answered with a reset from the frontend, sent back out.
+	syn := frame(tcp, client, empty)
+	binary.BigEndian.PutUint32(syn[34+4:], 1000) // seq
+	binary.BigEndian.PutUint16(syn[34+16:], 0)
+	binary.BigEndian.PutUint16(syn[34+16:], csum(syn[34:], pseudo(syn[14:34], tcp, 20)))
+	out := make([]byte, len(syn)+64)
+	ret, err := d.progs[IngressProg].Run(&ebpf.RunOptions{Data: syn, DataOut: out})
+	if err != nil {
+		t.Fatal(err)
 	}
-	if n := d.stat(t, StatNoBackend); n != 1 {
-		t.Errorf("drop_no_backend %d, want 1", n)
+	if ret != tcRedirect {
+		t.Fatalf("TCP to a frontend without backends: verdict %#x, want redirect", ret)
+	}
+	src, dst := parsed(t, out[:54])
+	l4 := out[34:54]
+	if src != empty || dst != client || l4[13] != 0x14 /* RST|ACK */ || binary.BigEndian.Uint32(l4[8:]) != 1001 {
+		t.Errorf("reset %s -> %s flags %#x ack %d; want %s -> %s RST|ACK ack 1001",
+			src, dst, l4[13], binary.BigEndian.Uint32(l4[8:]), empty, client)
+	}
+	if n := d.stat(t, StatReset); n != 1 {
+		t.Errorf("reset_sent %d, want 1", n)
+	}
+	// UDP is dropped.
+	d.service(t, empty, udp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable)
+	if ret, _ := d.run(t, IngressProg, frame(udp, client, empty)); ret != tcxDrop {
+		t.Errorf("UDP to a frontend without backends: verdict %#x, want drop", ret)
+	}
+	if n := d.stat(t, StatNoBackend); n != 2 {
+		t.Errorf("drop_no_backend %d, want 2", n)
 	}
 	// An unknown reply leaving passes untouched.
 	if ret, _ := d.run(t, EgressProg, frame(tcp, backend, client)); ret != tcxNext {

@@ -181,13 +181,14 @@ const (
 	StatNoSNATAddr
 	StatNoRoute
 	StatSourceRange
+	StatReset
 	statCount
 )
 
 // StatNames names each Stat, as metrics and the CLI show them.
 var StatNames = [statCount]string{
 	"new_local", "new_remote", "forward", "reply",
-	"drop_no_backend", "drop_nat_full", "drop_nat_ports", "drop_no_snat_address", "drop_no_route", "drop_source_range",
+	"drop_no_backend", "drop_nat_full", "drop_nat_ports", "drop_no_snat_address", "drop_no_route", "drop_source_range", "reset_sent",
 }
 
 // NAT port range the programs allocate from: above Linux's default

@@ -339,6 +339,17 @@ ports: [{name: tcp, port: 8080, protocol: TCP}]
 endpoints: [{addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}]
 `
 
+// npEmpty: a NodePort service without endpoints.
+const npEmpty = `---
+apiVersion: v1
+kind: Service
+metadata: {name: np-empty, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.85
+  ports: [{name: tcp, port: 80, targetPort: 8080, nodePort: 30085, protocol: TCP}]
+`
+
 // LoadBalancer ingress IPs of npLoadBalancers, routed to the node by the
 // client's default route.
 const (
@@ -355,7 +366,7 @@ const (
 // client.
 // The flows are in `apiary bpf nodeport list`, the counts in `stats`.
 func TestNodePortFromOutside(t *testing.T) {
-	s := setupNodePort(t, npLoadBalancers)
+	s := setupNodePort(t, npLoadBalancers+npEmpty)
 	for _, tc := range []struct {
 		name, addr, seen string
 	}{
@@ -396,6 +407,18 @@ func TestNodePortFromOutside(t *testing.T) {
 		}
 		if n, err := s.a.labelledMetric(`apiary_nodeport_nat_entries{family="4"}`); err != nil || n < 2 {
 			t.Errorf("apiary_nodeport_nat_entries: %v %v, want at least 2", n, err)
+		}
+	})
+
+	t.Run("no endpoints", func(t *testing.T) {
+		// Refused at once (a reset from the node), as kube-proxy's
+		// reject does, not left to time out.
+		testenv.Eventually(t, waitTimeout, "TCP to a node port without endpoints refused", func() (bool, string) {
+			got := s.client.run(t, connectEnv+"="+npNode4+":30085")
+			return got == "ECONNREFUSED", got
+		})
+		if n := s.nodePortStat(t, "reset_sent"); n == 0 {
+			t.Errorf("reset_sent not counted")
 		}
 	})
 
