@@ -331,8 +331,8 @@ func TestExpire(t *testing.T) {
 }
 
 // BenchmarkPacket measures one run of the ingress program
-// (BPF_PROG_TEST_RUN) on a packet of a known flow, in the kernel's own
-// loop, and on a new flow (local backend).
+// (BPF_PROG_TEST_RUN) on a packet of a known flow and on one to no
+// frontend, in the kernel's own loop, and on a new flow (local backend).
 func BenchmarkPacket(b *testing.B) {
 	d := newDatapath(b)
 	d.service(b, nodePort, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend)
@@ -342,6 +342,15 @@ func BenchmarkPacket(b *testing.B) {
 	}
 	b.Run("known-flow", func(b *testing.B) {
 		ret, per, err := d.progs[IngressProg].Benchmark(known, b.N, nil)
+		if err != nil || ret != tcxNext {
+			b.Fatal(ret, err)
+		}
+		b.ReportMetric(float64(per.Nanoseconds()), "prog-ns/op")
+	})
+	b.Run("not-frontend", func(b *testing.B) {
+		// What every other packet on the device pays: three misses.
+		other := frame(tcp, client, netip.MustParseAddrPort("10.0.0.1:22"))
+		ret, per, err := d.progs[IngressProg].Benchmark(other, b.N, nil)
 		if err != nil || ret != tcxNext {
 			b.Fatal(ret, err)
 		}
