@@ -293,7 +293,7 @@ func (a *attacher) attach() (string, error) {
 				prog = progs[nodeport.EgressProg]
 			}
 			pin := linkPin(a.linksDir(), dev.ifindex, egress)
-			if _, err := iflink.Attach(pin, iflink.Hook{Ifindex: dev.ifindex, Egress: egress}, prog, iflink.ModeAuto); err != nil {
+			if _, err := iflink.Attach(pin, iflink.Hook{Ifindex: dev.ifindex, Egress: egress}, prog, iflink.Mode(a.cfg.NodePortAttach)); err != nil {
 				errs = append(errs, err)
 			}
 		}

@@ -22,6 +22,7 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
 
+	"github.com/apiary-net/apiary/bpf/iflink"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -45,6 +46,7 @@ const (
 	NATMaxFlag     = "bpf-nat-max"
 	TCPTimeoutFlag = "nat-tcp-timeout"
 	UDPTimeoutFlag = "nat-udp-timeout"
+	AttachFlag     = "nodeport-attach"
 )
 
 // Config is the north-south load balancer's configuration.
@@ -61,12 +63,16 @@ type Config struct {
 	// its entries are removed.
 	NATTCPTimeout time.Duration
 	NATUDPTimeout time.Duration
+	// NodePortAttach is how the programs go on the devices: auto, tcx
+	// or tc (iflink.Mode).
+	NodePortAttach string
 }
 
 var defaultConfig = Config{
-	BPFNATMax:     131072,
-	NATTCPTimeout: 6 * time.Hour,
-	NATUDPTimeout: time.Minute,
+	BPFNATMax:      131072,
+	NATTCPTimeout:  6 * time.Hour,
+	NATUDPTimeout:  time.Minute,
+	NodePortAttach: string(iflink.ModeAuto),
 }
 
 // Flags implements cell.Flagger.
@@ -79,6 +85,7 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Size of each nodeport NAT map (nodeport_nat4, nodeport_nat6): two entries per translated flow; a full map drops new flows, counted")
 	fs.Duration(TCPTimeoutFlag, def.NATTCPTimeout, "Idle time after which a translated TCP flow's NAT entries are removed")
 	fs.Duration(UDPTimeoutFlag, def.NATUDPTimeout, "Idle time after which a translated UDP flow's NAT entries are removed")
+	fs.String(AttachFlag, def.NodePortAttach, "How the nodeport programs go on the devices: auto (tcx links, tc filters where the kernel has no tcx), tcx or tc")
 }
 
 func (c Config) validate() error {
@@ -89,6 +96,9 @@ func (c Config) validate() error {
 		return fmt.Errorf("--%s=%s is below 1s", TCPTimeoutFlag, c.NATTCPTimeout)
 	case c.NATUDPTimeout < time.Second:
 		return fmt.Errorf("--%s=%s is below 1s", UDPTimeoutFlag, c.NATUDPTimeout)
+	}
+	if _, err := iflink.ParseMode(c.NodePortAttach); err != nil {
+		return fmt.Errorf("--%s: %w", AttachFlag, err)
 	}
 	return nil
 }

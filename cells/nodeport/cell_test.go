@@ -18,6 +18,8 @@ func TestConfigValidate(t *testing.T) {
 		{"NAT map too big", func(c *Config) { c.BPFNATMax = 1<<24 + 1 }, "--" + NATMaxFlag},
 		{"TCP timeout", func(c *Config) { c.NATTCPTimeout = time.Millisecond }, "--" + TCPTimeoutFlag},
 		{"UDP timeout", func(c *Config) { c.NATUDPTimeout = 0 }, "--" + UDPTimeoutFlag},
+		{"attach mode", func(c *Config) { c.NodePortAttach = "xdp" }, "--" + AttachFlag},
+		{"tc", func(c *Config) { c.NodePortAttach = "tc" }, ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			c := defaultConfig

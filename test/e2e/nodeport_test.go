@@ -255,7 +255,7 @@ type npSetup struct {
 	configDir, cgRoot string
 }
 
-func setupNodePort(t *testing.T, extra string) *npSetup {
+func setupNodePort(t *testing.T, extra, attach string) *npSetup {
 	t.Helper()
 	testenv.RequireRoot(t)
 	testenv.RequireProgram(t, "ip")
@@ -282,17 +282,21 @@ func setupNodePort(t *testing.T, extra string) *npSetup {
 	writeFile(t, filepath.Join(s.configDir, "np.yaml"), npConfig+extra)
 	s.a = startAgent(t, agentOptions{configDir: s.configDir, flags: []string{
 		"--node-name=e2e-node", "--cgroup-root=" + s.cgRoot, "--node-ips=" + npNode4 + "," + npNode6, "--enable-ipv6",
-		"--enable-nodeport", "--devices=" + s.client.hostIf + "," + s.remote.hostIf,
+		"--enable-nodeport", "--devices=" + s.client.hostIf + "," + s.remote.hostIf, "--nodeport-attach=" + attach,
 	}})
 	s.a.waitPodInterfaces(t, map[string]string{"default/npb": s.pod.hostIf})
-	testenv.Eventually(t, waitTimeout, "the nodeport-devices table lists both devices attached", func() (bool, string) {
+	want := attach
+	if want == "auto" {
+		want = "tcx" // the kernels apiary is tested on have it
+	}
+	testenv.Eventually(t, waitTimeout, "the nodeport-devices table lists both devices attached with "+want, func() (bool, string) {
 		var rows []struct{ Name, Attach, Error string }
 		if err := s.a.dump("nodeport-devices", &rows); err != nil {
 			return false, err.Error()
 		}
 		n := 0
 		for _, r := range rows {
-			if r.Attach != "" && r.Error == "" {
+			if r.Attach == want && r.Error == "" {
 				n++
 			}
 		}
@@ -365,8 +369,16 @@ const (
 // sees the node's address there (SNAT), and its replies come back to the
 // client.
 // The flows are in `apiary bpf nodeport list`, the counts in `stats`.
+//
+// Once with tcx links (auto), once with tc filters.
 func TestNodePortFromOutside(t *testing.T) {
-	s := setupNodePort(t, npLoadBalancers+npEmpty)
+	for _, attach := range []string{"auto", "tc"} {
+		t.Run(attach, func(t *testing.T) { testNodePortFromOutside(t, attach) })
+	}
+}
+
+func testNodePortFromOutside(t *testing.T, attach string) {
+	s := setupNodePort(t, npLoadBalancers+npEmpty, attach)
 	for _, tc := range []struct {
 		name, addr, seen string
 	}{
@@ -471,7 +483,7 @@ func (s *npSetup) nodePortStat(t *testing.T, name string) uint64 {
 // drop is the interface's, in apiary monitor; the remote backend, which no
 // policy of this node guards, still answers.
 func TestNodePortPolicy(t *testing.T) {
-	s := setupNodePort(t, "---\n"+npDenyWorld)
+	s := setupNodePort(t, "---\n"+npDenyWorld, "auto")
 	mon := startProcess(t, "apiary monitor", nil, apiaryBin, "monitor", "-o", "json", "--server", "http://"+s.a.addr)
 	testenv.Eventually(t, waitTimeout, "the remote backend answers", func() (bool, string) {
 		got := s.client.run(t, connectEnv+"="+npNode4+":30082")
