@@ -23,16 +23,16 @@ const (
 	npNode4     = "10.241.0.1" // the node's address on the outside link
 	npClient4   = "10.241.0.2"
 	npPodGw4    = "10.241.1.1"
-	npPodGw6    = "fd00:e5::1"
+	npPodGw6    = "fd00:f3::1"
 	npPod4      = "10.241.1.11"
-	npPod6      = "fd00:e5::11"
+	npPod6      = "fd00:f3::11"
 	npRemoteGw4 = "10.241.2.1" // the node's address on the remote link
 	npRemote4   = "10.241.2.2"
-	uidNP       = "1d1d1d1d-0000-4000-8000-00000000001d"
-	npNode6     = "fd00:e6::1"
-	npClient6   = "fd00:e6::2"
-	npRemoteGw6 = "fd00:e7::1"
-	npRemote6   = "fd00:e7::2"
+	uidNP       = "3c3c3c3c-0000-4000-8000-00000000003c"
+	npNode6     = "fd00:f1::1"
+	npClient6   = "fd00:f1::2"
+	npRemoteGw6 = "fd00:f2::1"
+	npRemote6   = "fd00:f2::2"
 )
 
 // Helpers of the nodeport tests.
@@ -168,6 +168,46 @@ func startServer(t *testing.T, cmd *exec.Cmd, addr string) {
 	line, err := bufio.NewReader(stdout).ReadString('\n')
 	if err != nil || strings.TrimSpace(line) != "listening" {
 		t.Fatalf("server on %s: %q %v", addr, line, err)
+	}
+}
+
+// startLines starts cmd and sends each line it prints.
+func startLines(t *testing.T, cmd *exec.Cmd) <-chan string {
+	t.Helper()
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	out := make(chan string, 16)
+	go func() {
+		defer close(out)
+		lines := bufio.NewScanner(stdout)
+		for lines.Scan() {
+			out <- lines.Text()
+		}
+	}()
+	return out
+}
+
+// startConnected starts cmd (tcpEcho) and waits until it says it is
+// connected.
+func startConnected(t *testing.T, cmd *exec.Cmd) {
+	t.Helper()
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil || strings.TrimSpace(line) != "connected" {
+		t.Fatalf("client: %q %v", line, err)
 	}
 }
 
@@ -354,6 +394,24 @@ spec:
   ports: [{name: tcp, port: 80, targetPort: 8080, nodePort: 30085, protocol: TCP}]
 `
 
+// npLong: a NodePort service for a long-lived connection to the pod.
+const npLong = `---
+apiVersion: v1
+kind: Service
+metadata: {name: np-long, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.86
+  ports: [{name: tcp, port: 80, targetPort: 9090, nodePort: 30086, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: np-long-1, namespace: default, labels: {kubernetes.io/service-name: np-long}}
+addressType: IPv4
+ports: [{name: tcp, port: 9090, protocol: TCP}]
+endpoints: [{addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}]
+`
+
 // LoadBalancer ingress IPs of npLoadBalancers, routed to the node by the
 // client's default route.
 const (
@@ -378,7 +436,7 @@ func TestNodePortFromOutside(t *testing.T) {
 }
 
 func testNodePortFromOutside(t *testing.T, attach string) {
-	s := setupNodePort(t, npLoadBalancers+npEmpty, attach)
+	s := setupNodePort(t, npLoadBalancers+npEmpty+npLong, attach)
 	for _, tc := range []struct {
 		name, addr, seen string
 	}{
@@ -433,6 +491,40 @@ func testNodePortFromOutside(t *testing.T, attach string) {
 			t.Errorf("reset_sent not counted")
 		}
 	})
+
+	// Not a subtest: the agent started again belongs to the test.
+	func() {
+		// A server in the pod pushes lines over one connection that the
+		// outside client made through the node port; the client echoes
+		// them. The connection outlives the agent's restart: the NAT
+		// entries and the links are pinned.
+		srv := s.pod.command(t, true, []string{tcpPushEnv + "=:9090"})
+		in, err := srv.StdinPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := startLines(t, srv)
+		if l := <-out; l != "listening" {
+			t.Fatalf("server in the pod: %q", l)
+		}
+		cli := s.client.command(tcpEchoEnv+"="+npNode4+":30086", tcpEchoFromEnv+"="+npClient4+":0")
+		startConnected(t, cli)
+		push := func(line string) {
+			t.Helper()
+			fmt.Fprintln(in, line)
+			select {
+			case got := <-out:
+				if got != line {
+					t.Fatalf("the client echoed %q, want %q", got, line)
+				}
+			case <-time.After(waitTimeout):
+				t.Fatalf("no echo of %q", line)
+			}
+		}
+		push("before")
+		s.a.restart(t)
+		push("after the agent's restart")
+	}()
 
 	// The pinned programs and maps hold while the agent is down.
 	s.a.stop(t)
