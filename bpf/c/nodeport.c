@@ -174,6 +174,19 @@ struct {
 	__uint(max_entries, 65536);
 } nodeport_affinity4 SEC(".maps");
 
+struct np6_affinity_key {
+	union v6addr client;
+	__be16 rev_nat;
+	__u16 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct np6_affinity_key);
+	__type(value, struct np_affinity_val);
+	__uint(max_entries, 65536);
+} nodeport_affinity6 SEC(".maps");
+
 /* nodeport_devices (the agent's): an external device's ifindex -> the
  * address remote backends see as the source of what leaves through it. */
 struct np_device {
@@ -974,7 +987,7 @@ static __always_inline int out6(struct __sk_buff *skb, const union v6addr *saddr
 }
 
 static __always_inline const struct lb6_backend *pick_backend6(struct lb6_key *key,
-								const struct lb4_service *svc)
+								const struct lb4_service *svc, __u32 *out_id)
 {
 	const struct lb4_service *slot;
 	const struct lb6_backend *be;
@@ -991,6 +1004,31 @@ static __always_inline const struct lb6_backend *pick_backend6(struct lb6_key *k
 	be = bpf_map_lookup_elem(&lb6_backends, &id);
 	if (!be || (be->flags != BACKEND_ACTIVE && be->flags != BACKEND_TERMINATING))
 		return NULL;
+	*out_id = id;
+	return be;
+}
+
+/* affinity_backend6 is affinity_backend for IPv6 clients. */
+static __always_inline const struct lb6_backend *affinity_backend6(const struct np6_affinity_key *akey,
+								    __u32 timeout, __u64 now)
+{
+	struct lb_affinity_match match = { .rev_nat_id = akey->rev_nat };
+	struct np_affinity_val *val = bpf_map_lookup_elem(&nodeport_affinity6, akey);
+	const struct lb6_backend *be;
+	__u32 id;
+
+	if (!val)
+		return NULL;
+	id = val->backend_id;
+	if ((__s64)(now - val->last_used) > (__s64)((__u64)timeout * NSEC_PER_SEC))
+		return NULL;
+	match.backend_id = id;
+	if (!bpf_map_lookup_elem(&lb_affinity_match, &match))
+		return NULL;
+	be = bpf_map_lookup_elem(&lb6_backends, &id);
+	if (!be || be->flags != BACKEND_ACTIVE)
+		return NULL;
+	val->last_used = now;
 	return be;
 }
 
@@ -1001,8 +1039,10 @@ static __always_inline int new_flow6(struct __sk_buff *skb, const struct pkt6 *p
 		.proto = p->proto,
 	};
 	const struct lb4_service *svc;
-	const struct lb6_backend *be;
+	const struct lb6_backend *be = NULL;
+	struct np6_affinity_key akey = {};
 	struct np6_key fk = {}, rk = {};
+	__u32 be_id = 0;
 	struct np6_entry fe = {}, re = {};
 	union v6addr be_addr, nat_addr = {};
 	__be16 be_port, nat_port = p->sport;
@@ -1029,14 +1069,29 @@ static __always_inline int new_flow6(struct __sk_buff *skb, const struct pkt6 *p
 			return TCX_DROP;
 		}
 	}
-	be = pick_backend6(&key, svc);
+	now = bpf_ktime_get_ns();
+	if (svc->flags & SVC_FLAG_AFFINITY) {
+		akey.client = p->saddr;
+		akey.rev_nat = svc->rev_nat_index;
+		be = affinity_backend6(&akey, svc->backend_id & AFFINITY_TIMEOUT_MASK, now);
+	}
 	if (!be) {
-		count(NP_STAT_NO_BACKEND);
-		return TCX_DROP;
+		be = pick_backend6(&key, svc, &be_id);
+		if (!be) {
+			count(NP_STAT_NO_BACKEND);
+			return TCX_DROP;
+		}
+		if (svc->flags & SVC_FLAG_AFFINITY) {
+			struct np_affinity_val av = {
+				.last_used = now,
+				.backend_id = be_id,
+			};
+
+			bpf_map_update_elem(&nodeport_affinity6, &akey, &av, BPF_ANY);
+		}
 	}
 	be_addr = be->address;
 	be_port = be->port;
-	now = bpf_ktime_get_ns();
 
 	ifindex = fib6(skb, &p->saddr, &be_addr);
 	if (ifindex)

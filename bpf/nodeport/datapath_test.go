@@ -47,7 +47,7 @@ func newDatapath(tb testing.TB) *datapath {
 		Devices: mk(DevicesMap), NAT4: mk(NAT4Map), Stats: mk(StatsMap), SourceRange4: mk(SourceRange4Map),
 		AffinityMatch: mk(bpf.LBAffinityMatchMap), Affinity4: mk(Affinity4Map),
 		Services6: mk(bpf.LB6ServicesMap), Backends6: mk(bpf.LB6BackendsMap),
-		NAT6: mk(NAT6Map), SourceRange6: mk(SourceRange6Map),
+		NAT6: mk(NAT6Map), SourceRange6: mk(SourceRange6Map), Affinity6: mk(Affinity6Map),
 	}}
 	d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute}, d.maps)
 	if err != nil {
@@ -452,8 +452,22 @@ func TestSessionAffinity(t *testing.T) {
 // service6 writes an IPv6 frontend with the backends, IDs from 101.
 func (d *datapath) service6(tb testing.TB, fe netip.AddrPort, proto uint8, flags bpf.ServiceFlags, backends ...netip.AddrPort) {
 	tb.Helper()
+	d.service6Affinity(tb, fe, proto, flags, 0, backends...)
+}
+
+// service6Affinity is service6 with a session affinity timeout.
+func (d *datapath) service6Affinity(tb testing.TB, fe netip.AddrPort, proto uint8, flags bpf.ServiceFlags, timeout uint32, backends ...netip.AddrPort) {
+	tb.Helper()
 	key := bpf.LB6ServiceKey{Address: fe.Addr().As16(), Port: bpf.NewBe16(fe.Port()), Proto: proto}
-	if err := d.maps.Services6.Put(key, bpf.LB6ServiceValue{Count: uint16(len(backends)), RevNat: bpf.NewBe16(2), Flags: flags}); err != nil {
+	if timeout != 0 {
+		flags |= bpf.SvcFlagSessionAffinity
+		for i := range backends {
+			if err := d.maps.AffinityMatch.Put(bpf.LBAffinityMatchKey{BackendID: uint32(101 + i), RevNat: bpf.NewBe16(2)}, uint8(0)); err != nil {
+				tb.Fatal(err)
+			}
+		}
+	}
+	if err := d.maps.Services6.Put(key, bpf.LB6ServiceValue{BackendID: timeout, Count: uint16(len(backends)), RevNat: bpf.NewBe16(2), Flags: flags}); err != nil {
 		tb.Fatal(err)
 	}
 	for i, be := range backends {
@@ -546,6 +560,29 @@ func TestTranslate6(t *testing.T) {
 			}
 		})
 	}
+	t.Run("session affinity", func(t *testing.T) {
+		for _, tt := range []struct {
+			timeout uint32
+			want    int
+		}{{60, 1}, {0, 2}} {
+			d := newDatapath(t)
+			other6 := netip.MustParseAddrPort("[fd00:244::6]:8080")
+			d.service6Affinity(t, front6, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, tt.timeout, backend6, other6)
+			seen := map[netip.AddrPort]bool{}
+			for i := range 32 {
+				src := netip.AddrPortFrom(client6.Addr(), client6.Port()+uint16(i))
+				ret, out := d.run(t, IngressProg, frame6(tcp, src, front6))
+				if ret != tcxNext {
+					t.Fatalf("flow %d: verdict %#x", i, ret)
+				}
+				_, dst := parsed6(t, out)
+				seen[dst] = true
+			}
+			if len(seen) != tt.want {
+				t.Errorf("timeout %d: backends used %v, want %d of them", tt.timeout, seen, tt.want)
+			}
+		}
+	})
 	t.Run("source ranges", func(t *testing.T) {
 		d := newDatapath(t)
 		d.service6(t, front6, tcp, bpf.SvcFlagLoadBalancer|bpf.SvcFlagRoutable, backend6)

@@ -24,6 +24,13 @@ type affinityKey4 struct {
 	Pad    uint16
 }
 
+// affinityKey6 is struct np6_affinity_key.
+type affinityKey6 struct {
+	Client [16]byte
+	RevNat bpf.Be16
+	Pad    uint16
+}
+
 // TestLayout compares the C structs of the compiled object, through its
 // BTF, with the Go types the agent reads and writes the maps with, and the
 // maps the programs share with the load balancer with the agent's specs.
@@ -45,6 +52,7 @@ func TestLayout(t *testing.T) {
 		{"np4_entry", reflect.TypeFor[NATEntry]()},
 		{"np_srcrange4_key", reflect.TypeFor[SourceRangeKey]()},
 		{"np4_affinity_key", reflect.TypeFor[affinityKey4]()},
+		{"np6_affinity_key", reflect.TypeFor[affinityKey6]()},
 		{"lb6_key", reflect.TypeFor[bpf.LB6ServiceKey]()},
 		{"lb6_backend", reflect.TypeFor[bpf.LB6BackendValue]()},
 		{"np6_key", reflect.TypeFor[NAT6Key]()},
@@ -101,6 +109,7 @@ func TestLayout(t *testing.T) {
 		{NAT6Map, ebpf.Hash, reflect.TypeFor[NAT6Key](), reflect.TypeFor[NAT6Entry]()},
 		{SourceRange6Map, ebpf.LPMTrie, reflect.TypeFor[SourceRange6Key](), reflect.TypeFor[uint8]()},
 		{Affinity4Map, ebpf.LRUHash, reflect.TypeFor[affinityKey4](), reflect.TypeFor[affinityVal]()},
+		{Affinity6Map, ebpf.LRUHash, reflect.TypeFor[affinityKey6](), reflect.TypeFor[affinityVal]()},
 	} {
 		ms, err := MapSpec(tc.name, 16)
 		if err != nil {

@@ -34,10 +34,12 @@ const (
 	// Affinity4Map remembers, per client address and frontend, the
 	// backend chosen last (ClientIP session affinity); an LRU.
 	Affinity4Map = "nodeport_affinity4"
+	// Affinity6Map is its IPv6 twin.
+	Affinity6Map = "nodeport_affinity6"
 )
 
 // OwnMaps lists the maps the programs use besides the load balancer's.
-var OwnMaps = [...]string{DevicesMap, NAT4Map, NAT6Map, StatsMap, SourceRange4Map, SourceRange6Map, Affinity4Map}
+var OwnMaps = [...]string{DevicesMap, NAT4Map, NAT6Map, StatsMap, SourceRange4Map, SourceRange6Map, Affinity4Map, Affinity6Map}
 
 // SourceRangeKey is the key of nodeport_srcrange4 (struct
 // np_srcrange4_key): a frontend's (rev-NAT index) client prefix. The
@@ -216,7 +218,7 @@ type Maps struct {
 	// bpf.LB6ServicesMap, bpf.LB6BackendsMap, bpf.LBAffinityMatchMap).
 	Services4, Backends4, Services6, Backends6, AffinityMatch *ebpf.Map
 	// The programs' own (see OwnMaps, MapSpec).
-	Devices, NAT4, NAT6, Stats, SourceRange4, SourceRange6, Affinity4 *ebpf.Map
+	Devices, NAT4, NAT6, Stats, SourceRange4, SourceRange6, Affinity4, Affinity6 *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's map definitions.
@@ -247,6 +249,7 @@ func Load(cfg Config, m Maps) (map[string]*ebpf.Program, error) {
 		nodeportMapNodeportNat6:      m.NAT6,
 		nodeportMapNodeportSrcrange6: m.SourceRange6,
 		nodeportMapNodeportAffinity4: m.Affinity4,
+		nodeportMapNodeportAffinity6: m.Affinity6,
 	}, "nodeport programs")
 }
 

@@ -22,6 +22,7 @@ const (
 	nodeportMapLb6Services       = "lb6_services"
 	nodeportMapLbAffinityMatch   = "lb_affinity_match"
 	nodeportMapNodeportAffinity4 = "nodeport_affinity4"
+	nodeportMapNodeportAffinity6 = "nodeport_affinity6"
 	nodeportMapNodeportDevices   = "nodeport_devices"
 	nodeportMapNodeportNat4      = "nodeport_nat4"
 	nodeportMapNodeportNat6      = "nodeport_nat6"
@@ -92,6 +93,7 @@ type nodeportMapSpecs struct {
 	Lb6Services       *ebpf.MapSpec `ebpf:"lb6_services"`
 	LbAffinityMatch   *ebpf.MapSpec `ebpf:"lb_affinity_match"`
 	NodeportAffinity4 *ebpf.MapSpec `ebpf:"nodeport_affinity4"`
+	NodeportAffinity6 *ebpf.MapSpec `ebpf:"nodeport_affinity6"`
 	NodeportDevices   *ebpf.MapSpec `ebpf:"nodeport_devices"`
 	NodeportNat4      *ebpf.MapSpec `ebpf:"nodeport_nat4"`
 	NodeportNat6      *ebpf.MapSpec `ebpf:"nodeport_nat6"`
@@ -136,6 +138,7 @@ type nodeportMaps struct {
 	Lb6Services       *ebpf.Map `ebpf:"lb6_services"`
 	LbAffinityMatch   *ebpf.Map `ebpf:"lb_affinity_match"`
 	NodeportAffinity4 *ebpf.Map `ebpf:"nodeport_affinity4"`
+	NodeportAffinity6 *ebpf.Map `ebpf:"nodeport_affinity6"`
 	NodeportDevices   *ebpf.Map `ebpf:"nodeport_devices"`
 	NodeportNat4      *ebpf.Map `ebpf:"nodeport_nat4"`
 	NodeportNat6      *ebpf.Map `ebpf:"nodeport_nat6"`
@@ -152,6 +155,7 @@ func (m *nodeportMaps) Close() error {
 		m.Lb6Services,
 		m.LbAffinityMatch,
 		m.NodeportAffinity4,
+		m.NodeportAffinity6,
 		m.NodeportDevices,
 		m.NodeportNat4,
 		m.NodeportNat6,

@@ -231,7 +231,7 @@ func (a *attacher) attach() (string, error) {
 			return err
 		}
 		progs, err = nodeport.Load(a.progConfig(), nodeport.Maps{Services4: s4, Backends4: b4, AffinityMatch: am,
-			Affinity4: own[nodeport.Affinity4Map], Services6: s6, Backends6: b6,
+			Affinity4: own[nodeport.Affinity4Map], Affinity6: own[nodeport.Affinity6Map], Services6: s6, Backends6: b6,
 			NAT6: own[nodeport.NAT6Map], SourceRange6: own[nodeport.SourceRange6Map],
 			Devices: own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap],
 			SourceRange4: own[nodeport.SourceRange4Map]})
