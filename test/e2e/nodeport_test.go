@@ -412,6 +412,28 @@ ports: [{name: tcp, port: 9090, protocol: TCP}]
 endpoints: [{addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}]
 `
 
+// npLocal: externalTrafficPolicy Local, a backend on this node and one on
+// another.
+const npLocal = `---
+apiVersion: v1
+kind: Service
+metadata: {name: np-etp, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.87
+  externalTrafficPolicy: Local
+  ports: [{name: tcp, port: 80, targetPort: 8080, nodePort: 30087, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: np-etp-1, namespace: default, labels: {kubernetes.io/service-name: np-etp}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints:
+- {addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}
+- {addresses: ["` + npRemote4 + `"], nodeName: e2e-other, conditions: {ready: true}}
+`
+
 // LoadBalancer ingress IPs of npLoadBalancers, routed to the node by the
 // client's default route.
 const (
@@ -436,7 +458,7 @@ func TestNodePortFromOutside(t *testing.T) {
 }
 
 func testNodePortFromOutside(t *testing.T, attach string) {
-	s := setupNodePort(t, npLoadBalancers+npEmpty+npLong, attach)
+	s := setupNodePort(t, npLoadBalancers+npEmpty+npLong+npLocal, attach)
 	for _, tc := range []struct {
 		name, addr, seen string
 	}{
@@ -477,6 +499,19 @@ func testNodePortFromOutside(t *testing.T, attach string) {
 		}
 		if n, err := s.a.labelledMetric(`apiary_nodeport_nat_entries{family="4"}`); err != nil || n < 2 {
 			t.Errorf("apiary_nodeport_nat_entries: %v %v, want at least 2", n, err)
+		}
+	})
+
+	t.Run("externalTrafficPolicy Local", func(t *testing.T) {
+		// Only the backend on this node, which sees the client's address.
+		testenv.Eventually(t, waitTimeout, "the Local service answers", func() (bool, string) {
+			got := s.client.run(t, connectEnv+"="+npNode4+":30087")
+			return strings.HasPrefix(got, "ok"), got
+		})
+		for i := range 12 {
+			if got := s.client.run(t, connectEnv+"="+npNode4+":30087"); got != "ok: hello "+npClient4 {
+				t.Fatalf("connection %d: %q, want the local backend seeing the client", i, got)
+			}
 		}
 	})
 
