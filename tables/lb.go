@@ -210,6 +210,10 @@ type Service struct {
 	// frontend takes traffic from, outside the node (spec.
 	// loadBalancerSourceRanges); empty: any.
 	LoadBalancerSourceRanges []netip.Prefix `json:"loadBalancerSourceRanges,omitempty" yaml:"loadBalancerSourceRanges,omitempty"`
+	// HealthCheckNodePort is the port on which the agent answers, for a
+	// LoadBalancer service with externalTrafficPolicy Local, how many of
+	// its endpoints are on this node (spec.healthCheckNodePort); 0: none.
+	HealthCheckNodePort uint16 `json:"healthCheckNodePort,omitempty" yaml:"healthCheckNodePort,omitempty"`
 	// SourceRangesSet: the spec lists source ranges. With none of them
 	// valid, the LoadBalancer frontends take no traffic from outside
 	// (fail closed) rather than any.

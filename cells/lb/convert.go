@@ -121,6 +121,14 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 		}
 	}
 	svc.LoadBalancerIPs = parse("loadBalancer ingress IP", lbIPs)
+	switch hc := s.Spec.HealthCheckNodePort; {
+	case hc == 0:
+	case hc < 0 || hc > 65535:
+		errorf("healthCheckNodePort %d is out of range 1-65535", hc)
+	case svc.ExternalTrafficPolicy == tables.TrafficPolicyLocal:
+		// Only Local services have one: a Cluster one's nodes all serve.
+		svc.HealthCheckNodePort = uint16(hc)
+	}
 	svc.SourceRangesSet = len(s.Spec.LoadBalancerSourceRanges) > 0
 	for _, raw := range s.Spec.LoadBalancerSourceRanges {
 		pfx, err := netip.ParsePrefix(strings.TrimSpace(raw))

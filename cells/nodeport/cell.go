@@ -34,7 +34,7 @@ var Cell = cell.Module(
 	"North-south load balancing at the external devices",
 
 	cell.Config(defaultConfig),
-	cell.ProvidePrivate(tables.NewNodePortDevicesTable, newAttacher, newSourceRanges),
+	cell.ProvidePrivate(tables.NewNodePortDevicesTable, newAttacher, newSourceRanges, newHealthChecks),
 	cell.Provide(func(t statedb.RWTable[*tables.NodePortDevice]) statedb.Table[*tables.NodePortDevice] { return t }),
 	cell.Invoke(registerJobs, registerMetrics),
 )
@@ -107,11 +107,12 @@ func attachRetry() job.RetryBackoff {
 	return &job.ExponentialBackoff{Min: time.Second, Max: time.Minute}
 }
 
-func registerJobs(jobs job.Group, a *attacher, sr *sourceRanges, lc cell.Lifecycle) {
+func registerJobs(jobs job.Group, a *attacher, sr *sourceRanges, hc *healthChecks, lc cell.Lifecycle) {
 	jobs.Add(job.OneShot("attach", a.run, job.WithRetry(-1, attachRetry())))
 	if a.cfg.EnableNodePort {
 		jobs.Add(job.Timer("nat-gc", a.gc, gcInterval(a.cfg)))
 		jobs.Add(job.OneShot("source-ranges", sr.run, job.WithRetry(-1, attachRetry())))
+		jobs.Add(job.OneShot("health-check-ports", hc.run))
 	}
 	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
 }

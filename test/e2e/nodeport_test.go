@@ -434,6 +434,45 @@ endpoints:
 - {addresses: ["` + npRemote4 + `"], nodeName: e2e-other, conditions: {ready: true}}
 `
 
+// npHealthChecks: two LoadBalancer services with externalTrafficPolicy
+// Local and a healthCheckNodePort, one with an endpoint on this node, one
+// with none.
+const npHealthChecks = `---
+apiVersion: v1
+kind: Service
+metadata: {name: np-hc-here, namespace: default}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.88
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32001
+  ports: [{name: tcp, port: 80, targetPort: 8080, nodePort: 30088, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: np-hc-here-1, namespace: default, labels: {kubernetes.io/service-name: np-hc-here}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints: [{addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: np-hc-away, namespace: default}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.89
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32002
+  ports: [{name: tcp, port: 80, targetPort: 8080, nodePort: 30089, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: np-hc-away-1, namespace: default, labels: {kubernetes.io/service-name: np-hc-away}}
+addressType: IPv4
+ports: [{name: tcp, port: 8080, protocol: TCP}]
+endpoints: [{addresses: ["` + npRemote4 + `"], nodeName: e2e-other, conditions: {ready: true}}]
+`
+
 // LoadBalancer ingress IPs of npLoadBalancers, routed to the node by the
 // client's default route.
 const (
@@ -458,7 +497,7 @@ func TestNodePortFromOutside(t *testing.T) {
 }
 
 func testNodePortFromOutside(t *testing.T, attach string) {
-	s := setupNodePort(t, npLoadBalancers+npEmpty+npLong+npLocal, attach)
+	s := setupNodePort(t, npLoadBalancers+npEmpty+npLong+npLocal+npHealthChecks, attach)
 	for _, tc := range []struct {
 		name, addr, seen string
 	}{
@@ -512,6 +551,23 @@ func testNodePortFromOutside(t *testing.T, attach string) {
 			if got := s.client.run(t, connectEnv+"="+npNode4+":30087"); got != "ok: hello "+npClient4 {
 				t.Fatalf("connection %d: %q, want the local backend seeing the client", i, got)
 			}
+		}
+	})
+
+	t.Run("healthCheckNodePort", func(t *testing.T) {
+		// As kube-proxy answers: 200 with this node's endpoints, 503
+		// without.
+		for _, tc := range []struct {
+			port, want string
+		}{
+			{"32001", `200 {"service":{"namespace":"default","name":"np-hc-here"},"localEndpoints":1,"serviceProxyHealthy":true}`},
+			{"32002", `503 {"service":{"namespace":"default","name":"np-hc-away"},"localEndpoints":0,"serviceProxyHealthy":true}`},
+		} {
+			testenv.Eventually(t, waitTimeout, "health check port "+tc.port, func() (bool, string) {
+				code, body, err := httpGet("http://" + npNode4 + ":" + tc.port + "/healthz")
+				got := fmt.Sprintf("%d %s", code, strings.TrimSpace(body))
+				return err == nil && got == tc.want, fmt.Sprint(got, err)
+			})
 		}
 	})
 
