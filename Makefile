@@ -85,6 +85,7 @@ run: build
 bpf:
 	cd bpf/socklb && $(GO) generate ./
 	cd bpf/policyprog && $(GO) generate ./
+	cd bpf/nodeport && $(GO) generate ./
 
 ## demo: socket load balancing end to end — curl a Service VIP from a cgroup (root).
 demo:

@@ -70,6 +70,7 @@ func newBPFCmd() *cobra.Command {
 		},
 	})
 	cmd.AddCommand(lbCmd)
+	cmd.AddCommand(newNodePortCmd(&pinDir))
 
 	ipcacheCmd := &cobra.Command{
 		Use:   "ipcache",

@@ -13,6 +13,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ipam"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/lb"
+	"github.com/apiary-net/apiary/cells/nodeport"
 	"github.com/apiary-net/apiary/cells/policy"
 	"github.com/apiary-net/apiary/cells/proxyhealth"
 	"github.com/apiary-net/apiary/cells/selectors"
@@ -28,6 +29,7 @@ var ControlPlane = cell.Group(
 	socketlb.Cell, // socket LB: cgroup connect/sendmsg/recvmsg hooks of both families on the lb maps (--enable-socket-lb)
 	// kube-proxy's health endpoint and Services' healthCheckNodePorts (--kube-proxy-healthz-addr, --enable-health-check-node-port)
 	proxyhealth.Cell,
+	nodeport.Cell, // north-south LB: tc programs on the external devices for NodePort, LoadBalancer, external IPs (--enable-nodeport)
 	// --identity-management-mode: agent numbers, or the operator's Identities and temporary numbers
 	identitymode.Cell,
 	identity.Cell,  // security identities: allocator, checkpoint in --state-dir

@@ -206,11 +206,18 @@ type Service struct {
 	// Local keeps only the backends on this node.
 	ExternalTrafficPolicy TrafficPolicy `json:"externalTrafficPolicy,omitempty" yaml:"externalTrafficPolicy,omitempty"`
 	InternalTrafficPolicy TrafficPolicy `json:"internalTrafficPolicy,omitempty" yaml:"internalTrafficPolicy,omitempty"`
-	// HealthCheckNodePort is the port on which a node answers whether it
-	// has local endpoints of the service, for load balancers to steer by
-	// (spec.healthCheckNodePort): set only with ExternalTrafficPolicy
-	// Local, 0 otherwise.
+	// LoadBalancerSourceRanges are the client prefixes a LoadBalancer
+	// frontend takes traffic from, outside the node (spec.
+	// loadBalancerSourceRanges); empty: any.
+	LoadBalancerSourceRanges []netip.Prefix `json:"loadBalancerSourceRanges,omitempty" yaml:"loadBalancerSourceRanges,omitempty"`
+	// HealthCheckNodePort is the port on which the agent answers, for a
+	// LoadBalancer service with externalTrafficPolicy Local, how many of
+	// its endpoints are on this node (spec.healthCheckNodePort); 0: none.
 	HealthCheckNodePort uint16 `json:"healthCheckNodePort,omitempty" yaml:"healthCheckNodePort,omitempty"`
+	// SourceRangesSet: the spec lists source ranges. With none of them
+	// valid, the LoadBalancer frontends take no traffic from outside
+	// (fail closed) rather than any.
+	SourceRangesSet bool `json:"sourceRangesSet,omitempty" yaml:"sourceRangesSet,omitempty"`
 	// Errors lists what could not be turned into frontends: invalid
 	// fields, and addresses another service already claims. The rest of
 	// the service works.

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -132,6 +133,17 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 		}
 	}
 	svc.LoadBalancerIPs = parse("loadBalancer ingress IP", lbIPs)
+	svc.SourceRangesSet = len(s.Spec.LoadBalancerSourceRanges) > 0
+	for _, raw := range s.Spec.LoadBalancerSourceRanges {
+		pfx, err := netip.ParsePrefix(strings.TrimSpace(raw))
+		if err != nil {
+			// Left out, the service would take traffic from anywhere:
+			// say so rather than guess.
+			errorf("loadBalancerSourceRanges %q is not a prefix", raw)
+			continue
+		}
+		svc.LoadBalancerSourceRanges = append(svc.LoadBalancerSourceRanges, pfx.Masked())
+	}
 
 	// Only these types open node ports; a stale nodePort on another type
 	// is ignored, as the API server clears it.

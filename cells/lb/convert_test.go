@@ -718,3 +718,65 @@ func TestWriterSharedAddress(t *testing.T) {
 		}
 	}
 }
+
+// TestSourceRanges: loadBalancerSourceRanges become masked prefixes; an
+// invalid one is an error and left out, and a service whose ranges are all
+// invalid still says it has ranges (its LoadBalancer frontends then take
+// nothing rather than everything).
+func TestSourceRanges(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		ranges []string
+		want   string
+		set    bool
+		errs   int
+	}{
+		{"none", nil, "[]", false, 0},
+		{"masked", []string{"192.0.2.7/24", " 10.0.0.0/8 "}, "[192.0.2.0/24 10.0.0.0/8]", true, 0},
+		{"one invalid", []string{"10.0.0.0/8", "nope"}, "[10.0.0.0/8]", true, 1},
+		{"all invalid", []string{"nope"}, "[]", true, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := &corev1.Service{}
+			s.Name, s.Namespace = "s", "default"
+			s.Spec.Type = corev1.ServiceTypeLoadBalancer
+			s.Spec.LoadBalancerSourceRanges = tt.ranges
+			svc := serviceFromK8s(s)
+			got := fmt.Sprint(svc.LoadBalancerSourceRanges)
+			if got == "[]" || svc.LoadBalancerSourceRanges == nil {
+				got = "[]"
+			}
+			if got != tt.want || svc.SourceRangesSet != tt.set || len(svc.Errors) != tt.errs {
+				t.Errorf("ranges %s set %v errors %q; want %s set %v %d errors", got, svc.SourceRangesSet, svc.Errors, tt.want, tt.set, tt.errs)
+			}
+		})
+	}
+}
+
+// TestHealthCheckNodePort: kept for externalTrafficPolicy Local only; out
+// of range is an error.
+func TestHealthCheckNodePort(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		etp  corev1.ServiceExternalTrafficPolicy
+		port int32
+		want uint16
+		errs int
+	}{
+		{"Local", corev1.ServiceExternalTrafficPolicyLocal, 32001, 32001, 0},
+		{"Cluster", corev1.ServiceExternalTrafficPolicyCluster, 32001, 0, 0},
+		{"out of range", corev1.ServiceExternalTrafficPolicyLocal, 70000, 0, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := &corev1.Service{}
+			s.Name, s.Namespace = "s", "default"
+			s.Spec.Type = corev1.ServiceTypeLoadBalancer
+			s.Spec.ExternalTrafficPolicy = tt.etp
+			s.Spec.HealthCheckNodePort = tt.port
+			svc := serviceFromK8s(s)
+			if svc.HealthCheckNodePort != tt.want || len(svc.Errors) != tt.errs {
+				t.Errorf("port %d errors %q; want %d and %d errors", svc.HealthCheckNodePort, svc.Errors, tt.want, tt.errs)
+			}
+		})
+	}
+}

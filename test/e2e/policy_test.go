@@ -49,6 +49,9 @@ func runHelper() (int, bool) {
 	if code, ok := runIfaceHelper(); ok {
 		return code, true
 	}
+	if code, ok := runNodePortHelper(); ok {
+		return code, true
+	}
 	if code, ok := runDNSBypassHelper(); ok {
 		return code, true
 	}
