@@ -753,30 +753,3 @@ func TestSourceRanges(t *testing.T) {
 	}
 }
 
-// TestHealthCheckNodePort: kept for externalTrafficPolicy Local only; out
-// of range is an error.
-func TestHealthCheckNodePort(t *testing.T) {
-	for _, tt := range []struct {
-		name string
-		etp  corev1.ServiceExternalTrafficPolicy
-		port int32
-		want uint16
-		errs int
-	}{
-		{"Local", corev1.ServiceExternalTrafficPolicyLocal, 32001, 32001, 0},
-		{"Cluster", corev1.ServiceExternalTrafficPolicyCluster, 32001, 0, 0},
-		{"out of range", corev1.ServiceExternalTrafficPolicyLocal, 70000, 0, 1},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			s := &corev1.Service{}
-			s.Name, s.Namespace = "s", "default"
-			s.Spec.Type = corev1.ServiceTypeLoadBalancer
-			s.Spec.ExternalTrafficPolicy = tt.etp
-			s.Spec.HealthCheckNodePort = tt.port
-			svc := serviceFromK8s(s)
-			if svc.HealthCheckNodePort != tt.want || len(svc.Errors) != tt.errs {
-				t.Errorf("port %d errors %q; want %d and %d errors", svc.HealthCheckNodePort, svc.Errors, tt.want, tt.errs)
-			}
-		})
-	}
-}
