@@ -62,9 +62,11 @@ test-race: deps
 ## test-cluster: test/cluster, a real single-node cluster (kubelet, containerd,
 ## runc) with apiary installed from deploy/ and its image, and a part of
 ## Kubernetes' NetworkPolicy e2e suite against it (as root; one per
-## machine; CI runs it after test-race).
+## machine; CI runs it after test-race). TestMultiNode brings up NODES
+## nodes (default 2) in namespaces of this machine: make test-cluster NODES=3.
+NODES ?= 2
 test-cluster: deps image
-	$(GO) test -tags cluster -count=1 -timeout 30m $(TESTFLAGS) ./test/cluster
+	APIARY_NODES=$(NODES) $(GO) test -tags cluster -count=1 -timeout 30m $(TESTFLAGS) ./test/cluster
 
 ## conformance: all of Kubernetes' NetworkPolicy e2e suite against apiary on
 ## test/cluster's node; writes docs/conformance.md (as root).

@@ -5,6 +5,7 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -21,6 +22,36 @@ import (
 type mnPods struct {
 	server, client, other []*corev1.Pod
 	clusterIP             string
+	// netns is the network namespace of each node by name: the test asks
+	// a pod from its own node (a pod does not answer the control plane's
+	// host, which is outside the cluster, as the world).
+	netns map[string]string
+}
+
+// ask asks pod for path (see testpod) from the pod's node.
+func (p *mnPods) ask(t *testing.T, pod *corev1.Pod, path string) string {
+	t.Helper()
+	out, err := exec.Command("ip", "netns", "exec", p.netns[pod.Spec.NodeName],
+		"curl", "-sS", "-m", "8", fmt.Sprintf("http://%s:8080%s", pod.Status.PodIP, path)).CombinedOutput()
+	if err != nil {
+		return fmt.Sprintf("ask the pod: %v: %s", err, out)
+	}
+	return string(out)
+}
+
+// connect has pod connect to addr, asked from its node (see connect).
+func (p *mnPods) connect(t *testing.T, pod *corev1.Pod, addr string) string {
+	t.Helper()
+	return p.ask(t, pod, "/connect?addr="+addr)
+}
+
+// wantConnect waits until pod's connections to addr come out as want.
+func (p *mnPods) wantConnect(t *testing.T, pod *corev1.Pod, addr, want string) {
+	t.Helper()
+	testenv.Eventually(t, waitTimeout, fmt.Sprintf("%s to %s: %s", pod.Name, addr, want), func() (bool, string) {
+		got := p.connect(t, pod, addr)
+		return strings.HasPrefix(got, want), got
+	})
 }
 
 // TestMultiNode brings up APIARY_NODES nodes (2 by default) in namespaces
@@ -41,7 +72,6 @@ func TestMultiNode(t *testing.T) {
 		w.chainWorkerCNI(pinDir)
 	}
 	p := n.startMultiNodePods(workers)
-
 	steps := []struct {
 		name string
 		run  func(t *testing.T, n *node, p *mnPods)
@@ -96,7 +126,10 @@ func (n *node) startMultiNodePods(workers []*workerNode) *mnPods {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &mnPods{clusterIP: svc.Spec.ClusterIP}
+	p := &mnPods{clusterIP: svc.Spec.ClusterIP, netns: map[string]string{}}
+	for _, w := range workers {
+		p.netns[w.name] = w.netns
+	}
 	for i, w := range workers {
 		on := func(name, app string) *corev1.Pod {
 			pod := testPod(fmt.Sprintf("%s-%d", name, i+1), map[string]string{"app": app})
@@ -130,7 +163,7 @@ func across(n int, fn func(i, j int)) {
 // every other node (the node network, the routes between pod CIDRs).
 func testAcrossNodes(t *testing.T, n *node, p *mnPods) {
 	across(len(p.server), func(i, j int) {
-		wantConnect(t, p.client[i], p.server[j].Status.PodIP+":8080", "ok: hello from "+p.server[j].Name)
+		p.wantConnect(t, p.client[i], p.server[j].Status.PodIP+":8080", "ok: hello from "+p.server[j].Name)
 	})
 }
 
@@ -140,7 +173,7 @@ func testServiceAcrossNodes(t *testing.T, n *node, p *mnPods) {
 	for _, c := range p.client {
 		seen := map[string]bool{}
 		testenv.Eventually(t, waitTimeout, c.Name+" to every server through "+p.clusterIP, func() (bool, string) {
-			got := connect(t, c, p.clusterIP+":80")
+			got := p.connect(t, c, p.clusterIP+":80")
 			if from, ok := strings.CutPrefix(got, "ok: hello from "); ok {
 				seen[from] = true
 			}
@@ -165,10 +198,10 @@ spec:
 	across(len(p.server), func(i, j int) {
 		addr := p.server[j].Status.PodIP + ":8080"
 		testenv.Eventually(t, waitTimeout, fmt.Sprintf("%s kept out of %s", p.other[i].Name, p.server[j].Name), func() (bool, string) {
-			got := connect(t, p.other[i], addr)
+			got := p.connect(t, p.other[i], addr)
 			return !strings.HasPrefix(got, "ok"), got
 		})
-		if got := connect(t, p.client[i], addr); !strings.HasPrefix(got, "ok: hello from "+p.server[j].Name) {
+		if got := p.connect(t, p.client[i], addr); !strings.HasPrefix(got, "ok: hello from "+p.server[j].Name) {
 			t.Errorf("%s to %s under the ingress policy: %s", p.client[i].Name, p.server[j].Name, got)
 		}
 	})
@@ -189,8 +222,8 @@ spec:
     ports: [{port: http, protocol: TCP}]
 `)
 	across(len(p.server), func(i, j int) {
-		wantConnect(t, p.other[i], p.server[j].Status.PodIP+":8080", "EPERM")
-		wantConnect(t, p.other[i], p.client[j].Status.PodIP+":8080", "ok: hello from "+p.client[j].Name)
+		p.wantConnect(t, p.other[i], p.server[j].Status.PodIP+":8080", "EPERM")
+		p.wantConnect(t, p.other[i], p.client[j].Status.PodIP+":8080", "ok: hello from "+p.client[j].Name)
 	})
 }
 
