@@ -30,7 +30,7 @@ IMAGE_TAR ?= bin/apiary-image.tar
 # version (a '+', a '/') becomes '-'.
 IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
 
-.PHONY: all build image test test-race test-cluster conformance bench run lint deps clean bpf demo
+.PHONY: all build image test test-race test-cluster conformance conformance-multinode bench run lint deps clean bpf demo
 
 all: build
 
@@ -73,6 +73,13 @@ test-cluster: deps image
 conformance: deps image
 	APIARY_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance.md \
 		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestNetworkPolicyConformance$$' $(TESTFLAGS) ./test/cluster
+
+## conformance-multinode: all of Kubernetes' NetworkPolicy e2e suite against
+## apiary on NODES nodes (default 2) of test/cluster's multi-node cluster;
+## writes bin/conformance-multinode.md (as root).
+conformance-multinode: deps image
+	APIARY_NODES=$(NODES) APIARY_CONFORMANCE_MULTINODE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/bin/conformance-multinode.md \
+		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestNetworkPolicyConformanceMultiNode$$' $(TESTFLAGS) ./test/cluster
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
