@@ -333,7 +333,7 @@ func (w *workerNode) writeWorkerCNIConf(pinDir string) {
   "cniVersion": "1.0.0",
   "name": "apiary-test",
   "plugins": [{
-    "type": "bridge", "bridge": "cbr0", "isGateway": true, "ipMasq": false,
+    "type": "bridge", "bridge": "cbr0", "isGateway": true, "isDefaultGateway": true, "ipMasq": false,
     "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q}
   }%s]
 }
