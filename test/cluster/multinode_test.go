@@ -226,4 +226,3 @@ spec:
 		p.wantConnect(t, p.other[i], p.client[j].Status.PodIP+":8080", "ok: hello from "+p.client[j].Name)
 	})
 }
-
