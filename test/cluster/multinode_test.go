@@ -80,6 +80,7 @@ func TestMultiNode(t *testing.T) {
 		{"ServiceWithABackendPerNode", testServiceAcrossNodes},
 		{"IngressCNPByRemoteIdentity", testIngressAcrossNodes},
 		{"EgressNetworkPolicyAcrossNodes", testEgressNetpolAcrossNodes},
+		{"RemoteNodeEntity", testRemoteNodeEntity},
 	}
 	for _, s := range steps {
 		start := time.Now()
@@ -224,5 +225,24 @@ spec:
 	across(len(p.server), func(i, j int) {
 		p.wantConnect(t, p.other[i], p.server[j].Status.PodIP+":8080", "EPERM")
 		p.wantConnect(t, p.other[i], p.client[j].Status.PodIP+":8080", "ok: hello from "+p.client[j].Name)
+	})
+}
+
+// testRemoteNodeEntity: each node's agent knows the other nodes from their
+// Node objects: a client whose CNP allows everything but remote-node gets
+// EPERM connecting to another node's kubelet (its InternalIP), and
+// reaches a server pod of that node.
+func testRemoteNodeEntity(t *testing.T, n *node, p *mnPods) {
+	n.createPolicy(t, `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: client-not-remote-node, namespace: `+ns+`}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egress: [{toEntities: [all]}]
+  egressDeny: [{toEntities: [remote-node]}]
+`)
+	across(len(p.client), func(i, j int) {
+		p.wantConnect(t, p.client[i], nodeIPOf(j+1)+":10250", "EPERM")
+		p.wantConnect(t, p.client[i], p.server[j].Status.PodIP+":8080", "ok: hello from "+p.server[j].Name)
 	})
 }
