@@ -23,8 +23,8 @@ type mnPods struct {
 	server, client, other []*corev1.Pod
 	clusterIP             string
 	// netns is the network namespace of each node by name: the test asks
-	// a pod from its own node (a pod does not answer the control plane's
-	// host, which is outside the cluster, as the world).
+	// a pod from its own node, as the kubelet's probes reach it (the
+	// control plane's host is the world to the nodes' agents).
 	netns map[string]string
 }
 
