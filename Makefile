@@ -30,7 +30,7 @@ IMAGE_TAR ?= bin/apiary-image.tar
 # version (a '+', a '/') becomes '-'.
 IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
 
-.PHONY: all build image test test-race test-cluster conformance bench run lint deps clean bpf demo
+.PHONY: all build image test test-race test-cluster conformance conformance-multinode bench run lint deps clean bpf demo
 
 all: build
 
@@ -62,15 +62,24 @@ test-race: deps
 ## test-cluster: test/cluster, a real single-node cluster (kubelet, containerd,
 ## runc) with apiary installed from deploy/ and its image, and a part of
 ## Kubernetes' NetworkPolicy e2e suite against it (as root; one per
-## machine; CI runs it after test-race).
+## machine; CI runs it after test-race). TestMultiNode brings up NODES
+## nodes (default 2) in namespaces of this machine: make test-cluster NODES=3.
+NODES ?= 2
 test-cluster: deps image
-	$(GO) test -tags cluster -count=1 -timeout 30m $(TESTFLAGS) ./test/cluster
+	APIARY_NODES=$(NODES) $(GO) test -tags cluster -count=1 -timeout 30m $(TESTFLAGS) ./test/cluster
 
 ## conformance: all of Kubernetes' NetworkPolicy e2e suite against apiary on
 ## test/cluster's node; writes docs/conformance.md (as root).
 conformance: deps image
 	APIARY_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance.md \
 		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestNetworkPolicyConformance$$' $(TESTFLAGS) ./test/cluster
+
+## conformance-multinode: all of Kubernetes' NetworkPolicy e2e suite against
+## apiary on NODES nodes (default 2) of test/cluster's multi-node cluster;
+## writes bin/conformance-multinode.md (as root).
+conformance-multinode: deps image
+	APIARY_NODES=$(NODES) APIARY_CONFORMANCE_MULTINODE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/bin/conformance-multinode.md \
+		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestNetworkPolicyConformanceMultiNode$$' $(TESTFLAGS) ./test/cluster
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)

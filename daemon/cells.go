@@ -4,6 +4,7 @@ import (
 	"github.com/cilium/hive/cell"
 
 	"github.com/apiary-net/apiary/cells/cnichain"
+	"github.com/apiary-net/apiary/cells/clusternodes"
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/fqdn"
@@ -32,8 +33,10 @@ var ControlPlane = cell.Group(
 	nodeport.Cell, // north-south LB: tc programs on the external devices for NodePort, LoadBalancer, external IPs (--enable-nodeport)
 	// --identity-management-mode: agent numbers, or the operator's Identities and temporary numbers
 	identitymode.Cell,
-	identity.Cell,  // security identities: allocator, checkpoint in --state-dir
-	ipcache.Cell,   // prefix labels → identities → ipcache map
+	identity.Cell, // security identities: allocator, checkpoint in --state-dir
+	ipcache.Cell,  // prefix labels → identities → ipcache map
+	// Node objects: the nodes table, other nodes' addresses → reserved:remote-node
+	clusternodes.Cell,
 	selectors.Cell, // CiliumNetworkPolicies: policies, selectors, policy CIDR prefixes
 	fqdn.Cell,      // DNS proxy: addresses of names FQDN selectors match → prefixes (fqdn-names)
 	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node, their cgroups

@@ -280,6 +280,7 @@ func TestAgentRBAC(t *testing.T) {
 	need = append(need, informer(k8s.EndpointSliceKind)...)
 	need = append(need, informer(k8s.PodKind)...)
 	need = append(need, informer(k8s.NamespaceKind)...)
+	need = append(need, informer(k8s.NodeKind)...)
 	need = append(need, informer(selectors.CNPKind)...)
 	need = append(need, informer(selectors.CCNPKind)...)
 	need = append(need, informer(selectors.NetworkPolicyKind)...)

@@ -139,6 +139,17 @@ var NamespaceKind = Kind[*corev1.Namespace]{
 	},
 }
 
+// NodeKind is v1 Node: the cluster's nodes, whose addresses the agent
+// gives the remote-node identity (cells/clusternodes).
+var NodeKind = Kind[*corev1.Node]{
+	GVK:        corev1.SchemeGroupVersion.WithKind("Node"),
+	Resource:   "nodes",
+	Namespaced: false,
+	ListWatch: func(c *Clientset) cache.ListerWatcher {
+		return NewListWatch(c.Interface, c.CoreV1().Nodes().List, c.CoreV1().Nodes().Watch)
+	},
+}
+
 // kindDesc is the untyped view of a Kind that the decoders work with.
 type kindDesc struct {
 	gvk        schema.GroupVersionKind

@@ -405,10 +405,10 @@ func TestParsePolicyErrors(t *testing.T) {
 			`ingress[0].fromEndpoints[0]: selector "a": operator Exists takes no values`},
 		{"entity as a label source", web + "  egressDeny: [{toEndpoints: [{matchLabels: {'entity:world': ''}}]}]",
 			`egressDeny[0].toEndpoints[0]: selector key "entity:world": entity: is not a label source (use fromEntities or toEntities)`},
-		{"unknown entity", web + "  ingress: [{fromEntities: [host, remote-node]}]",
-			`ingress[0].fromEntities[1]: unknown entity "remote-node" (apiary supports world, world-ipv4, world-ipv6, host, cluster and all)`},
+		{"unknown entity", web + "  ingress: [{fromEntities: [host, kube-apiserver]}]",
+			`ingress[0].fromEntities[1]: unknown entity "kube-apiserver" (apiary supports world, world-ipv4, world-ipv6, host, remote-node, cluster and all)`},
 		{"entities are lower case", web + "  egress: [{toEntities: [World]}]",
-			`egress[0].toEntities[0]: unknown entity "World" (apiary supports world, world-ipv4, world-ipv6, host, cluster and all)`},
+			`egress[0].toEntities[0]: unknown entity "World" (apiary supports world, world-ipv4, world-ipv6, host, remote-node, cluster and all)`},
 		{"toFQDNs in a deny rule", web + "  egressDeny: [{toFQDNs: [{matchName: a.com}]}]",
 			"egressDeny[0].toFQDNs: not allowed in a deny rule"},
 		{"toPorts without ports", web + "  egress: [{toPorts: [{ports: [{port: '80'}]}, {}]}]",
@@ -464,9 +464,9 @@ spec:
 specs:
 - endpointSelector: {}
   ingress: [{fromEntities: [moon]}]`,
-			`specs[0].ingress[0].fromEntities[0]: unknown entity "moon" (apiary supports world, world-ipv4, world-ipv6, host, cluster and all); spec.egress[0].toServices: not supported`},
+			`specs[0].ingress[0].fromEntities[0]: unknown entity "moon" (apiary supports world, world-ipv4, world-ipv6, host, remote-node, cluster and all); spec.egress[0].toServices: not supported`},
 		{"several errors", web + "  egress: [{toEntities: [nope], toPorts: [{ports: [{port: '1', endPort: '0x10'}]}]}]",
-			`egress[0].toEntities[0]: unknown entity "nope" (apiary supports world, world-ipv4, world-ipv6, host, cluster and all); ` +
+			`egress[0].toEntities[0]: unknown entity "nope" (apiary supports world, world-ipv4, world-ipv6, host, remote-node, cluster and all); ` +
 				`egress[0].toPorts[0].ports[0].endPort: 0x10 is not a port number (0-65535)`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -14,7 +14,7 @@ import (
 // selectors (Kubernetes semantics over security labels), CIDR selectors
 // (prefix-aware over cidr: labels), FQDN selectors (identities carrying
 // the selector's fqdn: label, which the DNS proxy gives the IPs of names it
-// matches) and entity selectors (world, host, cluster).
+// matches) and entity selectors (world, host, remote-node, cluster).
 type Selector interface {
 	// String is the canonical form: two selectors with the same string
 	// select the same identities, and share a row of the selectors table.
@@ -438,6 +438,9 @@ const (
 	EntityWorldIPv6 = "world-ipv6"
 	// EntityHost is the local node: identity 1.
 	EntityHost = "host"
+	// EntityRemoteNode is every other node of the cluster: identity 6,
+	// the addresses of the Node objects (cells/clusternodes).
+	EntityRemoteNode = "remote-node"
 	// EntityCluster is everything inside the cluster: workloads and the
 	// reserved identities that are not world ones.
 	EntityCluster = "cluster"
@@ -459,14 +462,14 @@ type EntitySelector struct {
 // an entity selector, or tables.AnyPeer for "all" (nil selector).
 func ParseEntity(name string) (*EntitySelector, string, error) {
 	switch name {
-	case EntityWorld, EntityWorldIPv4, EntityWorldIPv6, EntityHost, EntityCluster:
+	case EntityWorld, EntityWorldIPv4, EntityWorldIPv6, EntityHost, EntityRemoteNode, EntityCluster:
 		s := &EntitySelector{Entity: name}
 		return s, s.String(), nil
 	case EntityAll:
 		return nil, tables.AnyPeer, nil
 	}
-	return nil, "", fmt.Errorf("unknown entity %q (apiary supports %s, %s, %s, %s, %s and %s)",
-		name, EntityWorld, EntityWorldIPv4, EntityWorldIPv6, EntityHost, EntityCluster, EntityAll)
+	return nil, "", fmt.Errorf("unknown entity %q (apiary supports %s, %s, %s, %s, %s, %s and %s)",
+		name, EntityWorld, EntityWorldIPv4, EntityWorldIPv6, EntityHost, EntityRemoteNode, EntityCluster, EntityAll)
 }
 
 // String implements Selector.
@@ -483,6 +486,8 @@ func (s *EntitySelector) Matches(l tables.Labels) bool {
 		return l.Has(tables.LabelWorldIPv6) || l.Has(tables.LabelWorld) && !hasCIDROf(l, true)
 	case EntityHost:
 		return l.Has(tables.LabelHost)
+	case EntityRemoteNode:
+		return l.Has(tables.LabelRemoteNode)
 	case EntityCluster:
 		return !outsideCluster(l)
 	}

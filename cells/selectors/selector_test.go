@@ -170,7 +170,9 @@ var entitySelections = map[string][]uint32{
 	EntityWorldIPv4: {2, 9, 16777217, 16777218, 16777220, 16777221},
 	EntityWorldIPv6: {2, 10, 16777219, 16777220},
 	EntityHost:      {1},
-	EntityCluster:   {1, 3, 4, 5, 6, 7, 8, 256, 257},
+	// The API server's identity is a remote node's too.
+	EntityRemoteNode: {6, 7},
+	EntityCluster:    {1, 3, 4, 5, 6, 7, 8, 256, 257},
 }
 
 func TestEntitySelector(t *testing.T) {
@@ -183,6 +185,7 @@ func TestEntitySelector(t *testing.T) {
 		{EntityWorldIPv4, "entity:world-ipv4"},
 		{EntityWorldIPv6, "entity:world-ipv6"},
 		{EntityHost, "entity:host"},
+		{EntityRemoteNode, "entity:remote-node"},
 		{EntityCluster, "entity:cluster"},
 	} {
 		sel, peer, err := ParseEntity(tc.entity)
@@ -211,7 +214,7 @@ func TestEntitySelector(t *testing.T) {
 	if sel, peer, err := ParseEntity(EntityAll); sel != nil || peer != tables.AnyPeer || err != nil {
 		t.Errorf("ParseEntity(all) = %v, %q, %v; want AnyPeer", sel, peer, err)
 	}
-	for _, bad := range []string{"", "World", "remote-node", "health", "kube-apiserver", "none"} {
+	for _, bad := range []string{"", "World", "Remote-Node", "health", "kube-apiserver", "none"} {
 		if _, _, err := ParseEntity(bad); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("unknown entity %q", bad)) {
 			t.Errorf("ParseEntity(%q): %v, want an error naming it", bad, err)
 		}

@@ -62,6 +62,7 @@ func TestCluster(t *testing.T) {
 		{"FirstConnection", testFirstConnection},
 		{"Monitor", testMonitor},
 		{"DNSThroughClusterService", testDNS},
+		{"RemoteNodeFromNodeObject", testRemoteNode},
 		{"AgentRestart", testAgentRestart},
 		{"OperatorMode", testOperatorMode},
 		{"Uninstall", testUninstall},

@@ -1,0 +1,133 @@
+//go:build cluster
+
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+
+	"github.com/apiary-net/apiary/internal/testenv"
+)
+
+// ghostNode is a Node object with no kubelet behind it, standing for
+// another node of the cluster; ghostAddr, its InternalIP, is an address
+// of the node's bridge subnet that nothing answers.
+const (
+	ghostNode = "apiary-ghost-node"
+	ghostAddr = "10.253.0.250"
+)
+
+// nodeRow is what the test reads of a nodes row.
+type nodeRow struct {
+	Name      string   `json:"name"`
+	Local     bool     `json:"local"`
+	Addresses []string `json:"addresses"`
+}
+
+// nodesTable returns the agent's nodes table by name.
+func nodesTable(t *testing.T) (map[string]nodeRow, error) {
+	t.Helper()
+	code, body, err := httpGet(agentAPI + "/statedb/dump/nodes")
+	if err != nil || code != http.StatusOK {
+		return nil, fmt.Errorf("GET /statedb/dump/nodes: %d %v %s", code, err, body)
+	}
+	var all map[string][]nodeRow
+	if err := json.Unmarshal([]byte(body), &all); err != nil {
+		return nil, fmt.Errorf("GET /statedb/dump/nodes: %v: %s", err, body)
+	}
+	out := map[string]nodeRow{}
+	for _, r := range all["nodes"] {
+		out[r.Name] = r
+	}
+	return out, nil
+}
+
+// testRemoteNode: the agent, installed from deploy/ (RBAC for nodes),
+// knows its own node from the Node object; another Node object's
+// InternalIP becomes remote-node, so a pod whose egress allows everything
+// but remote-node gets EPERM connecting to it, and once that Node is
+// deleted no longer does.
+func testRemoteNode(t *testing.T, n *node, w *workloads) {
+	ctx := context.Background()
+	testenv.Eventually(t, waitTimeout, "node "+nodeName+" local in the nodes table", func() (bool, string) {
+		rows, err := nodesTable(t)
+		if err != nil {
+			return false, err.Error()
+		}
+		r := rows[nodeName]
+		return r.Local && slices.Contains(r.Addresses, nodeIP), fmt.Sprintf("%+v", rows)
+	})
+
+	n.createPolicy(t, `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: other-not-remote-node, namespace: `+ns+`}
+spec:
+  endpointSelector: {matchLabels: {app: other}}
+  egress: [{toEntities: [all]}]
+  egressDeny: [{toEntities: [remote-node]}]
+`)
+	cnps := n.dynamic(t).Resource(schema.GroupVersionResource{Group: "cilium.io", Version: "v2", Resource: "ciliumnetworkpolicies"}).Namespace(ns)
+	t.Cleanup(func() { cnps.Delete(ctx, "other-not-remote-node", metav1.DeleteOptions{}) })
+	addr := ghostAddr + ":8080"
+	// Nothing answers: the world's connection times out.
+	wantConnect(t, w.other, addr, "timeout")
+
+	ghost := &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: ghostNode},
+		Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{
+			{Type: corev1.NodeInternalIP, Address: ghostAddr},
+			{Type: corev1.NodeHostName, Address: ghostNode},
+		}},
+	}
+	created, err := n.cs.CoreV1().Nodes().Create(ctx, ghost, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.cs.CoreV1().Nodes().Delete(ctx, ghostNode, metav1.DeleteOptions{}) })
+	if len(created.Status.Addresses) == 0 {
+		created.Status = ghost.Status
+		if _, err := n.cs.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testenv.Eventually(t, waitTimeout, ghostNode+" remote in the nodes table", func() (bool, string) {
+		rows, err := nodesTable(t)
+		if err != nil {
+			return false, err.Error()
+		}
+		r, ok := rows[ghostNode]
+		return ok && !r.Local && slices.Contains(r.Addresses, ghostAddr), fmt.Sprintf("%+v", rows)
+	})
+	wantConnect(t, w.other, addr, "EPERM")
+
+	if err := n.cs.CoreV1().Nodes().Delete(ctx, ghostNode, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, waitTimeout, "the ghost node's address no longer remote-node", func() (bool, string) {
+		got := connect(t, w.other, addr)
+		return !strings.HasPrefix(got, "EPERM"), got
+	})
+	if err := cnps.Delete(ctx, "other-not-remote-node", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// dynamic returns a dynamic client of the cluster.
+func (n *node) dynamic(t *testing.T) dynamic.Interface {
+	t.Helper()
+	dyn, err := dynamic.NewForConfig(n.admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dyn
+}
