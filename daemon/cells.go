@@ -3,8 +3,8 @@ package main
 import (
 	"github.com/cilium/hive/cell"
 
-	"github.com/apiary-net/apiary/cells/cnichain"
 	"github.com/apiary-net/apiary/cells/clusternodes"
+	"github.com/apiary-net/apiary/cells/cnichain"
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/fqdn"
