@@ -30,7 +30,7 @@ IMAGE_TAR ?= bin/apiary-image.tar
 # version (a '+', a '/') becomes '-'.
 IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
 
-.PHONY: all build image test test-race test-cluster conformance bench run lint deps clean bpf demo
+.PHONY: all build image test test-race test-cluster conformance conformance-services bench run lint deps clean bpf demo
 
 all: build
 
@@ -71,6 +71,13 @@ test-cluster: deps image
 conformance: deps image
 	APIARY_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance.md \
 		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestNetworkPolicyConformance$$' $(TESTFLAGS) ./test/cluster
+
+## conformance-services: Kubernetes' [sig-network] Services e2e suite against
+## apiary on test/cluster's node (no kube-proxy); writes
+## docs/conformance-services.md (as root).
+conformance-services: deps image
+	APIARY_SERVICES_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance-services.md \
+		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestServicesConformance$$' $(TESTFLAGS) ./test/cluster
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
