@@ -71,6 +71,10 @@ type Config struct {
 	BPFLBMapMax uint32
 	// BPFLBPreallocate allocates the maps' entries up front.
 	BPFLBPreallocate bool
+	// K8sServiceProxyName is the value of the
+	// service.kubernetes.io/service-proxy-name label of the services the
+	// agent serves; empty, it serves those without the label.
+	K8sServiceProxyName string
 }
 
 var defaultConfig = Config{BPFLBMapMax: 65536}
@@ -81,6 +85,8 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Entries of each load-balancing map (lb4_services and lb6_services hold one per frontend plus one per backend of each frontend and one per cluster IP); a change resizes the maps keeping their entries")
 	fs.Bool("bpf-lb-preallocate", def.BPFLBPreallocate,
 		"Allocate every entry of the load-balancing maps up front (about 80 B × --"+MapMaxFlag+" per map from the start) so that map updates allocate nothing and cost about 2.5 times less; a change re-creates the maps keeping their entries")
+	fs.String("k8s-service-proxy-name", def.K8sServiceProxyName,
+		"Serve only the Services whose "+serviceProxyNameLabel+" label has this value; empty, only those without the label (a Service labelled for another proxy is that proxy's, as kube-proxy leaves it)")
 }
 
 // Maps gives other cells, such as the datapath loader, the maps the load
@@ -122,6 +128,7 @@ func newReflector(
 	svcs k8s.Resource[*corev1.Service],
 	slices k8s.Resource[*discoveryv1.EndpointSlice],
 	nodeCfg node.Config,
+	cfg Config,
 ) *reflector {
 	r := &reflector{
 		log: log,
@@ -132,6 +139,7 @@ func newReflector(
 		services:     svcs,
 		slices:       slices,
 		sliceService: map[k8s.Key]tables.ServiceName{},
+		proxyName:    cfg.K8sServiceProxyName,
 		problems:     map[string]string{},
 		change:       newChange(),
 	}

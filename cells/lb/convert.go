@@ -15,6 +15,10 @@ import (
 // kube-proxy and Cilium honour it.
 const headlessLabel = corev1.IsHeadlessService
 
+// serviceProxyNameLabel names the proxy that serves a service; the others
+// leave it alone (see servedBy, --k8s-service-proxy-name).
+const serviceProxyNameLabel = "service.kubernetes.io/service-proxy-name"
+
 // serviceFromK8s turns a Kubernetes Service into a services row. What is
 // invalid is listed in Errors and left out; the rest is kept. Addresses of
 // both families are kept: the cluster IPs (at most one per family, as

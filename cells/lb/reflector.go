@@ -40,6 +40,9 @@ type reflector struct {
 
 	// sliceService is the service each EndpointSlice was last seen with.
 	sliceService map[k8s.Key]tables.ServiceName
+	// proxyName is --k8s-service-proxy-name: the services of other
+	// proxies are left out (see servedBy).
+	proxyName string
 	// problems are the invalid objects, by "Kind namespace/name".
 	problems map[string]string
 	// problemsChanged says that health must be updated.
@@ -139,10 +142,27 @@ func (r *reflector) applyService(txn statedb.WriteTxn, ev k8s.Event[*corev1.Serv
 	name := tables.ServiceName{Namespace: ev.Key.Namespace, Name: ev.Key.Name}
 	switch ev.Kind {
 	case k8s.Upsert:
+		if !servedBy(ev.Object, r.proxyName) {
+			// Another proxy's: as if deleted, so that labelling a
+			// served service hands it over at once.
+			r.w.deleteService(txn, name, c)
+			return
+		}
 		r.w.upsertService(txn, serviceFromK8s(ev.Object), c)
 	case k8s.Delete:
 		r.w.deleteService(txn, name, c)
 	}
+}
+
+// servedBy reports whether the proxy named proxyName serves s: the value
+// of its service.kubernetes.io/service-proxy-name label, or no label when
+// proxyName is empty, as kube-proxy and Cilium decide it.
+func servedBy(s *corev1.Service, proxyName string) bool {
+	v, labelled := s.Labels[serviceProxyNameLabel]
+	if !labelled {
+		return proxyName == ""
+	}
+	return proxyName != "" && v == proxyName
 }
 
 func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.EndpointSlice], c *change) {
