@@ -49,6 +49,7 @@ var servicesCISubset = []string{
 	`should have session affinity work for service with type clusterIP`,
 	`should be rejected when no endpoints exist`,
 	`should implement service.kubernetes.io/headless`,
+	`should implement service.kubernetes.io/service-proxy-name`,
 	`should prevent NodePort collisions`,
 	`should find a service from listing all namespaces`,
 }
