@@ -164,8 +164,9 @@ func TestNetworkPolicyConformance(t *testing.T) {
 
 // shellTools are the programs the suites exec in agnhost's pods beside
 // agnhost itself, as Kubernetes' own agnhost image (Alpine-based) has
-// them: /bin/sh, wget, nc, seq … from Debian's busybox-static (its
-// applets are links to it), and curl with the shared libraries it loads
+// them: /bin/sh, wget, seq … from Debian's busybox-static (its applets
+// are links to it), and curl and OpenBSD's nc (the suites run `nc -v -t
+// -w 2`, options busybox's nc lacks) with the shared libraries they load
 // (ldd's list, at the same paths, with the dynamic loader).
 func (n *node) shellTools() []imagetar.File {
 	t := n.t
@@ -174,32 +175,38 @@ func (n *node) shellTools() []imagetar.File {
 	if err != nil {
 		t.Fatalf("busybox --list: %v", err)
 	}
+	// Where each dynamic program goes in the image, and the host's.
+	dynamic := []struct{ path, host string }{
+		{"/usr/bin/curl", testenv.RequireProgram(t, "curl", "/usr/bin", "/bin")},
+		{"/usr/bin/nc", testenv.RequireProgram(t, "nc.openbsd", "/usr/bin", "/bin")},
+	}
 	files := []imagetar.File{{Path: "/bin/busybox", Data: readFile(t, busybox), Mode: 0o755}}
 	for _, applet := range strings.Fields(string(out)) {
-		if applet != "busybox" {
+		if applet != "busybox" && !slices.ContainsFunc(dynamic, func(d struct{ path, host string }) bool { return filepath.Base(d.path) == applet }) {
 			files = append(files, imagetar.File{Path: "/bin/" + applet, Link: "busybox"})
 		}
 	}
-	curl := testenv.RequireProgram(t, "curl", "/usr/bin", "/bin")
-	files = append(files, imagetar.File{Path: "/usr/bin/curl", Data: readFile(t, curl), Mode: 0o755})
-	out, err = exec.Command("ldd", curl).Output()
-	if err != nil {
-		t.Fatalf("ldd %s: %v", curl, err)
-	}
-	for _, l := range strings.Split(string(out), "\n") {
-		// "libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x…)" or
-		// "/lib64/ld-linux-x86-64.so.2 (0x…)"; linux-vdso has no file.
-		f := strings.Fields(l)
-		var lib string
-		switch {
-		case len(f) >= 3 && f[1] == "=>" && strings.HasPrefix(f[2], "/"):
-			lib = f[2]
-		case len(f) >= 1 && strings.HasPrefix(f[0], "/"):
-			lib = f[0]
-		default:
-			continue
+	libs := map[string]bool{}
+	for _, d := range dynamic {
+		files = append(files, imagetar.File{Path: d.path, Data: readFile(t, d.host), Mode: 0o755})
+		out, err := exec.Command("ldd", d.host).Output()
+		if err != nil {
+			t.Fatalf("ldd %s: %v", d.host, err)
 		}
-		files = append(files, imagetar.File{Path: filepath.Clean(lib), Data: readFile(t, lib), Mode: 0o755})
+		for _, l := range strings.Split(string(out), "\n") {
+			// "libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x…)" or
+			// "/lib64/ld-linux-x86-64.so.2 (0x…)"; linux-vdso has no file.
+			f := strings.Fields(l)
+			switch {
+			case len(f) >= 3 && f[1] == "=>" && strings.HasPrefix(f[2], "/"):
+				libs[filepath.Clean(f[2])] = true
+			case len(f) >= 1 && strings.HasPrefix(f[0], "/"):
+				libs[filepath.Clean(f[0])] = true
+			}
+		}
+	}
+	for lib := range libs {
+		files = append(files, imagetar.File{Path: lib, Data: readFile(t, lib), Mode: 0o755})
 	}
 	return files
 }
