@@ -43,6 +43,8 @@ type reflector struct {
 	// proxyName is --k8s-service-proxy-name: the services of other
 	// proxies are left out (see servedBy).
 	proxyName string
+	// nodePorts is --node-port-range.
+	nodePorts portRange
 	// problems are the invalid objects, by "Kind namespace/name".
 	problems map[string]string
 	// problemsChanged says that health must be updated.
@@ -148,7 +150,7 @@ func (r *reflector) applyService(txn statedb.WriteTxn, ev k8s.Event[*corev1.Serv
 			r.w.deleteService(txn, name, c)
 			return
 		}
-		r.w.upsertService(txn, serviceFromK8s(ev.Object), c)
+		r.w.upsertService(txn, serviceFromK8s(ev.Object, r.nodePorts), c)
 	case k8s.Delete:
 		r.w.deleteService(txn, name, c)
 	}
