@@ -550,7 +550,9 @@ func TestWriterSharedAddress(t *testing.T) {
 		return s
 	}
 	upsert := func(s *corev1.Service) func(statedb.WriteTxn, *change) {
-		return func(txn statedb.WriteTxn, c *change) { w.upsertService(txn, serviceFromK8s(s, defaultNodePortRange), c) }
+		return func(txn statedb.WriteTxn, c *change) {
+			w.upsertService(txn, serviceFromK8s(s, defaultNodePortRange), c)
+		}
 	}
 	del := func(name string) func(statedb.WriteTxn, *change) {
 		return func(txn statedb.WriteTxn, c *change) {
