@@ -164,10 +164,12 @@ func TestNetworkPolicyConformance(t *testing.T) {
 
 // shellTools are the programs the suites exec in agnhost's pods beside
 // agnhost itself, as Kubernetes' own agnhost image (Alpine-based) has
-// them: /bin/sh, wget, seq … from Debian's busybox-static (its applets
-// are links to it), and curl and OpenBSD's nc (the suites run `nc -v -t
-// -w 2`, options busybox's nc lacks) with the shared libraries they load
-// (ldd's list, at the same paths, with the dynamic loader).
+// them: /bin/sh, seq … from Debian's busybox-static (its applets are
+// links to it), and curl, GNU wget and OpenBSD's nc with the shared
+// libraries they load (ldd's list, at the same paths, with the dynamic
+// loader). busybox's own wget and nc will not do: its static wget
+// crashes (SIGSEGV) in a container, and its nc lacks the `-v -t` the
+// suites pass.
 func (n *node) shellTools() []imagetar.File {
 	t := n.t
 	busybox := testenv.RequireProgram(t, "busybox", "/bin", "/usr/bin")
@@ -179,6 +181,7 @@ func (n *node) shellTools() []imagetar.File {
 	dynamic := []struct{ path, host string }{
 		{"/usr/bin/curl", testenv.RequireProgram(t, "curl", "/usr/bin", "/bin")},
 		{"/usr/bin/nc", testenv.RequireProgram(t, "nc.openbsd", "/usr/bin", "/bin")},
+		{"/usr/bin/wget", testenv.RequireProgram(t, "wget", "/usr/bin", "/bin")},
 	}
 	files := []imagetar.File{{Path: "/bin/busybox", Data: readFile(t, busybox), Mode: 0o755}}
 	for _, applet := range strings.Fields(string(out)) {
