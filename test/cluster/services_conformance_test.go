@@ -72,7 +72,7 @@ func TestServicesConformance(t *testing.T) {
 	all := which == "all"
 
 	start := time.Now()
-	n := startNode(t)
+	n := startNode(t, withClusterDNS())
 	t.Logf("cluster up in %s", time.Since(start).Round(time.Millisecond))
 	agnhost := n.importAgnhost(bins)
 	n.pinDir = "/sys/fs/bpf/apiary-svc-conformance-" + strings.ToLower(rand.Text()[:8])
