@@ -164,12 +164,13 @@ func TestNetworkPolicyConformance(t *testing.T) {
 
 // shellTools are the programs the suites exec in agnhost's pods beside
 // agnhost itself, as Kubernetes' own agnhost image (Alpine-based) has
-// them: /bin/sh, seq … from Debian's busybox-static (its applets are
-// links to it), and curl, GNU wget and OpenBSD's nc with the shared
-// libraries they load (ldd's list, at the same paths, with the dynamic
-// loader). busybox's own wget and nc will not do: its static wget
-// crashes (SIGSEGV) in a container, and its nc lacks the `-v -t` the
-// suites pass.
+// them: seq, sleep … from Debian's busybox-static (its applets are links
+// to it), and dash as /bin/sh, curl, GNU wget and OpenBSD's nc with the
+// shared libraries they load (ldd's list, at the same paths, with the
+// dynamic loader). busybox's own sh, wget and nc will not do: its static
+// wget crashes (SIGSEGV) in a container, its nc lacks the `-v -t` the
+// suites pass, and its sh runs its own applets before any program on
+// PATH (Debian builds it so).
 func (n *node) shellTools() []imagetar.File {
 	t := n.t
 	busybox := testenv.RequireProgram(t, "busybox", "/bin", "/usr/bin")
@@ -179,13 +180,15 @@ func (n *node) shellTools() []imagetar.File {
 	}
 	// Where each dynamic program goes in the image, and the host's.
 	dynamic := []struct{ path, host string }{
+		{"/bin/sh", testenv.RequireProgram(t, "dash", "/usr/bin", "/bin")},
 		{"/usr/bin/curl", testenv.RequireProgram(t, "curl", "/usr/bin", "/bin")},
 		{"/usr/bin/nc", testenv.RequireProgram(t, "nc.openbsd", "/usr/bin", "/bin")},
 		{"/usr/bin/wget", testenv.RequireProgram(t, "wget", "/usr/bin", "/bin")},
 	}
 	files := []imagetar.File{{Path: "/bin/busybox", Data: readFile(t, busybox), Mode: 0o755}}
 	for _, applet := range strings.Fields(string(out)) {
-		if applet != "busybox" && !slices.ContainsFunc(dynamic, func(d struct{ path, host string }) bool { return filepath.Base(d.path) == applet }) {
+		if applet != "busybox" && !slices.ContainsFunc(dynamic, func(d struct{ path, host string }) bool { return filepath.Base(d.path) == applet }) &&
+			applet != "wget" {
 			files = append(files, imagetar.File{Path: "/bin/" + applet, Link: "busybox"})
 		}
 	}
