@@ -113,6 +113,9 @@ func TestServicesConformance(t *testing.T) {
 	}
 	ran, failed := 0, 0
 	for _, r := range results {
+		if r.Result != "skipped" || !all {
+			t.Logf("%s: %s", r.Result, r.Name)
+		}
 		switch r.Result {
 		case "passed":
 			ran++
