@@ -144,7 +144,7 @@ func (r *reflector) applyService(txn statedb.WriteTxn, ev k8s.Event[*corev1.Serv
 	name := tables.ServiceName{Namespace: ev.Key.Namespace, Name: ev.Key.Name}
 	switch ev.Kind {
 	case k8s.Upsert:
-		if !servedBy(ev.Object, r.proxyName) {
+		if !servedBy(ev.Object.Labels, r.proxyName) {
 			// Another proxy's: as if deleted, so that labelling a
 			// served service hands it over at once.
 			r.w.deleteService(txn, name, c)
@@ -156,11 +156,12 @@ func (r *reflector) applyService(txn statedb.WriteTxn, ev k8s.Event[*corev1.Serv
 	}
 }
 
-// servedBy reports whether the proxy named proxyName serves s: the value
-// of its service.kubernetes.io/service-proxy-name label, or no label when
+// servedBy reports whether the proxy named proxyName serves an object (a
+// Service or an EndpointSlice) with these labels: the value of its
+// service.kubernetes.io/service-proxy-name label, or no label when
 // proxyName is empty, as kube-proxy and Cilium decide it.
-func servedBy(s *corev1.Service, proxyName string) bool {
-	v, labelled := s.Labels[serviceProxyNameLabel]
+func servedBy(labels map[string]string, proxyName string) bool {
+	v, labelled := labels[serviceProxyNameLabel]
 	if !labelled {
 		return proxyName == ""
 	}
@@ -172,6 +173,11 @@ func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.E
 	switch ev.Kind {
 	case k8s.Upsert:
 		p, ok := sliceFromK8s(ev.Object)
+		if _, headless := ev.Object.Labels[headlessLabel]; headless || !servedBy(ev.Object.Labels, r.proxyName) {
+			// kube-proxy ignores such a slice, whatever its service
+			// says: as if deleted.
+			ok = false
+		}
 		r.setSliceProblem(ev.Key, p.errs)
 		if hadPrev && (!ok || prev != p.service) {
 			r.w.deleteSlice(txn, prev, ev.Key.Name, c)
