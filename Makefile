@@ -30,7 +30,7 @@ IMAGE_TAR ?= bin/apiary-image.tar
 # version (a '+', a '/') becomes '-'.
 IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
 
-.PHONY: all build image test test-race test-cluster conformance conformance-multinode bench run lint deps clean bpf demo
+.PHONY: all build image test test-race test-cluster conformance conformance-multinode conformance-services bench run lint deps clean bpf demo
 
 all: build
 
@@ -80,6 +80,12 @@ conformance: deps image
 conformance-multinode: deps image
 	APIARY_NODES=$(NODES) APIARY_CONFORMANCE_MULTINODE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/bin/conformance-multinode.md \
 		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestNetworkPolicyConformanceMultiNode$$' $(TESTFLAGS) ./test/cluster
+## conformance-services: Kubernetes' [sig-network] Services e2e suite against
+## apiary on test/cluster's node (no kube-proxy); writes
+## docs/conformance-services.md (as root).
+conformance-services: deps image
+	APIARY_SERVICES_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance-services.md \
+		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestServicesConformance$$' $(TESTFLAGS) ./test/cluster
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)

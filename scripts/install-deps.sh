@@ -10,7 +10,9 @@ set -euo pipefail
 #   curl                         HTTP through a Service VIP (test/e2e's socket LB test, make demo)
 #   gcc, libc6-dev               cgo, which the race detector needs (make test-race)
 #   containerd, runc             the container runtime of test/cluster's node (make test-cluster)
-packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl gcc libc6-dev containerd runc)
+#   busybox-static, wget,        /bin/sh, wget, nc … in test/cluster's agnhost image: the e2e suites exec them
+#   netcat-openbsd               (curl, above, goes into that image too; wget, nc and curl with their libraries)
+packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl gcc libc6-dev containerd runc busybox-static wget netcat-openbsd)
 
 missing=()
 for p in "${packages[@]}"; do

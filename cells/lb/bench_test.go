@@ -213,7 +213,7 @@ func writeTableRows(b *testing.B, svcs []*corev1.Service) *statedb.DB {
 		end := min(start+1000, len(svcs))
 		txn := db.WriteTxn(services, frontends, backends)
 		for i := start; i < end; i++ {
-			svc := serviceFromK8s(svcs[i])
+			svc := serviceFromK8s(svcs[i], defaultNodePortRange)
 			services.Insert(txn, svc)
 			addr := tables.L4Addr{Addr: netip.AddrFrom4([4]byte{10, byte(128 + i>>16), byte(i >> 8), byte(i)}), Port: 8080, Proto: tables.TCP}
 			backends.Insert(txn, &tables.Backend{Address: addr, Services: []tables.BackendInstance{{Service: svc.Name, Slice: "s"}}})

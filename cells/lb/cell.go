@@ -71,9 +71,15 @@ type Config struct {
 	BPFLBMapMax uint32
 	// BPFLBPreallocate allocates the maps' entries up front.
 	BPFLBPreallocate bool
+	// K8sServiceProxyName is the value of the
+	// service.kubernetes.io/service-proxy-name label of the services the
+	// agent serves; empty, it serves those without the label.
+	K8sServiceProxyName string
+	// NodePortRange is the ports NodePort frontends may use, MIN-MAX.
+	NodePortRange string
 }
 
-var defaultConfig = Config{BPFLBMapMax: 65536}
+var defaultConfig = Config{BPFLBMapMax: 65536, NodePortRange: defaultNodePortRange.String()}
 
 // Flags implements cell.Flagger.
 func (def Config) Flags(fs *pflag.FlagSet) {
@@ -81,6 +87,10 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Entries of each load-balancing map (lb4_services and lb6_services hold one per frontend plus one per backend of each frontend and one per cluster IP); a change resizes the maps keeping their entries")
 	fs.Bool("bpf-lb-preallocate", def.BPFLBPreallocate,
 		"Allocate every entry of the load-balancing maps up front (about 80 B × --"+MapMaxFlag+" per map from the start) so that map updates allocate nothing and cost about 2.5 times less; a change re-creates the maps keeping their entries")
+	fs.String("node-port-range", def.NodePortRange,
+		"The ports a Service's nodePort may use, MIN-MAX (the API server's --service-node-port-range); a nodePort outside is reported on its Service and gets no frontend")
+	fs.String("k8s-service-proxy-name", def.K8sServiceProxyName,
+		"Serve only the Services whose "+serviceProxyNameLabel+" label has this value; empty, only those without the label (a Service labelled for another proxy is that proxy's, as kube-proxy leaves it)")
 }
 
 // Maps gives other cells, such as the datapath loader, the maps the load
@@ -122,7 +132,12 @@ func newReflector(
 	svcs k8s.Resource[*corev1.Service],
 	slices k8s.Resource[*discoveryv1.EndpointSlice],
 	nodeCfg node.Config,
-) *reflector {
+	cfg Config,
+) (*reflector, error) {
+	nodePorts, err := parsePortRange(cfg.NodePortRange)
+	if err != nil {
+		return nil, fmt.Errorf("--node-port-range: %w", err)
+	}
 	r := &reflector{
 		log: log,
 		db:  db,
@@ -132,6 +147,8 @@ func newReflector(
 		services:     svcs,
 		slices:       slices,
 		sliceService: map[k8s.Key]tables.ServiceName{},
+		proxyName:    cfg.K8sServiceProxyName,
+		nodePorts:    nodePorts,
 		problems:     map[string]string{},
 		change:       newChange(),
 	}
@@ -144,7 +161,7 @@ func newReflector(
 		backends.RegisterInitializer(txn, "lb-sources"),
 	}
 	txn.Commit()
-	return r
+	return r, nil
 }
 
 // nodePortAddrs returns the addresses of ips that NodePort frontends

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -16,6 +17,10 @@ import (
 // kube-proxy and Cilium honour it.
 const headlessLabel = corev1.IsHeadlessService
 
+// serviceProxyNameLabel names the proxy that serves a service; the others
+// leave it alone (see servedBy, --k8s-service-proxy-name).
+const serviceProxyNameLabel = "service.kubernetes.io/service-proxy-name"
+
 // serviceFromK8s turns a Kubernetes Service into a services row. What is
 // invalid is listed in Errors and left out; the rest is kept. Addresses of
 // both families are kept: the cluster IPs (at most one per family, as
@@ -23,7 +28,11 @@ const headlessLabel = corev1.IsHeadlessService
 // load-balancer ingress IPs. Load-balancer ingress addresses with ipMode
 // Proxy are left out: the load balancer forwards their traffic to the
 // nodes (to the nodePorts), so they are not addresses of this node.
-func serviceFromK8s(s *corev1.Service) *tables.Service {
+//
+// A nodePort outside nodePorts (--node-port-range, the API server's
+// --service-node-port-range) is reported and left out: the agent would
+// otherwise take a port of the node that something else may listen on.
+func serviceFromK8s(s *corev1.Service, nodePorts portRange) *tables.Service {
 	svc := &tables.Service{
 		Name:                  tables.ServiceName{Namespace: s.Namespace, Name: s.Name},
 		Type:                  string(s.Spec.Type),
@@ -147,7 +156,7 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 
 	// Only these types open node ports; a stale nodePort on another type
 	// is ignored, as the API server clears it.
-	nodePorts := s.Spec.Type == corev1.ServiceTypeNodePort || s.Spec.Type == corev1.ServiceTypeLoadBalancer
+	opensNodePorts := s.Spec.Type == corev1.ServiceTypeNodePort || s.Spec.Type == corev1.ServiceTypeLoadBalancer
 	for _, p := range s.Spec.Ports {
 		proto, err := tables.ParseProto(string(p.Protocol))
 		switch {
@@ -158,9 +167,9 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 		default:
 			sp := tables.ServicePort{Name: p.Name, Port: uint16(p.Port), Protocol: proto}
 			switch {
-			case !nodePorts || p.NodePort == 0:
-			case p.NodePort < 0 || p.NodePort > 65535:
-				errorf("port %q: nodePort %d is out of range 1-65535", portLabel(p.Name, p.Port), p.NodePort)
+			case !opensNodePorts || p.NodePort == 0:
+			case !nodePorts.contains(p.NodePort):
+				errorf("port %q: nodePort %d is outside --node-port-range %s", portLabel(p.Name, p.Port), p.NodePort, nodePorts)
 			default:
 				sp.NodePort = uint16(p.NodePort)
 			}
@@ -168,6 +177,31 @@ func serviceFromK8s(s *corev1.Service) *tables.Service {
 		}
 	}
 	return svc
+}
+
+// portRange is an inclusive range of ports, as --node-port-range gives it.
+type portRange struct{ min, max uint16 }
+
+// defaultNodePortRange is Kubernetes' default --service-node-port-range.
+var defaultNodePortRange = portRange{30000, 32767}
+
+func (r portRange) contains(p int32) bool { return p >= int32(r.min) && p <= int32(r.max) }
+
+func (r portRange) String() string { return fmt.Sprintf("%d-%d", r.min, r.max) }
+
+// parsePortRange parses "MIN-MAX" (1 <= MIN <= MAX <= 65535), or a single
+// port.
+func parsePortRange(s string) (portRange, error) {
+	lo, hi, found := strings.Cut(strings.TrimSpace(s), "-")
+	if !found {
+		hi = lo
+	}
+	min, err1 := strconv.ParseUint(strings.TrimSpace(lo), 10, 16)
+	max, err2 := strconv.ParseUint(strings.TrimSpace(hi), 10, 16)
+	if err1 != nil || err2 != nil || min == 0 || min > max {
+		return portRange{}, fmt.Errorf("port range %q: want MIN-MAX with 1 <= MIN <= MAX <= 65535", s)
+	}
+	return portRange{uint16(min), uint16(max)}, nil
 }
 
 // maxAffinitySeconds is the longest ClientIP affinity timeout the API

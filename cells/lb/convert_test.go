@@ -147,6 +147,12 @@ func TestServiceFrontends(t *testing.T) {
 			want: []frontendSummary{clusterIP},
 		},
 		{
+			name:       "nodePort below --node-port-range",
+			svc:        svc(corev1.ServiceTypeNodePort, nil, func(s *corev1.Service) { s.Spec.Ports[0].NodePort = 29999 }),
+			want:       []frontendSummary{clusterIP},
+			wantErrors: 1,
+		},
+		{
 			name:       "nodePort out of range",
 			svc:        svc(corev1.ServiceTypeNodePort, nil, func(s *corev1.Service) { s.Spec.Ports[0].NodePort = 70000 }),
 			want:       []frontendSummary{clusterIP},
@@ -363,7 +369,7 @@ func TestServiceFrontends(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			s := serviceFromK8s(tt.svc)
+			s := serviceFromK8s(tt.svc, defaultNodePortRange)
 			if len(s.Errors) != tt.wantErrors {
 				t.Errorf("errors = %q, want %d", s.Errors, tt.wantErrors)
 			}
@@ -576,7 +582,9 @@ func TestWriterSharedAddress(t *testing.T) {
 		return s
 	}
 	upsert := func(s *corev1.Service) func(statedb.WriteTxn, *change) {
-		return func(txn statedb.WriteTxn, c *change) { w.upsertService(txn, serviceFromK8s(s), c) }
+		return func(txn statedb.WriteTxn, c *change) {
+			w.upsertService(txn, serviceFromK8s(s, defaultNodePortRange), c)
+		}
 	}
 	del := func(name string) func(statedb.WriteTxn, *change) {
 		return func(txn statedb.WriteTxn, c *change) {
@@ -753,3 +761,28 @@ func TestSourceRanges(t *testing.T) {
 	}
 }
 
+func TestParsePortRange(t *testing.T) {
+	for _, tt := range []struct {
+		in   string
+		want portRange
+		err  bool
+	}{
+		{in: "30000-32767", want: portRange{30000, 32767}},
+		{in: " 80 - 90 ", want: portRange{80, 90}},
+		{in: "8080", want: portRange{8080, 8080}},
+		{in: "1-65535", want: portRange{1, 65535}},
+		{in: "0-10", err: true},
+		{in: "90-80", err: true},
+		{in: "1-65536", err: true},
+		{in: "a-b", err: true},
+		{in: "", err: true},
+	} {
+		got, err := parsePortRange(tt.in)
+		if (err != nil) != tt.err || got != tt.want {
+			t.Errorf("parsePortRange(%q) = %v, %v; want %v, error %v", tt.in, got, err, tt.want, tt.err)
+		}
+		if err == nil && !got.contains(int32(got.min)) || got.contains(int32(got.max)+1) && got.max != 0 {
+			t.Errorf("%v: contains is wrong at its ends", got)
+		}
+	}
+}

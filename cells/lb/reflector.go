@@ -40,6 +40,11 @@ type reflector struct {
 
 	// sliceService is the service each EndpointSlice was last seen with.
 	sliceService map[k8s.Key]tables.ServiceName
+	// proxyName is --k8s-service-proxy-name: the services of other
+	// proxies are left out (see servedBy).
+	proxyName string
+	// nodePorts is --node-port-range.
+	nodePorts portRange
 	// problems are the invalid objects, by "Kind namespace/name".
 	problems map[string]string
 	// problemsChanged says that health must be updated.
@@ -139,10 +144,28 @@ func (r *reflector) applyService(txn statedb.WriteTxn, ev k8s.Event[*corev1.Serv
 	name := tables.ServiceName{Namespace: ev.Key.Namespace, Name: ev.Key.Name}
 	switch ev.Kind {
 	case k8s.Upsert:
-		r.w.upsertService(txn, serviceFromK8s(ev.Object), c)
+		if !servedBy(ev.Object.Labels, r.proxyName) {
+			// Another proxy's: as if deleted, so that labelling a
+			// served service hands it over at once.
+			r.w.deleteService(txn, name, c)
+			return
+		}
+		r.w.upsertService(txn, serviceFromK8s(ev.Object, r.nodePorts), c)
 	case k8s.Delete:
 		r.w.deleteService(txn, name, c)
 	}
+}
+
+// servedBy reports whether the proxy named proxyName serves an object (a
+// Service or an EndpointSlice) with these labels: the value of its
+// service.kubernetes.io/service-proxy-name label, or no label when
+// proxyName is empty, as kube-proxy and Cilium decide it.
+func servedBy(labels map[string]string, proxyName string) bool {
+	v, labelled := labels[serviceProxyNameLabel]
+	if !labelled {
+		return proxyName == ""
+	}
+	return proxyName != "" && v == proxyName
 }
 
 func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.EndpointSlice], c *change) {
@@ -150,6 +173,11 @@ func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.E
 	switch ev.Kind {
 	case k8s.Upsert:
 		p, ok := sliceFromK8s(ev.Object)
+		if _, headless := ev.Object.Labels[headlessLabel]; headless || !servedBy(ev.Object.Labels, r.proxyName) {
+			// kube-proxy ignores such a slice, whatever its service
+			// says: as if deleted.
+			ok = false
+		}
 		r.setSliceProblem(ev.Key, p.errs)
 		if hadPrev && (!ok || prev != p.service) {
 			r.w.deleteSlice(txn, prev, ev.Key.Name, c)

@@ -23,7 +23,8 @@ import (
 	"time"
 )
 
-// File is a regular file of the image.
+// File is a regular file of the image, or a symbolic link when Link is
+// set.
 type File struct {
 	// Path is where the file is in the image, absolute ("/usr/bin/apiary").
 	Path string
@@ -31,6 +32,9 @@ type File struct {
 	Data []byte
 	// Mode is its permission bits (0o755 for a program).
 	Mode int64
+	// Link, when set, makes the file a symbolic link to Link (Data is
+	// then ignored): busybox's applets are links to the one binary.
+	Link string
 }
 
 // Image is what an archive holds.
@@ -145,6 +149,13 @@ func layerTar(files []File) ([]byte, error) {
 			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: d + "/", Mode: 0o755, ModTime: epoch}); err != nil {
 				return nil, err
 			}
+		}
+		if f.Link != "" {
+			hdr := &tar.Header{Typeflag: tar.TypeSymlink, Name: name, Linkname: f.Link, Mode: 0o777, ModTime: epoch}
+			if err := tw.WriteHeader(hdr); err != nil {
+				return nil, fmt.Errorf("write %s: %w", name, err)
+			}
+			continue
 		}
 		if err := writeFile(tw, name, f.Data, f.Mode); err != nil {
 			return nil, err

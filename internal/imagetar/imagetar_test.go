@@ -125,3 +125,42 @@ func TestWriteRejects(t *testing.T) {
 		})
 	}
 }
+
+// A file with Link set is a symbolic link in the layer, with its parent
+// directories, and carries no data.
+func TestWriteSymlink(t *testing.T) {
+	img := Image{
+		Tags:         []string{"x:1"},
+		Files:        []File{{Path: "/bin/busybox", Data: []byte("bb"), Mode: 0o755}, {Path: "/bin/sh", Link: "busybox", Data: []byte("ignored")}},
+		Architecture: "amd64",
+	}
+	var buf bytes.Buffer
+	if _, err := Write(&buf, img); err != nil {
+		t.Fatal(err)
+	}
+	files, _ := readTar(t, buf.Bytes())
+	var manifest []manifestEntry
+	if err := json.Unmarshal(files["manifest.json"], &manifest); err != nil {
+		t.Fatal(err)
+	}
+	tr := tar.NewReader(bytes.NewReader(files[manifest[0].Layers[0]]))
+	links := map[string]string{}
+	for {
+		hdr, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if hdr.Typeflag == tar.TypeSymlink {
+			links[hdr.Name] = hdr.Linkname
+			if hdr.Size != 0 {
+				t.Errorf("link %s has %d bytes of data", hdr.Name, hdr.Size)
+			}
+		}
+	}
+	if len(links) != 1 || links["bin/sh"] != "busybox" {
+		t.Errorf("links in the layer: %v, want bin/sh -> busybox", links)
+	}
+}

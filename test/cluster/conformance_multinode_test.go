@@ -54,7 +54,7 @@ func TestNetworkPolicyConformanceMultiNode(t *testing.T) {
 	runErr := n.runE2E(bins["e2e.test"], reportDir, logPath, focus, strings.Join(skip, "|"))
 	took := time.Since(start)
 	t.Logf("e2e.test ran in %s", took.Round(time.Second))
-	results, err := readJUnit(filepath.Join(reportDir, "junit_01.xml"), lacking)
+	results, err := readJUnit(filepath.Join(reportDir, "junit_01.xml"), netpolSuite, lacking)
 	if err != nil {
 		t.Fatalf("e2e.test: %v (exit: %v)\n%s", err, runErr, tail(logPath, 60))
 	}

@@ -126,7 +126,7 @@ func TestNetworkPolicyConformance(t *testing.T) {
 	runErr := n.runE2E(bins["e2e.test"], reportDir, logPath, focus, strings.Join(skip, "|"))
 	t.Logf("e2e.test ran in %s", time.Since(start).Round(time.Second))
 
-	results, err := readJUnit(filepath.Join(reportDir, "junit_01.xml"), lacking)
+	results, err := readJUnit(filepath.Join(reportDir, "junit_01.xml"), netpolSuite, lacking)
 	if err != nil {
 		t.Fatalf("e2e.test: %v (exit: %v)\n%s", err, runErr, tail(logPath, 60))
 	}
@@ -162,6 +162,70 @@ func TestNetworkPolicyConformance(t *testing.T) {
 	}
 }
 
+// shellTools are the programs the suites exec in agnhost's pods beside
+// agnhost itself, as Kubernetes' own agnhost image (Alpine-based) has
+// them: seq, sleep … from Debian's busybox-static (its applets are links
+// to it), and dash as /bin/sh, curl, GNU wget and OpenBSD's nc with the
+// shared libraries they load (ldd's list, at the same paths, with the
+// dynamic loader). busybox's own sh, wget and nc will not do: its static
+// wget crashes (SIGSEGV) in a container, its nc lacks the `-v -t` the
+// suites pass, and its sh runs its own applets before any program on
+// PATH (Debian builds it so).
+func (n *node) shellTools() []imagetar.File {
+	t := n.t
+	busybox := testenv.RequireProgram(t, "busybox", "/bin", "/usr/bin")
+	out, err := exec.Command(busybox, "--list").Output()
+	if err != nil {
+		t.Fatalf("busybox --list: %v", err)
+	}
+	// Where each dynamic program goes in the image, and the host's.
+	dynamic := []struct{ path, host string }{
+		{"/bin/sh", testenv.RequireProgram(t, "dash", "/usr/bin", "/bin")},
+		{"/usr/bin/curl", testenv.RequireProgram(t, "curl", "/usr/bin", "/bin")},
+		{"/usr/bin/nc", testenv.RequireProgram(t, "nc.openbsd", "/usr/bin", "/bin")},
+		{"/usr/bin/wget", testenv.RequireProgram(t, "wget", "/usr/bin", "/bin")},
+	}
+	files := []imagetar.File{{Path: "/bin/busybox", Data: readFile(t, busybox), Mode: 0o755}}
+	for _, applet := range strings.Fields(string(out)) {
+		if applet != "busybox" && !slices.ContainsFunc(dynamic, func(d struct{ path, host string }) bool { return filepath.Base(d.path) == applet }) &&
+			applet != "wget" {
+			files = append(files, imagetar.File{Path: "/bin/" + applet, Link: "busybox"})
+		}
+	}
+	libs := map[string]bool{}
+	for _, d := range dynamic {
+		files = append(files, imagetar.File{Path: d.path, Data: readFile(t, d.host), Mode: 0o755})
+		out, err := exec.Command("ldd", d.host).Output()
+		if err != nil {
+			t.Fatalf("ldd %s: %v", d.host, err)
+		}
+		for _, l := range strings.Split(string(out), "\n") {
+			// "libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x…)" or
+			// "/lib64/ld-linux-x86-64.so.2 (0x…)"; linux-vdso has no file.
+			f := strings.Fields(l)
+			switch {
+			case len(f) >= 3 && f[1] == "=>" && strings.HasPrefix(f[2], "/"):
+				libs[filepath.Clean(f[2])] = true
+			case len(f) >= 1 && strings.HasPrefix(f[0], "/"):
+				libs[filepath.Clean(f[0])] = true
+			}
+		}
+	}
+	for lib := range libs {
+		files = append(files, imagetar.File{Path: lib, Data: readFile(t, lib), Mode: 0o755})
+	}
+	return files
+}
+
+func readFile(t *testing.T, path string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data
+}
+
 // importAgnhost imports agnhost into containerd under the names the
 // suites ask for, which e2e.test --list-images prints (the current one and
 // older ones that some suites pin), and returns them.
@@ -189,9 +253,10 @@ func (n *node) importAgnhost(bins map[string]string) []string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	files := append([]imagetar.File{{Path: "/agnhost", Data: data, Mode: 0o755}}, n.shellTools()...)
 	if _, err := imagetar.Write(f, imagetar.Image{
 		Tags:         tags,
-		Files:        []imagetar.File{{Path: "/agnhost", Data: data, Mode: 0o755}},
+		Files:        files,
 		Entrypoint:   []string{"/agnhost"},
 		Architecture: runtime.GOARCH,
 	}); err != nil {
@@ -205,7 +270,7 @@ func (n *node) importAgnhost(bins map[string]string) []string {
 
 // runE2E runs e2e.test against the node, its output to logPath and its
 // JUnit report to reportDir.
-func (n *node) runE2E(e2e, reportDir, logPath, focus, skip string) error {
+func (n *node) runE2E(e2e, reportDir, logPath, focus, skip string, extra ...string) error {
 	log, err := os.Create(logPath)
 	if err != nil {
 		n.t.Fatal(err)
@@ -226,11 +291,12 @@ func (n *node) runE2E(e2e, reportDir, logPath, focus, skip string) error {
 		"--allowed-not-ready-nodes=0",
 		"--e2e-output-dir=" + filepath.Join(n.dir, "e2e-output"),
 	}
+	args = append(args, extra...)
 	cmd := exec.Command(e2e, args...)
 	cmd.Dir = n.dir
 	cmd.Stdout, cmd.Stderr = log, log
-	// e2e.test finds kubectl, which it does not need for this suite, on
-	// PATH; HOME keeps its caches in the test's directory.
+	// e2e.test finds kubectl (--kubectl-path in extra, else on PATH);
+	// HOME keeps its caches in the test's directory.
 	cmd.Env = append(os.Environ(), "HOME="+n.dir)
 	n.t.Logf("running e2e.test (log: %s)", logPath)
 	return cmd.Run()
@@ -243,10 +309,11 @@ type specResult struct {
 	Reason string // why it failed or was skipped
 }
 
-// readJUnit reads the suite's tests from e2e.test's JUnit report, leaving
-// out the suite's own setup and the specs of other suites; a test skipped
-// for what the machine lacks says so.
-func readJUnit(path string, lacking []lack) ([]specResult, error) {
+// readJUnit reads the tests of suite (the text their names hold, such as
+// netpolSuite) from e2e.test's JUnit report, leaving out the suite's own
+// setup and the specs of other suites; a test skipped for what the
+// machine lacks says so.
+func readJUnit(path, suite string, lacking []lack) ([]specResult, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("read JUnit report: %w", err)
@@ -276,7 +343,7 @@ func readJUnit(path string, lacking []lack) ([]specResult, error) {
 	var out []specResult
 	for _, s := range doc.Suites {
 		for _, c := range s.Cases {
-			if !strings.Contains(c.Name, netpolSuite) {
+			if !strings.Contains(c.Name, suite) {
 				continue
 			}
 			// Anything but a pass or a skip (a failure, a panic, a
@@ -292,6 +359,11 @@ func readJUnit(path string, lacking []lack) ([]specResult, error) {
 			case c.Skipped != nil || c.Status == "skipped" || c.Status == "pending":
 				r.Result = "skipped"
 				r.Reason = skipReason(c.Name, lacking)
+				// A test that skipped itself (too few nodes, a
+				// provider it needs) says why after "skipped - ".
+				if c.Skipped != nil && strings.HasPrefix(c.Skipped.Message, "skipped - ") {
+					r.Reason = firstLines(strings.TrimPrefix(c.Skipped.Message, "skipped - "), 2)
+				}
 			default:
 				r.Reason = "ended " + c.Status
 			}
@@ -327,13 +399,10 @@ func firstLines(s string, n int) string {
 	return strings.Join(lines, " ")
 }
 
-// conformanceTable is docs/conformance.md: the results of a whole run.
+// conformanceTable is docs/conformance.md's NetworkPolicy section: the
+// results of a whole run.
 func conformanceTable(results []specResult, took time.Duration) []byte {
 	var b bytes.Buffer
-	count := map[string]int{}
-	for _, r := range results {
-		count[r.Result]++
-	}
 	fmt.Fprintf(&b, `# NetworkPolicy conformance
 
 Kubernetes' own NetworkPolicy e2e suite (`+"`k8s.io/kubernetes/test/e2e/network/netpol`"+`,
@@ -347,15 +416,24 @@ Generated by `+"`make conformance`"+` (test/cluster `+"`TestNetworkPolicyConform
 with APIARY_CONFORMANCE=all); do not edit by hand. CI runs a part of the
 suite (`+"`ciSubset`"+` in test/cluster/conformance_test.go) on every change.
 
-**%d passed, %d failed, %d skipped** of %d, in %s.
+Kubernetes' Services suite has its own page: [conformance-services.md](conformance-services.md).
 
-| Test | Result | Reason |
-| --- | --- | --- |
-`, count["passed"], count["failed"], count["skipped"], len(results), took.Round(time.Second))
-	for _, r := range results {
-		fmt.Fprintf(&b, "| %s | %s | %s |\n", mdEscape(r.Name), r.Result, mdEscape(r.Reason))
-	}
+`)
+	writeResults(&b, results, took)
 	return b.Bytes()
+}
+
+// writeResults writes the counts and the table of a run's results.
+func writeResults(b *bytes.Buffer, results []specResult, took time.Duration) {
+	count := map[string]int{}
+	for _, r := range results {
+		count[r.Result]++
+	}
+	fmt.Fprintf(b, "**%d passed, %d failed, %d skipped** of %d, in %s.\n\n| Test | Result | Reason |\n| --- | --- | --- |\n",
+		count["passed"], count["failed"], count["skipped"], len(results), took.Round(time.Second))
+	for _, r := range results {
+		fmt.Fprintf(b, "| %s | %s | %s |\n", mdEscape(r.Name), r.Result, mdEscape(r.Reason))
+	}
 }
 
 func mdEscape(s string) string {

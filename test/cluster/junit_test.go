@@ -28,7 +28,7 @@ func TestReadJUnit(t *testing.T) {
 		t.Fatal(err)
 	}
 	lacking := []lack{{regexp.MustCompile(`\[Feature:SCTPConnectivity\]`), "no SCTP"}}
-	got, err := readJUnit(path, lacking)
+	got, err := readJUnit(path, netpolSuite, lacking)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -99,7 +99,18 @@ type node struct {
 	// pinDir is the agent's pin directory: whatever the test left there is
 	// removed with `apiary cleanup` once every pod process has stopped.
 	pinDir string
+	// clusterDNS makes the kubelet give pods the node's address as their
+	// DNS server, where serveClusterDNS answers (see withClusterDNS).
+	clusterDNS bool
 }
+
+// nodeOption changes how startNode brings the node up.
+type nodeOption func(*node)
+
+// withClusterDNS gives pods a cluster DNS (dnsPolicy ClusterFirst, search
+// <namespace>.svc.cluster.local …) served by the test on the node's
+// address: the Services suite reaches Services by name.
+func withClusterDNS() nodeOption { return func(n *node) { n.clusterDNS = true } }
 
 // requirements returns the paths of what the node runs, skipping (failing
 // under APIARY_STRICT=1) when something is missing.
@@ -126,9 +137,12 @@ func requirements(t *testing.T) map[string]string {
 // startNode brings the cluster up. Everything it starts is stopped by PID
 // and everything it changes on the host is put back when the test ends;
 // when the test fails, the logs of every process are shown first.
-func startNode(t *testing.T) *node {
+func startNode(t *testing.T, opts ...nodeOption) *node {
 	bins := requirements(t)
 	n := &node{t: t, dir: t.TempDir(), apiaryBin: bins["bin/image/apiary"]}
+	for _, o := range opts {
+		o(n)
+	}
 	n.podLogs = filepath.Join(n.dir, "pod-logs")
 
 	// One cluster per machine: containerd's shim sockets, the kubelet's
@@ -155,6 +169,9 @@ func startNode(t *testing.T) *node {
 	n.startControlPlane(bins)
 	n.startContainerd(bins)
 	n.importImages(bins)
+	if n.clusterDNS {
+		n.serveClusterDNS()
+	}
 	n.startKubelet(bins)
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -760,6 +777,10 @@ func (n *node) startKubelet(bins map[string]string) {
 	t := n.t
 	d := filepath.Join(n.dir, "kubelet")
 	config := filepath.Join(d, "config.yaml")
+	dnsConfig := ""
+	if n.clusterDNS {
+		dnsConfig = fmt.Sprintf("clusterDNS: [%s]\nclusterDomain: %s\n", nodeIP, clusterDomain)
+	}
 	writeFile(t, config, fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 cgroupDriver: cgroupfs
@@ -781,7 +802,7 @@ imageGCLowThresholdPercent: 99
 localStorageCapacityIsolation: false
 serializeImagePulls: false
 maxPods: 60
-`, n.ctrSock, nodeIP, freePort(t), n.podLogs))
+`, n.ctrSock, nodeIP, freePort(t), n.podLogs)+dnsConfig)
 	// Without /usr/sbin on its PATH the kubelet finds no iptables and adds
 	// no chains to the host's tables.
 	env := []string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + d}
