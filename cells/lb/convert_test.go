@@ -749,7 +749,7 @@ func TestSourceRanges(t *testing.T) {
 			s.Name, s.Namespace = "s", "default"
 			s.Spec.Type = corev1.ServiceTypeLoadBalancer
 			s.Spec.LoadBalancerSourceRanges = tt.ranges
-			svc := serviceFromK8s(s)
+			svc := serviceFromK8s(s, defaultNodePortRange)
 			got := fmt.Sprint(svc.LoadBalancerSourceRanges)
 			if got == "[]" || svc.LoadBalancerSourceRanges == nil {
 				got = "[]"
