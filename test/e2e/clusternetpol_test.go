@@ -6,6 +6,7 @@ package e2e
 // the cluster.
 
 import (
+	"bufio"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/apiary-net/apiary/internal/testenv"
 )
@@ -231,5 +233,134 @@ spec:
 		expect(t, "open again",
 			probe{"web", server("9090"), "ok"}, probe{"client", ipCNOutside + ":7000", "ok"})
 		a.waitHealthy(t)
+	})
+}
+
+// Pods of TestClusterNetworkPolicyPacketLevel, each in a network namespace
+// of its own (see makeIfPodVia).
+const (
+	uidCNPktA = "38383838-0000-4000-8000-00000000000a"
+	uidCNPktB = "38383838-0000-4000-8000-00000000000b"
+	cnPktGw4  = "10.238.0.1"
+	cnPktA4   = "10.238.0.11"
+	cnPktB4   = "10.238.0.12"
+	cnPktGw6  = "fd00:e38::1"
+	cnPktA6   = "fd00:e38::11"
+	cnPktB6   = "fd00:e38::12"
+)
+
+const clusterNetpolPktPods = `apiVersion: v1
+kind: Namespace
+metadata: {name: cn-pkt, labels: {tenant: pkt}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: cna, namespace: cn-pkt, uid: ` + uidCNPktA + `, labels: {app: cna}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
+status: {phase: Running, podIP: ` + cnPktA4 + `, podIPs: [{ip: ` + cnPktA4 + `}, {ip: "` + cnPktA6 + `"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: cnb, namespace: cn-pkt, uid: ` + uidCNPktB + `, labels: {app: cnb}}
+spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
+status: {phase: Running, podIP: ` + cnPktB4 + `, podIPs: [{ip: ` + cnPktB4 + `}, {ip: "` + cnPktB6 + `"}]}
+`
+
+// clusterNetpolPktPolicy: cna may not send UDP 7005 to cnb; cnb may not
+// receive UDP 7003 from cna.
+const clusterNetpolPktPolicy = `apiVersion: policy.networking.k8s.io/v1beta1
+kind: ClusterNetworkPolicy
+metadata: {name: pkt}
+spec:
+  tier: Admin
+  priority: 1
+  subject: {namespaces: {matchLabels: {tenant: pkt}}}
+  egress:
+  - name: no-7005-to-cnb
+    action: Deny
+    to: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: cnb}}}}]
+    protocols: [{udp: {destinationPort: {number: 7005}}}]
+  ingress:
+  - name: no-7003-from-cna
+    action: Deny
+    from: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: cna}}}}]
+    protocols: [{udp: {destinationPort: {number: 7003}}}]
+`
+
+// TestClusterNetworkPolicyPacketLevel: an Admin Deny holds at the pods'
+// interfaces, where no socket hook sees the packet: datagrams from a
+// socket made in cna's network namespace but outside its cgroup to cnb,
+// watched by a packet socket in cnb, which sees the one to an allowed
+// port first: the one cna's egress rule denies was dropped at cna's
+// interface, the one cnb's ingress rule denies at cnb's. The drops are
+// interface verdicts naming clusternetpol/pkt. IPv4 only: pod-to-pod
+// traffic goes through the host, which forwards IPv6 only where
+// net.ipv6.conf.all.forwarding is set, and the test does not change it.
+func TestClusterNetworkPolicyPacketLevel(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	testenv.RequireProgram(t, "ip")
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward"); err != nil || strings.TrimSpace(string(b)) != "1" {
+		testenv.Skip(t, "the host does not forward IPv4 (net.ipv4.ip_forward), so pods cannot reach each other")
+	}
+	root := testenv.Cgroup(t)
+	podA := makeIfPodVia(t, root, uidCNPktA, "cna", cnPktGw4, cnPktGw6, cnPktA4, cnPktA6)
+	podB := makeIfPodVia(t, root, uidCNPktB, "cnb", cnPktGw4, cnPktGw6, cnPktB4, cnPktB6)
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), clusterNetpolPktPods)
+	writeFile(t, filepath.Join(configDir, "policy.yaml"), clusterNetpolPktPolicy)
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{
+		"--node-name=e2e-node", "--cgroup-root=" + root,
+		"--node-ips=" + cnPktGw4 + "," + cnPktGw6, "--enable-ipv6",
+	}})
+	a.waitPodInterfaces(t, map[string]string{"cn-pkt/cna": podA.hostIf, "cn-pkt/cnb": podB.hostIf})
+	a.waitEndpointPolicy(t, map[string]string{"cn-pkt/cna": "default-allow default-allow", "cn-pkt/cnb": "default-allow default-allow"})
+	mon := startProcess(t, "apiary monitor", nil, apiaryBin, "monitor", "-o", "json", "--server", "http://"+a.addr)
+
+	l := podB.command(t, true, []string{pktListenEnv + "=" + cnPktB4})
+	stdout, err := l.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Process.Kill(); l.Wait() })
+	lines := make(chan string, 16)
+	go func() {
+		s := bufio.NewScanner(stdout)
+		for s.Scan() {
+			lines <- s.Text()
+		}
+		close(lines)
+	}()
+	next := func() string {
+		select {
+		case line := <-lines:
+			return line
+		case <-time.After(waitTimeout):
+			return "nothing within " + waitTimeout.String()
+		}
+	}
+	if got := next(); got != "listening" {
+		t.Fatalf("listener in pod cnb: %q", got)
+	}
+	// One datagram after the other on one path: the allowed one comes
+	// first only if the denied ones were dropped.
+	podA.run(t, false, udpSendEnv+"="+cnPktB4+":7005:egress-denied;"+cnPktB4+":7003:ingress-denied;"+cnPktB4+":7001:allowed")
+	if got := next(); got != "udp 7001" {
+		t.Errorf("pod cnb's packet socket first saw %q, want %q: a datagram an Admin Deny denies went through", got, "udp 7001")
+	}
+	testenv.Eventually(t, waitTimeout, "apiary monitor shows the interfaces' drops by clusternetpol/pkt", func() (bool, string) {
+		var out, in bool
+		for line := range strings.Lines(mon.log.String()) {
+			var v struct{ Endpoint, Direction, Dst, Verdict, Policy, Layer string }
+			if json.Unmarshal([]byte(line), &v) != nil || v.Layer != "interface" || v.Verdict != "denied" || v.Policy != "clusternetpol/pkt" {
+				continue
+			}
+			out = out || (v.Endpoint == "cn-pkt/cna" && v.Direction == "egress" && v.Dst == cnPktB4+":7005")
+			in = in || (v.Endpoint == "cn-pkt/cnb" && v.Direction == "ingress" && v.Dst == cnPktB4+":7003")
+		}
+		return out && in, mon.log.Tail(10)
 	})
 }
