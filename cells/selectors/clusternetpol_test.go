@@ -146,3 +146,20 @@ func TestClusterNetworkPolicyInvalid(t *testing.T) {
 		})
 	}
 }
+
+// The audit annotation works on a ClusterNetworkPolicy as on the other
+// kinds; a bad value makes it invalid.
+func TestClusterNetworkPolicyAudit(t *testing.T) {
+	const spec = "tier: Admin\npriority: 1\nsubject: {namespaces: {}}\ningress: [{action: Deny, from: [{namespaces: {}}]}]"
+	for _, tc := range []struct {
+		value     string
+		audit, ok bool
+	}{{"true", true, true}, {"false", false, true}, {"maybe", false, false}} {
+		p := decodeClusterNetpol(t, spec)
+		p.Annotations = map[string]string{AuditAnnotation: tc.value}
+		parsed, err := ParseClusterNetworkPolicy(p)
+		if (err == nil) != tc.ok || parsed.Audit != tc.audit {
+			t.Errorf("%s: audit %v, error %v", tc.value, parsed.Audit, err)
+		}
+	}
+}
