@@ -284,6 +284,7 @@ func TestAgentRBAC(t *testing.T) {
 	need = append(need, informer(selectors.CNPKind)...)
 	need = append(need, informer(selectors.CCNPKind)...)
 	need = append(need, informer(selectors.NetworkPolicyKind)...)
+	need = append(need, informer(selectors.ClusterNetpolKind)...)
 	need = append(need, informer(v1alpha1.IdentityKind)...)
 	need = append(need, kindGrants(v1alpha1.GroupVersion.Group, v1alpha1.IdentityResource, v1alpha1.AgentReadVerbs)...)
 	need = append(need, kindGrants(v1alpha1.GroupVersion.Group, v1alpha1.IdentityResource, v1alpha1.AgentWriteVerbs)...)
@@ -361,9 +362,10 @@ func checkContainer(t *testing.T, m *manifests, who string, spec corev1.PodSpec,
 
 func TestAgentDaemonSet(t *testing.T) {
 	m := load(t)
-	// The Identity CRD and the two Cilium policy CRDs.
-	if len(m.daemonSets) != 1 || m.crds != 3 {
-		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 3", len(m.daemonSets), m.crds)
+	// The Identity CRD, the two Cilium policy CRDs and
+	// ClusterNetworkPolicy's.
+	if len(m.daemonSets) != 1 || m.crds != 4 {
+		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 4", len(m.daemonSets), m.crds)
 	}
 	spec := m.daemonSets[0].Spec.Template.Spec
 	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell, ipam.Cell, cnichain.Cell, proxyhealth.Cell)

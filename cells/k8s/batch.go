@@ -115,3 +115,73 @@ func TrackSync[T Object](synced *bool, changed func(Event[T])) func(Event[T]) {
 		changed(ev)
 	}
 }
+
+// ReceiveBatch4 is ReceiveBatch3 for four streams: it waits on a, b and c
+// and d together, then drains all four.
+func ReceiveBatch4[A, B, C, D Object, W any](ctx context.Context, wake <-chan W, max int,
+	a <-chan Event[A], onA func(Event[A]),
+	b <-chan Event[B], onB func(Event[B]),
+	c <-chan Event[C], onC func(Event[C]),
+	d <-chan Event[D], onD func(Event[D]),
+) (n int, ok bool) {
+	select {
+	case <-ctx.Done():
+		return 0, false
+	case <-wake:
+		return 0, true
+	case ev, open := <-a:
+		if !open {
+			return 0, false
+		}
+		onA(ev)
+	case ev, open := <-b:
+		if !open {
+			return 0, false
+		}
+		onB(ev)
+	case ev, open := <-c:
+		if !open {
+			return 0, false
+		}
+		onC(ev)
+	case ev, open := <-d:
+		if !open {
+			return 0, false
+		}
+		onD(ev)
+	}
+	n = 1
+	for n < max {
+		select {
+		case ev, open := <-d:
+			if !open {
+				return n, false
+			}
+			onD(ev)
+			n++
+			continue
+		default:
+		}
+		m, ok := DrainBatch3(1, a, onA, b, onB, c, onC)
+		if !ok {
+			return n + m, false
+		}
+		if m == 0 {
+			// Nothing on a, b or c: d may have got one meanwhile, or
+			// nothing is ready.
+			select {
+			case ev, open := <-d:
+				if !open {
+					return n, false
+				}
+				onD(ev)
+				n++
+				continue
+			default:
+				return n, true
+			}
+		}
+		n += m
+	}
+	return n, true
+}

@@ -2,6 +2,7 @@ package k8s_test
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -324,4 +325,56 @@ func BenchmarkReceiveBatch2(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "events/s")
+}
+
+// ReceiveBatch4: an event on the fourth stream ends the wait as one on
+// the others does; a batch takes from all four up to max; a closed fourth
+// stream stops the caller; a wake takes nothing.
+func TestReceiveBatch4(t *testing.T) {
+	ctx := context.Background()
+	eps := func() chan k8s.Event[*corev1.Endpoints] { return make(chan k8s.Event[*corev1.Endpoints], 100) }
+	epEvent := func(name string) k8s.Event[*corev1.Endpoints] {
+		return k8s.Event[*corev1.Endpoints]{Kind: k8s.Upsert, Key: k8s.Key{Name: name},
+			Object: &corev1.Endpoints{ObjectMeta: metav1.ObjectMeta{Name: name}}}
+	}
+	for _, tc := range []struct {
+		name   string
+		max    int
+		fill   func(s *batchStreams, d chan k8s.Event[*corev1.Endpoints])
+		wantN  int
+		wantOK bool
+		want   []string
+	}{
+		{"fourth alone", 10, func(s *batchStreams, d chan k8s.Event[*corev1.Endpoints]) { d <- epEvent("e1") },
+			1, true, []string{"ep/e1"}},
+		{"all four, bounded", 3, func(s *batchStreams, d chan k8s.Event[*corev1.Endpoints]) {
+			s.pods <- podEvent("p1")
+			s.nss <- nsEvent("n1")
+			s.svcs <- svcEvent("s1")
+			d <- epEvent("e1")
+			d <- epEvent("e2")
+		}, 3, true, nil},
+		{"all four", 10, func(s *batchStreams, d chan k8s.Event[*corev1.Endpoints]) {
+			s.pods <- podEvent("p1")
+			s.nss <- nsEvent("n1")
+			s.svcs <- svcEvent("s1")
+			d <- epEvent("e1")
+			d <- epEvent("e2")
+		}, 5, true, nil},
+		{"fourth closed", 10, func(s *batchStreams, d chan k8s.Event[*corev1.Endpoints]) { close(d) }, 0, false, []string{}},
+		{"wake", 10, func(s *batchStreams, d chan k8s.Event[*corev1.Endpoints]) { s.wake <- struct{}{} }, 0, true, []string{}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, d := newBatchStreams(), eps()
+			tc.fill(s, d)
+			n, ok := k8s.ReceiveBatch4(ctx, s.wake, tc.max, s.pods, s.onPod, s.nss, s.onNS, s.svcs, s.onSvc, d,
+				func(ev k8s.Event[*corev1.Endpoints]) { s.got = append(s.got, "ep/"+batchName(ev)) })
+			if n != tc.wantN || ok != tc.wantOK || len(s.got) != n {
+				t.Fatalf("n=%d ok=%v got %v, want n=%d ok=%v", n, ok, s.got, tc.wantN, tc.wantOK)
+			}
+			if tc.want != nil && fmt.Sprint(s.got) != fmt.Sprint(tc.want) {
+				t.Errorf("got %v, want %v", s.got, tc.want)
+			}
+		})
+	}
 }

@@ -229,12 +229,13 @@ func cutRange(s string) (string, string, bool) {
 
 // netpolAgent starts the policy cells on c's namespaces and pods (through
 // the fake clientset), with the policies of either kind sent directly.
-func netpolAgent(b *testing.B, c *netpolCluster) (*policyAgent, *directResource[*networkingv1.NetworkPolicy], *directResource[*selectors.CiliumNetworkPolicy]) {
+func netpolAgent(b *testing.B, c *netpolCluster) (*policyAgent, *directResource[*networkingv1.NetworkPolicy], *directResource[*selectors.CiliumNetworkPolicy], *directResource[*selectors.ClusterNetworkPolicy]) {
 	b.Helper()
 	testenv.RequireRoot(b)
 	a := &policyAgent{fake: fake.NewSimpleClientset(), root: testenv.Cgroup(b)} //nolint:staticcheck // CRDs need the untyped tracker
 	b.Cleanup(func() { removeCgroupsBelow(b, a.root) })
 	netpols, cnps := newDirectResource[*networkingv1.NetworkPolicy](), newDirectResource[*selectors.CiliumNetworkPolicy]()
+	clusterNetpols := newDirectResource[*selectors.ClusterNetworkPolicy]()
 	a.hive = hive.NewWithOptions(core.HiveOptions(),
 		infra.Cell, k8sfake.NewCell(a.fake),
 		identity.Cell, ipcache.Cell,
@@ -246,7 +247,11 @@ func netpolAgent(b *testing.B, c *netpolCluster) (*policyAgent, *directResource[
 				func(k8s.Resource[*selectors.CiliumNetworkPolicy]) k8s.Resource[*selectors.CiliumNetworkPolicy] {
 					return cnps
 				},
-				selectors.Cell)),
+				cell.Decorate(
+					func(k8s.Resource[*selectors.ClusterNetworkPolicy]) k8s.Resource[*selectors.ClusterNetworkPolicy] {
+						return clusterNetpols
+					},
+					selectors.Cell))),
 		endpoints.Cell, policy.Cell,
 		cell.Invoke(func(db *statedb.DB, ep statedb.Table[*tables.EndpointPolicy], entries statedb.Table[*tables.PolicyEntry], reg *prometheus.Registry) {
 			a.db, a.epPolicy, a.entries, a.registry = db, ep, entries, reg
@@ -276,7 +281,7 @@ func netpolAgent(b *testing.B, c *netpolCluster) (*policyAgent, *directResource[
 		a.createPod(b, p)
 	}
 	a.start(b)
-	return a, netpols, cnps
+	return a, netpols, cnps, clusterNetpols
 }
 
 // settle waits until the local endpoints' rows have entries, have been
@@ -346,7 +351,7 @@ func BenchmarkAgentNetworkPolicies(b *testing.B) {
 		}
 		b.Run(fmt.Sprintf("from-scratch,kind=%s,udp53=%s,pods=%d,namespaces=%d,policies=%d", kind, bench.dns, len(c.pods), npNamespaces, len(c.netpols)), func(b *testing.B) {
 			bigBurst(b, 4*len(c.pods))
-			a, netpols, cnps := netpolAgent(b, c)
+			a, netpols, cnps, _ := netpolAgent(b, c)
 			none := map[string]int{}
 			for _, n := range c.local {
 				none[n] = 0
@@ -387,7 +392,7 @@ func BenchmarkAgentNetworkPolicies(b *testing.B) {
 		})
 		b.Run(fmt.Sprintf("label-change,kind=%s,udp53=%s,pods=%d,namespaces=%d,policies=%d", kind, bench.dns, len(c.pods), npNamespaces, len(c.netpols)), func(b *testing.B) {
 			bigBurst(b, 4*len(c.pods))
-			a, netpols, cnps := netpolAgent(b, c)
+			a, netpols, cnps, _ := netpolAgent(b, c)
 			none := map[string]int{}
 			for _, n := range c.local {
 				none[n] = 0

@@ -29,7 +29,9 @@ type oracle struct {
 	c        cluster
 	filter   *endpoints.LabelFilter
 	policies []oraclePolicy
-	cache    map[peerRef]map[string]map[string]string
+	// admin are the ClusterNetworkPolicies (see clusterNetpolVerdict).
+	admin []*selectors.ClusterNetworkPolicy
+	cache map[peerRef]map[string]map[string]string
 }
 
 type oraclePolicy struct {
@@ -62,6 +64,14 @@ func newOracle(t testing.TB, c cluster) *oracle {
 		}
 		if err := json.Unmarshal(js, &p); err != nil {
 			t.Fatal(err)
+		}
+		if p.Kind == "ClusterNetworkPolicy" {
+			var cn selectors.ClusterNetworkPolicy
+			if err := json.Unmarshal(js, &cn); err != nil {
+				t.Fatal(err)
+			}
+			o.admin = append(o.admin, &cn)
+			continue
 		}
 		op := oraclePolicy{ns: p.Metadata.Namespace}
 		if p.Kind == "CiliumClusterwideNetworkPolicy" {
@@ -260,6 +270,12 @@ func (o *oracle) verdict(ep *testPod, dir string, peer peerRef, proto uint8, por
 		}
 	}
 	enforced, defaultDeny, allowed, denied := false, false, false, false
+	switch o.clusterNetpolVerdict(ep, dir, peer, scope, proto, port) {
+	case "deny":
+		return "deny"
+	case "pass":
+		enforced = true
+	}
 	for _, pol := range o.policies {
 		for _, r := range pol.rules {
 			if r.EndpointSelector == nil || !selects(*r.EndpointSelector, pol.ns, true, epLabels, false) {
@@ -459,6 +475,12 @@ func (g generator) policy(i int) string {
 // the oracle's, and the engine, updated incrementally, holds exactly what
 // it computes from scratch.
 func TestPolicyProperty(t *testing.T) {
+	runPolicyProperty(t, 24, generator.policy)
+}
+
+// runPolicyProperty runs the property test with policies from newPolicy,
+// the random streams numbered stream.
+func runPolicyProperty(t *testing.T, stream uint64, newPolicy func(g generator, i int) string) {
 	seeds, steps := 20, 25
 	if testing.Short() {
 		seeds = 5
@@ -467,7 +489,7 @@ func TestPolicyProperty(t *testing.T) {
 	// a run that never denies (or never allows) proves nothing.
 	verdicts := map[string]int{}
 	for seed := range seeds {
-		g := generator{rand.New(rand.NewPCG(uint64(seed), 24))}
+		g := generator{rand.New(rand.NewPCG(uint64(seed), stream))}
 		c := cluster{namespaces: map[string]map[string]string{}}
 		for _, ns := range []string{"alpha", "beta", "gamma"} {
 			c.namespaces[ns] = map[string]string{"env": g.pick("dev", "prod")}
@@ -476,7 +498,7 @@ func TestPolicyProperty(t *testing.T) {
 			c.pods = append(c.pods, g.pod(i))
 		}
 		for i := range 1 + g.rng.IntN(3) {
-			c.policies = append(c.policies, g.policy(i))
+			c.policies = append(c.policies, newPolicy(g, i))
 		}
 		c.localhost = g.pick(LocalhostAlways, LocalhostPolicy)
 		if g.rng.IntN(4) == 0 {
@@ -513,7 +535,7 @@ func TestPolicyProperty(t *testing.T) {
 				c.policies = slices.Delete(slices.Clone(c.policies), i, i+1)
 				what = "delete a policy"
 			case op == 4:
-				c.policies = append(slices.Clone(c.policies), g.policy(100+step))
+				c.policies = append(slices.Clone(c.policies), newPolicy(g, 100+step))
 				what = "add a policy"
 			case op == 7 && len(c.pods) > 2:
 				i := g.rng.IntN(len(c.pods))

@@ -79,6 +79,14 @@ func decodePolicy(t testing.TB, doc, netpolPath string) (string, selectors.Parse
 		parsed, err := selectors.ParseNetworkPolicy(np)
 		return selectors.NetpolPrefix + np.Namespace + "/" + np.Name, parsed, err
 	}
+	if kind.Kind == "ClusterNetworkPolicy" {
+		var p selectors.ClusterNetworkPolicy
+		if err := json.Unmarshal(js, &p); err != nil {
+			t.Fatal(err)
+		}
+		parsed, err := selectors.ParseClusterNetworkPolicy(&p)
+		return selectors.ClusterNetpolPrefix + p.Name, parsed, err
+	}
 	if kind.Kind == "CiliumClusterwideNetworkPolicy" {
 		var p selectors.CiliumClusterwideNetworkPolicy
 		if err := json.Unmarshal(js, &p); err != nil {

@@ -49,6 +49,9 @@ var Cell = cell.Module(
 		func(p k8s.ResourceParams) k8s.Resource[*networkingv1.NetworkPolicy] {
 			return k8s.NewResource(p, NetworkPolicyKind)
 		},
+		func(p k8s.ResourceParams) k8s.Resource[*ClusterNetworkPolicy] {
+			return k8s.NewResource(p, ClusterNetpolKind)
+		},
 	),
 	cell.Provide(newVerdictCounter, newPolicyWarnings),
 	cell.Invoke(registerController, registerVerdicts, registerWarnings),
@@ -73,7 +76,9 @@ type controllerParams struct {
 	CNPs       k8s.Resource[*CiliumNetworkPolicy]
 	CCNPs      k8s.Resource[*CiliumClusterwideNetworkPolicy]
 	NetPols    k8s.Resource[*networkingv1.NetworkPolicy]
-	Warnings   *PolicyWarnings
+	// ClusterNetpols are policy.networking.k8s.io ClusterNetworkPolicies.
+	ClusterNetpols k8s.Resource[*ClusterNetworkPolicy]
+	Warnings       *PolicyWarnings
 }
 
 type controller struct {
@@ -142,7 +147,9 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 	defer idChanges.Close()
 
 	cnps, ccnps, netpols := c.CNPs.Events(ctx), c.CCNPs.Events(ctx), c.NetPols.Events(ctx)
+	clusterNetpols := c.ClusterNetpols.Events(ctx)
 	cnpSynced, ccnpSynced, netpolSynced, initDone := false, false, false, false
+	clusterNetpolSynced := false
 	onCNP := k8s.TrackSync(&cnpSynced, func(ev k8s.Event[*CiliumNetworkPolicy]) {
 		name := "cnp/" + ev.Key.String()
 		if ev.Kind == k8s.Delete {
@@ -171,6 +178,14 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			c.setPolicy(name, parseNetworkPolicy(name, ev.Object).withAudit(ev.Object.Annotations))
 		}
 	})
+	onClusterNetpol := k8s.TrackSync(&clusterNetpolSynced, func(ev k8s.Event[*ClusterNetworkPolicy]) {
+		name := ClusterNetpolPrefix + ev.Key.String()
+		if ev.Kind == k8s.Delete {
+			c.setPolicy(name, nil)
+		} else {
+			c.setPolicy(name, parseClusterNetpol(name, ev.Object).withAudit(ev.Object.Annotations))
+		}
+	})
 	tablesInit := false
 	for {
 		rtxn := c.DB.ReadTxn()
@@ -189,7 +204,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			return err
 		}
 		c.reportHealth(h)
-		if !initDone && cnpSynced && ccnpSynced && netpolSynced {
+		if !initDone && cnpSynced && ccnpSynced && netpolSynced && clusterNetpolSynced {
 			initDone = true
 			synced()
 		}
@@ -210,7 +225,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		}
 
 		// Apply a batch of policy events, or wait for identities.
-		_, ok := k8s.ReceiveBatch3(ctx, idWatch, maxBatch, cnps, onCNP, ccnps, onCCNP, netpols, onNetpol)
+		_, ok := k8s.ReceiveBatch4(ctx, idWatch, maxBatch, cnps, onCNP, ccnps, onCCNP, netpols, onNetpol, clusterNetpols, onClusterNetpol)
 		stopWait()
 		if !ok {
 			return nil // the context ended

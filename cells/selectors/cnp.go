@@ -231,7 +231,7 @@ var CNPKind = k8s.Kind[*CiliumNetworkPolicy]{
 	// Cilium's CRD, which apiary does not ship: without it, no policies.
 	Optional: true,
 	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
-		return crdListWatch(c, "ciliumnetworkpolicies", func(items []runtime.Object) *CiliumNetworkPolicyList {
+		return crdListWatch(c, GroupVersion, "ciliumnetworkpolicies", func(items []runtime.Object) *CiliumNetworkPolicyList {
 			l := &CiliumNetworkPolicyList{}
 			for _, o := range items {
 				if p, ok := o.(*CiliumNetworkPolicy); ok {
@@ -251,7 +251,7 @@ var CCNPKind = k8s.Kind[*CiliumClusterwideNetworkPolicy]{
 	// Cilium's CRD, which apiary does not ship: without it, no policies.
 	Optional: true,
 	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
-		return crdListWatch(c, "ciliumclusterwidenetworkpolicies", func(items []runtime.Object) *CiliumClusterwideNetworkPolicyList {
+		return crdListWatch(c, GroupVersion, "ciliumclusterwidenetworkpolicies", func(items []runtime.Object) *CiliumClusterwideNetworkPolicyList {
 			l := &CiliumClusterwideNetworkPolicyList{}
 			for _, o := range items {
 				if p, ok := o.(*CiliumClusterwideNetworkPolicy); ok {
@@ -270,6 +270,8 @@ var scheme = func() *runtime.Scheme {
 		&CiliumNetworkPolicy{}, &CiliumNetworkPolicyList{},
 		&CiliumClusterwideNetworkPolicy{}, &CiliumClusterwideNetworkPolicyList{})
 	metav1.AddToGroupVersion(s, GroupVersion)
+	s.AddKnownTypes(ClusterNetpolGroupVersion, &ClusterNetworkPolicy{}, &ClusterNetworkPolicyList{})
+	metav1.AddToGroupVersion(s, ClusterNetpolGroupVersion)
 	return s
 }()
 
@@ -279,13 +281,13 @@ type tracker interface {
 	InvokesWatch(action k8stesting.Action) (watch.Interface, error)
 }
 
-// crdListWatch lists and watches a cilium.io/v2 resource: with a REST
+// crdListWatch lists and watches a resource of a CRD of group version gv: with a REST
 // client on a real API server, or through the object tracker of the fake
 // clientset, which stores objects of any kind but can only list the types
 // of its own scheme (so it is asked for a generic v1 List, whose items
 // carry the objects as they are).
-func crdListWatch[L runtime.Object](c *k8s.Clientset, resource string, toList func([]runtime.Object) L) cache.ListerWatcher {
-	gvr := GroupVersion.WithResource(resource)
+func crdListWatch[L runtime.Object](c *k8s.Clientset, gv schema.GroupVersion, resource string, toList func([]runtime.Object) L) cache.ListerWatcher {
+	gvr := gv.WithResource(resource)
 	if f, ok := c.Interface.(tracker); ok && c.RESTConfig == nil {
 		t := f.Tracker()
 		return k8s.NewListWatch(c.Interface,
@@ -317,7 +319,7 @@ func crdListWatch[L runtime.Object](c *k8s.Clientset, resource string, toList fu
 				return f.InvokesWatch(k8stesting.NewWatchActionWithOptions(gvr, "", opts))
 			})
 	}
-	rc, err := c.RESTClientFor(GroupVersion, scheme)
+	rc, err := c.RESTClientFor(gv, scheme)
 	if err != nil {
 		return &failingListWatch{err: err}
 	}

@@ -134,7 +134,10 @@ type agentDirs struct {
 // it through the kubernetes Service before apiary load-balances it) and
 // the agent's directories.
 func (n *node) install(dirs agentDirs) {
-	crds := append(n.readManifests(filepath.Join(repoRoot, "deploy/crds")), n.readManifests(filepath.Join(repoRoot, "deploy/cilium-crds"))...)
+	var crds []*unstructured.Unstructured
+	for _, dir := range []string{"deploy/crds", "deploy/cilium-crds", "deploy/network-policy-api-crds"} {
+		crds = append(crds, n.readManifests(filepath.Join(repoRoot, dir))...)
+	}
 	n.create(crds)
 	n.waitCRDs(crds)
 	objs := n.readManifests(filepath.Join(repoRoot, "deploy"))

@@ -1,0 +1,196 @@
+package policy
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+
+	"github.com/apiary-net/apiary/cells/selectors"
+	"github.com/apiary-net/apiary/tables"
+)
+
+// clusterNetpolVerdict is the ClusterNetworkPolicy layer's decision, from
+// the API text: the Admin tier's rules in priority order (then rule
+// order), the first one whose subject selects the pod and whose peer and
+// protocol match decides: "deny" for Deny. "pass" when a policy selects
+// the pod with rules in dir but none matched (the next layer decides,
+// and the direction is enforced), "" when none selects it. Subjects and
+// peers are pods only: a namespace by its labels (with
+// kubernetes.io/metadata.name), a pod by its labels and its namespace's.
+// The generator only makes Admin Deny rules, all apiary implements.
+func (o *oracle) clusterNetpolVerdict(ep *testPod, dir string, peer peerRef, scope []tables.NamedPort, proto uint8, port uint16) string {
+	nsLabels := func(ns string) labels.Set {
+		l := labels.Set{"kubernetes.io/metadata.name": ns}
+		for k, v := range o.c.namespaces[ns] {
+			l[k] = v
+		}
+		return l
+	}
+	matches := func(s *metav1.LabelSelector, l labels.Set) bool {
+		sel, err := metav1.LabelSelectorAsSelector(s)
+		return err == nil && sel.Matches(l)
+	}
+	selectsPod := func(namespaces *metav1.LabelSelector, pods *selectors.NamespacedPod, p *testPod) bool {
+		if p == nil {
+			return false // host, world: never a subject or peer
+		}
+		if namespaces != nil {
+			return matches(namespaces, nsLabels(p.ns))
+		}
+		return matches(&pods.NamespaceSelector, nsLabels(p.ns)) && matches(&pods.PodSelector, labels.Set(p.labels))
+	}
+	protoMatches := func(ps []selectors.ClusterNetpolProtocol) bool {
+		if len(ps) == 0 {
+			return true
+		}
+		for _, pr := range ps {
+			if pr.DestinationNamedPort != "" {
+				// The number the name stands for in scope; a name of
+				// several numbers matches nothing.
+				var nums []tables.NamedPort
+				for _, np := range scope {
+					if np.Name == pr.DestinationNamedPort && !slices.ContainsFunc(nums, func(x tables.NamedPort) bool {
+						return x.Port == np.Port && x.Protocol == np.Protocol
+					}) {
+						nums = append(nums, np)
+					}
+				}
+				byProto := map[string][]uint16{}
+				for _, np := range nums {
+					byProto[np.Protocol] = append(byProto[np.Protocol], np.Port)
+				}
+				if ports := byProto[tables.Proto(proto).String()]; len(ports) == 1 && ports[0] == port {
+					return true
+				}
+				continue
+			}
+			var want string
+			var pp *selectors.ClusterNetpolPorts
+			switch {
+			case pr.TCP != nil:
+				want, pp = "TCP", pr.TCP
+			case pr.UDP != nil:
+				want, pp = "UDP", pr.UDP
+			default:
+				want, pp = "SCTP", pr.SCTP
+			}
+			if tables.Proto(proto).String() != want {
+				continue
+			}
+			switch {
+			case pp.DestinationPort == nil:
+				return true
+			case pp.DestinationPort.Range != nil:
+				if int32(port) >= pp.DestinationPort.Range.Start && int32(port) <= pp.DestinationPort.Range.End {
+					return true
+				}
+			case int32(port) == pp.DestinationPort.Number:
+				return true
+			}
+		}
+		return false
+	}
+	admin := slices.Clone(o.admin)
+	slices.SortStableFunc(admin, func(a, b *selectors.ClusterNetworkPolicy) int { return int(a.Spec.Priority - b.Spec.Priority) })
+	selected := false
+	for _, p := range admin {
+		if !selectsPod(p.Spec.Subject.Namespaces, p.Spec.Subject.Pods, ep) {
+			continue
+		}
+		type rule struct {
+			action    string
+			peers     []selectors.ClusterNetpolPeer
+			protocols []selectors.ClusterNetpolProtocol
+		}
+		var rules []rule
+		if dir == tables.DirIngress {
+			for _, r := range p.Spec.Ingress {
+				rules = append(rules, rule{r.Action, r.From, r.Protocols})
+			}
+		} else {
+			for _, r := range p.Spec.Egress {
+				rules = append(rules, rule{r.Action, r.To, r.Protocols})
+			}
+		}
+		selected = selected || len(rules) > 0
+		for _, r := range rules {
+			if !slices.ContainsFunc(r.peers, func(pe selectors.ClusterNetpolPeer) bool {
+				return selectsPod(pe.Namespaces, pe.Pods, peer.pod)
+			}) || !protoMatches(r.protocols) {
+				continue
+			}
+			return strings.ToLower(r.action)
+		}
+	}
+	if selected {
+		return "pass"
+	}
+	return ""
+}
+
+// clusterNetpol returns a random Admin-tier ClusterNetworkPolicy of Deny
+// rules.
+func (g generator) clusterNetpol(i int) string {
+	nsSel := func() string {
+		switch g.rng.IntN(4) {
+		case 0:
+			return "{}"
+		case 1:
+			return fmt.Sprintf("{matchLabels: {kubernetes.io/metadata.name: %s}}", g.pick("alpha", "beta", "gamma"))
+		default:
+			return fmt.Sprintf("{matchLabels: {env: %s}}", g.pick("dev", "prod"))
+		}
+	}
+	pods := func() string {
+		if g.rng.IntN(2) == 0 {
+			return "{namespaces: " + nsSel() + "}"
+		}
+		podSel := fmt.Sprintf("{matchLabels: {app: %s}}", g.pick("web", "api", "db"))
+		if g.rng.IntN(4) == 0 {
+			podSel = fmt.Sprintf("{matchExpressions: [{key: app, operator: NotIn, values: [%s]}]}", g.pick("web", "api"))
+		}
+		return "{pods: {namespaceSelector: " + nsSel() + ", podSelector: " + podSel + "}}"
+	}
+	protocols := func() string {
+		switch g.rng.IntN(6) {
+		case 0, 1:
+			return ""
+		case 2:
+			return fmt.Sprintf(", protocols: [{%s: {destinationPort: {number: %s}}}]", g.pick("tcp", "udp"), g.pick("80", "8080", "53"))
+		case 3:
+			return ", protocols: [{tcp: {destinationPort: {range: {start: 8000, end: 9000}}}}, {udp: {}}]"
+		default:
+			return fmt.Sprintf(", protocols: [{destinationNamedPort: %s}]", g.pick("http", "dns"))
+		}
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "tier: Admin\npriority: %d\nsubject: %s\n", g.rng.IntN(3), pods())
+	for _, dir := range []struct{ name, peer string }{{"ingress", "from"}, {"egress", "to"}} {
+		if g.rng.IntN(2) == 0 {
+			continue
+		}
+		var rules []string
+		for range 1 + g.rng.IntN(2) {
+			rules = append(rules, fmt.Sprintf("{action: Deny, %s: [%s, %s]%s}", dir.peer, pods(), pods(), protocols()))
+		}
+		fmt.Fprintf(&b, "%s: [%s]\n", dir.name, strings.Join(rules, ", "))
+	}
+	return fmt.Sprintf("apiVersion: policy.networking.k8s.io/v1beta1\nkind: ClusterNetworkPolicy\nmetadata: {name: c%d}\nspec:\n%s", i, indent(b.String()))
+}
+
+// TestClusterNetworkPolicyProperty is TestPolicyProperty with
+// ClusterNetworkPolicies among the CNPs: an Admin Deny wins over every
+// CNP allow, and a policy that matches nothing leaves the decision to the
+// CNPs (or allows, where none selects the pod).
+func TestClusterNetworkPolicyProperty(t *testing.T) {
+	runPolicyProperty(t, 38, func(g generator, i int) string {
+		if g.rng.IntN(2) == 0 {
+			return g.clusterNetpol(i)
+		}
+		return g.policy(i)
+	})
+}

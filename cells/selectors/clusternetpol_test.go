@@ -1,0 +1,165 @@
+package selectors
+
+import (
+	"strings"
+	"testing"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/apiary-net/apiary/tables"
+)
+
+func decodeClusterNetpol(t *testing.T, spec string) *ClusterNetworkPolicy {
+	t.Helper()
+	lines := strings.Split(strings.Trim(spec, "\n"), "\n")
+	doc := "apiVersion: policy.networking.k8s.io/v1beta1\nkind: ClusterNetworkPolicy\nmetadata: {name: p}\nspec:\n  " +
+		strings.Join(lines, "\n  ")
+	var p ClusterNetworkPolicy
+	if err := yaml.Unmarshal([]byte(doc), &p); err != nil {
+		t.Fatalf("bad test YAML: %v", err)
+	}
+	return &p
+}
+
+// Admin-tier Deny rules become deny rules that do not put the subject into
+// default deny; subjects and peers select pods by namespace and pod labels.
+func TestClusterNetworkPolicyParse(t *testing.T) {
+	p := decodeClusterNetpol(t, `
+tier: Admin
+priority: 10
+subject: {namespaces: {matchLabels: {team: a}}}
+ingress:
+- name: no-b
+  action: Deny
+  from: [{pods: {namespaceSelector: {matchLabels: {team: b}}, podSelector: {matchLabels: {app: x}}}}]
+  protocols: [{tcp: {destinationPort: {number: 80}}}, {udp: {destinationPort: {range: {start: 1000, end: 2000}}}}, {destinationNamedPort: http}]
+egress:
+- action: Deny
+  to: [{networks: [169.254.169.254/32]}, {namespaces: {}}]
+  protocols: [{sctp: {}}]
+`)
+	parsed := parseClusterNetpol("clusternetpol/p", p)
+	if parsed.err != nil {
+		t.Fatal(parsed.err)
+	}
+	if len(parsed.specs) != 1 {
+		t.Fatalf("specs: %+v", parsed.specs)
+	}
+	s := parsed.specs[0]
+	if !s.Ingress || !s.Egress || s.DefaultDenyIngress || s.DefaultDenyEgress {
+		t.Errorf("directions: %+v", s)
+	}
+	if s.Subject != "k8s:io.cilium.k8s.namespace.labels.team=a" {
+		t.Errorf("subject %q", s.Subject)
+	}
+	if len(s.Rules) != 2 || !s.Rules[0].Deny || !s.Rules[1].Deny {
+		t.Fatalf("rules: %+v", s.Rules)
+	}
+	in, out := s.Rules[0], s.Rules[1]
+	wantPorts := []tables.PortRule{
+		{Protocol: tables.ProtoTCP, Port: 80},
+		{Protocol: tables.ProtoUDP, Port: 1000, EndPort: 2000},
+		{Protocol: tables.ProtoAny, Name: "http"},
+	}
+	if in.Direction != tables.DirIngress || len(in.Peers) != 1 || len(in.Ports) != 3 {
+		t.Fatalf("ingress rule: %+v", in)
+	}
+	for i, w := range wantPorts {
+		if in.Ports[i] != w {
+			t.Errorf("port %d: %+v, want %+v", i, in.Ports[i], w)
+		}
+	}
+	if out.Direction != tables.DirEgress || len(out.Peers) != 2 || len(out.Ports) != 1 || out.Ports[0] != (tables.PortRule{Protocol: tables.ProtoSCTP}) {
+		t.Errorf("egress rule: %+v", out)
+	}
+	if len(parsed.cidrs) != 1 || parsed.cidrs[0].String() != "169.254.169.254/32" {
+		t.Errorf("cidrs: %v", parsed.cidrs)
+	}
+}
+
+// What apiary cannot enforce exactly, and what the API server would
+// refuse, is an invalid policy naming the field; it fails closed on its
+// subjects in the directions it has rules in.
+func TestClusterNetworkPolicyInvalid(t *testing.T) {
+	const subject = "subject: {namespaces: {}}\n"
+	for _, tc := range []struct {
+		name, spec, err string
+		ingress, egress bool
+	}{
+		{"accept", "tier: Admin\npriority: 1\n" + subject + "ingress: [{action: Accept, from: [{namespaces: {}}]}]",
+			"spec.ingress[0].action: Accept is not implemented yet", true, false},
+		{"pass", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Pass, to: [{namespaces: {}}]}]",
+			"spec.egress[0].action: Pass is not implemented yet", false, true},
+		{"bad action", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Drop, to: [{namespaces: {}}]}]",
+			`spec.egress[0].action: "Drop" is not Accept, Deny or Pass`, false, true},
+		{"baseline", "tier: Baseline\npriority: 1\n" + subject + "ingress: [{action: Deny, from: [{namespaces: {}}]}]",
+			"spec.tier: the Baseline tier is not implemented yet", true, false},
+		{"bad tier", "tier: Top\npriority: 1\n" + subject + "ingress: [{action: Deny, from: [{namespaces: {}}]}]",
+			`spec.tier: "Top" is neither Admin nor Baseline`, true, false},
+		{"priority", "tier: Admin\npriority: 1001\n" + subject + "ingress: [{action: Deny, from: [{namespaces: {}}]}]",
+			"spec.priority: 1001 is not from 0 to 1000", true, false},
+		{"nodes", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{nodes: {}}]}]",
+			"spec.egress[0].to[0].nodes: not supported", false, true},
+		{"domainNames", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{domainNames: [example.com]}]}]",
+			"spec.egress[0].to[0].domainNames: not supported", false, true},
+		{"two peer kinds", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{namespaces: {}, networks: [10.0.0.0/8]}]}]",
+			"spec.egress[0].to[0]: exactly one of", false, true},
+		{"no peers", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: []}]",
+			"spec.egress[0].to: needs at least one peer", false, true},
+		{"ingress networks", "tier: Admin\npriority: 1\n" + subject + "ingress: [{action: Deny, from: [{networks: [10.0.0.0/8]}]}]",
+			"spec.ingress[0].from[0].networks: only egress", true, false},
+		{"bad CIDR", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{networks: [10.0.0.1]}]}]",
+			`spec.egress[0].to[0].networks[0]: "10.0.0.1" is not a CIDR`, false, true},
+		{"bad range", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{namespaces: {}}], protocols: [{tcp: {destinationPort: {range: {start: 9, end: 8}}}}]}]",
+			"spec.egress[0].protocols[0]: destinationPort.range: 9-8", false, true},
+		{"two protocols", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{namespaces: {}}], protocols: [{tcp: {}, udp: {}}]}]",
+			"spec.egress[0].protocols[0]: exactly one of tcp", false, true},
+		{"bad selector", "tier: Admin\npriority: 1\nsubject: {namespaces: {matchExpressions: [{key: a, operator: Near}]}}\ningress: [{action: Deny, from: [{namespaces: {}}]}]",
+			"spec.subject:", true, false},
+		{"both subjects", "tier: Admin\npriority: 1\nsubject: {namespaces: {}, pods: {namespaceSelector: {}, podSelector: {}}}\ningress: [{action: Deny, from: [{namespaces: {}}]}]",
+			"spec.subject: namespaces and pods are both set", true, false},
+		{"unknown field", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{namespaces: {}}], ports: [80]}]",
+			`unknown field "ports"`, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := parseClusterNetpol("clusternetpol/p", decodeClusterNetpol(t, tc.spec))
+			if p.err == nil || !strings.Contains(p.err.Error(), tc.err) {
+				t.Fatalf("error %v, want one containing %q", p.err, tc.err)
+			}
+			if len(p.specs) != 0 || len(p.peers) != 0 || len(p.cidrs) != 0 {
+				t.Errorf("an invalid policy contributes %+v %v %v", p.specs, p.peers, p.cidrs)
+			}
+			if tc.name == "bad selector" || tc.name == "both subjects" {
+				if len(p.failClosed) != 0 {
+					t.Errorf("fail closed without a subject: %+v", p.failClosed)
+				}
+				return
+			}
+			if len(p.failClosed) != 1 {
+				t.Fatalf("failClosed: %+v", p.failClosed)
+			}
+			fc := p.failClosed[0]
+			if fc.Ingress != tc.ingress || fc.Egress != tc.egress || fc.DefaultDenyIngress != tc.ingress ||
+				fc.DefaultDenyEgress != tc.egress || len(fc.Rules) != 0 {
+				t.Errorf("failClosed: %+v", fc)
+			}
+		})
+	}
+}
+
+// The audit annotation works on a ClusterNetworkPolicy as on the other
+// kinds; a bad value makes it invalid.
+func TestClusterNetworkPolicyAudit(t *testing.T) {
+	const spec = "tier: Admin\npriority: 1\nsubject: {namespaces: {}}\ningress: [{action: Deny, from: [{namespaces: {}}]}]"
+	for _, tc := range []struct {
+		value     string
+		audit, ok bool
+	}{{"true", true, true}, {"false", false, true}, {"maybe", false, false}} {
+		p := decodeClusterNetpol(t, spec)
+		p.Annotations = map[string]string{AuditAnnotation: tc.value}
+		parsed, err := ParseClusterNetworkPolicy(p)
+		if (err == nil) != tc.ok || parsed.Audit != tc.audit {
+			t.Errorf("%s: audit %v, error %v", tc.value, parsed.Audit, err)
+		}
+	}
+}
