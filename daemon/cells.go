@@ -6,6 +6,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/fqdn"
+	"github.com/apiary-net/apiary/cells/hubble"
 	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/infra"
@@ -32,6 +33,7 @@ var ControlPlane = cell.Group(
 	fqdn.Cell,      // DNS proxy: addresses of names FQDN selectors match → prefixes (fqdn-names)
 	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node, their cgroups
 	policy.Cell,    // policy enforcement: per-endpoint entries → policy maps, cgroup programs (--enable-policy)
+	hubble.Cell,    // Hubble's observer gRPC API over the verdict stream (--enable-hubble)
 )
 
 // agentCells is the whole agent:
