@@ -49,6 +49,10 @@ const (
 	QueueSizeFlag      = "hubble-event-queue-size"
 )
 
+// observerHealthName is the gRPC health service name of the observer in
+// the reference (pkg/hubble/api/v1.ObserverServiceName).
+const observerHealthName = "hubble.server.Observer"
+
 // DefaultSocketPath is where the API listens unless --hubble-socket-path
 // says otherwise.
 const DefaultSocketPath = "/var/run/apiary/hubble.sock"
@@ -173,6 +177,10 @@ func register(p params) error {
 					}
 				}()
 			}
+			// The CLI's `hubble status` asks for the observer by the
+			// name the reference's server registers it under.
+			hs.SetServingStatus(observerHealthName, healthpb.HealthCheckResponse_SERVING)
+			hs.SetServingStatus(observerpb.Observer_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 			p.Health.OK("Serving on " + p.Config.HubbleSocketPath)
 			return nil
 		},

@@ -83,6 +83,14 @@ func (c *converter) flows(v policy.Verdict) []*flowpb.Flow {
 func (c *converter) base(v policy.Verdict, t time.Time) (*flowpb.Flow, netip.AddrPort, netip.AddrPort) {
 	src, _ := netip.ParseAddrPort(v.Src)
 	dst, _ := netip.ParseAddrPort(v.Dst)
+	// A socket's verdict at connect() comes before the kernel picks its
+	// source address: the pod's own address of the family is the one it
+	// will pick.
+	if v.Direction == tables.DirEgress && src.Addr().IsUnspecified() {
+		src = netip.AddrPortFrom(c.podAddr(v.Endpoint, src.Addr()), src.Port())
+	} else if v.Direction == tables.DirIngress && dst.Addr().IsUnspecified() {
+		dst = netip.AddrPortFrom(c.podAddr(v.Endpoint, dst.Addr()), dst.Port())
+	}
 	f := &flowpb.Flow{
 		Time:     timestamppb.New(t),
 		NodeName: c.nodeName,
@@ -194,6 +202,19 @@ func (c *converter) dnsFlows(v policy.Verdict) []*flowpb.Flow {
 	a.SourceNames = []string{strings.TrimSuffix(v.DNS.Query, ".")}
 	a.Summary = "DNS Answer " + strings.Join(v.DNS.Answers, ",") + " (" + v.DNS.RCode + ")"
 	return []*flowpb.Flow{q, a}
+}
+
+// podAddr returns the address of the pod named "<namespace>/<pod>" of
+// the family of unspec, unspec when it has none.
+func (c *converter) podAddr(name string, unspec netip.Addr) netip.Addr {
+	if row := c.byName[name]; row != nil {
+		for _, ip := range row.IPs {
+			if ip.Unmap().Is4() == unspec.Unmap().Is4() {
+				return ip
+			}
+		}
+	}
+	return unspec
 }
 
 // local returns the node's endpoint named "<namespace>/<pod>", nil when
