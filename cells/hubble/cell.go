@@ -122,6 +122,7 @@ type params struct {
 	Health    cell.Health
 	DB        *statedb.DB
 	Endpoints statedb.Table[*tables.Endpoint]
+	FQDNNames statedb.Table[*tables.FQDNName]
 	Monitor   *policy.Monitor
 	Node      node.Config
 	Metrics   *metrics
@@ -135,7 +136,7 @@ func register(p params) error {
 		return nil
 	}
 	r := newRing(p.Config.HubbleEventBufferCapacity)
-	conv := newConverter(p.Node.NodeName, p.DB, p.Endpoints)
+	conv := newConverter(p.Node.NodeName, p.DB, p.Endpoints, p.FQDNNames)
 	var (
 		ch      <-chan policy.Verdict
 		dropped func() uint64

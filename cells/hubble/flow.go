@@ -38,16 +38,20 @@ type converter struct {
 	nodeName  string
 	db        *statedb.DB
 	endpoints statedb.Table[*tables.Endpoint]
+	fqdnNames statedb.Table[*tables.FQDNName]
 
-	// Caches of the endpoints table, rebuilt when its revision changes.
-	rev    statedb.Revision
-	byName map[string]*tables.Endpoint
-	byIP   map[netip.Addr]*tables.Endpoint
+	// Caches of the endpoints and fqdn-names tables, rebuilt when their
+	// revision changes.
+	rev      statedb.Revision
+	byName   map[string]*tables.Endpoint
+	byIP     map[netip.Addr]*tables.Endpoint
+	namesRev statedb.Revision
+	names    map[netip.Addr][]string
 }
 
-func newConverter(nodeName string, db *statedb.DB, eps statedb.Table[*tables.Endpoint]) *converter {
-	return &converter{nodeName: nodeName, db: db, endpoints: eps,
-		byName: map[string]*tables.Endpoint{}, byIP: map[netip.Addr]*tables.Endpoint{}}
+func newConverter(nodeName string, db *statedb.DB, eps statedb.Table[*tables.Endpoint], names statedb.Table[*tables.FQDNName]) *converter {
+	return &converter{nodeName: nodeName, db: db, endpoints: eps, fqdnNames: names,
+		byName: map[string]*tables.Endpoint{}, byIP: map[netip.Addr]*tables.Endpoint{}, names: map[netip.Addr][]string{}}
 }
 
 func (c *converter) refresh() {
@@ -55,6 +59,17 @@ func (c *converter) refresh() {
 		return
 	}
 	txn := c.db.ReadTxn()
+	if c.fqdnNames != nil {
+		if rev := c.fqdnNames.Revision(txn); rev != c.namesRev {
+			c.namesRev = rev
+			clear(c.names)
+			for n := range c.fqdnNames.All(txn) {
+				for _, ip := range n.IPs {
+					c.names[ip.IP.Unmap()] = append(c.names[ip.IP.Unmap()], n.Name)
+				}
+			}
+		}
+	}
 	rev := c.endpoints.Revision(txn)
 	if rev == c.rev {
 		return
@@ -123,6 +138,8 @@ func (c *converter) policyFlow(v policy.Verdict) *flowpb.Flow {
 		remote = c.remote(src.Addr(), v.RemoteIdentity, v.RemoteLabels)
 		f.Source, f.Destination = remote, local
 	}
+	// The names DNS gave the addresses (`hubble observe --to-fqdn`).
+	f.SourceNames, f.DestinationNames = c.names[src.Addr().Unmap()], c.names[dst.Addr().Unmap()]
 	f.EventType = &flowpb.CiliumEventType{Type: eventTypePolicyVerdict}
 	if f.Verdict == flowpb.Verdict_DROPPED {
 		f.DropReasonDesc = dropReason(v.Reason)
@@ -164,7 +181,7 @@ func (c *converter) dnsFlows(v policy.Verdict) []*flowpb.Flow {
 	}
 	resolver := c.remote(dst.Addr(), v.RemoteIdentity, v.RemoteLabels)
 	q.Source, q.Destination = client, resolver
-	q.DestinationNames = []string{}
+	q.DestinationNames = c.names[dst.Addr().Unmap()]
 	rec := &flowpb.DNS{Query: v.DNS.Query, Qtypes: []string{v.DNS.QType}, ObservationSource: "proxy"}
 	q.L7 = &flowpb.Layer7{Type: flowpb.L7FlowType_REQUEST, Record: &flowpb.Layer7_Dns{Dns: rec}}
 	if v.Policy != "" {
@@ -199,7 +216,7 @@ func (c *converter) dnsFlows(v policy.Verdict) []*flowpb.Flow {
 		arec.Rrtypes = []string{v.DNS.QType}
 	}
 	a.L7 = &flowpb.Layer7{Type: flowpb.L7FlowType_RESPONSE, LatencyNs: uint64(latency), Record: &flowpb.Layer7_Dns{Dns: arec}}
-	a.SourceNames = []string{strings.TrimSuffix(v.DNS.Query, ".")}
+	a.SourceNames = q.DestinationNames
 	a.Summary = "DNS Answer " + strings.Join(v.DNS.Answers, ",") + " (" + v.DNS.RCode + ")"
 	return []*flowpb.Flow{q, a}
 }

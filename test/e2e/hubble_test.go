@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -466,4 +467,75 @@ func TestHubbleStuckFollower(t *testing.T) {
 		t.Errorf("the stuck follower was told it lost %d flows, want most of the flood's 20,000", lost)
 	}
 	t.Logf("the stuck follower lost %d flows", lost)
+}
+
+// TestHubbleDNS: the DNS proxy's queries are Hubble's L7 DNS flows — the
+// query, and the answer with its rcode and addresses, or the refused
+// query dropped — and `hubble observe --protocol dns` finds them.
+func TestHubbleDNS(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	bin := testenv.RequireHubble(t, repoRoot)
+	digBin := testenv.RequireProgram(t, "dig")
+	resolver, allowedIP, _ := startResolver(t)
+	root := testenv.Cgroup(t)
+	cgA, _, _ := mkCgroups(t, root)
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), policyPods)
+	writeFile(t, filepath.Join(configDir, "dns.yaml"), fmt.Sprintf(dnsPolicy, resolver))
+	sock := filepath.Join(t.TempDir(), "hubble.sock")
+	proxy := net.JoinHostPort("127.0.0.1", fmt.Sprint(freePort(t)))
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{
+		"--node-name=e2e-node", "--cgroup-root=" + root,
+		"--dns-proxy-addr=" + proxy, "--dns-upstream=127.0.0.1:1",
+		"--dns-trusted-resolvers=" + resolver,
+		"--enable-hubble", "--hubble-socket-path=" + sock,
+	}})
+	a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny"})
+	a.waitLog(t, "Intercepting the DNS of endpoints with DNS rules")
+	h := hubbleCLI{bin: bin, server: "unix://" + sock}
+
+	dig := func(name string) string {
+		out, err := digIn(cgA, digBin, resolver, name, false)
+		if err != nil {
+			t.Fatalf("dig %s: %v: %s", name, err, out)
+		}
+		status, _ := answerOf(out)
+		return status
+	}
+	if got := dig("www.allowed.test"); got != "NOERROR" {
+		t.Fatalf("dig www.allowed.test: %s", got)
+	}
+	if got := dig("www.denied.test"); got != "REFUSED" {
+		t.Fatalf("dig www.denied.test: %s", got)
+	}
+
+	var query, answer, refused bool
+	var flows []hubbleFlow
+	testenv.Eventually(t, waitTimeout, "hubble observe --protocol dns shows the queries", func() (bool, string) {
+		flows = h.observe(t, "--last", "100", "--protocol", "dns")
+		query, answer, refused = false, false, false
+		for _, f := range flows {
+			l7 := f.Flow.L7
+			if l7 == nil || l7.DNS == nil {
+				t.Errorf("--protocol dns: %v", f)
+				continue
+			}
+			switch {
+			case l7.DNS.Query == "www.allowed.test." && l7.Type == "REQUEST" && f.Flow.Verdict == "FORWARDED":
+				query = f.Flow.Source.PodName == "client-a" && f.Flow.IP.Destination == resolver && f.dstPort() == 53
+			case l7.DNS.Query == "www.allowed.test." && l7.Type == "RESPONSE":
+				answer = l7.DNS.Rcode == 0 && containsStr(l7.DNS.IPs, allowedIP) && f.Flow.Destination.PodName == "client-a"
+			case l7.DNS.Query == "www.denied.test." && l7.Type == "REQUEST":
+				refused = f.Flow.Verdict == "DROPPED"
+			}
+		}
+		return query && answer && refused, fmt.Sprintf("query %t answer %t refused %t: %v", query, answer, refused, flows)
+	})
+	if got := h.observe(t, "--last", "100", "--protocol", "dns", "--verdict", "DROPPED"); len(got) != 1 || got[0].Flow.L7.DNS.Query != "www.denied.test." {
+		t.Errorf("--protocol dns --verdict DROPPED: %v", got)
+	}
+	if n, err := a.labelledMetric(`hubble_dns_responses_total{ips_returned="1",qtypes="A",rcode="No Error"}`); err != nil || n < 1 {
+		t.Errorf("hubble_dns_responses_total: %v %v", n, err)
+	}
 }
