@@ -123,6 +123,8 @@ type params struct {
 	DB        *statedb.DB
 	Endpoints statedb.Table[*tables.Endpoint]
 	FQDNNames statedb.Table[*tables.FQDNName]
+	Frontends statedb.Table[*tables.Frontend]
+	Backends  statedb.Table[*tables.Backend]
 	Monitor   *policy.Monitor
 	Node      node.Config
 	Metrics   *metrics
@@ -136,7 +138,7 @@ func register(p params) error {
 		return nil
 	}
 	r := newRing(p.Config.HubbleEventBufferCapacity)
-	conv := newConverter(p.Node.NodeName, p.DB, p.Endpoints, p.FQDNNames)
+	conv := newConverter(p.Node.NodeName, p.DB, p.Endpoints, p.FQDNNames, lbTables{p.Frontends, p.Backends})
 	var (
 		ch      <-chan policy.Verdict
 		dropped func() uint64

@@ -67,10 +67,18 @@ func compileFilter(ff *flowpb.FlowFilter) (match, error) {
 	}
 	for _, pods := range []struct {
 		vals []string
-		get  func(*flowpb.Flow) *flowpb.Endpoint
+		get  func(*flowpb.Flow) (ns, name string)
 	}{
-		{ff.SourcePod, (*flowpb.Flow).GetSource},
-		{ff.DestinationPod, (*flowpb.Flow).GetDestination},
+		{ff.SourcePod, func(f *flowpb.Flow) (string, string) { return f.GetSource().GetNamespace(), f.GetSource().GetPodName() }},
+		{ff.DestinationPod, func(f *flowpb.Flow) (string, string) {
+			return f.GetDestination().GetNamespace(), f.GetDestination().GetPodName()
+		}},
+		{ff.SourceService, func(f *flowpb.Flow) (string, string) {
+			return f.GetSourceService().GetNamespace(), f.GetSourceService().GetName()
+		}},
+		{ff.DestinationService, func(f *flowpb.Flow) (string, string) {
+			return f.GetDestinationService().GetNamespace(), f.GetDestinationService().GetName()
+		}},
 	} {
 		if len(pods.vals) == 0 {
 			continue
@@ -79,7 +87,7 @@ func compileFilter(ff *flowpb.FlowFilter) (match, error) {
 		var nfs []nameFilter
 		for _, v := range pods.vals {
 			if v == "" {
-				return nil, fmt.Errorf("invalid pod filter: empty name")
+				return nil, fmt.Errorf("invalid pod or service filter: empty name")
 			}
 			ns, prefix, ok := strings.Cut(v, "/")
 			if !ok {
@@ -89,12 +97,12 @@ func compileFilter(ff *flowpb.FlowFilter) (match, error) {
 		}
 		get := pods.get
 		add(func(f *flowpb.Flow) bool {
-			ep := get(f)
-			if ep.GetNamespace() == "" && ep.GetPodName() == "" {
+			ns, name := get(f)
+			if ns == "" && name == "" {
 				return false
 			}
 			return slices.ContainsFunc(nfs, func(n nameFilter) bool {
-				return (n.ns == "" || n.ns == ep.GetNamespace()) && strings.HasPrefix(ep.GetPodName(), n.prefix)
+				return (n.ns == "" || n.ns == ns) && strings.HasPrefix(name, n.prefix)
 			})
 		})
 	}
@@ -281,7 +289,6 @@ func unsupported(ff *flowpb.FlowFilter) error {
 	}{
 		{len(ff.Uuid) > 0, "uuid"},
 		{len(ff.SourceIpXlated) > 0, "source_ip_xlated"},
-		{len(ff.SourceService)+len(ff.DestinationService) > 0, "service"},
 		{len(ff.SourceWorkload)+len(ff.DestinationWorkload) > 0, "workload"},
 		{len(ff.SourceClusterName)+len(ff.DestinationClusterName) > 0, "cluster name"},
 		{len(ff.Interface) > 0, "interface"},

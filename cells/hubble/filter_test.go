@@ -12,7 +12,7 @@ import (
 // testFlows are flows as the converter makes them from verdicts.
 func testFlows(t *testing.T) map[string]*flowpb.Flow {
 	t.Helper()
-	c := newConverter("node-1", nil, nil, nil)
+	c := newConverter("node-1", nil, nil, nil, lbTables{})
 	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
 	out := map[string]*flowpb.Flow{}
 	one := func(v policy.Verdict) *flowpb.Flow {
@@ -105,6 +105,7 @@ func TestFilters(t *testing.T) {
 		{"other node", &flowpb.FlowFilter{NodeName: []string{"node-2"}}, nil, false},
 		{"fields AND", &flowpb.FlowFilter{SourcePod: []string{"shop/"}, Protocol: []string{"tcp"}}, []string{"allowed"}, false},
 		{"http matches nothing", &flowpb.FlowFilter{HttpMethod: []string{"GET"}}, nil, false},
+		{"service", &flowpb.FlowFilter{DestinationService: []string{"kube-system/kube"}}, nil, false},
 		{"workload unsupported", &flowpb.FlowFilter{SourceWorkload: []*flowpb.Workload{{Name: "x"}}}, nil, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

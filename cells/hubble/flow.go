@@ -39,6 +39,8 @@ type converter struct {
 	db        *statedb.DB
 	endpoints statedb.Table[*tables.Endpoint]
 	fqdnNames statedb.Table[*tables.FQDNName]
+	frontends statedb.Table[*tables.Frontend]
+	backends  statedb.Table[*tables.Backend]
 
 	// Caches of the endpoints and fqdn-names tables, rebuilt when their
 	// revision changes.
@@ -49,8 +51,14 @@ type converter struct {
 	names    map[netip.Addr][]string
 }
 
-func newConverter(nodeName string, db *statedb.DB, eps statedb.Table[*tables.Endpoint], names statedb.Table[*tables.FQDNName]) *converter {
-	return &converter{nodeName: nodeName, db: db, endpoints: eps, fqdnNames: names,
+// lbTables are the load-balancing tables a converter names Services from.
+type lbTables struct {
+	frontends statedb.Table[*tables.Frontend]
+	backends  statedb.Table[*tables.Backend]
+}
+
+func newConverter(nodeName string, db *statedb.DB, eps statedb.Table[*tables.Endpoint], names statedb.Table[*tables.FQDNName], lb lbTables) *converter {
+	return &converter{nodeName: nodeName, db: db, endpoints: eps, fqdnNames: names, frontends: lb.frontends, backends: lb.backends,
 		byName: map[string]*tables.Endpoint{}, byIP: map[netip.Addr]*tables.Endpoint{}, names: map[netip.Addr][]string{}}
 }
 
@@ -138,6 +146,11 @@ func (c *converter) policyFlow(v policy.Verdict) *flowpb.Flow {
 		remote = c.remote(src.Addr(), v.RemoteIdentity, v.RemoteLabels)
 		f.Source, f.Destination = remote, local
 	}
+	// The Service the flow went to: its frontend (without the socket LB,
+	// the address the pod asked for) or one of its backends (with it,
+	// the address the frontend was translated to).
+	f.DestinationService = c.service(dst, v.Proto)
+	f.SourceService = c.service(src, v.Proto)
 	// The names DNS gave the addresses (`hubble observe --to-fqdn`).
 	f.SourceNames, f.DestinationNames = c.names[src.Addr().Unmap()], c.names[dst.Addr().Unmap()]
 	f.EventType = &flowpb.CiliumEventType{Type: eventTypePolicyVerdict}
@@ -219,6 +232,27 @@ func (c *converter) dnsFlows(v policy.Verdict) []*flowpb.Flow {
 	a.SourceNames = q.DestinationNames
 	a.Summary = "DNS Answer " + strings.Join(v.DNS.Answers, ",") + " (" + v.DNS.RCode + ")"
 	return []*flowpb.Flow{q, a}
+}
+
+// service returns the Service whose frontend or backend addr is, nil for
+// none.
+func (c *converter) service(addr netip.AddrPort, proto string) *flowpb.Service {
+	if c.db == nil || c.frontends == nil || c.backends == nil || !addr.IsValid() {
+		return nil
+	}
+	p, err := tables.ParseProto(proto)
+	if err != nil {
+		return nil
+	}
+	l4 := tables.L4Addr{Addr: addr.Addr().Unmap(), Port: addr.Port(), Proto: p}
+	txn := c.db.ReadTxn()
+	if fe, _, ok := c.frontends.Get(txn, tables.FrontendAddressIndex.Query(l4)); ok {
+		return &flowpb.Service{Namespace: fe.Service.Namespace, Name: fe.Service.Name}
+	}
+	if be, _, ok := c.backends.Get(txn, tables.BackendAddressIndex.Query(l4)); ok && len(be.Services) > 0 {
+		return &flowpb.Service{Namespace: be.Services[0].Service.Namespace, Name: be.Services[0].Service.Name}
+	}
+	return nil
 }
 
 // podAddr returns the address of the pod named "<namespace>/<pod>" of

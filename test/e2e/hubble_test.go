@@ -35,6 +35,9 @@ const (
 	hbA6     = "fd00:e8::11"
 	hbB6     = "fd00:e8::12"
 	hubbleNS = "shop"
+	// hbSvc4 is the ClusterIP of shop/web, whose backend is the node's
+	// 8080.
+	hbSvc4 = "10.96.238.80"
 )
 
 // hubblePods: hba in namespace shop, whose egress policy lets it reach
@@ -67,6 +70,20 @@ spec:
   egress:
   - toEntities: [host]
     toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: ` + hbSvc4 + `
+  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints: [{addresses: ["` + hbGw4 + `"], conditions: {ready: true}}]
 `
 
 // hubbleFlow is a line of `hubble observe -o json`, reduced to what the
@@ -87,12 +104,13 @@ type hubbleFlow struct {
 				DestinationPort int `json:"destination_port"`
 			} `json:"UDP"`
 		} `json:"l4"`
-		Source           hubbleEndpoint `json:"source"`
-		Destination      hubbleEndpoint `json:"destination"`
-		NodeName         string         `json:"node_name"`
-		TrafficDirection string         `json:"traffic_direction"`
-		DropReasonDesc   string         `json:"drop_reason_desc"`
-		EventType        struct {
+		DestinationService struct{ Name, Namespace string } `json:"destination_service"`
+		Source             hubbleEndpoint                   `json:"source"`
+		Destination        hubbleEndpoint                   `json:"destination"`
+		NodeName           string                           `json:"node_name"`
+		TrafficDirection   string                           `json:"traffic_direction"`
+		DropReasonDesc     string                           `json:"drop_reason_desc"`
+		EventType          struct {
 			Type int `json:"type"`
 		} `json:"event_type"`
 		EgressAllowedBy []struct{ Name, Namespace, Kind string } `json:"egress_allowed_by"`
@@ -196,7 +214,7 @@ func startHubbleAgent(t *testing.T, flags ...string) (*agent, *ifPod, *ifPod, hu
 // and followed, and they are the verdicts apiary monitor shows.
 func TestHubble(t *testing.T) {
 	t.Parallel()
-	a, podA, podB, h, _ := startHubbleAgent(t, "--hubble-event-buffer-capacity=1000")
+	a, podA, podB, h, _ := startHubbleAgent(t, "--hubble-event-buffer-capacity=1000", "--enable-socket-lb")
 	listen(t, hbGw4+":8080", hbGw4+":8081", hbGw4+":8082")
 	mon := startProcess(t, "apiary monitor", nil, apiaryBin, "monitor", "-o", "json", "--server", "http://"+a.addr)
 	// The monitor's stream starts with what comes after it connects.
@@ -356,6 +374,24 @@ func TestHubble(t *testing.T) {
 		cmd := exec.Command(h.bin, "observe", "--server", h.server, "--to-workload", "x")
 		if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "not supported") {
 			t.Errorf("--to-workload: %v: %s", err, out)
+		}
+	})
+	t.Run("service", func(t *testing.T) {
+		// The socket LB translates the ClusterIP to the backend; the
+		// flow is to the backend, of the Service.
+		testenv.Eventually(t, waitTimeout, "hba reaches shop/web's ClusterIP", func() (bool, string) {
+			got := podA.run(t, true, connectEnv+"="+hbSvc4+":80")
+			return strings.HasPrefix(got, "ok"), got
+		})
+		got := h.observe(t, "--last", "1000", "--to-service", hubbleNS+"/web")
+		if len(got) == 0 {
+			t.Fatal("--to-service shop/web: nothing")
+		}
+		for _, f := range got {
+			if f.Flow.IP.Destination != hbGw4 || f.dstPort() != 8080 || f.Flow.DestinationService.Name != "web" ||
+				f.Flow.DestinationService.Namespace != hubbleNS {
+				t.Errorf("--to-service shop/web: %v %+v", f, f.Flow.DestinationService)
+			}
 		}
 	})
 	t.Run("follow", func(t *testing.T) {
