@@ -30,6 +30,7 @@ import (
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/cells/health"
+	"github.com/apiary-net/apiary/cells/hubble"
 	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/infra"
 	"github.com/apiary-net/apiary/cells/k8s"
@@ -362,7 +363,7 @@ func TestAgentDaemonSet(t *testing.T) {
 		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 3", len(m.daemonSets), m.crds)
 	}
 	spec := m.daemonSets[0].Spec.Template.Spec
-	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell)
+	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell, hubble.Cell)
 	env := checkContainer(t, m, "agent", spec, flags)
 	c := spec.Containers[0]
 	if !spec.HostNetwork {
