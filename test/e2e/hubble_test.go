@@ -575,3 +575,94 @@ func TestHubbleDNS(t *testing.T) {
 		t.Errorf("hubble_dns_responses_total: %v %v", n, err)
 	}
 }
+
+// TestHubbleLoad: 1,000 flows a second for a minute (-short: ten seconds)
+// with three followers reading: each follower keeps up (it gets the flows
+// of the last second, losing none), and the agent's memory does not grow
+// with the flows seen (the ring is bounded).
+func TestHubbleLoad(t *testing.T) {
+	duration := time.Minute
+	if testing.Short() {
+		duration = 10 * time.Second
+	}
+	a, _, podB, _, sock := startHubbleAgent(t)
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	type count struct {
+		flows, lost uint64
+		last        time.Time
+	}
+	counts := make([]chan count, 3)
+	for i := range counts {
+		s, err := observerpb.NewObserverClient(conn).GetFlows(ctx, &observerpb.GetFlowsRequest{Follow: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		counts[i] = make(chan count, 1)
+		go func() {
+			var c count
+			for {
+				resp, err := s.Recv()
+				if err != nil {
+					counts[i] <- c
+					return
+				}
+				if le := resp.GetLostEvents(); le != nil {
+					c.lost += le.GetNumEventsLost()
+				}
+				if f := resp.GetFlow(); f != nil {
+					c.flows++
+					c.last = f.GetTime().AsTime()
+				}
+			}
+		}()
+	}
+	rss := func() int {
+		data, err := exec.Command("grep", "VmRSS", fmt.Sprintf("/proc/%d/status", a.pid())).Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var kb int
+		fmt.Sscanf(strings.TrimPrefix(strings.TrimSpace(string(data)), "VmRSS:"), "%d", &kb)
+		return kb
+	}
+	start := time.Now()
+	var rssWarm int
+	for sec := 0; time.Since(start) < duration; sec++ {
+		next := start.Add(time.Duration(sec+1) * time.Second)
+		podB.run(t, true, floodEnv+"=1000")
+		if sec == 4 {
+			rssWarm = rss() // the ring full, the caches warm
+		}
+		time.Sleep(time.Until(next))
+	}
+	end := time.Now()
+	rssEnd := rss()
+	seen, err := a.labelledMetric(`hubble_flows_processed_total{protocol="UDP",subtype="",type="PolicyVerdict",verdict="FORWARDED"}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second) // the last flows on their way to the followers
+	cancel()
+	for i, ch := range counts {
+		c := <-ch
+		t.Logf("follower %d: %d flows, %d lost, the last at %s", i, c.flows, c.lost, c.last.Format(time.StampMilli))
+		if c.lost > 0 || float64(c.flows) < seen || c.last.Before(end.Add(-2*time.Second)) {
+			t.Errorf("follower %d fell behind: %d flows of %.0f, %d lost, the last at %s (the flood ended %s)",
+				i, c.flows, seen, c.lost, c.last.Format(time.StampMilli), end.Format(time.StampMilli))
+		}
+	}
+	t.Logf("%.0f flows in %s (%.0f/s); agent RSS %d KiB after 5 s, %d KiB at the end", seen, end.Sub(start).Round(time.Second),
+		seen/end.Sub(start).Seconds(), rssWarm, rssEnd)
+	if seen < 900*duration.Seconds() {
+		t.Errorf("only %.0f flows in %s", seen, duration)
+	}
+	if rssEnd > rssWarm+32*1024 {
+		t.Errorf("agent RSS grew from %d KiB to %d KiB", rssWarm, rssEnd)
+	}
+}
