@@ -227,7 +227,8 @@ func register(p params) error {
 }
 
 // listenUnix listens on path, replacing a stale socket of an earlier run
-// but nothing else, and lets only the owner (root) connect.
+// but nothing else (not a live socket, not another kind of file), and lets
+// only the owner (root) connect.
 func listenUnix(path string) (net.Listener, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, fmt.Errorf("create the directory of --%s: %w", SocketPathFlag, err)
@@ -235,6 +236,12 @@ func listenUnix(path string) (net.Listener, error) {
 	if fi, err := os.Lstat(path); err == nil {
 		if fi.Mode().Type() != fs.ModeSocket {
 			return nil, fmt.Errorf("--%s %s exists and is not a socket", SocketPathFlag, path)
+		}
+		// Another agent (another --state-dir) may be serving there: take
+		// its socket away only when nobody answers on it.
+		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+			c.Close()
+			return nil, fmt.Errorf("--%s %s is in use by another process", SocketPathFlag, path)
 		}
 		if err := os.Remove(path); err != nil {
 			return nil, fmt.Errorf("remove the stale socket %s: %w", path, err)

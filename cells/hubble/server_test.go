@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -156,14 +158,19 @@ func TestGetFlows(t *testing.T) {
 	})
 }
 
-func TestListenUnixRefusesNonSocket(t *testing.T) {
+func TestListenUnix(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "file")
 	first, err := listenUnix(path)
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A live socket is not taken away...
+	if _, err := listenUnix(path); err == nil || !strings.Contains(err.Error(), "in use") {
+		t.Fatalf("a live socket: %v", err)
+	}
+	// ...a stale one (its listener gone, the file left) is replaced...
+	first.(*net.UnixListener).SetUnlinkOnClose(false)
 	first.Close()
-	// A stale socket is replaced...
 	ln, err := listenUnix(path)
 	if err != nil {
 		t.Fatalf("stale socket: %v", err)
