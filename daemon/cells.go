@@ -8,6 +8,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ct"
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/fqdn"
+	"github.com/apiary-net/apiary/cells/hubble"
 	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/infra"
@@ -42,6 +43,7 @@ var ControlPlane = cell.Group(
 	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node, their cgroups
 	policy.Cell,    // policy enforcement: per-endpoint entries → policy maps, cgroup programs (--enable-policy)
 	cnichain.Cell,  // apiary-cni chained into the node's CNI configuration (--cni-chaining-mode)
+	hubble.Cell,    // Hubble's observer gRPC API over the verdict stream (--enable-hubble)
 )
 
 // agentCells is the whole agent:

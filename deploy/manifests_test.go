@@ -31,11 +31,13 @@ import (
 	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/cells/health"
+	"github.com/apiary-net/apiary/cells/hubble"
 	"github.com/apiary-net/apiary/cells/identitymode"
 	"github.com/apiary-net/apiary/cells/infra"
 	"github.com/apiary-net/apiary/cells/ipam"
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/cells/metrics"
+	"github.com/apiary-net/apiary/cells/nodeport"
 	"github.com/apiary-net/apiary/cells/operator"
 	"github.com/apiary-net/apiary/cells/proxyhealth"
 	"github.com/apiary-net/apiary/cells/selectors"
@@ -368,7 +370,7 @@ func TestAgentDaemonSet(t *testing.T) {
 		t.Fatalf("%d DaemonSets, %d CRDs; want 1 and 4", len(m.daemonSets), m.crds)
 	}
 	spec := m.daemonSets[0].Spec.Template.Spec
-	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell, ipam.Cell, cnichain.Cell, proxyhealth.Cell)
+	flags := flagsOf(infra.Cell, k8s.ClientCell, identitymode.Cell, endpoints.Cell, socketlb.Cell, fqdn.Cell, ipam.Cell, cnichain.Cell, proxyhealth.Cell, nodeport.Cell, hubble.Cell)
 	env := checkContainer(t, m, "agent", spec, flags)
 	c := spec.Containers[0]
 	if !spec.HostNetwork {

@@ -38,3 +38,10 @@ if ! scripts/kube-testbin/build.sh >/dev/null; then
 	[ "${APIARY_STRICT:-}" != 1 ] || exit 1
 	echo "install-deps: could not build kube-apiserver and etcd; test/integration will skip" >&2
 fi
+
+# The real hubble CLI for test/e2e's TestHubble, built the same way (a
+# few minutes the first time, a no-op afterwards).
+if ! scripts/hubble-testbin/build.sh >/dev/null; then
+	[ "${APIARY_STRICT:-}" != 1 ] || exit 1
+	echo "install-deps: could not build the hubble CLI; TestHubble will skip" >&2
+fi

@@ -1,0 +1,148 @@
+package hubble
+
+import (
+	"testing"
+	"time"
+
+	flowpb "github.com/cilium/cilium/api/v1/flow"
+
+	"github.com/apiary-net/apiary/cells/policy"
+)
+
+// testFlows are flows as the converter makes them from verdicts.
+func testFlows(t *testing.T) map[string]*flowpb.Flow {
+	t.Helper()
+	c := newConverter("node-1", nil, nil, nil, lbTables{})
+	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	out := map[string]*flowpb.Flow{}
+	one := func(v policy.Verdict) *flowpb.Flow {
+		fs := c.flows(v)
+		if len(fs) != 1 {
+			t.Fatalf("%+v: %d flows", v, len(fs))
+		}
+		return fs[0]
+	}
+	out["allowed"] = one(policy.Verdict{Time: now, Type: policy.VerdictTypePolicy, Endpoint: "shop/web-1", Direction: "egress",
+		Src: "10.0.0.5:40000", Dst: "10.0.0.9:8080", Proto: "TCP", RemoteIdentity: 300,
+		RemoteLabels: []string{"k8s:app=db", namespaceLabel + "=data"}, Verdict: policy.VerdictAllowed,
+		Policy: "cnp/shop/web", Reason: policy.ReasonPolicy, Layer: policy.LayerSocket})
+	out["denied"] = one(policy.Verdict{Time: now, Type: policy.VerdictTypePolicy, Endpoint: "shop/web-1", Direction: "ingress",
+		Src: "192.168.1.1:5000", Dst: "10.0.0.5:22", Proto: "UDP", RemoteIdentity: 2,
+		RemoteLabels: []string{"reserved:world"}, Verdict: policy.VerdictDenied, Reason: policy.ReasonDefaultDeny, Layer: policy.LayerSocket})
+	out["spoofed"] = one(policy.Verdict{Time: now, Type: policy.VerdictTypePolicy, Endpoint: "default/other", Direction: "egress",
+		Src: "10.9.9.9:1", Dst: "10.0.0.1:53", Proto: "UDP", Verdict: policy.VerdictDenied,
+		Reason: policy.ReasonSpoofed, Layer: policy.LayerInterface})
+	dns := c.flows(policy.Verdict{Time: now, Type: policy.VerdictTypeDNS, Endpoint: "shop/web-1", Direction: "egress",
+		Src: "10.0.0.5:3333", Dst: "10.96.0.10:53", Proto: "UDP", Verdict: policy.VerdictAllowed, Policy: "ccnp/dns",
+		DNS: &policy.DNSVerdict{Query: "www.example.com.", QType: "A", Answers: []string{"1.2.3.4"}, RCode: "NOERROR", LatencyMs: 2}})
+	if len(dns) != 2 {
+		t.Fatalf("an answered DNS verdict: %d flows, want the query and its answer", len(dns))
+	}
+	out["dns-query"], out["dns-answer"] = dns[0], dns[1]
+	return out
+}
+
+func TestConverter(t *testing.T) {
+	fs := testFlows(t)
+	a := fs["allowed"]
+	if a.GetSource().GetPodName() != "web-1" || a.GetSource().GetNamespace() != "shop" ||
+		a.GetDestination().GetNamespace() != "data" || a.GetDestination().GetIdentity() != 300 ||
+		a.GetVerdict() != flowpb.Verdict_FORWARDED || a.GetEventType().GetType() != eventTypePolicyVerdict ||
+		a.GetEgressAllowedBy()[0].GetKind() != "CiliumNetworkPolicy" || a.GetEgressAllowedBy()[0].GetName() != "web" ||
+		a.GetNodeName() != "node-1" || a.GetL4().GetTCP().GetDestinationPort() != 8080 {
+		t.Errorf("allowed: %v", a)
+	}
+	if d := fs["denied"]; d.GetDestination().GetPodName() != "web-1" || d.GetDropReasonDesc() != flowpb.DropReason_POLICY_DENIED ||
+		d.GetTrafficDirection() != flowpb.TrafficDirection_INGRESS || d.GetIngressDeniedBy() != nil {
+		t.Errorf("denied: %v", d)
+	}
+	if s := fs["spoofed"]; s.GetEventType().GetType() != eventTypeDrop || s.GetDropReasonDesc() != flowpb.DropReason_INVALID_SOURCE_IP {
+		t.Errorf("spoofed: %v", s)
+	}
+	q, ans := fs["dns-query"], fs["dns-answer"]
+	if q.GetL7().GetType() != flowpb.L7FlowType_REQUEST || q.GetL7().GetDns().GetQuery() != "www.example.com." ||
+		q.GetSource().GetPodName() != "web-1" || !q.GetTime().AsTime().Before(ans.GetTime().AsTime()) {
+		t.Errorf("query: %v", q)
+	}
+	if ans.GetL7().GetType() != flowpb.L7FlowType_RESPONSE || ans.GetL7().GetDns().GetRcode() != 0 ||
+		ans.GetL7().GetDns().GetIps()[0] != "1.2.3.4" || ans.GetDestination().GetPodName() != "web-1" ||
+		!ans.GetIsReply().GetValue() || ans.GetL4().GetUDP().GetSourcePort() != 53 || ans.GetL7().GetLatencyNs() != 2e6 {
+		t.Errorf("answer: %v", ans)
+	}
+}
+
+func TestFilters(t *testing.T) {
+	fs := testFlows(t)
+	for _, tc := range []struct {
+		name   string
+		filter *flowpb.FlowFilter
+		want   []string // the flows it matches
+		err    bool
+	}{
+		{"empty", &flowpb.FlowFilter{}, []string{"allowed", "denied", "spoofed", "dns-query", "dns-answer"}, false},
+		{"namespace as the CLI sends it", &flowpb.FlowFilter{SourcePod: []string{"shop/"}}, []string{"allowed", "dns-query"}, false},
+		{"pod prefix", &flowpb.FlowFilter{DestinationPod: []string{"shop/web"}}, []string{"denied", "dns-answer"}, false},
+		{"pod without namespace is default", &flowpb.FlowFilter{SourcePod: []string{"other"}}, []string{"spoofed"}, false},
+		{"verdict", &flowpb.FlowFilter{Verdict: []flowpb.Verdict{flowpb.Verdict_DROPPED}}, []string{"denied", "spoofed"}, false},
+		{"drop reason", &flowpb.FlowFilter{DropReasonDesc: []flowpb.DropReason{flowpb.DropReason_INVALID_SOURCE_IP}}, []string{"spoofed"}, false},
+		{"event type", &flowpb.FlowFilter{EventType: []*flowpb.EventTypeFilter{{Type: eventTypePolicyVerdict}}}, []string{"allowed", "denied"}, false},
+		{"event subtype", &flowpb.FlowFilter{EventType: []*flowpb.EventTypeFilter{{Type: eventTypeDrop, MatchSubType: true, SubType: 132}}}, []string{"spoofed"}, false},
+		{"protocol", &flowpb.FlowFilter{Protocol: []string{"UDP"}}, []string{"denied", "spoofed", "dns-query", "dns-answer"}, false},
+		{"protocol dns", &flowpb.FlowFilter{Protocol: []string{"dns"}}, []string{"dns-query", "dns-answer"}, false},
+		{"unknown protocol", &flowpb.FlowFilter{Protocol: []string{"gopher"}}, nil, true},
+		{"source CIDR", &flowpb.FlowFilter{SourceIp: []string{"10.0.0.0/24"}}, []string{"allowed", "dns-query"}, false},
+		{"destination IP", &flowpb.FlowFilter{DestinationIp: []string{"10.0.0.5"}}, []string{"denied", "dns-answer"}, false},
+		{"bad IP", &flowpb.FlowFilter{DestinationIp: []string{"10.0.0.300"}}, nil, true},
+		{"port", &flowpb.FlowFilter{DestinationPort: []string{"53"}}, []string{"spoofed", "dns-query"}, false},
+		{"bad port", &flowpb.FlowFilter{DestinationPort: []string{"http"}}, nil, true},
+		{"label", &flowpb.FlowFilter{DestinationLabel: []string{"app=db"}}, []string{"allowed"}, false},
+		{"label with source", &flowpb.FlowFilter{SourceLabel: []string{"reserved:world"}}, []string{"denied"}, false},
+		{"label not", &flowpb.FlowFilter{DestinationLabel: []string{"app!=db"}}, []string{"denied", "spoofed", "dns-query", "dns-answer"}, false},
+		{"identity", &flowpb.FlowFilter{SourceIdentity: []uint32{2}}, []string{"denied"}, false},
+		{"direction", &flowpb.FlowFilter{TrafficDirection: []flowpb.TrafficDirection{flowpb.TrafficDirection_INGRESS}}, []string{"denied"}, false},
+		{"reply", &flowpb.FlowFilter{Reply: []bool{true}}, []string{"dns-answer"}, false},
+		{"node name", &flowpb.FlowFilter{NodeName: []string{"default/node-*"}}, []string{"allowed", "denied", "spoofed", "dns-query", "dns-answer"}, false},
+		{"other node", &flowpb.FlowFilter{NodeName: []string{"node-2"}}, nil, false},
+		{"fields AND", &flowpb.FlowFilter{SourcePod: []string{"shop/"}, Protocol: []string{"tcp"}}, []string{"allowed"}, false},
+		{"http matches nothing", &flowpb.FlowFilter{HttpMethod: []string{"GET"}}, nil, false},
+		{"service", &flowpb.FlowFilter{DestinationService: []string{"kube-system/kube"}}, nil, false},
+		{"workload unsupported", &flowpb.FlowFilter{SourceWorkload: []*flowpb.Workload{{Name: "x"}}}, nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m, err := compileFilter(tc.filter)
+			if (err != nil) != tc.err {
+				t.Fatalf("error %v, want one: %t", err, tc.err)
+			}
+			if err != nil {
+				return
+			}
+			var got []string
+			for _, name := range []string{"allowed", "denied", "spoofed", "dns-query", "dns-answer"} {
+				if m(fs[name]) {
+					got = append(got, name)
+				}
+			}
+			if len(got) != len(tc.want) {
+				t.Fatalf("matched %v, want %v", got, tc.want)
+			}
+			for i := range got {
+				if got[i] != tc.want[i] {
+					t.Fatalf("matched %v, want %v", got, tc.want)
+				}
+			}
+		})
+	}
+}
+
+func TestFQDNFilter(t *testing.T) {
+	f := &flowpb.Flow{DestinationNames: []string{"api.example.com"}}
+	for pat, want := range map[string]bool{"*.example.com": true, "api.example.com.": true, "*.other.com": false} {
+		m, err := compileFilter(&flowpb.FlowFilter{DestinationFqdn: []string{pat}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m(f) != want {
+			t.Errorf("%s: %t, want %t", pat, m(f), want)
+		}
+	}
+}
