@@ -37,7 +37,7 @@ func TestNetworkPolicyConformanceMultiNode(t *testing.T) {
 	n.install(agentDirs{pinDir: pinDir, stateDir: workers[0].stateDir})
 	n.waitAgentsReady(count)
 	for _, w := range workers {
-		w.chainWorkerCNI(pinDir)
+		w.waitChained(pinDir)
 	}
 	focus := regexp.QuoteMeta(netpolSuite)
 	if which != "all" {

@@ -57,6 +57,11 @@ type workerNode struct {
 	holder  *proc
 	// stateDir is the agents' state directory, a tmpfs in each node.
 	stateDir string
+	// hostCNIConf and hostCNIBin are the CNI directories the agent's
+	// DaemonSet mounts (one path for every node, as /etc/cni/net.d is);
+	// each node binds its own directories there, as each real node has
+	// its own /etc/cni/net.d.
+	hostCNIConf, hostCNIBin string
 }
 
 // nodeCount is APIARY_NODES (make test-cluster NODES=…), 2 by default.
@@ -146,13 +151,15 @@ func (n *node) newWorker(i int) *workerNode {
 	w := &workerNode{
 		node: &node{t: n.t, dir: dir, server: n.server, admin: n.admin, cs: n.cs, apiaryBin: n.apiaryBin,
 			kubeconfigPath: n.kubeconfigPath, podLogs: filepath.Join(dir, "pod-logs")},
-		name:     name,
-		ip:       fmt.Sprintf("%s%d", nodeNetPrefix, 10+i),
-		podCIDR:  fmt.Sprintf("10.253.%d.0/24", i),
-		podGW:    fmt.Sprintf("10.253.%d.1", i),
-		netns:    fmt.Sprintf("apmn%d-%d", i, os.Getpid()),
-		cgroup:   fmt.Sprintf("apiary-mn-%d-%s", os.Getpid(), name),
-		stateDir: filepath.Join(n.dir, "agent-state"),
+		name:        name,
+		ip:          fmt.Sprintf("%s%d", nodeNetPrefix, 10+i),
+		podCIDR:     fmt.Sprintf("10.253.%d.0/24", i),
+		podGW:       fmt.Sprintf("10.253.%d.1", i),
+		netns:       fmt.Sprintf("apmn%d-%d", i, os.Getpid()),
+		cgroup:      fmt.Sprintf("apiary-mn-%d-%s", os.Getpid(), name),
+		stateDir:    filepath.Join(n.dir, "agent-state"),
+		hostCNIConf: n.cniConfDir(),
+		hostCNIBin:  n.cniBinDir(),
 	}
 	if err := os.MkdirAll(w.stateDir, 0o700); err != nil {
 		n.t.Fatal(err)
@@ -233,6 +240,9 @@ func (w *workerNode) makeNamespaces() {
 		} else {
 			fmt.Fprintf(&script, "mount -t %s %s /sys/fs/cgroup/%s\n", h.fstype, h.fstype, h.dir)
 		}
+	}
+	for _, d := range [][2]string{{w.cniConfDir(), w.hostCNIConf}, {w.cniBinDir(), w.hostCNIBin}} {
+		fmt.Fprintf(&script, "mkdir -p %s %s\nmount --bind %s %s\n", d[0], d[1], d[0], d[1])
 	}
 	fmt.Fprintf(&script, "mount -t bpf bpf /sys/fs/bpf\nhostname %s\necho ready\nexec sleep infinity\n", w.name)
 	w.holder = w.startIn("holder", nil, true, "/usr/bin/unshare", "--mount", "--uts", "--cgroup", "--propagation", "private", "/bin/sh", "-c", script.String())
@@ -321,28 +331,28 @@ func (w *workerNode) removeCgroups(roots []string) {
 }
 
 // writeWorkerCNIConf writes the node's CNI configuration: the bridge
-// plugin on the node's own bridge with its pod CIDR, then apiary-cni on
-// the agent's pin directory when pinDir is set. chainWorkerCNI is the one
-// place that adds apiary-cni.
-func (w *workerNode) writeWorkerCNIConf(pinDir string) {
-	chained := ""
-	if pinDir != "" {
-		chained = fmt.Sprintf(`, {"type": "apiary-cni", "bpfPinDir": %q}`, pinDir)
-	}
+// plugin on the node's bridge with its pod CIDR, as kindnet leaves it; the
+// node's agent chains apiary-cni after it.
+func (w *workerNode) writeWorkerCNIConf() {
 	writeFile(w.t, filepath.Join(w.dir, "cni", "10-apiary-test.conflist"), fmt.Sprintf(`{
   "cniVersion": "1.0.0",
   "name": "apiary-test",
   "plugins": [{
     "type": "bridge", "bridge": "cbr0", "isGateway": true, "isDefaultGateway": true, "ipMasq": false,
     "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q}
-  }%s]
+  }]
 }
-`, w.podCIDR, w.podGW, filepath.Join(w.dir, "ipam"), chained))
+`, w.podCIDR, w.podGW, filepath.Join(w.dir, "ipam")))
 }
 
-// chainWorkerCNI chains apiary-cni after the bridge plugin on the node,
-// as on the single node (chainApiaryCNI).
-func (w *workerNode) chainWorkerCNI(pinDir string) { w.writeWorkerCNIConf(pinDir) }
+// waitChained waits until the node's agent has chained apiary-cni after
+// the bridge plugin in the node's own CNI configuration and copied the
+// plugin next to the node's others (--cni-chaining-mode=chain, as deploy/
+// ships it), as on the single node.
+func (w *workerNode) waitChained(pinDir string) {
+	w.pinDir = pinDir
+	w.waitCNIChained()
+}
 
 // startContainerd starts the node's containerd, in its namespaces, on
 // its own directories and socket.
@@ -350,12 +360,11 @@ func (w *workerNode) startContainerd(bins map[string]string) {
 	t := w.t
 	d := filepath.Join(w.dir, "containerd")
 	w.ctrSock = filepath.Join(d, "containerd.sock")
-	w.writeWorkerCNIConf("")
+	w.writeWorkerCNIConf()
 	cniBin := filepath.Join(w.dir, "cni-bin")
 	for _, p := range []string{"bridge", "host-local", "loopback"} {
 		symlink(t, filepath.Join("/usr/lib/cni", p), filepath.Join(cniBin, p))
 	}
-	symlink(t, bins["bin/image/apiary-cni"], filepath.Join(cniBin, "apiary-cni"))
 	config := filepath.Join(d, "config.toml")
 	writeFile(t, config, fmt.Sprintf(`version = 2
 root = %q

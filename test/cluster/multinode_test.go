@@ -69,7 +69,7 @@ func TestMultiNode(t *testing.T) {
 	n.waitAgentsReady(count)
 	t.Logf("apiary Ready on %d nodes in %s", count, time.Since(start).Round(time.Millisecond))
 	for _, w := range workers {
-		w.chainWorkerCNI(pinDir)
+		w.waitChained(pinDir)
 	}
 	p := n.startMultiNodePods(workers)
 	steps := []struct {
