@@ -103,10 +103,15 @@ func TestUntrustedResolverAllowsTheAskerOnly(t *testing.T) {
 	a.restart(t, "--dns-trusted-resolvers="+resolver)
 	a.waitLog(t, "Intercepting the DNS of endpoints with DNS rules")
 	ask(cgA, "trusted.allowed.test")
+	// Waited for, not checked at once: when the address already carries
+	// client-a's own label (its untrusted answer, restored), the answer
+	// can be released before client-a's entries for the address's new
+	// identity are written (a known gap of the DNS gate, issue 35's note).
 	for dir, who := range map[string]string{cgA: "client-a", cgC: "client-c"} {
-		if got := connectFrom(t, dir, allowedIP+":8080", ""); got != want {
-			t.Errorf("%s to %s after a trusted resolver answered client-a: %s, want %s", who, allowedIP, got, want)
-		}
+		testenv.Eventually(t, waitTimeout, who+" reaches "+allowedIP+" after a trusted resolver answered client-a", func() (bool, string) {
+			got := connectFrom(t, dir, allowedIP+":8080", "")
+			return got == want, got
+		})
 	}
 
 	// client-a goes: the rows of its untrusted answers go with it; the

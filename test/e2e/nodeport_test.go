@@ -568,7 +568,7 @@ func testNodePortFromOutside(t *testing.T, attach string) {
 				code, body, err := httpGet("http://" + npNode4 + ":" + tc.port + "/healthz")
 				got := fmt.Sprintf("%d %s", code, strings.TrimSpace(body))
 				wantCode, wantBody, _ := strings.Cut(tc.want, " ")
-				return err == nil && strconv.Itoa(code) == wantCode && strings.Contains(body, wantBody), fmt.Sprint(got, err)
+				return err == nil && strconv.Itoa(code) == wantCode && strings.Contains(strings.Join(strings.Fields(body), ""), wantBody), fmt.Sprint(got, err)
 			})
 		}
 	})
