@@ -12,12 +12,14 @@ set -euo pipefail
 #   containerd, runc             the container runtime of test/cluster's node (make test-cluster)
 #   busybox-static, wget,        /bin/sh, wget, nc … in test/cluster's agnhost image: the e2e suites exec them
 #   netcat-openbsd               (curl, above, goes into that image too; wget, nc and curl with their libraries)
+#   kubernetes-client            kubectl, which the Services suite execs its pods with (only where none is on PATH)
 packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl gcc libc6-dev containerd runc busybox-static wget netcat-openbsd)
 
 missing=()
 for p in "${packages[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+command -v kubectl >/dev/null || missing+=(kubernetes-client)
 
 if [ ${#missing[@]} -gt 0 ]; then
 	sudo=""
