@@ -469,7 +469,10 @@ func TestHubbleStuckFollower(t *testing.T) {
 	for range 4 {
 		podB.run(t, true, floodEnv+"=5000")
 	}
-	if n, err := a.labelledMetric(`hubble_flows_processed_total{protocol="UDP",subtype="",type="PolicyVerdict",verdict="FORWARDED"}`); err != nil || n < 10000 {
+	// Not all 20,000 need to arrive: on a loaded machine the datapath's
+	// per-pod event budget drops some before the agent reads them. A few
+	// thousand already overflow the ring (64) and the stream's 64 KiB.
+	if n, err := a.labelledMetric(`hubble_flows_processed_total{protocol="UDP",subtype="",type="PolicyVerdict",verdict="FORWARDED"}`); err != nil || n < 2000 {
 		t.Fatalf("flows of the flood: %v %v", n, err)
 	}
 	// The agent is not held up: a new flow reaches the reading follower.
