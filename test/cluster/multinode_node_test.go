@@ -358,42 +358,8 @@ func (w *workerNode) waitChained(pinDir string) {
 // its own directories and socket.
 func (w *workerNode) startContainerd(bins map[string]string) {
 	t := w.t
-	d := filepath.Join(w.dir, "containerd")
-	w.ctrSock = filepath.Join(d, "containerd.sock")
 	w.writeWorkerCNIConf()
-	cniBin := filepath.Join(w.dir, "cni-bin")
-	for _, p := range []string{"bridge", "host-local", "loopback"} {
-		symlink(t, filepath.Join("/usr/lib/cni", p), filepath.Join(cniBin, p))
-	}
-	config := filepath.Join(d, "config.toml")
-	writeFile(t, config, fmt.Sprintf(`version = 2
-root = %q
-state = %q
-disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.aufs"]
-[grpc]
-  address = %q
-[ttrpc]
-  address = %q
-[plugins."io.containerd.internal.v1.opt"]
-  path = %q
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = %q
-  restrict_oom_score_adj = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        BinaryName = %q
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = %q
-    conf_dir = %q
-`, filepath.Join(d, "root"), filepath.Join(d, "state"), w.ctrSock, w.ctrSock+".ttrpc",
-		filepath.Join(d, "opt"), pauseImage, bins["runc"], cniBin, filepath.Join(w.dir, "cni")))
+	config := w.writeContainerdConfig(bins)
 	w.startIn("containerd", append(os.Environ(), "PATH=/usr/sbin:/usr/bin:/sbin:/bin"), false, bins["containerd"], "--config", config, "--log-level", "info")
 	t.Cleanup(func() { w.killShims() })
 	testenv.Eventually(t, upTimeout, w.name+"'s containerd socket", func() (bool, string) {

@@ -667,44 +667,8 @@ func symlink(t *testing.T, target, link string) {
 // socket, runc from Debian, the bridge plugin on the test's bridge.
 func (n *node) startContainerd(bins map[string]string) {
 	t := n.t
-	d := filepath.Join(n.dir, "containerd")
-	n.ctrSock = filepath.Join(d, "containerd.sock")
 	n.writeCNIConf()
-	// The node's CNI plugins: Debian's; the agent copies apiary-cni from
-	// its image next to them.
-	cniBin := n.cniBinDir()
-	for _, p := range []string{"bridge", "host-local", "loopback"} {
-		symlink(t, filepath.Join("/usr/lib/cni", p), filepath.Join(cniBin, p))
-	}
-	config := filepath.Join(d, "config.toml")
-	writeFile(t, config, fmt.Sprintf(`version = 2
-root = %q
-state = %q
-disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.aufs"]
-[grpc]
-  address = %q
-[ttrpc]
-  address = %q
-[plugins."io.containerd.internal.v1.opt"]
-  path = %q
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = %q
-  restrict_oom_score_adj = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        BinaryName = %q
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = %q
-    conf_dir = %q
-`, filepath.Join(d, "root"), filepath.Join(d, "state"), n.ctrSock, n.ctrSock+".ttrpc",
-		filepath.Join(d, "opt"), pauseImage, bins["runc"], cniBin, n.cniConfDir()))
+	config := n.writeContainerdConfig(bins)
 	n.start("containerd", append(os.Environ(), "PATH=/usr/sbin:/usr/bin:/sbin:/bin"), bins["containerd"], "--config", config, "--log-level", "info")
 	// Shims outlive containerd: once it is stopped (cleanups run last
 	// first, so this one runs after), kill the ones it started, by PID.
@@ -826,4 +790,49 @@ maxPods: 60
 		_, err := n.cs.CoreV1().ServiceAccounts("default").Get(context.Background(), "default", metav1.GetOptions{})
 		return err == nil, fmt.Sprint(err)
 	})
+}
+
+// writeContainerdConfig sets up a node's containerd below n.dir: its
+// socket (n.ctrSock), the node's CNI plugins (Debian's; the agent copies
+// apiary-cni from its image next to them) and its configuration, whose
+// path it returns. The single node and each node of the multi-node
+// cluster use it alike.
+func (n *node) writeContainerdConfig(bins map[string]string) string {
+	t := n.t
+	d := filepath.Join(n.dir, "containerd")
+	n.ctrSock = filepath.Join(d, "containerd.sock")
+	cniBin := n.cniBinDir()
+	for _, p := range []string{"bridge", "host-local", "loopback"} {
+		symlink(t, filepath.Join("/usr/lib/cni", p), filepath.Join(cniBin, p))
+	}
+	config := filepath.Join(d, "config.toml")
+	writeFile(t, config, fmt.Sprintf(`version = 2
+root = %q
+state = %q
+disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.aufs"]
+[grpc]
+  address = %q
+[ttrpc]
+  address = %q
+[plugins."io.containerd.internal.v1.opt"]
+  path = %q
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %q
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        BinaryName = %q
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = %q
+    conf_dir = %q
+`, filepath.Join(d, "root"), filepath.Join(d, "state"), n.ctrSock, n.ctrSock+".ttrpc",
+		filepath.Join(d, "opt"), pauseImage, bins["runc"], cniBin, n.cniConfDir()))
+	return config
 }
