@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
@@ -93,7 +94,7 @@ spec:
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { n.cs.CoreV1().Nodes().Delete(ctx, ghostNode, metav1.DeleteOptions{}) })
+	t.Cleanup(func() { deleteGhostNode(t, n) })
 	if len(created.Status.Addresses) == 0 {
 		created.Status = ghost.Status
 		if _, err := n.cs.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
@@ -110,9 +111,7 @@ spec:
 	})
 	wantConnect(t, w.other, addr, "EPERM")
 
-	if err := n.cs.CoreV1().Nodes().Delete(ctx, ghostNode, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	deleteGhostNode(t, n)
 	testenv.Eventually(t, waitTimeout, "the ghost node's address no longer remote-node", func() (bool, string) {
 		got := connect(t, w.other, addr)
 		return !strings.HasPrefix(got, "EPERM"), got
@@ -120,6 +119,39 @@ spec:
 	if err := cnps.Delete(ctx, "other-not-remote-node", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// deleteGhostNode deletes the ghost Node and the DaemonSet pods bound to
+// it. The DaemonSet controller has no handler for a deleted Node: its
+// status counts the ghost until the pod garbage collector removes the
+// orphaned pod (40 s of quarantine and more), so later subtests that wait
+// for the DaemonSet to be ready would wait on that instead.
+func deleteGhostNode(t *testing.T, n *node) {
+	t.Helper()
+	ctx := context.Background()
+	if err := n.cs.CoreV1().Nodes().Delete(ctx, ghostNode, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Fatalf("delete node %s: %v", ghostNode, err)
+	}
+	zero := int64(0)
+	testenv.Eventually(t, waitTimeout, "no pod on "+ghostNode+" and the agent DaemonSet counting one node", func() (bool, string) {
+		pods, err := n.cs.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + ghostNode})
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, p := range pods.Items {
+			err := n.cs.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+			if err != nil && !apierrors.IsNotFound(err) {
+				return false, fmt.Sprintf("delete pod %s/%s: %v", p.Namespace, p.Name, err)
+			}
+		}
+		ds, err := n.cs.AppsV1().DaemonSets("kube-system").Get(ctx, "apiary-agent", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		st := ds.Status
+		return len(pods.Items) == 0 && st.DesiredNumberScheduled == 1 && st.CurrentNumberScheduled == 1,
+			fmt.Sprintf("%d pods on %s; DaemonSet status %+v", len(pods.Items), ghostNode, st)
+	})
 }
 
 // dynamic returns a dynamic client of the cluster.
