@@ -245,8 +245,10 @@ func (c *controller) reportHealth(h cell.Health, eng *engine) {
 type writer struct {
 	c       *controller
 	pending []func(statedb.WriteTxn) error
-	// touched are the endpoints whose entries the pending changes write.
-	touched map[string]struct{}
+	// touched are the endpoints whose entries the pending changes write;
+	// written, those whose row the pending changes write (marked pending
+	// by them).
+	touched, written map[string]struct{}
 	// elapsed is the time spent in commit.
 	elapsed time.Duration
 }
@@ -274,7 +276,15 @@ func (w *writer) touch(endpoint string) {
 	w.touched[endpoint] = struct{}{}
 }
 
+func (w *writer) wrote(endpoint string) {
+	if w.written == nil {
+		w.written = map[string]struct{}{}
+	}
+	w.written[endpoint] = struct{}{}
+}
+
 func (w *writer) upsertEndpoint(e *tables.EndpointPolicy) {
+	w.wrote(e.Name)
 	e.Status = reconciler.StatusPending()
 	w.pending = append(w.pending, func(txn statedb.WriteTxn) error {
 		_, _, err := w.c.EndpointPolicy.Insert(txn, e)
@@ -284,6 +294,7 @@ func (w *writer) upsertEndpoint(e *tables.EndpointPolicy) {
 }
 
 func (w *writer) deleteEndpoint(name string) {
+	w.wrote(name)
 	w.pending = append(w.pending, func(txn statedb.WriteTxn) error {
 		_, _, err := w.c.EndpointPolicy.Delete(txn, &tables.EndpointPolicy{Name: name})
 		return err
@@ -315,9 +326,16 @@ func (w *writer) commit() error {
 			return fmt.Errorf("write policy tables: %w", err)
 		}
 	}
+	// A row already pending is marked anew all the same: the reconciler
+	// may be applying it with the entries before this transaction, and
+	// would otherwise mark it done (the status's ID unchanged) without
+	// these.
 	for name := range w.touched {
+		if _, ok := w.written[name]; ok {
+			continue
+		}
 		row, _, found := w.c.EndpointPolicy.Get(wtxn, tables.EndpointPolicyNameIndex.Query(name))
-		if !found || row.Status.Kind == reconciler.StatusKindPending {
+		if !found {
 			continue
 		}
 		if _, _, err := w.c.EndpointPolicy.Insert(wtxn, row.Clone().SetStatus(reconciler.StatusPending())); err != nil {
@@ -327,5 +345,6 @@ func (w *writer) commit() error {
 	wtxn.Commit()
 	w.pending = slices.Delete(w.pending, 0, len(w.pending))
 	clear(w.touched)
+	clear(w.written)
 	return nil
 }

@@ -42,7 +42,8 @@ type fqdnEndpointRow struct {
 // client-a may then connect to the answered address, client-c may not
 // (its rule does not see answers another pod's resolver gave). The
 // fqdn-names row is client-a's, its label fqdn:*.allowed.test@default/client-a.
-// When client-a goes, its rows go. Without the rule,
+// With the resolver trusted (after a restart that restores client-a's
+// row), its answer allows both. When client-a goes, its rows go. Without the rule,
 // main labelled nothing for anybody, so client-a's connect failed.
 func TestUntrustedResolverAllowsTheAskerOnly(t *testing.T) {
 	t.Parallel()
@@ -99,11 +100,27 @@ func TestUntrustedResolverAllowsTheAskerOnly(t *testing.T) {
 		t.Errorf("apiary_fqdn_untrusted_answers_total: %v %v, want 1", n, err)
 	}
 
-	// Trusted answers (everyone whose rule allows the name) are
-	// TestDNSInterception's. Not here: after a restart that restores
-	// client-a's untrusted row, a trusted answer for the same address
-	// leaves client-a denied or answered SERVFAIL (a known bug, in issue
-	// 35's note).
+	// Trusted: everyone whose rule allows the name, client-a included,
+	// whose untrusted row for the same address the restart restored. No
+	// waiting: the answer was held until both policies allowed the
+	// address.
+	a.restart(t, "--dns-trusted-resolvers="+resolver)
+	a.waitLog(t, "Intercepting the DNS of endpoints with DNS rules")
+	ask(cgA, "trusted.allowed.test")
+	for dir, who := range map[string]string{cgA: "client-a", cgC: "client-c"} {
+		if got := connectFrom(t, dir, allowedIP+":8080", ""); got != want {
+			t.Errorf("%s to %s after a trusted resolver answered client-a: %s, want %s", who, allowedIP, got, want)
+		}
+	}
+	if t.Failed() {
+		for _, table := range []string{"fqdn-names", "endpoint-policy", "policy-entries", "identities"} {
+			out, _ := a.db("show", table)
+			t.Logf("%s:\n%s", table, out)
+		}
+		out, _ := a.bpf("policy", "list")
+		t.Logf("bpf policy list:\n%s", out)
+		t.FailNow()
+	}
 
 	// client-a goes: the rows of its untrusted answers go with it.
 	var others []string
@@ -118,6 +135,6 @@ func TestUntrustedResolverAllowsTheAskerOnly(t *testing.T) {
 		if err := a.showJSON("fqdn-names", &rows); err != nil {
 			return false, err.Error()
 		}
-		return len(rows) == 0, fmt.Sprintf("%+v", rows)
+		return len(rows) == 1 && rows[0].Name == "trusted.allowed.test" && rows[0].Endpoint == "", fmt.Sprintf("%+v", rows)
 	})
 }
