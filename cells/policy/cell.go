@@ -26,14 +26,14 @@ import (
 	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/metrics"
-	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/internal/podnet"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
 
-// Cell provides the read-only policy-entries and endpoint-policy tables,
-// the verdict Monitor and the DNS proxy's gate, and enforces the policy.
+// Cell provides the read-only policy-entries, endpoint-policy and
+// policy-status tables, the verdict Monitor and the DNS proxy's gate, and
+// enforces the policy.
 var Cell = cell.Module(
 	"policy",
 	"Policy enforcement per endpoint",
@@ -43,6 +43,8 @@ var Cell = cell.Module(
 		tables.NewPolicyEntriesTable,
 		tables.NewEndpointPolicyTable,
 		tables.NewPodInterfacesTable,
+		tables.NewPolicyStatusTable,
+		newVerdictCounter,
 		newOps,
 		newProgress,
 		newMapsOpened,
@@ -56,6 +58,7 @@ var Cell = cell.Module(
 		statedb.RWTable[*tables.PolicyEntry].ToTable,
 		statedb.RWTable[*tables.EndpointPolicy].ToTable,
 		statedb.RWTable[*tables.PodInterface].ToTable,
+		statedb.RWTable[*tables.PolicyStatus].ToTable,
 		newGate,
 		newInterceptor,
 	),
@@ -63,6 +66,7 @@ var Cell = cell.Module(
 		registerReconcilers,
 		registerController,
 		registerAttacher,
+		registerVerdictWriter,
 	),
 )
 
@@ -245,7 +249,7 @@ type controllerParams struct {
 	IPCache        statedb.Table[*tables.IPCacheEntry]
 	Progress       *progress
 	Opened         mapsOpened
-	Warnings       *selectors.PolicyWarnings
+	Status         statedb.RWTable[*tables.PolicyStatus]
 	Registry       prometheus.Registerer
 
 	// Interfaces are the pod-interfaces rows: a pod whose interface
@@ -333,7 +337,7 @@ type attacherParams struct {
 	Endpoints  statedb.RWTable[*tables.EndpointPolicy]
 	Policies   statedb.Table[*tables.Policy]
 	Monitor    *Monitor
-	Counter    *selectors.VerdictCounter
+	Counter    *verdictCounter
 
 	ReconcilerParams reconciler.Params
 	PodEndpoints     statedb.Table[*tables.Endpoint]
