@@ -2,6 +2,7 @@ package lb
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -51,6 +52,7 @@ import (
 // same hive, with the memory of a first round still mapped, as an agent
 // sees it under churn. Prealloc runs use --bpf-lb-preallocate.
 func BenchmarkServices(b *testing.B) {
+	benchN := *benchServicesFlag
 	for _, c := range []struct {
 		backends             int
 		warm, prealloc, ipv6 bool
@@ -79,8 +81,9 @@ func BenchmarkServices(b *testing.B) {
 	}
 }
 
-// benchN is the number of services per run.
-var benchN = 50000
+// benchServicesFlag is the number of services per run (-services, for
+// scripts/lb-reference/compare.sh's runs of other sizes).
+var benchServicesFlag = flag.Int("services", 50000, "services per BenchmarkServices and BenchmarkTableRows run")
 
 func benchServices(b *testing.B, n, backendsPerService int, warm, ipv6 bool, flags ...string) {
 	testenv.RequireRoot(b)
@@ -163,6 +166,7 @@ func benchServices(b *testing.B, n, backendsPerService int, warm, ipv6 bool, fla
 // design puts under BenchmarkServices; a cold run first hands the
 // runtime's free memory back to the kernel.
 func BenchmarkTableRows(b *testing.B) {
+	benchN := *benchServicesFlag
 	for _, heap := range []string{"cold", "warm"} {
 		b.Run(fmt.Sprintf("services=%d/%s", benchN, heap), func(b *testing.B) {
 			svcs := make([]*corev1.Service, benchN)
