@@ -44,34 +44,43 @@ done
 
 # The reference prints, per run, "Avg: ... (per service: N objs, NB alloc,
 # NB in-use)" once, then "Avg: Reconciled ... / X services per second)"
-# for insert and then for delete.
-awk -v rounds="$ROUNDS" -v iters="$ITERATIONS" '
-function metric(line, unit,   n, f, i) {
-	n = split(line, f, /[ \t]+/)
-	for (i = 2; i <= n; i++) if (f[i] == unit) return f[i-1]
-	return ""
-}
-FILENAME ~ /ref\./ && /^Avg: Allocated/ {
-	match($0, /[0-9]+B in-use/); refmem += substr($0, RSTART, RLENGTH - 8); nrefmem++
-}
-FILENAME ~ /ref\./ && /^Avg: Reconciled/ {
-	match($0, /[0-9.]+ services per second/); v = substr($0, RSTART, RLENGTH - 20)
-	if (seen[FILENAME]++ == 0) { refins += v; nrefins++ } else { refdel += v; nrefdel++ }
-}
-FILENAME ~ /apiary\./ && $1 ~ /^BenchmarkServices\/.*\/backends=1\/(cold|warm)(-[0-9]+)?$/ {
-	kind = ($1 ~ /warm/) ? "warm" : "cold"
-	ins[kind] += metric($0, "insert-services/s"); del[kind] += metric($0, "delete-services/s"); n[kind]++
-	if (kind == "cold") { mem += metric($0, "retained-B/service") }
-}
-END {
-	ri = refins / nrefins; rd = refdel / nrefdel; rm = refmem / nrefmem
-	printf "\nmeans of %d interleaved rounds (reference: the mean of its %d iterations per round)\n", rounds, iters
-	printf "%-22s %14s %14s %16s\n", "", "insert/s", "delete/s", "retained B/svc"
-	printf "%-22s %14.0f %14.0f %16.0f\n", "reference (cilium)", ri, rd, rm
-	for (k in n) {
-		ai = ins[k] / n[k]; ad = del[k] / n[k]
-		if (k == "cold") printf "%-22s %14.0f %14.0f %16.0f\n", "apiary " k, ai, ad, mem / n[k]
-		else printf "%-22s %14.0f %14.0f %16s\n", "apiary " k, ai, ad, "-"
+# for insert and then for delete. Each round gives a line of both; the
+# summary is the median of the rounds.
+for r in $(seq 1 "$ROUNDS"); do
+	awk -v round="$r" '
+	function metric(line, unit,   n, f, i) {
+		n = split(line, f, /[ \t]+/)
+		for (i = 2; i <= n; i++) if (f[i] == unit) return f[i-1]
+		return ""
 	}
-	for (k in n) printf "ratio apiary %s / reference: insert %.2fx, delete %.2fx%s\n", k, ins[k] / n[k] / ri, del[k] / n[k] / rd, (k == "cold") ? sprintf(", retained %.2fx", mem / n[k] / rm) : ""
-}' "$work"/ref.* "$work"/apiary.*
+	FILENAME ~ /ref\./ && /^Avg: Allocated/ { match($0, /[0-9]+B in-use/); rm = substr($0, RSTART, RLENGTH - 8) }
+	FILENAME ~ /ref\./ && /^Avg: Reconciled/ {
+		match($0, /[0-9.]+ services per second/); v = substr($0, RSTART, RLENGTH - 20)
+		if (seen++ == 0) ri = v; else rd = v
+	}
+	FILENAME ~ /apiary\./ && $1 ~ /^BenchmarkServices\/.*\/backends=1\/(cold|warm)(-[0-9]+)?$/ {
+		k = ($1 ~ /warm/) ? "warm" : "cold"
+		ins[k] = metric($0, "insert-services/s"); del[k] = metric($0, "delete-services/s")
+		if (k == "cold") mem = metric($0, "retained-B/service")
+	}
+	END { print round, ri, rd, rm, ins["cold"], del["cold"], mem, ins["warm"], del["warm"] }
+	' "$work/ref.$r" "$work/apiary.$r"
+done >"$work/rounds"
+
+awk -v iters="$ITERATIONS" '
+function median(col,   i, j, t, a) {
+	for (i = 1; i <= n; i++) a[i] = v[i, col]
+	for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
+	return (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+}
+{ n++; for (c = 1; c <= NF; c++) v[n, c] = $c }
+END {
+	printf "\n%-6s %12s %12s %10s | %12s %12s %10s | %12s %12s\n", "round", "ref ins/s", "ref del/s", "ref B/svc", "cold ins/s", "cold del/s", "cold B/svc", "warm ins/s", "warm del/s"
+	for (i = 1; i <= n; i++)
+		printf "%-6d %12.0f %12.0f %10.0f | %12.0f %12.0f %10.0f | %12.0f %12.0f\n", v[i, 1], v[i, 2], v[i, 3], v[i, 4], v[i, 5], v[i, 6], v[i, 7], v[i, 8], v[i, 9]
+	ri = median(2); rd = median(3); rm = median(4)
+	printf "median %12.0f %12.0f %10.0f | %12.0f %12.0f %10.0f | %12.0f %12.0f\n", ri, rd, rm, median(5), median(6), median(7), median(8), median(9)
+	printf "\nreference: the mean of its %d iterations per round, as its command prints it\n", iters
+	printf "ratio apiary cold / reference (medians): insert %.2fx, delete %.2fx, retained %.2fx\n", median(5) / ri, median(6) / rd, median(7) / rm
+	printf "ratio apiary warm / reference (medians): insert %.2fx, delete %.2fx\n", median(8) / ri, median(9) / rd
+}' "$work/rounds"
