@@ -83,4 +83,8 @@ END {
 	printf "\nreference: the mean of its %d iterations per round, as its command prints it\n", iters
 	printf "ratio apiary cold / reference (medians): insert %.2fx, delete %.2fx, retained %.2fx\n", median(5) / ri, median(6) / rd, median(7) / rm
 	printf "ratio apiary warm / reference (medians): insert %.2fx, delete %.2fx\n", median(8) / ri, median(9) / rd
+	# Within a round both ran under about the same load: on a busy
+	# machine these say more than the ratio of the medians.
+	for (i = 1; i <= n; i++)
+		printf "round %d ratios: cold insert %.2fx, delete %.2fx; warm insert %.2fx, delete %.2fx\n", i, v[i, 5] / v[i, 2], v[i, 6] / v[i, 3], v[i, 8] / v[i, 2], v[i, 9] / v[i, 3]
 }' "$work/rounds"
