@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/memmap"
 	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
@@ -25,11 +27,61 @@ import (
 // full (the policy cell passes its own, the same).
 const policyMaxFlag = "bpf-policy-map-max"
 
+// testMaps is where a test's maps are pinned: in a fresh bpffs directory
+// (the kernel's maps) when the test runs as root, else in memory
+// (bpf/memmap), where the reconcilers behave the same; APIARY_TEST_MAPS=
+// memory puts them in memory under root too.
+type testMaps struct {
+	dir  string
+	pins *memmap.Pins // nil: the kernel's
+}
+
+func newTestMaps(t testing.TB) testMaps {
+	t.Helper()
+	if os.Geteuid() != 0 || os.Getenv("APIARY_TEST_MAPS") == "memory" {
+		return testMaps{dir: "/test", pins: memmap.NewPins(nil)}
+	}
+	return kernelTestMaps(t)
+}
+
+// kernelTestMaps are the kernel's maps, for what only they do (an LPM
+// trie's longest-prefix match).
+func kernelTestMaps(t testing.TB) testMaps {
+	t.Helper()
+	return testMaps{dir: testenv.BPFPinDir(t)}
+}
+
+func (m testMaps) opener() bpf.Opener {
+	if m.pins != nil {
+		return m.pins
+	}
+	return bpf.KernelMaps
+}
+
+// raw returns a handle of the test's own on the map called name.
+func (m testMaps) raw(t testing.TB, name string) bpf.Map {
+	t.Helper()
+	path := filepath.Join(m.dir, name)
+	if m.pins != nil {
+		pm := m.pins.Get(path)
+		if pm == nil {
+			t.Fatalf("no map pinned at %s", path)
+		}
+		return pm
+	}
+	km, err := ebpf.LoadPinnedMap(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { km.Close() })
+	return km
+}
+
 // policyFixture is a real statedb.DB holding the policy-entries and
 // endpoint-policy tables, and the policy operations on maps pinned in a
-// fresh bpffs directory.
+// fresh directory (testMaps).
 type policyFixture struct {
-	dir       string
+	testMaps
 	db        *statedb.DB
 	entries   statedb.RWTable[*tables.PolicyEntry]
 	endpoints statedb.RWTable[*tables.EndpointPolicy]
@@ -40,7 +92,12 @@ type policyFixture struct {
 // maxEntries entries.
 func newPolicyFixture(t testing.TB, maxEntries uint32) *policyFixture {
 	t.Helper()
-	f := &policyFixture{dir: testenv.BPFPinDir(t), db: statedb.New()}
+	return newPolicyFixtureOn(t, newTestMaps(t), maxEntries)
+}
+
+func newPolicyFixtureOn(t testing.TB, where testMaps, maxEntries uint32) *policyFixture {
+	t.Helper()
+	f := &policyFixture{testMaps: where, db: statedb.New()}
 	var err error
 	if f.entries, err = tables.NewPolicyEntriesTable(f.db); err != nil {
 		t.Fatal(err)
@@ -65,7 +122,7 @@ func (f *policyFixture) open(t testing.TB, maxEntries uint32) map[uint64]uint32 
 		}
 	}
 	f.ops = reconcilers.NewPolicy(nil, policyMaxFlag)
-	restored, err := f.ops.Open(f.dir, maxEntries, 1024)
+	restored, err := f.ops.OpenWith(f.opener(), f.dir, maxEntries, 1024)
 	if err != nil {
 		t.Fatalf("open the policy maps in %s: %v", f.dir, err)
 	}
@@ -150,31 +207,26 @@ func (f *policyFixture) prune(t testing.TB) {
 // policyMap reads the pinned policy map as the kernel has it.
 func (f *policyFixture) policyMap(t *testing.T) map[bpf.PolicyKey]bpf.PolicyValue {
 	t.Helper()
-	return readPinned[bpf.PolicyKey, bpf.PolicyValue](t, filepath.Join(f.dir, bpf.PolicyMap))
+	return readPinned[bpf.PolicyKey, bpf.PolicyValue](t, f.raw(t, bpf.PolicyMap))
 }
 
 // endpointsMap reads the pinned policy_endpoints map.
 func (f *policyFixture) endpointsMap(t *testing.T) map[uint64]bpf.PolicyEndpointValue {
 	t.Helper()
-	return readPinned[uint64, bpf.PolicyEndpointValue](t, filepath.Join(f.dir, bpf.PolicyEndpointsMap))
+	return readPinned[uint64, bpf.PolicyEndpointValue](t, f.raw(t, bpf.PolicyEndpointsMap))
 }
 
-func readPinned[K comparable, V any](t *testing.T, path string) map[K]V {
+func readPinned[K comparable, V any](t *testing.T, m bpf.Map) map[K]V {
 	t.Helper()
-	m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
 	out := map[K]V{}
-	err = bpf.Walk(m, 64, func(keys []K, values []V) error {
+	err := bpf.Walk(m, 64, func(keys []K, values []V) error {
 		for i, k := range keys {
 			out[k] = values[i]
 		}
 		return nil
 	})
 	if err != nil {
-		t.Fatalf("read %s: %v", path, err)
+		t.Fatalf("read %s: %v", m, err)
 	}
 	return out
 }
@@ -280,7 +332,8 @@ func TestPolicyEntryKeys(t *testing.T) {
 		miss:  []policyLookup{{true, tcp, 22}},
 	}}
 
-	f := newPolicyFixture(t, 1024)
+	// The lookups are the LPM trie's longest-prefix match: the kernel's.
+	f := newPolicyFixtureOn(t, kernelTestMaps(t), 1024)
 	want := map[bpf.PolicyKey]bpf.PolicyValue{}
 	for i, tc := range tests {
 		// One endpoint per case, so that lookups see that case's entry
@@ -308,11 +361,7 @@ func TestPolicyEntryKeys(t *testing.T) {
 		t.Errorf("%d writes, %d deletes; want %d, 0", u, d, len(tests))
 	}
 
-	m, err := ebpf.LoadPinnedMap(filepath.Join(f.dir, bpf.PolicyMap), &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
+	m := f.raw(t, bpf.PolicyMap)
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			lookup := func(l policyLookup) (bpf.PolicyValue, error) {
