@@ -43,7 +43,7 @@ func Walk[K, V any](m Map, batchSize int, fn func(keys []K, values []V) error) e
 // migration for maps whose entries stay valid as they are, such as the
 // load-balancing and ipcache maps after a change of size. If dst is
 // smaller and fills up, the error says so and dst holds what fitted.
-func CopyEntries[K, V any](src, dst *ebpf.Map) error {
+func CopyEntries[K, V any](src, dst Map) error {
 	left, err := CopyFitting[K, V](src, dst)
 	if err == nil && left > 0 {
 		err = fmt.Errorf("copy into %s: %d entries do not fit", dst, left)

@@ -160,7 +160,7 @@ func (p *Policy) OpenWith(opener bpf.Opener, pinDir string, maxEntries, maxEndpo
 // while there is room. A smaller map than the entries needs keeps what
 // fits (the endpoints stay enforced on those); the reconciler rewrites the
 // rest and reports the entries that do not fit on their endpoints.
-func (p *Policy) copyPolicy(old, new *ebpf.Map) error {
+func (p *Policy) copyPolicy(old, new bpf.Map) error {
 	left, err := bpf.CopyFitting[bpf.PolicyKey, bpf.PolicyValue](old, new)
 	if left > 0 {
 		p.log.Warn("The resized policy map is too small for the old one's entries", "left-out", left, "flag", "--"+p.maxFlag)
