@@ -37,12 +37,22 @@ func testMirrorSpec(maxEntries uint32) *ebpf.MapSpec {
 	return &ebpf.MapSpec{Name: "mirror_test", Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: maxEntries}
 }
 
-// mirrorOpeners are the pin directories a mirror test runs on: maps in
-// memory always, the kernel's under root.
-func mirrorOpeners(t *testing.T) map[string]func(t *testing.T) (bpf.Opener, string) {
-	return map[string]func(t *testing.T) (bpf.Opener, string){
+// onEveryMaps runs fn as a subtest on maps in memory and, under root, on
+// the kernel's, with a mirror of a map of 64 entries into which n entries
+// (seq(1, n)) were written.
+func onEveryMaps(t *testing.T, n uint32, fn func(t *testing.T, opener bpf.Opener, dir string, m *Mirror[uint32, uint32], keys, values []uint32)) {
+	where := map[string]func(t *testing.T) (bpf.Opener, string){
 		"memmap": func(*testing.T) (bpf.Opener, string) { return memmap.NewPins(nil), "/test" },
 		"kernel": func(t *testing.T) (bpf.Opener, string) { return bpf.KernelMaps, testenv.BPFPinDir(t) },
+	}
+	for name, open := range where {
+		t.Run(name, func(t *testing.T) {
+			opener, dir := open(t)
+			m := openTestMirror(t, opener, dir, 64)
+			keys, values := seq(1, n)
+			m.PutBatch(keys, values, noFailure(t))
+			fn(t, opener, dir, m, keys, values)
+		})
 	}
 }
 
@@ -73,35 +83,29 @@ func noFailure(t *testing.T) func(int, error) bool {
 // TestMirrorRestartWritesNothing: a mirror opened on a map that holds what
 // it is asked for writes nothing; a resized map keeps its entries.
 func TestMirrorRestartWritesNothing(t *testing.T) {
-	for name, open := range mirrorOpeners(t) {
-		t.Run(name, func(t *testing.T) {
-			opener, dir := open(t)
-			m := openTestMirror(t, opener, dir, 64)
-			keys, values := seq(1, 40)
-			m.PutBatch(keys, values, noFailure(t))
-			if u, _ := m.Writes(); u != 40 {
-				t.Fatalf("%d writes, want 40", u)
-			}
-			m.Close()
+	onEveryMaps(t, 40, func(t *testing.T, opener bpf.Opener, dir string, m *Mirror[uint32, uint32], keys, values []uint32) {
+		if u, _ := m.Writes(); u != 40 {
+			t.Fatalf("%d writes, want 40", u)
+		}
+		m.Close()
 
-			again := openTestMirror(t, opener, dir, 64)
-			for i, k := range keys {
-				if err := again.Put(k, values[i]); err != nil {
-					t.Fatal(err)
-				}
+		again := openTestMirror(t, opener, dir, 64)
+		for i, k := range keys {
+			if err := again.Put(k, values[i]); err != nil {
+				t.Fatal(err)
 			}
-			if u, d := again.Writes(); u+d != 0 {
-				t.Errorf("restart wrote %d and deleted %d, want nothing", u, d)
-			}
-			again.Close()
+		}
+		if u, d := again.Writes(); u+d != 0 {
+			t.Errorf("restart wrote %d and deleted %d, want nothing", u, d)
+		}
+		again.Close()
 
-			resized := openTestMirror(t, opener, dir, 128)
-			if resized.Len() != 40 {
-				t.Errorf("the resized map holds %d entries, want 40", resized.Len())
-			}
-			mirrorConsistent(t, resized, "after the resize")
-		})
-	}
+		resized := openTestMirror(t, opener, dir, 128)
+		if resized.Len() != 40 {
+			t.Errorf("the resized map holds %d entries, want 40", resized.Len())
+		}
+		mirrorConsistent(t, resized, "after the resize")
+	})
 }
 
 // TestMirrorFaults: a batch that fails halfway, or a map that fills up,
@@ -169,43 +173,37 @@ func TestMirrorFaults(t *testing.T) {
 // TestMirrorResync: entries changed, removed or added behind the mirror's
 // back are repaired, counted by kind, and a clean map is only read.
 func TestMirrorResync(t *testing.T) {
-	for name, open := range mirrorOpeners(t) {
-		t.Run(name, func(t *testing.T) {
-			opener, dir := open(t)
-			m := openTestMirror(t, opener, dir, 64)
-			keys, values := seq(1, 10)
-			m.PutBatch(keys, values, noFailure(t))
-			d, err := NewDrift(nil, prometheus.NewRegistry())
+	onEveryMaps(t, 10, func(t *testing.T, _ bpf.Opener, _ string, m *Mirror[uint32, uint32], _, _ []uint32) {
+		d, err := NewDrift(nil, prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := m.Resync(d); err != nil {
+			t.Fatal(err)
+		}
+		raw := m.Map()
+		for _, err := range []error{raw.Delete(uint32(1)), raw.Delete(uint32(2)), raw.Put(uint32(3), uint32(7)), raw.Put(uint32(50), uint32(7))} {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := m.Resync(d); err != nil {
+		}
+		if err := m.Resync(d); err != nil {
+			t.Fatal(err)
+		}
+		for kind, want := range map[string]float64{DriftMissing: 2, DriftChanged: 1, DriftStray: 1} {
+			var metric dto.Metric
+			if err := d.Counter().WithLabelValues("mirror_test", kind).Write(&metric); err != nil {
 				t.Fatal(err)
 			}
-			raw := m.Map()
-			for _, err := range []error{raw.Delete(uint32(1)), raw.Delete(uint32(2)), raw.Put(uint32(3), uint32(7)), raw.Put(uint32(50), uint32(7))} {
-				if err != nil {
-					t.Fatal(err)
-				}
+			if got := metric.GetCounter().GetValue(); got != want {
+				t.Errorf("%s: %v repaired, want %v", kind, got, want)
 			}
-			if err := m.Resync(d); err != nil {
-				t.Fatal(err)
-			}
-			for kind, want := range map[string]float64{DriftMissing: 2, DriftChanged: 1, DriftStray: 1} {
-				var metric dto.Metric
-				if err := d.Counter().WithLabelValues("mirror_test", kind).Write(&metric); err != nil {
-					t.Fatal(err)
-				}
-				if got := metric.GetCounter().GetValue(); got != want {
-					t.Errorf("%s: %v repaired, want %v", kind, got, want)
-				}
-			}
-			mirrorConsistent(t, m, "after the resync")
-			if u, d := m.Writes(); u != 10 || d != 0 {
-				t.Errorf("the record counts %d writes and %d deletes, want the 10 writes (repairs are the drift's)", u, d)
-			}
-		})
-	}
+		}
+		mirrorConsistent(t, m, "after the resync")
+		if u, d := m.Writes(); u != 10 || d != 0 {
+			t.Errorf("the record counts %d writes and %d deletes, want the 10 writes (repairs are the drift's)", u, d)
+		}
+	})
 }
 
 // TestCopyFitting: a migration into a smaller map keeps what fits and
