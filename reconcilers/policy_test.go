@@ -847,3 +847,67 @@ func TestPolicyKeyOfFlags(t *testing.T) {
 		}
 	}
 }
+
+// TestPolicyFaults runs the policy reconciler on maps in memory whose
+// writes fail (memmap.Faulty): a policy map batch that fails halfway is
+// finished one by one and the endpoint enforced; writes that keep failing
+// leave the endpoint's policy_endpoints entry unwritten (its entries go
+// first) and the row in error, until a retry succeeds.
+func TestPolicyFaults(t *testing.T) {
+	cases := []struct {
+		name  string
+		fault memmap.Fault
+		fails bool
+	}{
+		{"batch fails halfway", memmap.Fault{Op: memmap.OpWrite, Err: memmap.ErrBusy, After: 3, Times: 1}, false},
+		{"every write fails", memmap.Fault{Op: memmap.OpWrite, Err: memmap.ErrBusy}, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			faulty := map[string]*memmap.Faulty{}
+			pins := memmap.NewPins(func(path string, m *memmap.Map) bpf.Map {
+				faulty[filepath.Base(path)] = memmap.NewFaulty(m)
+				return faulty[filepath.Base(path)]
+			})
+			f := newPolicyFixtureOn(t, testMaps{dir: "/test", pins: pins}, 1024)
+			rows := []any{polEndpoint(1, 1001, tables.EnforceDefaultDeny, tables.EnforceDefaultDeny)}
+			want := map[bpf.PolicyKey]bpf.PolicyValue{}
+			for i := range 8 {
+				e := polEntry(1, uint32(256+i), tables.DirIngress, 80)
+				rows = append(rows, e)
+				k, v := reconcilers.PolicyKeyOf(e)
+				want[k] = v
+			}
+			f.insert(t, rows...)
+			faulty[bpf.PolicyMap].Inject(tc.fault)
+			err := f.updateEndpoint(t, "default/ep1")
+			if tc.fails {
+				if !errors.Is(err, memmap.ErrBusy) || !strings.Contains(err.Error(), "not enforced until its policy is in the map") {
+					t.Fatalf("update: %v; want the endpoint not enforced, with the map's error", err)
+				}
+				if _, ok := f.endpointsMap(t)[1001]; ok {
+					t.Fatal("policy_endpoints holds the endpoint whose entries failed")
+				}
+				faulty[bpf.PolicyMap].Clear()
+				err = f.updateEndpoint(t, "default/ep1")
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := f.policyMap(t); !maps.Equal(got, want) {
+				t.Errorf("the map holds\n%v\nwant\n%v", got, want)
+			}
+			if _, ok := f.endpointsMap(t)[1001]; !ok {
+				t.Error("policy_endpoints lacks the endpoint")
+			}
+			u0, d0 := f.ops.Writes()
+			f.prune(t)
+			if err := f.updateEndpoint(t, "default/ep1"); err != nil {
+				t.Fatal(err)
+			}
+			if u, d := f.ops.Writes(); u != u0 || d != d0 {
+				t.Errorf("applying the row again wrote %d and deleted %d: the record missed what the faulty round wrote", u-u0, d-d0)
+			}
+		})
+	}
+}
