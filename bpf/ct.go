@@ -285,7 +285,7 @@ func CTClockNow() (uint32, error) {
 
 // WalkCT reads every entry of the conntrack map m with batch lookups of up
 // to batchSize entries and calls fn with each batch, as Walk does.
-func WalkCT[K CTKey](m *ebpf.Map, batchSize int, fn func(keys []K, values []CTEntry) error) error {
+func WalkCT[K CTKey](m Map, batchSize int, fn func(keys []K, values []CTEntry) error) error {
 	if err := Walk(m, batchSize, fn); err != nil {
 		return fmt.Errorf("walk conntrack map: %w", err)
 	}

@@ -35,7 +35,7 @@ func ExampleOpenPinnedMap() {
 	if err := bpf.EnsureFS(bpf.DefaultFSRoot); err != nil {
 		panic(err)
 	}
-	m, err := bpf.OpenPinnedMap(slog.Default(), spec, "/sys/fs/bpf/apiary", copyEntries[uint32, backendValue])
+	m, err := bpf.OpenPinnedMap(slog.Default(), spec, "/sys/fs/bpf/apiary", bpf.CopyEntries[uint32, backendValue])
 	if err != nil {
 		panic(err)
 	}

@@ -99,6 +99,18 @@ func (k IPCacheKey) Prefix() (netip.Prefix, error) {
 	return netip.PrefixFrom(addr, bits), nil
 }
 
+// String names the key's prefix (and its cluster, when not 0), for errors.
+func (k IPCacheKey) String() string {
+	p, err := k.Prefix()
+	if err != nil {
+		return fmt.Sprintf("ipcache key of family %d, length %d", k.Family, k.PrefixLen)
+	}
+	if k.ClusterID != 0 {
+		return fmt.Sprintf("%s@%d", p, k.ClusterID)
+	}
+	return p.String()
+}
+
 // PolicyPrefixesMap is the name (and pin file name) of the map from the
 // prefixes policies name to the identities an address outside the cluster
 // inside them has. Keys and values are the ipcache's; it never holds a

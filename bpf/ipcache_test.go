@@ -89,3 +89,22 @@ func TestIPCacheMapLookup(t *testing.T) {
 		}
 	}
 }
+
+// TestIPCacheKeyString: errors name a key by its prefix.
+func TestIPCacheKeyString(t *testing.T) {
+	k := bpf.NewIPCacheKey(netip.MustParsePrefix("10.1.2.0/24"))
+	other := k
+	other.ClusterID = 7
+	for _, c := range []struct {
+		key  bpf.IPCacheKey
+		want string
+	}{
+		{k, "10.1.2.0/24"},
+		{other, "10.1.2.0/24@7"},
+		{bpf.IPCacheKey{Family: 9, PrefixLen: 40}, "ipcache key of family 9, length 40"},
+	} {
+		if got := c.key.String(); got != c.want {
+			t.Errorf("%q, want %q", got, c.want)
+		}
+	}
+}

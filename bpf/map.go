@@ -3,6 +3,7 @@ package bpf
 import (
 	"fmt"
 	"log/slog"
+	"path/filepath"
 
 	"github.com/cilium/ebpf"
 )
@@ -37,6 +38,11 @@ type Map interface {
 	// keysOut and valuesOut; ebpf.ErrKeyNotExist says that no entry
 	// follows the ones returned.
 	BatchLookup(cursor *ebpf.MapBatchCursor, keysOut, valuesOut any, opts *ebpf.BatchOptions) (int, error)
+	// Type, KeySize, ValueSize and MaxEntries are the map's attributes.
+	Type() ebpf.MapType
+	KeySize() uint32
+	ValueSize() uint32
+	MaxEntries() uint32
 	// Close releases the handle; a pinned map's contents stay.
 	Close() error
 	// String names the map in errors.
@@ -62,7 +68,12 @@ type OpenedMap struct {
 // as OpenPinnedMap does. The agent's is KernelMaps; tests may use maps in
 // memory (memmap.Pins).
 type Opener interface {
-	OpenMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate MigrateFunc) (*OpenedMap, error)
+	OpenMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate MigrateFunc, opts ...PinOption) (*OpenedMap, error)
+	// LoadMap opens the map pinned as pinDir/name as it is, whatever its
+	// attributes.
+	LoadMap(pinDir, name string) (Map, error)
+	// RemoveMap removes the pin pinDir/name, as RemovePinnedMap does.
+	RemoveMap(pinDir, name string) error
 }
 
 // KernelMaps opens maps pinned on bpffs with OpenPinnedMap.
@@ -70,8 +81,8 @@ var KernelMaps Opener = kernelMaps{}
 
 type kernelMaps struct{}
 
-func (kernelMaps) OpenMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate MigrateFunc) (*OpenedMap, error) {
-	pm, err := OpenPinnedMap(log, spec, pinDir, migrate)
+func (kernelMaps) OpenMap(log *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate MigrateFunc, opts ...PinOption) (*OpenedMap, error) {
+	pm, err := OpenPinnedMap(log, spec, pinDir, migrate, opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -88,3 +99,12 @@ func KernelMap(m Map) (*ebpf.Map, error) {
 	}
 	return km, nil
 }
+
+func (kernelMaps) LoadMap(pinDir, name string) (Map, error) {
+	if err := checkPinName(name); err != nil {
+		return nil, err
+	}
+	return ebpf.LoadPinnedMap(filepath.Join(pinDir, name), nil)
+}
+
+func (kernelMaps) RemoveMap(pinDir, name string) error { return RemovePinnedMap(pinDir, name) }

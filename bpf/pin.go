@@ -23,8 +23,9 @@ const tempPinSuffix = "_new"
 //
 // It runs while the old map is still pinned under its name and the new one is
 // pinned under a temporary name, so a crash or an error during migration leaves
-// the old map in place. It must not close either map.
-type MigrateFunc func(old, new *ebpf.Map) error
+// the old map in place. It must not close either map. The maps are the
+// kernel's (*ebpf.Map) or, through memmap.Pins, maps in memory.
+type MigrateFunc func(old, new Map) error
 
 // PinOutcome says what OpenPinnedMap did to obtain the map, so that callers can
 // decide whether state must be restored or rebuilt.

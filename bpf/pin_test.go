@@ -38,7 +38,7 @@ var mapKinds = []mapKind{
 			return &ebpf.MapSpec{Name: "test_map", Type: ebpf.Hash, KeySize: 4, ValueSize: 8, MaxEntries: n}
 		},
 		key:     func(i uint32) any { return i },
-		migrate: copyEntries[uint32, uint64],
+		migrate: bpf.CopyEntries[uint32, uint64],
 	},
 	{
 		name: "lru_hash",
@@ -46,7 +46,7 @@ var mapKinds = []mapKind{
 			return &ebpf.MapSpec{Name: "test_map", Type: ebpf.LRUHash, KeySize: 4, ValueSize: 8, MaxEntries: n}
 		},
 		key:     func(i uint32) any { return i },
-		migrate: copyEntries[uint32, uint64],
+		migrate: bpf.CopyEntries[uint32, uint64],
 	},
 	{
 		name: "lpm_trie",
@@ -57,32 +57,8 @@ var mapKinds = []mapKind{
 		key: func(i uint32) any {
 			return lpmKey{Prefixlen: 32, Addr: [4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}}
 		},
-		migrate: copyEntries[lpmKey, uint64],
+		migrate: bpf.CopyEntries[lpmKey, uint64],
 	},
-}
-
-// copyEntries is a MigrateFunc that copies every entry with batch operations,
-// as the conntrack cell does on a resize.
-func copyEntries[K, V any](old, new *ebpf.Map) error {
-	const batch = 256
-	keys := make([]K, batch)
-	values := make([]V, batch)
-	var cursor ebpf.MapBatchCursor
-	for {
-		n, err := old.BatchLookup(&cursor, keys, values, nil)
-		done := errors.Is(err, ebpf.ErrKeyNotExist)
-		if err != nil && !done {
-			return err
-		}
-		if n > 0 {
-			if _, err := new.BatchUpdate(keys[:n], values[:n], nil); err != nil {
-				return err
-			}
-		}
-		if done {
-			return nil
-		}
-	}
 }
 
 func TestOpenPinnedMapCreateThenReuse(t *testing.T) {
@@ -257,7 +233,7 @@ func TestOpenPinnedMapMigrate(t *testing.T) {
 			old.Close()
 
 			migrated := false
-			migrate := func(oldMap, newMap *ebpf.Map) error {
+			migrate := func(oldMap, newMap bpf.Map) error {
 				migrated = true
 				// Migration runs while the old map still is the pin, so a
 				// crash now leaves it in place.
@@ -315,7 +291,7 @@ func TestOpenPinnedMapMigrateError(t *testing.T) {
 	errMigrate := errors.New("migration failed")
 	bigger := spec.Copy()
 	bigger.MaxEntries = 2048
-	_, err = bpf.OpenPinnedMap(nil, bigger, dir, func(_, _ *ebpf.Map) error { return errMigrate })
+	_, err = bpf.OpenPinnedMap(nil, bigger, dir, func(_, _ bpf.Map) error { return errMigrate })
 	if !errors.Is(err, errMigrate) {
 		t.Fatalf("got error %v, want one wrapping the migration error", err)
 	}
@@ -579,7 +555,7 @@ func TestOpenPinnedMapOtherLayout(t *testing.T) {
 			old.Close()
 
 			migrated := false
-			migrate := func(_, _ *ebpf.Map) error { migrated = true; return errors.New("buffer too small") }
+			migrate := func(_, _ bpf.Map) error { migrated = true; return errors.New("buffer too small") }
 			_, err = bpf.OpenPinnedMap(nil, want(), dir, migrate)
 			var layoutErr *bpf.LayoutError
 			if !errors.As(err, &layoutErr) {
@@ -610,7 +586,7 @@ func TestOpenPinnedMapOtherLayout(t *testing.T) {
 			m.Close()
 
 			// Asked to, OpenPinnedMap replaces it, through migrate.
-			pm, err := bpf.OpenPinnedMap(nil, want(), dir, func(_, _ *ebpf.Map) error { migrated = true; return nil },
+			pm, err := bpf.OpenPinnedMap(nil, want(), dir, func(_, _ bpf.Map) error { migrated = true; return nil },
 				bpf.ReplaceOtherLayout)
 			if err != nil {
 				t.Fatal(err)
@@ -633,7 +609,7 @@ func TestOpenPinnedMapOtherLayout(t *testing.T) {
 			t.Fatal(err)
 		}
 		old.Close()
-		pm, err := bpf.OpenPinnedMap(nil, want(), dir, func(_, _ *ebpf.Map) error { return nil })
+		pm, err := bpf.OpenPinnedMap(nil, want(), dir, func(_, _ bpf.Map) error { return nil })
 		if err != nil {
 			t.Fatal(err)
 		}

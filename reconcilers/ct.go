@@ -25,12 +25,16 @@ import (
 // each map with the desired size, reusing a pin whose attributes match and
 // migrating the live entries of one that differs (see MigrateCT), and keeps
 // the maps open for the ct cell's garbage collector and for other cells.
+// It opens them through a bpf.Opener: the kernel's pins in the agent, maps
+// in memory in tests. The datapath, not the agent, writes their entries,
+// so it keeps no record of them (no Mirror).
 //
 // It implements reconciler.Operations[*tables.CTMap]. Update fills in the
 // row's pin fields (ActualMaxEntries, Pin, Change, Copied, Dropped,
 // Expired, Entries), which the reconciler stores with the status.
 type CTMaps struct {
 	log    *slog.Logger
+	opener bpf.Opener
 	pinDir string
 	// clock returns the CT clock, in seconds; see bpf.CTClockNow.
 	clock func() (uint32, error)
@@ -39,18 +43,22 @@ type CTMaps struct {
 	// replacement never closes a file descriptor in use: a closed and
 	// reused descriptor number would point them at another object.
 	mu   sync.RWMutex
-	maps map[string]*ebpf.Map
+	maps map[string]bpf.Map
 }
 
 var _ reconciler.Operations[*tables.CTMap] = (*CTMaps)(nil)
 
-// NewCTMaps returns the operations for conntrack maps pinned in pinDir.
-// A nil log discards log messages.
-func NewCTMaps(log *slog.Logger, pinDir string) *CTMaps {
+// NewCTMaps returns the operations for conntrack maps pinned in pinDir,
+// opened through opener (nil: bpf.KernelMaps). A nil log discards log
+// messages.
+func NewCTMaps(log *slog.Logger, opener bpf.Opener, pinDir string) *CTMaps {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &CTMaps{log: log, pinDir: pinDir, clock: bpf.CTClockNow, maps: map[string]*ebpf.Map{}}
+	if opener == nil {
+		opener = bpf.KernelMaps
+	}
+	return &CTMaps{log: log, opener: opener, pinDir: pinDir, clock: bpf.CTClockNow, maps: map[string]bpf.Map{}}
 }
 
 // ErrCTMapNotOpen is returned by Use for a map that has not been reconciled
@@ -59,7 +67,7 @@ var ErrCTMapNotOpen = errors.New("conntrack map not open")
 
 // Use calls fn with the open conntrack map called name. fn must not keep the
 // map after it returns: a later reconciliation may replace and close it.
-func (c *CTMaps) Use(name string, fn func(*ebpf.Map) error) error {
+func (c *CTMaps) Use(name string, fn func(bpf.Map) error) error {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	m, ok := c.maps[name]
@@ -89,7 +97,7 @@ func (c *CTMaps) Update(ctx context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 		mig     CTMigration
 		migTime time.Duration
 	)
-	migrate := func(old, new *ebpf.Map) error {
+	migrate := func(old, new bpf.Map) error {
 		start := time.Now()
 		defer func() { migTime = time.Since(start) }()
 		now, err := c.clock()
@@ -109,7 +117,7 @@ func (c *CTMaps) Update(ctx context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 	}
 
 	// A pin of another layout is replaced too: migrate drops its entries.
-	pm, err := bpf.OpenPinnedMap(c.log, spec, c.pinDir, migrate, bpf.ReplaceOtherLayout)
+	pm, err := c.opener.OpenMap(c.log, spec, c.pinDir, migrate, bpf.ReplaceOtherLayout)
 	if err != nil {
 		err = fmt.Errorf("conntrack map %s: %w", row.Name, err)
 		if c.keepPinned(row, spec) {
@@ -141,7 +149,7 @@ func (c *CTMaps) Update(ctx context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 // datapath is better off with a map of the old size than with none. It
 // records the pin in the row and reports whether it kept one.
 func (c *CTMaps) keepPinned(row *tables.CTMap, spec *ebpf.MapSpec) bool {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(c.pinDir, row.Name), nil)
+	m, err := c.opener.LoadMap(c.pinDir, row.Name)
 	if err != nil {
 		return false
 	}
@@ -159,7 +167,7 @@ func (c *CTMaps) keepPinned(row *tables.CTMap, spec *ebpf.MapSpec) bool {
 }
 
 // install makes m the open map called name, closing the one it replaces.
-func (c *CTMaps) install(name string, m *ebpf.Map) {
+func (c *CTMaps) install(name string, m bpf.Map) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if old, ok := c.maps[name]; ok {
@@ -202,7 +210,7 @@ func (c *CTMaps) remove(name string) error {
 		delete(c.maps, name)
 	}
 	c.mu.Unlock()
-	return bpf.RemovePinnedMap(c.pinDir, name)
+	return c.opener.RemoveMap(c.pinDir, name)
 }
 
 // Close closes every open map; their pins stay. Call it when the agent

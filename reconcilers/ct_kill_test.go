@@ -39,7 +39,7 @@ func TestCTResizeHelper(t *testing.T) {
 	if err != nil {
 		t.Fatalf("%s: %v", ctHelperMaxEnv, err)
 	}
-	ops := reconcilers.NewCTMaps(nil, dir)
+	ops := reconcilers.NewCTMaps(nil, nil, dir)
 	defer ops.Close()
 	row := &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: uint32(n)}
 	if err := ops.Update(context.Background(), nil, 0, row); err != nil {
@@ -93,7 +93,7 @@ func TestCTMapsKillMidMigration(t *testing.T) {
 	}
 
 	// checkWhole checks that m holds every entry.
-	checkWhole := func(what string, m *ebpf.Map) {
+	checkWhole := func(what string, m bpf.Map) {
 		t.Helper()
 		n := 0
 		if err := bpf.WalkCT(m, 8192, func(k []bpf.CTKey4, _ []bpf.CTEntry) error {
@@ -207,7 +207,7 @@ func TestCTMapsKillMidMigration(t *testing.T) {
 		if row.ActualMaxEntries != newMax || (outcome == "new") != (row.Pin == "reused") {
 			t.Fatalf("restart after kill (%s): %+v", outcome, row)
 		}
-		ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) { checkWhole("map after restart", m) })
+		ctUseMap(t, ops, bpf.CT4GlobalMap, func(m bpf.Map) { checkWhole("map after restart", m) })
 		ops.Close()
 		if _, err := os.Stat(tmpPath); !errors.Is(err, fs.ErrNotExist) {
 			t.Fatalf("temporary pin left after restart (stat: %v)", err)

@@ -48,7 +48,7 @@ var ErrCTLayoutChanged = errors.New("conntrack entry layout changed")
 // When the key or value size differs between the maps the entries cannot be
 // converted, so nothing is copied and an error matching
 // ErrCTLayoutChanged is returned.
-func MigrateCT(ctx context.Context, old, new *ebpf.Map, now uint32) (CTMigration, error) {
+func MigrateCT(ctx context.Context, old, new bpf.Map, now uint32) (CTMigration, error) {
 	if old.KeySize() != new.KeySize() || old.ValueSize() != new.ValueSize() {
 		return CTMigration{}, fmt.Errorf("%w: key/value size %d/%d → %d/%d",
 			ErrCTLayoutChanged, old.KeySize(), old.ValueSize(), new.KeySize(), new.ValueSize())
@@ -65,7 +65,7 @@ func MigrateCT(ctx context.Context, old, new *ebpf.Map, now uint32) (CTMigration
 		ErrCTLayoutChanged, new.KeySize(), new.ValueSize())
 }
 
-func migrateCT[K bpf.CTKey](ctx context.Context, old, new *ebpf.Map, now uint32) (CTMigration, error) {
+func migrateCT[K bpf.CTKey](ctx context.Context, old, new bpf.Map, now uint32) (CTMigration, error) {
 	budget := lruBudget(new.MaxEntries())
 	if old.MaxEntries() <= budget {
 		// Whatever the old map holds fits: copy batch by batch without
@@ -103,7 +103,7 @@ func newCTChunk[K bpf.CTKey](n int) *ctChunk[K] {
 // goroutine reads the next batch while this one writes the last, so that
 // the copy takes about as long as the slower of the two (writing) rather
 // than their sum.
-func streamCT[K bpf.CTKey](ctx context.Context, old, new *ebpf.Map, now uint32) (CTMigration, error) {
+func streamCT[K bpf.CTKey](ctx context.Context, old, new bpf.Map, now uint32) (CTMigration, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 
@@ -151,7 +151,7 @@ func streamCT[K bpf.CTKey](ctx context.Context, old, new *ebpf.Map, now uint32) 
 
 // readCT reads m batch by batch into the chunks it takes from free and
 // sends them, cut to the entries read, to full.
-func readCT[K bpf.CTKey](ctx context.Context, m *ebpf.Map, free <-chan *ctChunk[K], full chan<- *ctChunk[K]) error {
+func readCT[K bpf.CTKey](ctx context.Context, m bpf.Map, free <-chan *ctChunk[K], full chan<- *ctChunk[K]) error {
 	var cursor ebpf.MapBatchCursor
 	for {
 		if err := ctx.Err(); err != nil {
@@ -186,7 +186,7 @@ func readCT[K bpf.CTKey](ctx context.Context, m *ebpf.Map, free <-chan *ctChunk[
 // selectCT reads every live entry of old and copies those that expire last
 // into new, up to budget of them, in the order they expire: should the LRU
 // evict anyway, it evicts the entry inserted first, which expires first.
-func selectCT[K bpf.CTKey](ctx context.Context, old, new *ebpf.Map, now uint32, budget uint32) (CTMigration, error) {
+func selectCT[K bpf.CTKey](ctx context.Context, old, new bpf.Map, now uint32, budget uint32) (CTMigration, error) {
 	var (
 		res CTMigration
 		// Chunks rather than one growing slice: appending half a million
@@ -297,7 +297,7 @@ func compactLive[K any](keys []K, values []bpf.CTEntry, now uint32) int {
 }
 
 // countCT returns the number of entries in m.
-func countCT[K bpf.CTKey](m *ebpf.Map) (uint64, error) {
+func countCT[K bpf.CTKey](m bpf.Map) (uint64, error) {
 	var n uint64
 	err := bpf.WalkCT(m, migrateBatch, func(keys []K, _ []bpf.CTEntry) error {
 		n += uint64(len(keys))

@@ -74,7 +74,7 @@ func ctMakeEntries[K bpf.CTKey](key func(int) K, now uint32, live, expired int, 
 }
 
 // ctWriteEntries puts entries into m with one batch update.
-func ctWriteEntries[K bpf.CTKey](t testing.TB, m *ebpf.Map, entries ctEntrySet[K]) {
+func ctWriteEntries[K bpf.CTKey](t testing.TB, m bpf.Map, entries ctEntrySet[K]) {
 	t.Helper()
 	keys := make([]K, 0, len(entries))
 	values := make([]bpf.CTEntry, 0, len(entries))
@@ -88,7 +88,7 @@ func ctWriteEntries[K bpf.CTKey](t testing.TB, m *ebpf.Map, entries ctEntrySet[K
 }
 
 // ctReadEntries returns every entry of m.
-func ctReadEntries[K bpf.CTKey](t testing.TB, m *ebpf.Map) ctEntrySet[K] {
+func ctReadEntries[K bpf.CTKey](t testing.TB, m bpf.Map) ctEntrySet[K] {
 	t.Helper()
 	got := ctEntrySet[K]{}
 	if err := bpf.WalkCT(m, 1024, func(keys []K, values []bpf.CTEntry) error {
@@ -113,8 +113,12 @@ func ctPinnedMap(t testing.TB, dir, name string) *ebpf.Map {
 	return m
 }
 
-func ctMapID(t testing.TB, m *ebpf.Map) ebpf.MapID {
+func ctMapID(t testing.TB, bm bpf.Map) ebpf.MapID {
 	t.Helper()
+	m, err := bpf.KernelMap(bm)
+	if err != nil {
+		t.Fatal(err)
+	}
 	info, err := m.Info()
 	if err != nil {
 		t.Fatal(err)
@@ -138,14 +142,14 @@ func ctUpdate(t testing.TB, ops *reconcilers.CTMaps, row *tables.CTMap) *tables.
 }
 
 func ctNewOps(t testing.TB, dir string) *reconcilers.CTMaps {
-	ops := reconcilers.NewCTMaps(nil, dir)
+	ops := reconcilers.NewCTMaps(nil, nil, dir)
 	t.Cleanup(func() { ops.Close() })
 	return ops
 }
 
-func ctUseMap(t testing.TB, ops *reconcilers.CTMaps, name string, fn func(*ebpf.Map)) {
+func ctUseMap(t testing.TB, ops *reconcilers.CTMaps, name string, fn func(bpf.Map)) {
 	t.Helper()
-	if err := ops.Use(name, func(m *ebpf.Map) error { fn(m); return nil }); err != nil {
+	if err := ops.Use(name, func(m bpf.Map) error { fn(m); return nil }); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -162,7 +166,7 @@ func TestCTMapsCreateThenReuse(t *testing.T) {
 		t.Errorf("first open: %+v", got)
 	}
 	var id ebpf.MapID
-	ctUseMap(t, ops, row.Name, func(m *ebpf.Map) {
+	ctUseMap(t, ops, row.Name, func(m bpf.Map) {
 		ctWriteEntries(t, m, entries)
 		id = ctMapID(t, m)
 	})
@@ -175,7 +179,7 @@ func TestCTMapsCreateThenReuse(t *testing.T) {
 	if got.Pin != "reused" || got.ActualMaxEntries != 4096 || got.Change != "" {
 		t.Errorf("reopen: %+v", got)
 	}
-	ctUseMap(t, ops, row.Name, func(m *ebpf.Map) {
+	ctUseMap(t, ops, row.Name, func(m bpf.Map) {
 		if got := ctMapID(t, m); got != id {
 			t.Errorf("reopen: map ID %d, want %d", got, id)
 		}
@@ -230,7 +234,7 @@ func testCTResize[K bpf.CTKey](t *testing.T, name string, key func(int) K, from,
 	ops := ctNewOps(t, dir)
 	ctUpdate(t, ops, &tables.CTMap{Name: name, MaxEntries: from})
 	var oldID ebpf.MapID
-	ctUseMap(t, ops, name, func(m *ebpf.Map) {
+	ctUseMap(t, ops, name, func(m bpf.Map) {
 		ctWriteEntries(t, m, entries)
 		oldID = ctMapID(t, m)
 	})
@@ -253,7 +257,7 @@ func testCTResize[K bpf.CTKey](t *testing.T, name string, key func(int) K, from,
 	}
 
 	var after ctEntrySet[K]
-	ctUseMap(t, ops, name, func(m *ebpf.Map) {
+	ctUseMap(t, ops, name, func(m bpf.Map) {
 		if ctMapID(t, m) == oldID {
 			t.Error("the old map is still in use")
 		}
@@ -325,7 +329,7 @@ func TestCTMapsLayoutChanged(t *testing.T) {
 	if got.Pin != "replaced" || got.Change != "value size 48 → 56" || got.Copied != 0 {
 		t.Errorf("got %+v", got)
 	}
-	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
+	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m bpf.Map) {
 		if n := len(ctReadEntries[bpf.CTKey4](t, m)); n != 0 {
 			t.Errorf("%d entries after a layout change, want 0", n)
 		}
@@ -377,7 +381,7 @@ func TestCTMapsPruneAndDelete(t *testing.T) {
 	if names := ops.Names(); !slices.Equal(names, []string{bpf.CT4GlobalMap, bpf.CTAny4GlobalMap}) {
 		t.Errorf("open after prune: %v", names)
 	}
-	if err := ops.Use(bpf.CT6GlobalMap, func(*ebpf.Map) error { return nil }); !errors.Is(err, reconcilers.ErrCTMapNotOpen) {
+	if err := ops.Use(bpf.CT6GlobalMap, func(bpf.Map) error { return nil }); !errors.Is(err, reconcilers.ErrCTMapNotOpen) {
 		t.Errorf("Use of a pruned map: %v, want ErrCTMapNotOpen", err)
 	}
 
@@ -399,7 +403,7 @@ func TestCTMapsFailedResizeKeepsOld(t *testing.T) {
 	dir := testenv.BPFPinDir(t)
 	ops := ctNewOps(t, dir)
 	ctUpdate(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: 4096})
-	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
+	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m bpf.Map) {
 		ctWriteEntries(t, m, ctMakeEntries(ctKey4, ctNow(t), 10, 0, 3600))
 	})
 	ops.Close()
@@ -413,7 +417,7 @@ func TestCTMapsFailedResizeKeepsOld(t *testing.T) {
 	if row.Pin != "kept" || row.ActualMaxEntries != 4096 {
 		t.Errorf("row after a failed resize: %+v", row)
 	}
-	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
+	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m bpf.Map) {
 		if n := len(ctReadEntries[bpf.CTKey4](t, m)); m.MaxEntries() != 4096 || n != 10 {
 			t.Errorf("map in service: max entries %d, %d entries; want 4096, 10", m.MaxEntries(), n)
 		}
@@ -434,7 +438,7 @@ func TestMigrateCTCancelled(t *testing.T) {
 	dir := testenv.BPFPinDir(t)
 	ops := ctNewOps(t, dir)
 	ctUpdate(t, ops, &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: 4096})
-	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m *ebpf.Map) {
+	ctUseMap(t, ops, bpf.CT4GlobalMap, func(m bpf.Map) {
 		ctWriteEntries(t, m, ctMakeEntries(ctKey4, ctNow(t), 100, 0, 3600))
 	})
 	ops.Close()

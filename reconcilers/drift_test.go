@@ -49,15 +49,7 @@ func TestPolicyDriftRepaired(t *testing.T) {
 		t.Fatalf("a resync without drift wrote %d and deleted %d", u-u0, d-d0)
 	}
 
-	open := func(name string) *ebpf.Map {
-		m, err := ebpf.LoadPinnedMap(filepath.Join(f.dir, name), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { m.Close() })
-		return m
-	}
-	pol, eps := open(bpf.PolicyMap), open(bpf.PolicyEndpointsMap)
+	pol, eps := f.raw(t, bpf.PolicyMap), f.raw(t, bpf.PolicyEndpointsMap)
 	k0, _ := reconcilers.PolicyKeyOf(entries[0])
 	k1, v1 := reconcilers.PolicyKeyOf(entries[1])
 	corrupt := func(round int) {

@@ -223,18 +223,7 @@ func ipcacheConsistent(t *testing.T, c *IPCache, when string) {
 	t.Helper()
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	got, err := readIPCache(c.m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(got) != len(c.shadow) {
-		t.Errorf("%s: the map holds %d entries, the record %d", when, len(got), len(c.shadow))
-	}
-	for k, v := range c.shadow {
-		if w, ok := got[k]; !ok || w != v {
-			t.Errorf("%s: %v is %v in the record, %v (present %v) in the map", when, k, v, w, ok)
-		}
-	}
+	mirrorConsistent(t, c.m, when)
 }
 
 // TestIPCacheFaults: a batch that fails halfway (EBUSY) or a full map

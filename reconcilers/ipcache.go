@@ -3,12 +3,10 @@ package reconcilers
 import (
 	"context"
 	"errors"
-	"fmt"
 	"iter"
 	"log/slog"
 	"net/netip"
 	"sync"
-	"sync/atomic"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/statedb"
@@ -37,16 +35,13 @@ type IPCache struct {
 	name string
 	spec func(maxEntries uint32) *ebpf.MapSpec
 
-	// mu guards m and shadow. Reconciler operations run one at a time, but
-	// Dump and Close come from other goroutines.
-	mu     sync.Mutex
-	m      bpf.Map
-	shadow map[bpf.IPCacheKey]bpf.IPCacheValue
+	// mu guards m. Reconciler operations run one at a time, but Dump and
+	// Close come from other goroutines.
+	mu sync.Mutex
+	m  *Mirror[bpf.IPCacheKey, bpf.IPCacheValue]
 	// drift, if set, makes Prune a resync: the map is read and what
-	// differs from shadow is repaired.
+	// differs from the record is repaired.
 	drift *Drift
-
-	writes, deletes atomic.Uint64
 }
 
 var (
@@ -70,11 +65,8 @@ func newPrefixMap(log *slog.Logger, name string, spec func(uint32) *ebpf.MapSpec
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &IPCache{log: log, name: name, spec: spec, shadow: map[bpf.IPCacheKey]bpf.IPCacheValue{}}
+	return &IPCache{log: log, name: name, spec: spec, m: NewMirror[bpf.IPCacheKey, bpf.IPCacheValue](name)}
 }
-
-// errNotOpen is the error of an operation before Open.
-func (c *IPCache) errNotOpen() error { return fmt.Errorf("%s map not open", c.name) }
 
 // IPCacheRestored is an entry found in the pinned map when it was opened.
 type IPCacheRestored struct {
@@ -92,29 +84,23 @@ func (c *IPCache) Open(pinDir string, maxEntries uint32) ([]IPCacheRestored, err
 
 // OpenWith is Open with the maps of opener (bpf.KernelMaps in the agent).
 func (c *IPCache) OpenWith(opener bpf.Opener, pinDir string, maxEntries uint32) ([]IPCacheRestored, error) {
-	pinned, err := opener.OpenMap(c.log, c.spec(maxEntries), pinDir, copyIPCache)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	pinned, err := c.m.Open(opener, c.log, c.spec(maxEntries), pinDir, nil)
 	if err != nil {
 		return nil, err
 	}
 	if pinned.Outcome != bpf.PinReused {
 		c.log.Info("Prefix map", "map", c.name, "pin", pinned.Outcome, "change", pinned.Mismatch, "maxEntries", maxEntries)
 	}
-	shadow, err := readIPCache(pinned.Map)
-	if err != nil {
-		pinned.Close()
-		return nil, fmt.Errorf("read %s: %w", pinned.Path, err)
-	}
 	var restored []IPCacheRestored
-	for k, v := range shadow {
+	for k, v := range c.m.All() {
 		p, err := k.Prefix()
 		if err != nil || k.ClusterID != 0 {
 			continue // not ours to interpret; prune removes it
 		}
 		restored = append(restored, IPCacheRestored{Prefix: p, Identity: v.Identity})
 	}
-	c.mu.Lock()
-	c.m, c.shadow = pinned.Map, shadow
-	c.mu.Unlock()
 	return restored, nil
 }
 
@@ -122,12 +108,7 @@ func (c *IPCache) OpenWith(opener bpf.Opener, pinDir string, maxEntries uint32) 
 func (c *IPCache) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.m == nil {
-		return nil
-	}
-	err := c.m.Close()
-	c.m = nil
-	return err
+	return c.m.Close()
 }
 
 // WithMap calls fn with the open ipcache map, for the datapath loader. fn
@@ -135,10 +116,10 @@ func (c *IPCache) Close() error {
 func (c *IPCache) WithMap(fn func(*ebpf.Map) error) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.m == nil {
-		return c.errNotOpen()
+	if c.m.Map() == nil {
+		return c.m.errNotOpen()
 	}
-	km, err := bpf.KernelMap(c.m)
+	km, err := bpf.KernelMap(c.m.Map())
 	if err != nil {
 		return err
 	}
@@ -147,24 +128,14 @@ func (c *IPCache) WithMap(fn func(*ebpf.Map) error) error {
 
 // Writes returns how many map updates and deletes the operations made.
 func (c *IPCache) Writes() (updates, deletes uint64) {
-	return c.writes.Load(), c.deletes.Load()
+	return c.m.Writes()
 }
 
 // Dump calls fn with the map's entries, read from the kernel.
 func (c *IPCache) Dump(fn func(bpf.IPCacheKey, bpf.IPCacheValue)) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.m == nil {
-		return c.errNotOpen()
-	}
-	entries, err := readIPCache(c.m)
-	if err != nil {
-		return err
-	}
-	for k, v := range entries {
-		fn(k, v)
-	}
-	return nil
+	return c.m.Dump(fn)
 }
 
 // desired returns the key of e and the value the map should hold for it;
@@ -179,46 +150,16 @@ func (c *IPCache) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisio
 	defer c.mu.Unlock()
 	k, v, ok := desired(e)
 	if !ok {
-		return c.deleteLocked(k)
+		return c.m.Delete(k)
 	}
-	return c.putLocked(k, v)
+	return c.m.Put(k, v)
 }
 
 // Delete implements reconciler.Operations.
 func (c *IPCache) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.IPCacheEntry) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.deleteLocked(bpf.NewIPCacheKey(e.Prefix))
-}
-
-func (c *IPCache) putLocked(k bpf.IPCacheKey, v bpf.IPCacheValue) error {
-	if old, ok := c.shadow[k]; ok && old == v {
-		return nil
-	}
-	if c.m == nil {
-		return c.errNotOpen()
-	}
-	if err := c.m.Put(k, v); err != nil {
-		return fmt.Errorf("write %s entry: %w", c.name, err)
-	}
-	c.writes.Add(1)
-	c.shadow[k] = v
-	return nil
-}
-
-func (c *IPCache) deleteLocked(k bpf.IPCacheKey) error {
-	if _, ok := c.shadow[k]; !ok {
-		return nil
-	}
-	if c.m == nil {
-		return c.errNotOpen()
-	}
-	if err := c.m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("delete %s entry: %w", c.name, err)
-	}
-	c.deletes.Add(1)
-	delete(c.shadow, k)
-	return nil
+	return c.m.Delete(bpf.NewIPCacheKey(e.Prefix))
 }
 
 // ResyncWith makes every Prune first compare the map with what the
@@ -227,15 +168,6 @@ func (c *IPCache) ResyncWith(d *Drift) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.drift = d
-}
-
-// resyncLocked repairs drift of the map (see resyncMap).
-func (c *IPCache) resyncLocked() error {
-	if c.drift == nil || c.m == nil {
-		return nil
-	}
-	n, err := resyncMap(c.m, c.shadow)
-	return errors.Join(err, c.drift.Report(c.name, n))
 }
 
 // Prune implements reconciler.Operations: it repairs drift of the map
@@ -250,10 +182,10 @@ func (c *IPCache) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*ta
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	errs := []error{c.resyncLocked()}
-	for k := range c.shadow {
+	errs := []error{c.m.Resync(c.drift)}
+	for k := range c.m.All() {
 		if _, ok := want[k]; !ok {
-			if err := c.deleteLocked(k); err != nil {
+			if err := c.m.Delete(k); err != nil {
 				errs = append(errs, err)
 			}
 		}
@@ -262,10 +194,11 @@ func (c *IPCache) Prune(_ context.Context, _ statedb.ReadTxn, objs iter.Seq2[*ta
 }
 
 // UpdateBatch implements reconciler.BatchOperations: the entries whose value
-// changed are written with one batch update; if that fails they are written
-// one by one so that each gets its own result.
-func (c *IPCache) UpdateBatch(ctx context.Context, txn statedb.ReadTxn, batch []reconciler.BatchEntry[*tables.IPCacheEntry]) {
+// changed are written with batch updates; the entries of a batch that
+// fails are written one by one so that each gets its own result.
+func (c *IPCache) UpdateBatch(_ context.Context, _ statedb.ReadTxn, batch []reconciler.BatchEntry[*tables.IPCacheEntry]) {
 	c.mu.Lock()
+	defer c.mu.Unlock()
 	var (
 		keys   []bpf.IPCacheKey
 		values []bpf.IPCacheValue
@@ -274,119 +207,37 @@ func (c *IPCache) UpdateBatch(ctx context.Context, txn statedb.ReadTxn, batch []
 	for i := range batch {
 		k, v, ok := desired(batch[i].Object)
 		if !ok {
-			batch[i].Result = c.deleteLocked(k)
+			batch[i].Result = c.m.Delete(k)
 			continue
 		}
-		if old, ok := c.shadow[k]; ok && old == v {
-			continue
+		if c.m.Differs(k, v) {
+			keys, values, idx = append(keys, k), append(values, v), append(idx, i)
 		}
-		keys, values, idx = append(keys, k), append(values, v), append(idx, i)
 	}
-	if len(keys) == 0 {
-		c.mu.Unlock()
-		return
-	}
-	var (
-		n   int
-		err error
-	)
-	if c.m == nil {
-		err = c.errNotOpen()
-	} else {
-		n, err = c.m.BatchUpdate(keys, values, nil)
-	}
-	// The entries before a failure are written: the record must know
-	// them, or a later delete would skip them.
-	for i, k := range keys[:n] {
-		c.shadow[k] = values[i]
-	}
-	c.writes.Add(uint64(n))
-	c.mu.Unlock()
-	if err == nil {
-		return
-	}
-	for _, i := range idx[n:] {
-		batch[i].Result = c.Update(ctx, txn, batch[i].Revision, batch[i].Object)
-	}
+	c.m.PutBatch(keys, values, func(i int, err error) bool {
+		batch[idx[i]].Result = err
+		return true
+	})
 }
 
 // DeleteBatch implements reconciler.BatchOperations.
-func (c *IPCache) DeleteBatch(ctx context.Context, txn statedb.ReadTxn, batch []reconciler.BatchEntry[*tables.IPCacheEntry]) {
+func (c *IPCache) DeleteBatch(_ context.Context, _ statedb.ReadTxn, batch []reconciler.BatchEntry[*tables.IPCacheEntry]) {
 	c.mu.Lock()
+	defer c.mu.Unlock()
 	var (
 		keys []bpf.IPCacheKey
 		idx  []int
 	)
 	for i := range batch {
 		k := bpf.NewIPCacheKey(batch[i].Object.Prefix)
-		if _, ok := c.shadow[k]; ok {
+		if _, ok := c.m.Get(k); ok {
 			keys, idx = append(keys, k), append(idx, i)
 		}
 	}
-	if len(keys) == 0 {
-		c.mu.Unlock()
-		return
-	}
-	var (
-		n   int
-		err error
-	)
-	if c.m == nil {
-		err = c.errNotOpen()
-	} else {
-		n, err = c.m.BatchDelete(keys, nil)
-	}
-	for _, k := range keys[:n] {
-		delete(c.shadow, k)
-	}
-	c.deletes.Add(uint64(n))
-	c.mu.Unlock()
-	if err == nil {
-		return
-	}
 	// Some key may have vanished meanwhile; one by one, a missing key is
 	// not an error.
-	for _, i := range idx[n:] {
-		batch[i].Result = c.Delete(ctx, txn, batch[i].Revision, batch[i].Object)
-	}
-}
-
-// readIPCache reads every entry of an ipcache map with batch lookups.
-func readIPCache(m bpf.Map) (map[bpf.IPCacheKey]bpf.IPCacheValue, error) {
-	out := map[bpf.IPCacheKey]bpf.IPCacheValue{}
-	keys := make([]bpf.IPCacheKey, 1024)
-	values := make([]bpf.IPCacheValue, 1024)
-	var cursor ebpf.MapBatchCursor
-	for {
-		n, err := m.BatchLookup(&cursor, keys, values, nil)
-		for i := range n {
-			out[keys[i]] = values[i]
-		}
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return out, nil
-		}
-		if err != nil {
-			return nil, err
-		}
-	}
-}
-
-// copyIPCache is the migration of a resized ipcache map: every entry moves.
-func copyIPCache(old, new *ebpf.Map) error {
-	entries, err := readIPCache(old)
-	if err != nil {
-		return fmt.Errorf("read old ipcache map: %w", err)
-	}
-	keys := make([]bpf.IPCacheKey, 0, len(entries))
-	values := make([]bpf.IPCacheValue, 0, len(entries))
-	for k, v := range entries {
-		keys, values = append(keys, k), append(values, v)
-	}
-	if len(keys) == 0 {
-		return nil
-	}
-	if _, err := new.BatchUpdate(keys, values, nil); err != nil {
-		return fmt.Errorf("copy %d ipcache entries: %w", len(keys), err)
-	}
-	return nil
+	c.m.DeleteBatch(keys, func(i int, err error) bool {
+		batch[idx[i]].Result = err
+		return true
+	})
 }

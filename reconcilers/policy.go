@@ -10,12 +10,10 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
-	"golang.org/x/sys/unix"
 	"golang.org/x/time/rate"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -40,26 +38,26 @@ import (
 // switched on with what fits and fails closed (see failClosedLocked), its
 // row keeping the error until the rest is in.
 //
-// It keeps a copy of what each map holds, read when the maps are opened,
-// so that a restart with unchanged desired state writes nothing.
+// Each map is a Mirror, which keeps a record of what the map holds, read
+// when the maps are opened, so that a restart with unchanged desired state
+// writes nothing.
 type Policy struct {
 	log      *slog.Logger
 	maxFlag  string
 	maxCount uint32
 
-	mu        sync.Mutex
-	policy    *ebpf.Map
-	endpoints *ebpf.Map
-	// gen is policy_endpoints_gen, moved to genValue after each change of
-	// endpoints: the programs' cache of each cgroup's endpoint holds only
-	// until it moves.
-	gen      *ebpf.Map
-	genValue uint64
-	entries  map[bpf.PolicyKey]bpf.PolicyValue
-	// byID are the keys of entries by endpoint ID.
+	mu sync.Mutex
+	// policy holds the entries; endpoints is policy_endpoints: cgroup ID
+	// → value.
+	policy    *Mirror[bpf.PolicyKey, bpf.PolicyValue]
+	endpoints *Mirror[uint64, bpf.PolicyEndpointValue]
+	// gen is policy_endpoints_gen, moved after each change of
+	// policy_endpoints: the programs' cache of each cgroup's endpoint
+	// holds only until it moves. Its writes are not counted in Writes.
+	gen *Mirror[uint32, uint64]
+	// byID are the keys of the policy map's entries by endpoint ID, kept
+	// by the policy mirror (Track).
 	byID map[uint32]map[bpf.PolicyKey]struct{}
-	// cgroups is what policy_endpoints holds: cgroup ID → value.
-	cgroups map[uint64]bpf.PolicyEndpointValue
 	// applied is what each row applied last, by endpoint name; idOwner and
 	// cgroupOwner name the endpoint that applied an ID or a cgroup, so
 	// that a pod gone does not take away what a newer pod reuses.
@@ -68,10 +66,8 @@ type Policy struct {
 	cgroupOwner map[uint64]string
 
 	// drift, if set, makes Prune a resync: the maps are read and what
-	// differs from the copy is repaired and reported to it.
+	// differs from the record is repaired and reported to it.
 	drift *Drift
-
-	writes, deletes atomic.Uint64
 
 	// endpointMaps, if set, keeps per-endpoint state beside the maps.
 	endpointMaps EndpointMaps
@@ -112,124 +108,78 @@ func NewPolicy(log *slog.Logger, maxFlag string) *Policy {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Policy{
+	p := &Policy{
 		log: log, maxFlag: maxFlag,
-		entries: map[bpf.PolicyKey]bpf.PolicyValue{}, byID: map[uint32]map[bpf.PolicyKey]struct{}{},
-		cgroups: map[uint64]bpf.PolicyEndpointValue{}, applied: map[string]appliedEndpoint{},
+		policy:    NewMirror[bpf.PolicyKey, bpf.PolicyValue](bpf.PolicyMap),
+		endpoints: NewMirror[uint64, bpf.PolicyEndpointValue](bpf.PolicyEndpointsMap),
+		gen:       NewMirror[uint32, uint64](bpf.PolicyEndpointsGenMap),
+		byID:      map[uint32]map[bpf.PolicyKey]struct{}{}, applied: map[string]appliedEndpoint{},
 		idOwner: map[uint32]string{}, cgroupOwner: map[uint64]string{},
 	}
+	p.policy.Track(p.addKey, p.removeKey)
+	p.policy.OnWriteError(func(k bpf.PolicyKey, err error) error {
+		if bpf.IsFull(err) {
+			return fmt.Errorf("%w (%d entries): raise --%s", errPolicyMapFull, p.maxCount, p.maxFlag)
+		}
+		return fmt.Errorf("write policy entry %s: %w", k, err)
+	})
+	return p
 }
 
 // Open opens (or creates) the policy and policy_endpoints maps pinned in
-// pinDir and reads what they hold. It returns the endpoint IDs by cgroup
-// found in policy_endpoints, so that endpoints keep their numbers (and so
-// their entries) across a restart. A policy map of another size is
-// replaced by one holding the old one's entries.
+// pinDir on bpffs (OpenWith bpf.KernelMaps).
 func (p *Policy) Open(pinDir string, maxEntries, maxEndpoints uint32) (map[uint64]uint32, error) {
-	pol, err := bpf.OpenPinnedMap(p.log, bpf.PolicyMapSpec(maxEntries), pinDir, p.copyPolicy)
-	if err != nil {
+	return p.OpenWith(bpf.KernelMaps, pinDir, maxEntries, maxEndpoints)
+}
+
+// OpenWith opens (or creates) the policy and policy_endpoints maps pinned
+// in pinDir through opener and reads what they hold. It returns the
+// endpoint IDs by cgroup found in policy_endpoints, so that endpoints keep
+// their numbers (and so their entries) across a restart. A policy map of
+// another size is replaced by one holding the old one's entries.
+func (p *Policy) OpenWith(opener bpf.Opener, pinDir string, maxEntries, maxEndpoints uint32) (map[uint64]uint32, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if _, err := p.policy.Open(opener, p.log, bpf.PolicyMapSpec(maxEntries), pinDir, p.copyPolicy); err != nil {
 		return nil, fmt.Errorf("%w (--%s=%d)", err, p.maxFlag, maxEntries)
 	}
-	eps, err := bpf.OpenPinnedMap(p.log, bpf.PolicyEndpointsMapSpec(maxEndpoints), pinDir, copyMap[uint64, bpf.PolicyEndpointValue])
-	if err != nil {
-		pol.Close()
+	if _, err := p.endpoints.Open(opener, p.log, bpf.PolicyEndpointsMapSpec(maxEndpoints), pinDir, nil); err != nil {
+		p.policy.Close()
 		return nil, err
 	}
-	gen, err := bpf.OpenPinnedMap(p.log, bpf.PolicyEndpointsGenMapSpec(), pinDir, nil)
-	if err != nil {
-		pol.Close()
-		eps.Close()
+	if _, err := p.gen.Open(opener, p.log, bpf.PolicyEndpointsGenMapSpec(), pinDir, nil); err != nil {
+		p.policy.Close()
+		p.endpoints.Close()
 		return nil, err
-	}
-	var genValue uint64
-	if err := gen.Map.Lookup(uint32(0), &genValue); err != nil {
-		genValue = 0
 	}
 	// Moved at once: programs of an earlier run may have cached what
 	// this one is about to change, and 0 means no counter to them.
-	genValue++
-	if err := gen.Map.Put(uint32(0), genValue); err != nil {
-		pol.Close()
-		eps.Close()
-		gen.Close()
-		return nil, fmt.Errorf("write %s: %w", gen.Path, err)
-	}
-	entries := map[bpf.PolicyKey]bpf.PolicyValue{}
-	err = bpf.Walk(pol.Map, 1024, func(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
-		for i, k := range keys {
-			entries[k] = values[i]
-		}
-		return nil
-	})
-	if err != nil {
-		pol.Close()
-		eps.Close()
-		gen.Close()
-		return nil, fmt.Errorf("read %s: %w", pol.Path, err)
-	}
-	cgroups := map[uint64]bpf.PolicyEndpointValue{}
-	restored := map[uint64]uint32{}
-	err = bpf.Walk(eps.Map, 1024, func(keys []uint64, values []bpf.PolicyEndpointValue) error {
-		for i, k := range keys {
-			cgroups[k] = values[i]
-			// A pod tree's or the agent's entry holds no endpoint ID.
-			if values[i].Flags&bpf.PolicyPodTree == 0 && values[i].EndpointID != 0 {
-				restored[k] = values[i].EndpointID
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		pol.Close()
-		eps.Close()
-		gen.Close()
-		return nil, fmt.Errorf("read %s: %w", eps.Path, err)
-	}
-	byID := map[uint32]map[bpf.PolicyKey]struct{}{}
-	for k := range entries {
-		addKey(byID, k)
-	}
-	p.mu.Lock()
-	p.policy, p.endpoints, p.entries, p.byID, p.cgroups, p.maxCount = pol.Map, eps.Map, entries, byID, cgroups, maxEntries
-	if p.gen != nil {
+	if err := p.moveGenLocked(); err != nil {
+		p.policy.Close()
+		p.endpoints.Close()
 		p.gen.Close()
+		return nil, err
 	}
-	p.gen, p.genValue = gen.Map, genValue
+	restored := map[uint64]uint32{}
+	for cg, v := range p.endpoints.All() {
+		// A pod tree's or the agent's entry holds no endpoint ID.
+		if v.Flags&bpf.PolicyPodTree == 0 && v.EndpointID != 0 {
+			restored[cg] = v.EndpointID
+		}
+	}
+	p.maxCount = maxEntries
 	clear(p.applied)
 	clear(p.idOwner)
 	clear(p.cgroupOwner)
-	p.mu.Unlock()
 	return restored, nil
-}
-
-// copyMap is the migration of a resized map: every entry moves.
-func copyMap[K comparable, V any](old, new *ebpf.Map) error {
-	return bpf.Walk(old, 1024, func(keys []K, values []V) error {
-		_, err := new.BatchUpdate(keys, values, nil)
-		return err
-	})
 }
 
 // copyPolicy is the migration of a resized policy map: every entry moves
 // while there is room. A smaller map than the entries needs keeps what
 // fits (the endpoints stay enforced on those); the reconciler rewrites the
 // rest and reports the entries that do not fit on their endpoints.
-func (p *Policy) copyPolicy(old, new *ebpf.Map) error {
-	left := 0
-	err := bpf.Walk(old, 1024, func(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
-		if _, err := new.BatchUpdate(keys, values, nil); err == nil {
-			return nil
-		}
-		for i, k := range keys {
-			if err := new.Put(k, values[i]); err != nil {
-				if !isFull(err) {
-					return err
-				}
-				left++
-			}
-		}
-		return nil
-	})
+func (p *Policy) copyPolicy(old, new bpf.Map) error {
+	left, err := bpf.CopyFitting[bpf.PolicyKey, bpf.PolicyValue](old, new)
 	if left > 0 {
 		p.log.Warn("The resized policy map is too small for the old one's entries", "left-out", left, "flag", "--"+p.maxFlag)
 	}
@@ -240,76 +190,82 @@ func (p *Policy) copyPolicy(old, new *ebpf.Map) error {
 // no room for.
 var errPolicyMapFull = errors.New("policy map is full")
 
-// isFull reports whether err says that a map has no room left.
-func isFull(err error) bool {
-	return errors.Is(err, unix.E2BIG) || errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM)
-}
-
 // Close closes the maps; the pins stay.
 func (p *Policy) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var errs []error
-	if p.policy != nil {
-		errs = append(errs, p.policy.Close())
-		p.policy = nil
-	}
-	if p.endpoints != nil {
-		errs = append(errs, p.endpoints.Close())
-		p.endpoints = nil
-	}
-	if p.gen != nil {
-		errs = append(errs, p.gen.Close())
-		p.gen = nil
-	}
-	return errors.Join(errs...)
+	return errors.Join(p.policy.Close(), p.endpoints.Close(), p.gen.Close())
 }
 
 // EndpointsGen returns policy_endpoints_gen, for the programs' loader
-// (policyprog.Maps.EndpointsGen); nil before Open. It stays open until
-// Close.
+// (policyprog.Maps.EndpointsGen); nil before Open and for maps in memory.
+// It stays open until Close.
 func (p *Policy) EndpointsGen() *ebpf.Map {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.gen
+	if p.gen.Map() == nil {
+		return nil
+	}
+	m, err := bpf.KernelMap(p.gen.Map())
+	if err != nil {
+		return nil
+	}
+	return m
 }
 
 // moveGenLocked moves policy_endpoints_gen after a change of
 // policy_endpoints. Until it has moved the programs may go on with what
 // they cached, so a failure fails the change: its row is retried.
 func (p *Policy) moveGenLocked() error {
-	if p.gen == nil {
-		return errors.New("policy_endpoints_gen map not open")
+	v, _ := p.gen.Get(0)
+	return p.gen.Put(0, v+1)
+}
+
+// putEndpointLocked writes the policy_endpoints entry of cgroup cg and
+// moves the counter if it changed.
+func (p *Policy) putEndpointLocked(cg uint64, v bpf.PolicyEndpointValue) error {
+	if !p.endpoints.Differs(cg, v) {
+		return nil
 	}
-	p.genValue++
-	if err := p.gen.Put(uint32(0), p.genValue); err != nil {
-		return fmt.Errorf("write policy_endpoints_gen: %w", err)
+	if err := p.endpoints.Put(cg, v); err != nil {
+		return err
 	}
-	return nil
+	return p.moveGenLocked()
 }
 
 // Maps calls fn with the open policy and policy_endpoints maps, for the
-// datapath loader. fn must not keep them.
+// datapath loader. fn must not keep them. Maps in memory (tests) are
+// refused.
 func (p *Policy) Maps(fn func(policy, endpoints *ebpf.Map) error) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.policy == nil || p.endpoints == nil {
+	if p.policy.Map() == nil || p.endpoints.Map() == nil {
 		return errors.New("policy maps not open")
 	}
-	return fn(p.policy, p.endpoints)
+	pol, err := bpf.KernelMap(p.policy.Map())
+	if err != nil {
+		return err
+	}
+	eps, err := bpf.KernelMap(p.endpoints.Map())
+	if err != nil {
+		return err
+	}
+	return fn(pol, eps)
 }
 
 // Writes returns how many map updates and deletes the operations made,
 // both maps together.
 func (p *Policy) Writes() (updates, deletes uint64) {
-	return p.writes.Load(), p.deletes.Load()
+	u1, d1 := p.policy.Writes()
+	u2, d2 := p.endpoints.Writes()
+	return u1 + u2, d1 + d2
 }
 
 // Entries returns how many entries the policy map holds.
 func (p *Policy) Entries() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return len(p.entries)
+	return p.policy.Len()
 }
 
 // PolicyKeyOf returns the map key and value of a table entry.
@@ -332,134 +288,47 @@ func PolicyKeyOf(e *tables.PolicyEntry) (bpf.PolicyKey, bpf.PolicyValue) {
 	return k, v
 }
 
-func (p *Policy) putEntryLocked(k bpf.PolicyKey, v bpf.PolicyValue) error {
-	if old, ok := p.entries[k]; ok && old == v {
-		return nil
-	}
-	if p.policy == nil {
-		return errors.New("policy map not open")
-	}
-	if err := p.policy.Put(k, v); err != nil {
-		if isFull(err) {
-			return fmt.Errorf("%w (%d entries): raise --%s", errPolicyMapFull, p.maxCount, p.maxFlag)
-		}
-		return fmt.Errorf("write policy entry %s: %w", k, err)
-	}
-	p.writes.Add(1)
-	p.entries[k] = v
-	addKey(p.byID, k)
-	return nil
-}
-
-// batchSize bounds the entries of one batch syscall: the gain per entry
-// is small beyond about a thousand (docs/benchmarks.md), and the kernel
-// copies the whole batch in.
-const batchSize = 4096
-
-// putEntriesLocked writes entries that differ from the copy, in batches
-// (one syscall each instead of one per entry). An entry a batch could not
-// write, and those after it, are written one by one, so that an error
-// names its entry and a full map is reported as such; at most three
-// errors are collected.
+// putEntriesLocked writes entries that differ from the record, in
+// batches (see Mirror.PutBatch): an entry a batch could not write, and
+// those after it, are written one by one, so that an error names its
+// entry and a full map is reported as such; at most three errors are
+// collected.
 func (p *Policy) putEntriesLocked(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
 	if len(keys) == 0 {
 		return nil
 	}
-	if p.policy == nil {
+	if p.policy.Map() == nil {
 		return errors.New("policy map not open")
 	}
-	for len(keys) > 0 {
-		n := min(len(keys), batchSize)
-		done, err := p.policy.BatchUpdate(keys[:n], values[:n], nil)
-		done = max(0, min(done, n))
-		if err != nil && done == n {
-			done = 0 // a count not to be trusted: write them one by one
-		}
-		for i := range done {
-			p.entries[keys[i]] = values[i]
-			addKey(p.byID, keys[i])
-		}
-		p.writes.Add(uint64(done))
-		keys, values = keys[done:], values[done:]
-		if err != nil {
-			return p.putEachLocked(keys, values)
-		}
-	}
-	return nil
-}
-
-// putEachLocked writes entries one by one, collecting up to three errors.
-func (p *Policy) putEachLocked(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
 	var errs []error
-	for i, k := range keys {
-		if err := p.putEntryLocked(k, values[i]); err != nil {
-			errs = append(errs, err)
-			if len(errs) == 3 {
-				break
-			}
-		}
-	}
+	p.policy.PutBatch(keys, values, firstErrors(&errs, 3))
 	return errors.Join(errs...)
 }
 
 // deleteEntriesLocked deletes entries in batches; a batch that fails
-// (an entry already gone from the map, say) is finished one by one.
+// (an entry already gone from the map, say) is finished one by one, up
+// to the first error.
 func (p *Policy) deleteEntriesLocked(keys []bpf.PolicyKey) error {
 	if len(keys) == 0 {
 		return nil
 	}
-	if p.policy == nil {
+	if p.policy.Map() == nil {
 		return errors.New("policy map not open")
 	}
-	for len(keys) > 0 {
-		n := min(len(keys), batchSize)
-		done, err := p.policy.BatchDelete(keys[:n], nil)
-		done = max(0, min(done, n))
-		if err != nil && done == n {
-			done = 0
-		}
-		for _, k := range keys[:done] {
-			p.forgetEntryLocked(k)
-		}
-		p.deletes.Add(uint64(done))
-		keys = keys[done:]
-		if err != nil {
-			for _, k := range keys {
-				if err := p.deleteEntryLocked(k); err != nil {
-					return err
-				}
-			}
-			return nil
-		}
-	}
-	return nil
+	var errs []error
+	p.policy.DeleteBatch(keys, firstErrors(&errs, 1))
+	return errors.Join(errs...)
 }
 
-func addKey(byID map[uint32]map[bpf.PolicyKey]struct{}, k bpf.PolicyKey) {
-	if byID[k.EndpointID] == nil {
-		byID[k.EndpointID] = map[bpf.PolicyKey]struct{}{}
+// addKey and removeKey keep byID as the policy map's record changes.
+func (p *Policy) addKey(k bpf.PolicyKey) {
+	if p.byID[k.EndpointID] == nil {
+		p.byID[k.EndpointID] = map[bpf.PolicyKey]struct{}{}
 	}
-	byID[k.EndpointID][k] = struct{}{}
+	p.byID[k.EndpointID][k] = struct{}{}
 }
 
-func (p *Policy) deleteEntryLocked(k bpf.PolicyKey) error {
-	if _, ok := p.entries[k]; !ok {
-		return nil
-	}
-	if p.policy == nil {
-		return errors.New("policy map not open")
-	}
-	if err := p.policy.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("delete policy entry %s: %w", k, err)
-	}
-	p.deletes.Add(1)
-	p.forgetEntryLocked(k)
-	return nil
-}
-
-// forgetEntryLocked removes a deleted entry from the copy.
-func (p *Policy) forgetEntryLocked(k bpf.PolicyKey) {
-	delete(p.entries, k)
+func (p *Policy) removeKey(k bpf.PolicyKey) {
 	if keys := p.byID[k.EndpointID]; keys != nil {
 		delete(keys, k)
 		if len(keys) == 0 {
@@ -565,23 +434,12 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 
 	// 2. Its cgroup's entry; the cgroups it no longer has lose theirs.
 	if e.CgroupID != 0 {
-		v := EndpointValue(e)
-		if old, ok := o.cgroups[e.CgroupID]; !ok || old != v {
-			if o.endpoints == nil {
-				return errors.New("policy_endpoints map not open")
-			}
-			if err := o.endpoints.Put(e.CgroupID, v); err != nil {
-				return fmt.Errorf("write policy_endpoints entry of %s: %w", e.Name, err)
-			}
-			if err := o.moveGenLocked(); err != nil {
-				return fmt.Errorf("endpoint %s: %w", e.Name, err)
-			}
-			o.writes.Add(1)
-			o.cgroups[e.CgroupID] = v
+		if err := o.putEndpointLocked(e.CgroupID, EndpointValue(e)); err != nil {
+			return fmt.Errorf("endpoint %s: %w", e.Name, err)
 		}
 		o.cgroupOwner[e.CgroupID] = e.Name
 	}
-	for cg, v := range o.cgroups {
+	for cg, v := range o.endpoints.All() {
 		if cg == e.CgroupID || (v.EndpointID != e.ID && !(hadPrev && cg == prev.cgroup)) {
 			continue
 		}
@@ -625,7 +483,7 @@ func (p *Policy) missingLocked(want map[bpf.PolicyKey]bpf.PolicyValue, pick func
 		if !pick(v) {
 			continue
 		}
-		if old, ok := p.entries[k]; !ok || old != v {
+		if p.policy.Differs(k, v) {
 			keys, values = append(keys, k), append(values, v)
 		}
 	}
@@ -651,7 +509,7 @@ func (p *Policy) failClosedLocked(id uint32, want map[bpf.PolicyKey]bpf.PolicyVa
 		if _, ok := want[k]; ok {
 			continue
 		}
-		if isDenyValue(p.entries[k]) {
+		if v, _ := p.policy.Get(k); isDenyValue(v) {
 			staleDenies = append(staleDenies, k)
 		} else {
 			staleAllows = append(staleAllows, k)
@@ -672,7 +530,7 @@ func (p *Policy) failClosedLocked(id uint32, want map[bpf.PolicyKey]bpf.PolicyVa
 	}
 	var withdrawn []bpf.PolicyKey
 	for k := range p.byID[id] {
-		if closed[k.Egress] && isAllowValue(p.entries[k]) {
+		if v, _ := p.policy.Get(k); closed[k.Egress] && isAllowValue(v) {
 			withdrawn = append(withdrawn, k)
 		}
 	}
@@ -719,7 +577,7 @@ func (p *Policy) lacksLocked(want map[bpf.PolicyKey]bpf.PolicyValue, closed map[
 		}
 		allows, denies := 0, 0
 		for k, v := range want {
-			if old, ok := p.entries[k]; k.Egress != dir || (ok && old == v) {
+			if k.Egress != dir || !p.policy.Differs(k, v) {
 				continue
 			}
 			if isDenyValue(v) {
@@ -754,19 +612,8 @@ func countDir(want map[bpf.PolicyKey]bpf.PolicyValue, dir uint8, pick func(bpf.P
 // the agent's (no endpoint ID, no entries), and deletes the one of the cgroup the tree had
 // before (the kubelet made it anew).
 func (p *Policy) putTreeLocked(e *tables.EndpointPolicy) error {
-	v := EndpointValue(e)
-	if old, ok := p.cgroups[e.CgroupID]; !ok || old != v {
-		if p.endpoints == nil {
-			return errors.New("policy_endpoints map not open")
-		}
-		if err := p.endpoints.Put(e.CgroupID, v); err != nil {
-			return fmt.Errorf("write policy_endpoints entry of %s: %w", e.Name, err)
-		}
-		if err := p.moveGenLocked(); err != nil {
-			return fmt.Errorf("%s: %w", e.Name, err)
-		}
-		p.writes.Add(1)
-		p.cgroups[e.CgroupID] = v
+	if err := p.putEndpointLocked(e.CgroupID, EndpointValue(e)); err != nil {
+		return fmt.Errorf("endpoint %s: %w", e.Name, err)
 	}
 	p.cgroupOwner[e.CgroupID] = e.Name
 	if prev, ok := p.applied[e.Name]; ok && prev.cgroup != e.CgroupID && p.cgroupOwner[prev.cgroup] == e.Name {
@@ -832,21 +679,14 @@ func (p *Policy) deleteEndpointEntriesLocked(id uint32, name string) error {
 }
 
 func (p *Policy) deleteCgroupLocked(cg uint64) error {
-	if _, ok := p.cgroups[cg]; !ok {
-		delete(p.cgroupOwner, cg)
-		return nil
+	if _, ok := p.endpoints.Get(cg); ok {
+		if err := p.endpoints.Delete(cg); err != nil {
+			return err
+		}
+		if err := p.moveGenLocked(); err != nil {
+			return fmt.Errorf("cgroup %d: %w", cg, err)
+		}
 	}
-	if p.endpoints == nil {
-		return errors.New("policy_endpoints map not open")
-	}
-	if err := p.endpoints.Delete(cg); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("delete policy_endpoints entry of cgroup %d: %w", cg, err)
-	}
-	if err := p.moveGenLocked(); err != nil {
-		return fmt.Errorf("cgroup %d: %w", cg, err)
-	}
-	p.deletes.Add(1)
-	delete(p.cgroups, cg)
 	delete(p.cgroupOwner, cg)
 	return nil
 }
@@ -859,18 +699,10 @@ func (p *Policy) ResyncWith(d *Drift) {
 	p.drift = d
 }
 
-// resyncLocked repairs drift of both maps (see resyncMap).
+// resyncLocked repairs drift of both maps (see Mirror.Resync).
 func (p *Policy) resyncLocked() error {
-	if p.drift == nil || p.policy == nil || p.endpoints == nil {
-		return nil
-	}
-	c, err := resyncMap(p.policy, p.entries)
-	errs := []error{err, p.drift.Report(bpf.PolicyMap, c)}
-	c, err = resyncMap(p.endpoints, p.cgroups)
-	errs = append(errs, err, p.drift.Report(bpf.PolicyEndpointsMap, c))
 	// Whatever the repair wrote, the programs' cache goes with it.
-	errs = append(errs, p.moveGenLocked())
-	return errors.Join(errs...)
+	return errors.Join(p.policy.Resync(p.drift), p.endpoints.Resync(p.drift), p.moveGenLocked())
 }
 
 // Prune implements reconciler.Operations: it repairs drift of the maps
@@ -930,35 +762,27 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 		}
 		errs = append(errs, o.endpointMaps.Prune(keep))
 	}
-	for cg := range o.cgroups {
+	for cg := range o.endpoints.All() {
 		if _, ok := wantCgroups[cg]; !ok {
 			errs = append(errs, o.deleteCgroupLocked(cg))
 		}
 	}
-	for k := range o.entries {
+	for k := range o.policy.All() {
 		if _, ok := keepIDs[k.EndpointID]; ok {
 			continue
 		}
 		if _, ok := wantEntries[k]; !ok {
-			errs = append(errs, o.deleteEntryLocked(k))
+			errs = append(errs, o.policy.Delete(k))
 		}
 	}
 	return errors.Join(append(errs, resyncErr)...)
 }
 
-// DumpPolicy calls fn with the policy map's entries, read from the kernel.
+// DumpPolicy calls fn with the policy map's entries, read from the map.
 func (p *Policy) DumpPolicy(fn func(bpf.PolicyKey, bpf.PolicyValue)) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.policy == nil {
-		return errors.New("policy map not open")
-	}
-	return bpf.Walk(p.policy, 1024, func(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
-		for i, k := range keys {
-			fn(k, values[i])
-		}
-		return nil
-	})
+	return p.policy.Dump(fn)
 }
 
 // RegisterPolicy registers the reconciler of the endpoint-policy table,

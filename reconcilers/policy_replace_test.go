@@ -22,7 +22,6 @@ import (
 	"log/slog"
 
 	"github.com/apiary-net/apiary/bpf"
-	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -68,7 +67,7 @@ func TestPolicyReplacedPods(t *testing.T) {
 // policyHive runs the policy reconciler as the policy cell registers it,
 // on maps pinned in a directory of the test's.
 type policyHive struct {
-	dir       string
+	testMaps
 	db        *statedb.DB
 	entries   statedb.RWTable[*tables.PolicyEntry]
 	endpoints statedb.RWTable[*tables.EndpointPolicy]
@@ -78,8 +77,8 @@ type policyHive struct {
 
 func newPolicyHive(t *testing.T) *policyHive {
 	t.Helper()
-	ph := &policyHive{dir: testenv.BPFPinDir(t), ops: reconcilers.NewPolicy(nil, policyMaxFlag)}
-	if _, err := ph.ops.Open(ph.dir, 4096, 1024); err != nil {
+	ph := &policyHive{testMaps: newTestMaps(t), ops: reconcilers.NewPolicy(nil, policyMaxFlag)}
+	if _, err := ph.ops.OpenWith(ph.opener(), ph.dir, 4096, 1024); err != nil {
 		t.Fatal(err)
 	}
 	h := hive.New(
@@ -151,7 +150,7 @@ func (ph *policyHive) diff(t *testing.T) string {
 		}
 	}
 	var b strings.Builder
-	gotCgroups := readPinned[uint64, bpf.PolicyEndpointValue](t, ph.dir+"/"+bpf.PolicyEndpointsMap)
+	gotCgroups := readPinned[uint64, bpf.PolicyEndpointValue](t, ph.raw(t, bpf.PolicyEndpointsMap))
 	for _, cg := range slices.Sorted(maps.Keys(wantCgroups)) {
 		if got, ok := gotCgroups[cg]; !ok || got != wantCgroups[cg] {
 			fmt.Fprintf(&b, "policy_endpoints[%d] = %+v (present %v), want %+v\n", cg, got, ok, wantCgroups[cg])
@@ -162,7 +161,7 @@ func (ph *policyHive) diff(t *testing.T) string {
 			fmt.Fprintf(&b, "policy_endpoints[%d] = %+v, stray\n", cg, gotCgroups[cg])
 		}
 	}
-	gotEntries := readPinned[bpf.PolicyKey, bpf.PolicyValue](t, ph.dir+"/"+bpf.PolicyMap)
+	gotEntries := readPinned[bpf.PolicyKey, bpf.PolicyValue](t, ph.raw(t, bpf.PolicyMap))
 	for k, v := range wantEntries {
 		if got, ok := gotEntries[k]; !ok || got != v {
 			fmt.Fprintf(&b, "policy[%s] = %+v (present %v), want %+v\n", k, got, ok, v)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/memmap"
 	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
@@ -25,11 +27,61 @@ import (
 // full (the policy cell passes its own, the same).
 const policyMaxFlag = "bpf-policy-map-max"
 
+// testMaps is where a test's maps are pinned: in a fresh bpffs directory
+// (the kernel's maps) when the test runs as root, else in memory
+// (bpf/memmap), where the reconcilers behave the same; APIARY_TEST_MAPS=
+// memory puts them in memory under root too.
+type testMaps struct {
+	dir  string
+	pins *memmap.Pins // nil: the kernel's
+}
+
+func newTestMaps(t testing.TB) testMaps {
+	t.Helper()
+	if os.Geteuid() != 0 || os.Getenv("APIARY_TEST_MAPS") == "memory" {
+		return testMaps{dir: "/test", pins: memmap.NewPins(nil)}
+	}
+	return kernelTestMaps(t)
+}
+
+// kernelTestMaps are the kernel's maps, for what only they do (an LPM
+// trie's longest-prefix match).
+func kernelTestMaps(t testing.TB) testMaps {
+	t.Helper()
+	return testMaps{dir: testenv.BPFPinDir(t)}
+}
+
+func (m testMaps) opener() bpf.Opener {
+	if m.pins != nil {
+		return m.pins
+	}
+	return bpf.KernelMaps
+}
+
+// raw returns a handle of the test's own on the map called name.
+func (m testMaps) raw(t testing.TB, name string) bpf.Map {
+	t.Helper()
+	path := filepath.Join(m.dir, name)
+	if m.pins != nil {
+		pm := m.pins.Get(path)
+		if pm == nil {
+			t.Fatalf("no map pinned at %s", path)
+		}
+		return pm
+	}
+	km, err := ebpf.LoadPinnedMap(path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { km.Close() })
+	return km
+}
+
 // policyFixture is a real statedb.DB holding the policy-entries and
 // endpoint-policy tables, and the policy operations on maps pinned in a
-// fresh bpffs directory.
+// fresh directory (testMaps).
 type policyFixture struct {
-	dir       string
+	testMaps
 	db        *statedb.DB
 	entries   statedb.RWTable[*tables.PolicyEntry]
 	endpoints statedb.RWTable[*tables.EndpointPolicy]
@@ -40,7 +92,12 @@ type policyFixture struct {
 // maxEntries entries.
 func newPolicyFixture(t testing.TB, maxEntries uint32) *policyFixture {
 	t.Helper()
-	f := &policyFixture{dir: testenv.BPFPinDir(t), db: statedb.New()}
+	return newPolicyFixtureOn(t, newTestMaps(t), maxEntries)
+}
+
+func newPolicyFixtureOn(t testing.TB, where testMaps, maxEntries uint32) *policyFixture {
+	t.Helper()
+	f := &policyFixture{testMaps: where, db: statedb.New()}
 	var err error
 	if f.entries, err = tables.NewPolicyEntriesTable(f.db); err != nil {
 		t.Fatal(err)
@@ -65,7 +122,7 @@ func (f *policyFixture) open(t testing.TB, maxEntries uint32) map[uint64]uint32 
 		}
 	}
 	f.ops = reconcilers.NewPolicy(nil, policyMaxFlag)
-	restored, err := f.ops.Open(f.dir, maxEntries, 1024)
+	restored, err := f.ops.OpenWith(f.opener(), f.dir, maxEntries, 1024)
 	if err != nil {
 		t.Fatalf("open the policy maps in %s: %v", f.dir, err)
 	}
@@ -150,37 +207,32 @@ func (f *policyFixture) prune(t testing.TB) {
 // policyMap reads the pinned policy map as the kernel has it.
 func (f *policyFixture) policyMap(t *testing.T) map[bpf.PolicyKey]bpf.PolicyValue {
 	t.Helper()
-	return readPinned[bpf.PolicyKey, bpf.PolicyValue](t, filepath.Join(f.dir, bpf.PolicyMap))
+	return readPinned[bpf.PolicyKey, bpf.PolicyValue](t, f.raw(t, bpf.PolicyMap))
 }
 
 // endpointsMap reads the pinned policy_endpoints map.
 func (f *policyFixture) endpointsMap(t *testing.T) map[uint64]bpf.PolicyEndpointValue {
 	t.Helper()
-	return readPinned[uint64, bpf.PolicyEndpointValue](t, filepath.Join(f.dir, bpf.PolicyEndpointsMap))
+	return readPinned[uint64, bpf.PolicyEndpointValue](t, f.raw(t, bpf.PolicyEndpointsMap))
 }
 
 // endpointsGen reads the pinned policy_endpoints_gen counter.
 func (f *policyFixture) endpointsGen(t *testing.T) uint64 {
 	t.Helper()
-	return readPinned[uint32, uint64](t, filepath.Join(f.dir, bpf.PolicyEndpointsGenMap))[0]
+	return readPinned[uint32, uint64](t, f.raw(t, bpf.PolicyEndpointsGenMap))[0]
 }
 
-func readPinned[K comparable, V any](t *testing.T, path string) map[K]V {
+func readPinned[K comparable, V any](t *testing.T, m bpf.Map) map[K]V {
 	t.Helper()
-	m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
 	out := map[K]V{}
-	err = bpf.Walk(m, 64, func(keys []K, values []V) error {
+	err := bpf.Walk(m, 64, func(keys []K, values []V) error {
 		for i, k := range keys {
 			out[k] = values[i]
 		}
 		return nil
 	})
 	if err != nil {
-		t.Fatalf("read %s: %v", path, err)
+		t.Fatalf("read %s: %v", m, err)
 	}
 	return out
 }
@@ -286,7 +338,8 @@ func TestPolicyEntryKeys(t *testing.T) {
 		miss:  []policyLookup{{true, tcp, 22}},
 	}}
 
-	f := newPolicyFixture(t, 1024)
+	// The lookups are the LPM trie's longest-prefix match: the kernel's.
+	f := newPolicyFixtureOn(t, kernelTestMaps(t), 1024)
 	want := map[bpf.PolicyKey]bpf.PolicyValue{}
 	for i, tc := range tests {
 		// One endpoint per case, so that lookups see that case's entry
@@ -314,11 +367,7 @@ func TestPolicyEntryKeys(t *testing.T) {
 		t.Errorf("%d writes, %d deletes; want %d, 0", u, d, len(tests))
 	}
 
-	m, err := ebpf.LoadPinnedMap(filepath.Join(f.dir, bpf.PolicyMap), &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
+	m := f.raw(t, bpf.PolicyMap)
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			lookup := func(l policyLookup) (bpf.PolicyValue, error) {
@@ -811,5 +860,69 @@ func TestPolicyKeyOfFlags(t *testing.T) {
 		if _, v := reconcilers.PolicyKeyOf(&e); v.Flags != tc.flags {
 			t.Errorf("%s: flags %#x, want %#x", tc.name, v.Flags, tc.flags)
 		}
+	}
+}
+
+// TestPolicyFaults runs the policy reconciler on maps in memory whose
+// writes fail (memmap.Faulty): a policy map batch that fails halfway is
+// finished one by one and the endpoint enforced; writes that keep failing
+// leave the endpoint's policy_endpoints entry unwritten (its entries go
+// first) and the row in error, until a retry succeeds.
+func TestPolicyFaults(t *testing.T) {
+	cases := []struct {
+		name  string
+		fault memmap.Fault
+		fails bool
+	}{
+		{"batch fails halfway", memmap.Fault{Op: memmap.OpWrite, Err: memmap.ErrBusy, After: 3, Times: 1}, false},
+		{"every write fails", memmap.Fault{Op: memmap.OpWrite, Err: memmap.ErrBusy}, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			faulty := map[string]*memmap.Faulty{}
+			pins := memmap.NewPins(func(path string, m *memmap.Map) bpf.Map {
+				faulty[filepath.Base(path)] = memmap.NewFaulty(m)
+				return faulty[filepath.Base(path)]
+			})
+			f := newPolicyFixtureOn(t, testMaps{dir: "/test", pins: pins}, 1024)
+			rows := []any{polEndpoint(1, 1001, tables.EnforceDefaultDeny, tables.EnforceDefaultDeny)}
+			want := map[bpf.PolicyKey]bpf.PolicyValue{}
+			for i := range 8 {
+				e := polEntry(1, uint32(256+i), tables.DirIngress, 80)
+				rows = append(rows, e)
+				k, v := reconcilers.PolicyKeyOf(e)
+				want[k] = v
+			}
+			f.insert(t, rows...)
+			faulty[bpf.PolicyMap].Inject(tc.fault)
+			err := f.updateEndpoint(t, "default/ep1")
+			if tc.fails {
+				if !errors.Is(err, memmap.ErrBusy) || !strings.Contains(err.Error(), "not enforced until its policy is in the map") {
+					t.Fatalf("update: %v; want the endpoint not enforced, with the map's error", err)
+				}
+				if _, ok := f.endpointsMap(t)[1001]; ok {
+					t.Fatal("policy_endpoints holds the endpoint whose entries failed")
+				}
+				faulty[bpf.PolicyMap].Clear()
+				err = f.updateEndpoint(t, "default/ep1")
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := f.policyMap(t); !maps.Equal(got, want) {
+				t.Errorf("the map holds\n%v\nwant\n%v", got, want)
+			}
+			if _, ok := f.endpointsMap(t)[1001]; !ok {
+				t.Error("policy_endpoints lacks the endpoint")
+			}
+			u0, d0 := f.ops.Writes()
+			f.prune(t)
+			if err := f.updateEndpoint(t, "default/ep1"); err != nil {
+				t.Fatal(err)
+			}
+			if u, d := f.ops.Writes(); u != u0 || d != d0 {
+				t.Errorf("applying the row again wrote %d and deleted %d: the record missed what the faulty round wrote", u-u0, d-d0)
+			}
+		})
 	}
 }

@@ -67,8 +67,17 @@ func (m *Map) Len() int {
 	return len(m.entries)
 }
 
-// MaxEntries returns the map's capacity.
+// MaxEntries implements bpf.Map: the map's capacity.
 func (m *Map) MaxEntries() uint32 { return m.maxEntries }
+
+// Type implements bpf.Map.
+func (m *Map) Type() ebpf.MapType { return m.typ }
+
+// KeySize implements bpf.Map.
+func (m *Map) KeySize() uint32 { return m.keySize }
+
+// ValueSize implements bpf.Map.
+func (m *Map) ValueSize() uint32 { return m.valueSize }
 
 // Put implements bpf.Map.
 func (m *Map) Put(key, value any) error {

@@ -164,10 +164,27 @@ func TestPinsKeepContentsAcrossOpens(t *testing.T) {
 	if err != nil || om.Outcome != bpf.PinReused || p.Get("/x/test").Len() != 1 {
 		t.Fatalf("second open: %+v, %v", om, err)
 	}
+	// A resize keeps what the migration copies, as the kernel's pins do.
 	bigger := s.Copy()
 	bigger.MaxEntries = 8
-	om, err = p.OpenMap(nil, bigger, "/x", nil)
+	om, err = p.OpenMap(nil, bigger, "/x", bpf.CopyEntries[key, uint32])
 	if err != nil || om.Outcome != bpf.PinReplaced || om.Mismatch != "max entries 4 → 8" || p.Get("/x/test").Len() != 1 {
 		t.Fatalf("open with more entries: %+v, %v", om, err)
+	}
+	// A failed migration leaves the old map pinned.
+	failing := func(_, _ bpf.Map) error { return errors.New("no") }
+	if _, err := p.OpenMap(nil, s, "/x", failing); err == nil || p.Get("/x/test").MaxEntries() != 8 {
+		t.Fatalf("failed migration: %v, the pin has %d entries", err, p.Get("/x/test").MaxEntries())
+	}
+	// Without a migration nothing is kept.
+	om, err = p.OpenMap(nil, s, "/x", nil)
+	if err != nil || om.Outcome != bpf.PinReplaced || p.Get("/x/test").Len() != 0 {
+		t.Fatalf("resize without migration: %+v, %v", om, err)
+	}
+	if err := p.RemoveMap("/x", "test"); err != nil || p.Get("/x/test") != nil {
+		t.Fatalf("remove: %v", err)
+	}
+	if _, err := p.LoadMap("/x", "test"); err == nil {
+		t.Fatal("load of a removed map succeeded")
 	}
 }

@@ -3,6 +3,7 @@ package memmap
 import (
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"sync"
 
@@ -30,10 +31,11 @@ func NewPins(wrap func(path string, m *Map) bpf.Map) *Pins {
 }
 
 // OpenMap implements bpf.Opener. A map pinned with other attributes is
-// replaced: by a new map holding the old one's entries (as many as fit)
-// when only the max entries differ, else by an empty one. migrate, written
-// for kernel maps, is not called.
-func (p *Pins) OpenMap(_ *slog.Logger, spec *ebpf.MapSpec, pinDir string, _ bpf.MigrateFunc) (*bpf.OpenedMap, error) {
+// replaced: when only the max entries differ, by a new map into which
+// migrate (if not nil) moves what it keeps, as the kernel's pins are;
+// when the layout differs, by an empty one (opts are not needed for
+// that). A migration that fails leaves the old map pinned.
+func (p *Pins) OpenMap(_ *slog.Logger, spec *ebpf.MapSpec, pinDir string, migrate bpf.MigrateFunc, _ ...bpf.PinOption) (*bpf.OpenedMap, error) {
 	if spec == nil || spec.Name == "" {
 		return nil, fmt.Errorf("open map in memory: no spec or no name")
 	}
@@ -54,13 +56,11 @@ func (p *Pins) OpenMap(_ *slog.Logger, spec *ebpf.MapSpec, pinDir string, _ bpf.
 	case old.maxEntries != spec.MaxEntries:
 		m, outcome = New(spec), bpf.PinReplaced
 		mismatch = fmt.Sprintf("max entries %d → %d", old.maxEntries, spec.MaxEntries)
-		old.mu.Lock()
-		for k, v := range old.entries {
-			if uint32(len(m.entries)) < m.maxEntries {
-				m.entries[k] = v
+		if migrate != nil {
+			if err := migrate(old, m); err != nil {
+				return nil, fmt.Errorf("migrate map in memory %s (%s): %w", path, mismatch, err)
 			}
 		}
-		old.mu.Unlock()
 	}
 	p.maps[path] = m
 	var bm bpf.Map = m
@@ -75,4 +75,27 @@ func (p *Pins) Get(path string) *Map {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.maps[path]
+}
+
+// RemoveMap implements bpf.Opener: the map pinned as pinDir/name is gone.
+func (p *Pins) RemoveMap(pinDir, name string) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.maps, filepath.Join(pinDir, name))
+	return nil
+}
+
+// LoadMap implements bpf.Opener.
+func (p *Pins) LoadMap(pinDir, name string) (bpf.Map, error) {
+	path := filepath.Join(pinDir, name)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	m := p.maps[path]
+	if m == nil {
+		return nil, fmt.Errorf("load map in memory %s: %w", path, os.ErrNotExist)
+	}
+	if p.wrap != nil {
+		return p.wrap(path, m), nil
+	}
+	return m, nil
 }

@@ -128,7 +128,7 @@ func benchResize(b *testing.B, from, to uint32, now uint32, lifetime func(int) i
 			}
 			old.Close()
 		}
-		ops := reconcilers.NewCTMaps(nil, dir)
+		ops := reconcilers.NewCTMaps(nil, nil, dir)
 		row := &tables.CTMap{Name: bpf.CT4GlobalMap, MaxEntries: to}
 		b.StartTimer()
 		err := ops.Update(context.Background(), nil, 0, row)

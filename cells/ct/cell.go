@@ -16,7 +16,6 @@ import (
 	"fmt"
 	"log/slog"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
@@ -62,7 +61,7 @@ type Maps interface {
 	// Use calls fn with the open map called name (e.g. bpf.CT4GlobalMap),
 	// or returns an error matching reconcilers.ErrCTMapNotOpen. fn must not
 	// keep the map after it returns, as a resize replaces and closes it.
-	Use(name string, fn func(*ebpf.Map) error) error
+	Use(name string, fn func(bpf.Map) error) error
 }
 
 // desiredMaps are the rows the configuration asks for.
@@ -98,9 +97,10 @@ func newDesiredMaps(cfg Config, nc node.Config, log *slog.Logger) (desiredMaps, 
 }
 
 // newCTMaps returns the reconciler's operations, which also hold the open
-// maps until the hive stops.
-func newCTMaps(log *slog.Logger, pinDir bpffs.PinDir, lc cell.Lifecycle) *reconcilers.CTMaps {
-	maps := reconcilers.NewCTMaps(log, string(pinDir))
+// maps until the hive stops. opener is the kernel's pins in the agent,
+// maps in memory in a test's hive.
+func newCTMaps(log *slog.Logger, opener bpffs.Maps, pinDir bpffs.PinDir, lc cell.Lifecycle) *reconcilers.CTMaps {
+	maps := reconcilers.NewCTMaps(log, opener, string(pinDir))
 	lc.Append(cell.Hook{
 		// Jobs, the reconciler and the GC among them, stop before this.
 		OnStop: func(cell.HookContext) error { return maps.Close() },

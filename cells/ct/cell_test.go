@@ -163,7 +163,7 @@ func (a *agent) write(t *testing.T, name string, first, n int, lifetime int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = a.maps.Use(name, func(m *ebpf.Map) error {
+	err = a.maps.Use(name, func(m bpf.Map) error {
 		for i := first; i < first+n; i++ {
 			if err := m.Put(tuple(i), bpf.CTEntry{Lifetime: uint32(int(now) + lifetime), TxPackets: uint64(i)}); err != nil {
 				return err
@@ -180,7 +180,7 @@ func (a *agent) write(t *testing.T, name string, first, n int, lifetime int) {
 func (a *agent) keys(t *testing.T, name string) map[int]bool {
 	t.Helper()
 	got := map[int]bool{}
-	err := a.maps.Use(name, func(m *ebpf.Map) error {
+	err := a.maps.Use(name, func(m bpf.Map) error {
 		return bpf.WalkCT(m, 1024, func(keys []bpf.CTKey4, values []bpf.CTEntry) error {
 			for i := range keys {
 				got[int(values[i].TxPackets)] = true

@@ -26,7 +26,7 @@ import (
 // whole map in memory, about 120 bytes per entry.
 //
 // `apiary bpf ct list` and the ct/dump script command print with it.
-func WriteEntries(w io.Writer, m *ebpf.Map, now uint32) error {
+func WriteEntries(w io.Writer, m bpf.Map, now uint32) error {
 	switch m.KeySize() {
 	case bpf.CTKey4Size:
 		return writeEntries[bpf.CTKey4](w, m, now)
@@ -81,7 +81,7 @@ type tupleEntry struct {
 	entry bpf.CTEntry
 }
 
-func writeEntries[K bpf.CTKey](w io.Writer, m *ebpf.Map, now uint32) error {
+func writeEntries[K bpf.CTKey](w io.Writer, m bpf.Map, now uint32) error {
 	var entries []tupleEntry
 	err := bpf.WalkCT(m, gcBatch, func(keys []K, values []bpf.CTEntry) error {
 		for i := range keys {

@@ -70,7 +70,7 @@ func (r gcResult) pressure() float64 {
 //
 // An entry the datapath refreshes between the lookup and the delete is
 // deleted all the same; the datapath then tracks the connection anew.
-func CollectExpired(ctx context.Context, m *ebpf.Map, now uint32) (scanned, deleted uint64, err error) {
+func CollectExpired(ctx context.Context, m bpf.Map, now uint32) (scanned, deleted uint64, err error) {
 	switch m.KeySize() {
 	case bpf.CTKey4Size:
 		return collectExpired[bpf.CTKey4](ctx, m, now)
@@ -80,7 +80,7 @@ func CollectExpired(ctx context.Context, m *ebpf.Map, now uint32) (scanned, dele
 	return 0, 0, fmt.Errorf("key size %d is no conntrack key", m.KeySize())
 }
 
-func collectExpired[K bpf.CTKey](ctx context.Context, m *ebpf.Map, now uint32) (scanned, deleted uint64, err error) {
+func collectExpired[K bpf.CTKey](ctx context.Context, m bpf.Map, now uint32) (scanned, deleted uint64, err error) {
 	expired := make([]K, 0, gcBatch)
 	err = bpf.WalkCT(m, gcBatch, func(keys []K, values []bpf.CTEntry) error {
 		if err := ctx.Err(); err != nil {
@@ -103,7 +103,7 @@ func collectExpired[K bpf.CTKey](ctx context.Context, m *ebpf.Map, now uint32) (
 // deleteKeys deletes keys from m with batch deletes and returns how many it
 // deleted. Keys that are already gone (the datapath or the LRU removed them)
 // are skipped.
-func deleteKeys[K any](m *ebpf.Map, keys []K) (uint64, error) {
+func deleteKeys[K any](m bpf.Map, keys []K) (uint64, error) {
 	var deleted uint64
 	for len(keys) > 0 {
 		n, err := m.BatchDelete(keys, nil)
@@ -233,7 +233,7 @@ func (g *gc) collect(ctx context.Context) ([]gcResult, error) {
 		}
 		r := gcResult{name: row.Name, maxEntries: row.ActualMaxEntries}
 		mapStart := time.Now()
-		err := g.maps.Use(row.Name, func(m *ebpf.Map) error {
+		err := g.maps.Use(row.Name, func(m bpf.Map) error {
 			var err error
 			r.scanned, r.deleted, err = CollectExpired(ctx, m, now)
 			return err

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/script"
 
@@ -41,7 +40,7 @@ func dumpCmd(maps *reconcilers.CTMaps) script.Cmd {
 			}
 			var out strings.Builder
 			for _, name := range names {
-				if err := maps.Use(name, func(m *ebpf.Map) error { return WriteEntries(&out, m, now) }); err != nil {
+				if err := maps.Use(name, func(m bpf.Map) error { return WriteEntries(&out, m, now) }); err != nil {
 					return nil, err
 				}
 			}

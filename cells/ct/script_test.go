@@ -10,7 +10,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/hive"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/script"
@@ -24,6 +23,11 @@ import (
 
 func TestScript(t *testing.T) {
 	apiarytest.RunCells(t, "testdata/*.txtar", ct.Cell, scriptTestCell)
+}
+
+// TestScriptInMemory runs the same scripts on maps in memory, without root.
+func TestScriptInMemory(t *testing.T) {
+	apiarytest.RunCellsInMemory(t, "testdata/*.txtar", ct.Cell, scriptTestCell)
 }
 
 // scriptTestCell adds what the scripts need and the agent must not have:
@@ -161,7 +165,7 @@ func writeCmd(maps ct.Maps) script.Cmd {
 				return nil, err
 			}
 			value := bpf.CTEntry{Lifetime: uint32(int(now) + lifetime), TxPackets: 1, TxBytes: 64}
-			return nil, maps.Use(args[0], func(m *ebpf.Map) error {
+			return nil, maps.Use(args[0], func(m bpf.Map) error {
 				for i := range count {
 					sport := src.Port() + uint16(i)
 					var key any

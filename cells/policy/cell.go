@@ -238,6 +238,7 @@ type controllerParams struct {
 	DB             *statedb.DB
 	Jobs           job.Group
 	PinDir         bpffs.PinDir
+	Maps           bpffs.Maps // the policy maps: the kernel's, or a test's in memory
 	Root           cgroups.Root
 	Lifecycle      cell.Lifecycle
 	Ops            *reconcilers.Policy

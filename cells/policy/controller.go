@@ -60,7 +60,7 @@ func newController(p controllerParams) *controller {
 const writeChunk = 2000
 
 func (c *controller) run(ctx context.Context, health cell.Health) error {
-	restored, err := c.Ops.Open(string(c.PinDir), c.Config.BPFPolicyMapMax, endpointsMax)
+	restored, err := c.Ops.OpenWith(c.Maps, string(c.PinDir), c.Config.BPFPolicyMapMax, endpointsMax)
 	if err != nil {
 		return fmt.Errorf("open policy maps: %w", err)
 	}

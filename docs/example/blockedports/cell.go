@@ -23,6 +23,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -73,7 +74,7 @@ func (c Config) parse() ([]*BlockedPort, error) {
 }
 
 func newOps(lc cell.Lifecycle, pinDir bpffs.PinDir, maps bpffs.Maps) *ops {
-	o := &ops{}
+	o := &ops{m: reconcilers.NewMirror[MapKey, uint8](MapName)}
 	lc.Append(cell.Hook{
 		OnStart: func(cell.HookContext) error { return o.open(maps, string(pinDir)) },
 		OnStop:  func(cell.HookContext) error { return o.close() },
@@ -140,9 +141,8 @@ func scriptCommands(o *ops) hive.ScriptCmdsOut {
 		"example/map-ops": script.Command(
 			script.CmdUsage{Summary: "Print how many map writes and deletes the reconciler made"},
 			func(s *script.State, _ ...string) (script.WaitFunc, error) {
-				o.mu.Lock()
-				out := fmt.Sprintf("writes=%d deletes=%d\n", o.writes, o.deletes)
-				o.mu.Unlock()
+				writes, deletes := o.counts()
+				out := fmt.Sprintf("writes=%d deletes=%d\n", writes, deletes)
 				return func(*script.State) (string, string, error) { return out, "", nil }, nil
 			}),
 	})

@@ -12,6 +12,7 @@ import (
 	"github.com/cilium/statedb/reconciler"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/reconcilers"
 )
 
 // MapName is the name the map is pinned under in --bpf-pin-dir.
@@ -35,52 +36,40 @@ func keyOf(b *BlockedPort) MapKey {
 	return MapKey{Port: bpf.NewBe16(b.Port), Proto: uint8(b.Proto)}
 }
 
-// ops are the reconciler's operations: they alone write the map. The map
-// is a bpf.Map, opened through bpffs.Maps: pinned on bpffs in the agent,
-// in memory in the script tests.
+// ops are the reconciler's operations: they alone write the map. They
+// stand on reconcilers.Mirror, the map layer: it opens the map through
+// bpffs.Maps (pinned on bpffs in the agent, in memory in the script
+// tests), reads what the map holds so that a restart writes nothing, and
+// writes only what differs. The operations only turn rows into keys and
+// values.
 type ops struct {
 	mu sync.Mutex
-	m  bpf.Map
-	// writes and deletes count map operations, for the scripts.
-	writes, deletes int
+	m  *reconcilers.Mirror[MapKey, uint8]
 }
 
 var _ reconciler.Operations[*BlockedPort] = (*ops)(nil)
 
 func (o *ops) open(opener bpf.Opener, pinDir string) error {
-	om, err := opener.OpenMap(nil, MapSpec(1024), pinDir, nil)
-	if err != nil {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if _, err := o.m.Open(opener, nil, MapSpec(1024), pinDir, nil); err != nil {
 		return fmt.Errorf("open %s: %w", MapName, err)
 	}
-	o.mu.Lock()
-	o.m = om.Map
-	o.mu.Unlock()
 	return nil
 }
 
 func (o *ops) close() error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.m == nil {
-		return nil
-	}
-	err := o.m.Close()
-	o.m = nil
-	return err
+	return o.m.Close()
 }
 
-// Update implements reconciler.Operations: the row's entry is written.
+// Update implements reconciler.Operations: the row's entry is written,
+// unless the map holds it already.
 func (o *ops) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, b *BlockedPort) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.m == nil {
-		return errors.New("map not open")
-	}
-	if err := o.m.Put(keyOf(b), uint8(1)); err != nil {
-		return fmt.Errorf("write %s: %w", b.Key(), err)
-	}
-	o.writes++
-	return nil
+	return o.m.Put(keyOf(b), 1)
 }
 
 // Delete implements reconciler.Operations: the row is gone, so is its
@@ -88,15 +77,7 @@ func (o *ops) Update(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, b
 func (o *ops) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, b *BlockedPort) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.m == nil {
-		return errors.New("map not open")
-	}
-	err := o.m.Delete(keyOf(b))
-	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("delete %s: %w", b.Key(), err)
-	}
-	o.deletes++
-	return nil
+	return o.m.Delete(keyOf(b))
 }
 
 // Prune implements reconciler.Operations: entries no row explains (left
@@ -110,43 +91,27 @@ func (o *ops) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*Blo
 	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.m == nil {
-		return errors.New("map not open")
-	}
-	var stray []MapKey
-	err := bpf.Walk(o.m, 256, func(keys []MapKey, _ []uint8) error {
-		for _, k := range keys {
-			if !want[k] {
-				stray = append(stray, k)
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("read %s: %w", MapName, err)
-	}
 	var errs []error
-	for _, k := range stray {
-		if err := o.m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			errs = append(errs, err)
-			continue
+	for k := range o.m.All() {
+		if !want[k] {
+			errs = append(errs, o.m.Delete(k))
 		}
-		o.deletes++
 	}
 	return errors.Join(errs...)
 }
 
-// dump returns the map's entries as "<port>/<proto>", sorted by the map.
+// counts returns how many entries the operations wrote and deleted.
+func (o *ops) counts() (writes, deletes uint64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.m.Writes()
+}
+
+// dump returns the map's keys, read from the map.
 func (o *ops) dump() ([]MapKey, error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.m == nil {
-		return nil, errors.New("map not open")
-	}
 	var out []MapKey
-	err := bpf.Walk(o.m, 256, func(keys []MapKey, _ []uint8) error {
-		out = append(out, keys...)
-		return nil
-	})
+	err := o.m.Dump(func(k MapKey, _ uint8) { out = append(out, k) })
 	return out, err
 }
