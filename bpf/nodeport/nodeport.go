@@ -184,6 +184,7 @@ const (
 	StatNoRoute
 	StatSourceRange
 	StatReset
+	StatUnreach
 	statCount
 )
 
@@ -191,6 +192,7 @@ const (
 var StatNames = [statCount]string{
 	"new_local", "new_remote", "forward", "reply",
 	"drop_no_backend", "drop_nat_full", "drop_nat_ports", "drop_no_snat_address", "drop_no_route", "drop_source_range", "reset_sent",
+	"unreachable_sent",
 }
 
 // NAT port range the programs allocate from: above Linux's default

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -102,6 +103,10 @@ func npUDP(addr string) string {
 	if err != nil {
 		if os.IsTimeout(err) {
 			return "timeout"
+		}
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			// An ICMP port unreachable came back.
+			return "ECONNREFUSED"
 		}
 		return "error: " + err.Error()
 	}
@@ -384,7 +389,7 @@ ports: [{name: tcp, port: 8080, protocol: TCP}]
 endpoints: [{addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}]
 `
 
-// npEmpty: a NodePort service without endpoints.
+// npEmpty: a dual-stack NodePort service without endpoints, TCP and UDP.
 const npEmpty = `---
 apiVersion: v1
 kind: Service
@@ -392,7 +397,12 @@ metadata: {name: np-empty, namespace: default}
 spec:
   type: NodePort
   clusterIP: 10.96.0.85
-  ports: [{name: tcp, port: 80, targetPort: 8080, nodePort: 30085, protocol: TCP}]
+  clusterIPs: [10.96.0.85, "fd00:96::85"]
+  ipFamilies: [IPv4, IPv6]
+  ipFamilyPolicy: RequireDualStack
+  ports:
+  - {name: tcp, port: 80, targetPort: 8080, nodePort: 30085, protocol: TCP}
+  - {name: udp, port: 80, targetPort: 8080, nodePort: 30085, protocol: UDP}
 `
 
 // npLong: a NodePort service for a long-lived connection to the pod.
@@ -576,12 +586,22 @@ func testNodePortFromOutside(t *testing.T, attach string) {
 	t.Run("no endpoints", func(t *testing.T) {
 		// Refused at once (a reset from the node), as kube-proxy's
 		// reject does, not left to time out.
-		testenv.Eventually(t, waitTimeout, "TCP to a node port without endpoints refused", func() (bool, string) {
-			got := s.client.run(t, connectEnv+"="+npNode4+":30085")
-			return got == "ECONNREFUSED", got
-		})
-		if n := s.nodePortStat(t, "reset_sent"); n == 0 {
-			t.Errorf("reset_sent not counted")
+		// TCP gets a reset, UDP an ICMP (ICMPv6) port unreachable: both
+		// are ECONNREFUSED to the client's connected socket.
+		for _, addr := range []string{npNode4 + ":30085", "[" + npNode6 + "]:30085"} {
+			testenv.Eventually(t, waitTimeout, "TCP to "+addr+" (no endpoints) refused", func() (bool, string) {
+				got := s.client.run(t, connectEnv+"="+addr)
+				return got == "ECONNREFUSED", got
+			})
+			testenv.Eventually(t, waitTimeout, "UDP to "+addr+" (no endpoints) refused", func() (bool, string) {
+				got := s.client.run(t, npUDPEnv+"="+addr)
+				return got == "ECONNREFUSED", got
+			})
+		}
+		for _, name := range []string{"reset_sent", "unreachable_sent"} {
+			if n := s.nodePortStat(t, name); n < 2 {
+				t.Errorf("%s %d, want at least 2 (IPv4 and IPv6)", name, n)
+			}
 		}
 	})
 
