@@ -11,7 +11,9 @@
  * its service entry is marked routable (every type but ClusterIP).
  *
  * A new flow picks a backend at random (the active ones; the terminating
- * ones only when none is active). Where the kernel would route the
+ * ones only when none is active; lb_select.h, shared with socklb.c), or
+ * with --lb-algorithm=maglev from the frontend's Maglev table (lb_maglev)
+ * by a hash of the client's address and port, the same on every node. Where the kernel would route the
  * backend decides how it is reached:
  *   - through a device that is not one of the external devices (a pod's
  *     veth): a local backend. The destination is rewritten in place and the
@@ -53,6 +55,8 @@
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+
+#include "lb_select.h"
 
 /* The load balancer's maps: see socklb.c and bpf/lb.go. */
 struct lb4_key {
@@ -312,6 +316,27 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } nodeport_srcrange6 SEC(".maps");
 
+/*
+ * lb_maglev (the agent's, reconcilers/maglev.go): with --lb-algorithm=maglev,
+ * per frontend (by its rev-NAT index) the Maglev lookup table of its
+ * active backends, maglev_size backend IDs. The agent sizes the value
+ * from --lb-maglev-table-size; the size here is only the default's.
+ */
+struct lb_maglev_key {
+	__be16 rev_nat;
+	__u16 pad;
+};
+
+#define MAGLEV_DEFAULT_SIZE 16381
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb_maglev_key);
+	__type(value, __u32[MAGLEV_DEFAULT_SIZE]);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} lb_maglev SEC(".maps");
+
 /* nodeport_stats: per-CPU counts by NP_STAT_*. */
 enum {
 	NP_STAT_NEW_LOCAL,   /* new flows to a local backend */
@@ -344,6 +369,9 @@ volatile const __u16 nat_port_max = 65535;
 /* Idle times after which an entry may be taken over, nanoseconds. */
 volatile const __u64 tcp_timeout_ns = 6 * 3600 * 1000000000ULL;
 volatile const __u64 udp_timeout_ns = 60 * 1000000000ULL;
+/* The Maglev tables' size (a prime); 0: new flows pick a backend at
+ * random (--lb-algorithm=random). */
+volatile const __u32 maglev_size = 0;
 
 #define NAT_TRIES 16
 
@@ -358,8 +386,6 @@ volatile const __u64 udp_timeout_ns = 60 * 1000000000ULL;
 #define NSEC_PER_SEC 1000000000ULL
 #define SVC_FLAG_LOADBALANCER (1 << 5)
 #define SVC_FLAG_ROUTABLE (1 << 6)
-#define BACKEND_ACTIVE 0
-#define BACKEND_TERMINATING 1
 
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff
@@ -472,24 +498,62 @@ static __always_inline int stale(const struct np4_entry *e, __u64 now)
 	return (__s64)(now - e->last_seen) > (__s64)timeout_of(e->proto);
 }
 
-/* pick_backend chooses one of the service's usable backends at random. */
+/*
+ * maglev_backend_id returns the backend ID the frontend's Maglev table
+ * holds for a flow's hash, 0 when there is no table (random, or not
+ * written yet: the caller then picks at random). Only active backends are
+ * in a table; with none active, the terminating ones are picked at random.
+ */
+static __always_inline __u32 maglev_backend_id(const struct lb4_service *svc, __u32 hash)
+{
+	struct lb_maglev_key mk = { .rev_nat = svc->rev_nat_index };
+	__u32 size = maglev_size, idx;
+	__u32 *lut;
+
+	if (!size || !svc->count)
+		return 0;
+	lut = bpf_map_lookup_elem(&lb_maglev, &mk);
+	if (!lut)
+		return 0;
+	idx = hash % size;
+	/* The verifier knows size (read-only data) and the value's size,
+	 * which the agent made size entries, but not what % gives: the
+	 * check it needs, which the compiler would drop as always false
+	 * unless it forgets what idx is. */
+	asm volatile("" : "+r"(idx));
+	if (idx >= size)
+		return 0;
+	return lut[idx];
+}
+
+/* pick_backend chooses one of the service's usable backends: from its
+ * Maglev table by the flow's hash, or at random. */
 static __always_inline const struct lb4_backend *pick_backend(struct lb4_key *key,
-							       const struct lb4_service *svc, __u32 *out_id)
+							       const struct lb4_service *svc, __u32 hash,
+							       __u32 *out_id)
 {
 	const struct lb4_service *slot;
 	const struct lb4_backend *be;
-	__u32 n = svc->count ? svc->count : svc->qcount;
+	__u32 n = slots(svc->count, svc->qcount);
 	__u32 id;
 
 	if (n == 0)
 		return NULL;
-	key->backend_slot = (__u16)(bpf_get_prandom_u32() % n + 1);
+	id = maglev_backend_id(svc, hash);
+	if (id) {
+		be = bpf_map_lookup_elem(&lb4_backends, &id);
+		if (be && be->flags == BACKEND_ACTIVE) {
+			*out_id = id;
+			return be;
+		}
+	}
+	key->backend_slot = random_slot(n);
 	slot = bpf_map_lookup_elem(&lb4_services, key);
 	if (!slot)
 		return NULL;
 	id = slot->backend_id;
 	be = bpf_map_lookup_elem(&lb4_backends, &id);
-	if (!be || (be->flags != BACKEND_ACTIVE && be->flags != BACKEND_TERMINATING))
+	if (!be || !backend_usable(be->flags))
 		return NULL;
 	*out_id = id;
 	return be;
@@ -822,7 +886,10 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 		be = affinity_backend(&akey, svc->backend_id & AFFINITY_TIMEOUT_MASK, now);
 	}
 	if (!be) {
-		be = pick_backend(&key, svc, &be_id);
+		/* The flow without the node's address: on an ECMP'd LoadBalancer
+		 * IP every node computes the same hash. */
+		be = pick_backend(&key, svc,
+				  flow_hash(p->saddr, ((__u32)p->sport << 16) | p->dport, p->proto), &be_id);
 		if (!be) {
 			count(NP_STAT_NO_BACKEND);
 			return NP_REFUSE;
@@ -1089,22 +1156,31 @@ static __always_inline int out6(struct __sk_buff *skb, const union v6addr *saddr
 }
 
 static __always_inline const struct lb6_backend *pick_backend6(struct lb6_key *key,
-								const struct lb4_service *svc, __u32 *out_id)
+								const struct lb4_service *svc, __u32 hash,
+								__u32 *out_id)
 {
 	const struct lb4_service *slot;
 	const struct lb6_backend *be;
-	__u32 n = svc->count ? svc->count : svc->qcount;
+	__u32 n = slots(svc->count, svc->qcount);
 	__u32 id;
 
 	if (n == 0)
 		return NULL;
-	key->backend_slot = (__u16)(bpf_get_prandom_u32() % n + 1);
+	id = maglev_backend_id(svc, hash);
+	if (id) {
+		be = bpf_map_lookup_elem(&lb6_backends, &id);
+		if (be && be->flags == BACKEND_ACTIVE) {
+			*out_id = id;
+			return be;
+		}
+	}
+	key->backend_slot = random_slot(n);
 	slot = bpf_map_lookup_elem(&lb6_services, key);
 	if (!slot)
 		return NULL;
 	id = slot->backend_id;
 	be = bpf_map_lookup_elem(&lb6_backends, &id);
-	if (!be || (be->flags != BACKEND_ACTIVE && be->flags != BACKEND_TERMINATING))
+	if (!be || !backend_usable(be->flags))
 		return NULL;
 	*out_id = id;
 	return be;
@@ -1315,7 +1391,10 @@ static __always_inline int new_flow6(struct __sk_buff *skb, const struct pkt6 *p
 		be = affinity_backend6(&akey, svc->backend_id & AFFINITY_TIMEOUT_MASK, now);
 	}
 	if (!be) {
-		be = pick_backend6(&key, svc, &be_id);
+		be = pick_backend6(&key, svc,
+				   flow_hash(p->saddr.p[0] ^ p->saddr.p[1] ^ p->saddr.p[2] ^ p->saddr.p[3],
+					     ((__u32)p->sport << 16) | p->dport, p->proto),
+				   &be_id);
 		if (!be) {
 			count(NP_STAT_NO_BACKEND);
 			return NP_REFUSE;

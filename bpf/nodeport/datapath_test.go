@@ -49,6 +49,14 @@ func newDatapath(tb testing.TB) *datapath {
 		Services6: mk(bpf.LB6ServicesMap), Backends6: mk(bpf.LB6BackendsMap),
 		NAT6: mk(NAT6Map), SourceRange6: mk(SourceRange6Map), Affinity6: mk(Affinity6Map),
 	}}
+	mg, err := MaglevMapSpec(0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if d.maps.Maglev, err = ebpf.NewMap(mg); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { d.maps.Maglev.Close() })
 	d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute}, d.maps)
 	if err != nil {
 		tb.Fatal(err)
@@ -675,4 +683,73 @@ func TestRefused6(t *testing.T) {
 			t.Errorf("%s %d, want %d", StatNames[s], n, want)
 		}
 	}
+}
+
+// TestMaglev: with Maglev tables (Config.MaglevSize), a new flow's backend
+// is the one its frontend's table names for the flow's hash; a table that
+// names a backend no longer there, or no table, falls back to a random
+// active one.
+func TestMaglev(t *testing.T) {
+	const size = 251
+	d := newDatapath(t)
+	mg, err := MaglevMapSpec(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.maps.Maglev, err = ebpf.NewMap(mg); err != nil {
+		t.Fatal(err)
+	}
+	defer d.maps.Maglev.Close()
+	if d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute, MaglevSize: size}, d.maps); err != nil {
+		t.Fatal(err)
+	}
+	other := netip.MustParseAddrPort("10.244.0.6:8080")
+	d.service(t, nodePort, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend, other)
+	flows := func() map[netip.AddrPort]int {
+		seen := map[netip.AddrPort]int{}
+		for i := range 64 {
+			src := netip.AddrPortFrom(client.Addr(), client.Port()+uint16(i))
+			ret, out := d.run(t, IngressProg, frame(tcp, src, nodePort))
+			if ret != tcxNext {
+				t.Fatalf("flow %d: verdict %#x", i, ret)
+			}
+			_, dst := parsed(t, out)
+			seen[dst]++
+		}
+		return seen
+	}
+	table := func(id uint32) {
+		lut := make([]uint32, size)
+		for i := range lut {
+			lut[i] = id
+		}
+		if err := d.maps.Maglev.Put(MaglevKey{RevNat: bpf.NewBe16(1)}, lut); err != nil {
+			t.Fatal(err)
+		}
+	}
+	table(2)
+	if seen := flows(); seen[other] != 64 {
+		t.Errorf("a table naming backend 2 everywhere: %v, want all to %s", seen, other)
+	}
+	d.maps.NAT4 = mustClear(t, d.maps.NAT4)
+	table(99) // no such backend
+	if seen := flows(); len(seen) != 2 {
+		t.Errorf("a table naming a backend that is gone: %v, want both backends (random)", seen)
+	}
+}
+
+// mustClear empties a hash map and returns it.
+func mustClear(tb testing.TB, m *ebpf.Map) *ebpf.Map {
+	tb.Helper()
+	var k NATKey
+	var keys []NATKey
+	it := m.Iterate()
+	var v NATEntry
+	for it.Next(&k, &v) {
+		keys = append(keys, k)
+	}
+	for _, k := range keys {
+		m.Delete(k)
+	}
+	return m
 }
