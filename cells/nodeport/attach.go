@@ -43,6 +43,8 @@ type attacher struct {
 	nodeIPs []netip.Addr
 	db      *statedb.DB
 	devices statedb.RWTable[*tables.NodePortDevice]
+	// maglev writes lb_maglev; nil with random selection.
+	maglev *reconcilers.Maglev
 
 	// attached is closed once the programs and their maps are in place.
 	attached     chan struct{}
@@ -53,12 +55,12 @@ type attacher struct {
 }
 
 func newAttacher(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, maps lb.Maps, nodeCfg node.Config,
-	db *statedb.DB, devices statedb.RWTable[*tables.NodePortDevice]) (*attacher, error) {
+	db *statedb.DB, devices statedb.RWTable[*tables.NodePortDevice], mg *reconcilers.Maglev) (*attacher, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
 	return &attacher{log: log, cfg: cfg, pinDir: string(pinDir), lbMaps: maps, nodeIPs: nodeCfg.NodeIPs,
-		db: db, devices: devices, attached: make(chan struct{})}, nil
+		db: db, devices: devices, maglev: mg, attached: make(chan struct{})}, nil
 }
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
@@ -72,7 +74,7 @@ func linkPin(dir string, ifindex int, egress bool) string {
 }
 
 func (a *attacher) progConfig() nodeport.Config {
-	return nodeport.Config{TCPTimeout: a.cfg.NATTCPTimeout, UDPTimeout: a.cfg.NATUDPTimeout}
+	return nodeport.Config{TCPTimeout: a.cfg.NATTCPTimeout, UDPTimeout: a.cfg.NATUDPTimeout, MaglevSize: a.cfg.maglevSize()}
 }
 
 // run attaches (or detaches) once, then keeps its health scope open with
@@ -175,6 +177,11 @@ func (a *attacher) openOwnMaps() (map[string]*ebpf.Map, error) {
 	own := map[string]*ebpf.Map{}
 	for _, name := range nodeport.OwnMaps {
 		spec, err := nodeport.MapSpec(name, a.cfg.BPFNATMax)
+		if name == nodeport.MaglevMap {
+			// Another table size than the pin's: the pin is replaced
+			// (nothing migrates; the reconciler writes every table).
+			spec, err = nodeport.MaglevMapSpec(a.cfg.maglevSize())
+		}
 		if err != nil {
 			closeMaps(own)
 			return nil, err
@@ -234,7 +241,7 @@ func (a *attacher) attach() (string, error) {
 			Affinity4: own[nodeport.Affinity4Map], Affinity6: own[nodeport.Affinity6Map], Services6: s6, Backends6: b6,
 			NAT6: own[nodeport.NAT6Map], SourceRange6: own[nodeport.SourceRange6Map],
 			Devices: own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap],
-			SourceRange4: own[nodeport.SourceRange4Map]})
+			SourceRange4: own[nodeport.SourceRange4Map], Maglev: own[nodeport.MaglevMap]})
 		return err
 	})
 	if err != nil {
@@ -315,6 +322,11 @@ func (a *attacher) attach() (string, error) {
 	a.mu.Lock()
 	a.own = own
 	a.mu.Unlock()
+	if a.maglev != nil {
+		if err := a.maglev.SetMap(own[nodeport.MaglevMap]); err != nil {
+			return "", err
+		}
+	}
 	var failed []string
 	for _, r := range rows {
 		if r.Error != "" {
@@ -407,4 +419,7 @@ func (a *attacher) close() {
 	defer a.mu.Unlock()
 	closeMaps(a.own)
 	a.own = nil
+	if a.maglev != nil {
+		_ = a.maglev.SetMap(nil)
+	}
 }
