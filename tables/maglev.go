@@ -24,7 +24,7 @@ type Maglev struct {
 	ID uint16 `json:"id" yaml:"id"`
 	// Backends are its active backends, sorted: the table is computed
 	// from their addresses alone, so every node computes the same.
-	Backends []L4Addr `json:"backends" yaml:"backends"`
+	Backends []L4Addr          `json:"backends" yaml:"backends"`
 	Status   reconciler.Status `json:"status" yaml:"status"`
 }
 

@@ -91,9 +91,9 @@ func (c Config) maglevSize() uint32 {
 }
 
 var defaultConfig = Config{
-	BPFNATMax:      131072,
-	NATTCPTimeout:  6 * time.Hour,
-	NATUDPTimeout:  time.Minute,
+	BPFNATMax:         131072,
+	NATTCPTimeout:     6 * time.Hour,
+	NATUDPTimeout:     time.Minute,
 	NodePortAttach:    string(iflink.ModeAuto),
 	LBAlgorithm:       AlgorithmRandom,
 	LBMaglevTableSize: maglev.DefaultTableSize,
