@@ -31,6 +31,9 @@ const (
 // newMaglevOps returns the Maglev reconciler's operations, nil unless
 // --lb-algorithm=maglev with the programs enabled.
 func newMaglevOps(log *slog.Logger, cfg Config, maps lb.Maps) (*reconcilers.Maglev, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
 	if !cfg.maglev() {
 		return nil, nil
 	}
@@ -48,6 +51,7 @@ type maglevParams struct {
 	Frontends statedb.Table[*tables.Frontend]
 	Table     statedb.RWTable[*tables.Maglev]
 	Ops       *reconcilers.Maglev
+	Attacher  *attacher
 }
 
 // registerMaglev writes the nodeport-maglev table from the frontends
@@ -64,7 +68,13 @@ func registerMaglev(p maglevParams) error {
 	if err != nil {
 		return fmt.Errorf("maglev reconciler: %w", err)
 	}
-	w := &maglevWriter{db: p.DB, frontends: p.Frontends, table: p.Table}
+	w := &maglevWriter{db: p.DB, frontends: p.Frontends, table: p.Table, attached: p.Attacher.attached}
+	// Pruning waits for the writer's first pass, so that a restart does
+	// not remove the tables it is about to write again (registered now,
+	// before the reconciler can see the table as initialized).
+	wtxn := p.DB.WriteTxn(p.Table)
+	w.initialized = p.Table.RegisterInitializer(wtxn, "maglev-tables")
+	wtxn.Commit()
 	p.Jobs.Add(job.OneShot("maglev-tables", w.run))
 	return nil
 }
@@ -97,14 +107,22 @@ type maglevWriter struct {
 	db        *statedb.DB
 	frontends statedb.Table[*tables.Frontend]
 	table     statedb.RWTable[*tables.Maglev]
+	// attached is closed once lb_maglev is open.
+	attached    <-chan struct{}
+	initialized func(statedb.WriteTxn)
 }
 
 func (w *maglevWriter) run(ctx context.Context, health cell.Health) error {
-	wtxn := w.db.WriteTxn(w.frontends, w.table)
+	// Until the map is open, nothing could be written or pruned: the
+	// table is initialized (and the first prune runs) only after.
+	health.OK("waiting for the programs' maps")
+	select {
+	case <-ctx.Done():
+		return nil
+	case <-w.attached:
+	}
+	wtxn := w.db.WriteTxn(w.frontends)
 	changes, err := w.frontends.Changes(wtxn)
-	// Pruning waits for the first pass, so that a restart does not
-	// remove the tables it is about to write again.
-	initialized := w.table.RegisterInitializer(wtxn, "maglev-tables")
 	wtxn.Commit()
 	if err != nil {
 		return fmt.Errorf("watch frontends: %w", err)
@@ -131,9 +149,9 @@ func (w *maglevWriter) run(ctx context.Context, health cell.Health) error {
 				w.table.Insert(wtxn, want)
 			}
 		}
-		if initialized != nil {
-			initialized(wtxn)
-			initialized = nil
+		if w.initialized != nil {
+			w.initialized(wtxn)
+			w.initialized = nil
 		}
 		wtxn.Commit()
 		health.OK(fmt.Sprintf("%d Maglev tables", w.table.NumObjects(w.db.ReadTxn())))
