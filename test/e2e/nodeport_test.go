@@ -301,7 +301,9 @@ type npSetup struct {
 	configDir, cgRoot string
 }
 
-func setupNodePort(t *testing.T, extra, attach string) *npSetup {
+// setupNodePort starts the agent with the nodeport programs on two
+// devices (and flags, e.g. another --devices that adds to them).
+func setupNodePort(t *testing.T, extra, attach string, flags ...string) *npSetup {
 	t.Helper()
 	testenv.RequireRoot(t)
 	testenv.RequireProgram(t, "ip")
@@ -326,10 +328,10 @@ func setupNodePort(t *testing.T, extra, attach string) *npSetup {
 	startServer(t, s.pod.command(t, true, []string{npServeEnv + "=:8080"}), npPod4)
 	startServer(t, s.remote.command(npServeEnv+"=:8080"), npRemote4)
 	writeFile(t, filepath.Join(s.configDir, "np.yaml"), npConfig+extra)
-	s.a = startAgent(t, agentOptions{configDir: s.configDir, flags: []string{
+	s.a = startAgent(t, agentOptions{configDir: s.configDir, flags: append([]string{
 		"--node-name=e2e-node", "--cgroup-root=" + s.cgRoot, "--node-ips=" + npNode4 + "," + npNode6, "--enable-ipv6",
 		"--enable-nodeport", "--enable-health-check-node-port", "--devices=" + s.client.hostIf + "," + s.remote.hostIf, "--nodeport-attach=" + attach,
-	}})
+	}, flags...)})
 	s.a.waitPodInterfaces(t, map[string]string{"default/npb": s.pod.hostIf})
 	want := attach
 	if want == "auto" {
