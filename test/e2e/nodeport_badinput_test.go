@@ -132,7 +132,10 @@ func TestNodePortLeftAlone(t *testing.T) {
 		}
 	}()
 
-	s := setupNodePort(t, npOddities, "auto")
+	// The odd Services come after the start: the agent's health is
+	// degraded while a Service has problems, and it is started healthy.
+	s := setupNodePort(t, "", "auto")
+	writeFile(t, filepath.Join(s.configDir, "odd.yaml"), npOddities)
 	testenv.Eventually(t, waitTimeout, "the shared LoadBalancer IP's first port", func() (bool, string) {
 		got := s.client.run(t, connectEnv+"="+npSharedIP+":80")
 		return got == "ok: hello "+npClient4, got
