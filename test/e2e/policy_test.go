@@ -750,12 +750,12 @@ func TestPolicyVerdicts(t *testing.T) {
 	if n, err := a.labelledMetric(series); err != nil || n < 1 {
 		t.Errorf("%s: %v %v, want at least 1", series, n, err)
 	}
-	testenv.Eventually(t, waitTimeout, "the policies table counts the verdicts", func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, "the policy-status table counts the verdicts", func() (bool, string) {
 		var rows []struct {
 			Name     string
 			Verdicts struct{ Allowed, Denied, Audited uint64 }
 		}
-		if err := a.dump("policies", &rows); err != nil {
+		if err := a.dump("policy-status", &rows); err != nil {
 			return false, err.Error()
 		}
 		ok := 0
