@@ -11,7 +11,9 @@
  * its service entry is marked routable (every type but ClusterIP).
  *
  * A new flow picks a backend at random (the active ones; the terminating
- * ones only when none is active). Where the kernel would route the
+ * ones only when none is active; lb_select.h, shared with socklb.c), or
+ * with --lb-algorithm=maglev from the frontend's Maglev table (lb_maglev)
+ * by a hash of the client's address and port, the same on every node. Where the kernel would route the
  * backend decides how it is reached:
  *   - through a device that is not one of the external devices (a pod's
  *     veth): a local backend. The destination is rewritten in place and the
@@ -31,9 +33,12 @@
  * (NP_STAT_NAT_FULL) and the new flow dropped, never an old flow evicted
  * behind its back.
  *
- * A frontend with no usable backend refuses: an IPv4 TCP packet gets a
- * reset back (reset4), anything else is dropped; both counted
- * (NP_STAT_NO_BACKEND). Fragments after the first carry no ports and pass
+ * A frontend with no usable backend refuses, as a host with nothing
+ * listening does and kube-proxy's reject rules do: a TCP packet gets a
+ * reset back (reset4, reset6), a UDP datagram an ICMP or ICMPv6 port
+ * unreachable (unreach4, unreach6), sent back out of the device it came
+ * in through; counted (NP_STAT_NO_BACKEND, and NP_STAT_RESET or
+ * NP_STAT_UNREACH). Fragments after the first carry no ports and pass
  * untranslated.
  *
  * The translated packet goes on through the kernel: a local backend's
@@ -50,6 +55,8 @@
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+
+#include "lb_select.h"
 
 /* The load balancer's maps: see socklb.c and bpf/lb.go. */
 struct lb4_key {
@@ -309,6 +316,27 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } nodeport_srcrange6 SEC(".maps");
 
+/*
+ * lb_maglev (the agent's, reconcilers/maglev.go): with --lb-algorithm=maglev,
+ * per frontend (by its rev-NAT index) the Maglev lookup table of its
+ * active backends, maglev_size backend IDs. The agent sizes the value
+ * from --lb-maglev-table-size; the size here is only the default's.
+ */
+struct lb_maglev_key {
+	__be16 rev_nat;
+	__u16 pad;
+};
+
+#define MAGLEV_DEFAULT_SIZE 16381
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct lb_maglev_key);
+	__type(value, __u32[MAGLEV_DEFAULT_SIZE]);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} lb_maglev SEC(".maps");
+
 /* nodeport_stats: per-CPU counts by NP_STAT_*. */
 enum {
 	NP_STAT_NEW_LOCAL,   /* new flows to a local backend */
@@ -322,6 +350,7 @@ enum {
 	NP_STAT_NO_ROUTE,    /* dropped: no route to a translated destination */
 	NP_STAT_SOURCE_RANGE,/* dropped: a client outside loadBalancerSourceRanges */
 	NP_STAT_RESET,       /* TCP resets sent for a frontend without backends */
+	NP_STAT_UNREACH,     /* ICMP port unreachable sent for one (UDP) */
 	NP_STAT_ENTRIES,
 };
 
@@ -340,19 +369,23 @@ volatile const __u16 nat_port_max = 65535;
 /* Idle times after which an entry may be taken over, nanoseconds. */
 volatile const __u64 tcp_timeout_ns = 6 * 3600 * 1000000000ULL;
 volatile const __u64 udp_timeout_ns = 60 * 1000000000ULL;
+/* The Maglev tables' size (a prime); 0: new flows pick a backend at
+ * random (--lb-algorithm=random). */
+volatile const __u32 maglev_size = 0;
 
 #define NAT_TRIES 16
 
 #define TCX_NEXT -1
 #define TCX_DROP 2
+/* NP_REFUSE: not a verdict; new_flow4/6 and ingress4/6 say with it that
+ * the packet is to be answered as refused (refuse4, refuse6). */
+#define NP_REFUSE 1000
 
 #define SVC_FLAG_AFFINITY (1 << 4)
 #define AFFINITY_TIMEOUT_MASK 0xFFFFFF /* of slot 0's backend_id, seconds */
 #define NSEC_PER_SEC 1000000000ULL
 #define SVC_FLAG_LOADBALANCER (1 << 5)
 #define SVC_FLAG_ROUTABLE (1 << 6)
-#define BACKEND_ACTIVE 0
-#define BACKEND_TERMINATING 1
 
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff
@@ -465,24 +498,62 @@ static __always_inline int stale(const struct np4_entry *e, __u64 now)
 	return (__s64)(now - e->last_seen) > (__s64)timeout_of(e->proto);
 }
 
-/* pick_backend chooses one of the service's usable backends at random. */
+/*
+ * maglev_backend_id returns the backend ID the frontend's Maglev table
+ * holds for a flow's hash, 0 when there is no table (random, or not
+ * written yet: the caller then picks at random). Only active backends are
+ * in a table; with none active, the terminating ones are picked at random.
+ */
+static __always_inline __u32 maglev_backend_id(const struct lb4_service *svc, __u32 hash)
+{
+	struct lb_maglev_key mk = { .rev_nat = svc->rev_nat_index };
+	__u32 size = maglev_size, idx;
+	__u32 *lut;
+
+	if (!size || !svc->count)
+		return 0;
+	lut = bpf_map_lookup_elem(&lb_maglev, &mk);
+	if (!lut)
+		return 0;
+	idx = hash % size;
+	/* The verifier knows size (read-only data) and the value's size,
+	 * which the agent made size entries, but not what % gives: the
+	 * check it needs, which the compiler would drop as always false
+	 * unless it forgets what idx is. */
+	asm volatile("" : "+r"(idx));
+	if (idx >= size)
+		return 0;
+	return lut[idx];
+}
+
+/* pick_backend chooses one of the service's usable backends: from its
+ * Maglev table by the flow's hash, or at random. */
 static __always_inline const struct lb4_backend *pick_backend(struct lb4_key *key,
-							       const struct lb4_service *svc, __u32 *out_id)
+							       const struct lb4_service *svc, __u32 hash,
+							       __u32 *out_id)
 {
 	const struct lb4_service *slot;
 	const struct lb4_backend *be;
-	__u32 n = svc->count ? svc->count : svc->qcount;
+	__u32 n = slots(svc->count, svc->qcount);
 	__u32 id;
 
 	if (n == 0)
 		return NULL;
-	key->backend_slot = (__u16)(bpf_get_prandom_u32() % n + 1);
+	id = maglev_backend_id(svc, hash);
+	if (id) {
+		be = bpf_map_lookup_elem(&lb4_backends, &id);
+		if (be && be->flags == BACKEND_ACTIVE) {
+			*out_id = id;
+			return be;
+		}
+	}
+	key->backend_slot = random_slot(n);
 	slot = bpf_map_lookup_elem(&lb4_services, key);
 	if (!slot)
 		return NULL;
 	id = slot->backend_id;
 	be = bpf_map_lookup_elem(&lb4_backends, &id);
-	if (!be || (be->flags != BACKEND_ACTIVE && be->flags != BACKEND_TERMINATING))
+	if (!be || !backend_usable(be->flags))
 		return NULL;
 	*out_id = id;
 	return be;
@@ -609,8 +680,10 @@ static __always_inline __u16 csum_fold(__s64 sum)
  * out of the device it came in through. A reset, or a packet with IP
  * options, is only dropped.
  */
-static __always_inline int reset4(struct __sk_buff *skb, const struct pkt4 *p)
+static __attribute__((noinline)) int reset4(struct __sk_buff *skb, const struct pkt4 *p)
 {
+	if (!skb || !p)
+		return TCX_DROP;
 	struct iphdr ip;
 	struct tcphdr tcp;
 	struct rst4 r = {};
@@ -674,6 +747,99 @@ static __always_inline int reset4(struct __sk_buff *skb, const struct pkt4 *p)
 	return (int)bpf_redirect(skb->ifindex, 0);
 }
 
+/* The headers of an ICMP error built in place of a packet: the error's
+ * own, then the start of the packet it answers (its IP header and the
+ * first 8 bytes after, as RFC 792 asks; all a host needs to find the
+ * socket). */
+/* ICMP's and ICMPv6's error header (linux/icmp.h would pull in libc's
+ * headers): type, code, checksum, 4 unused bytes. */
+struct icmp_err {
+	__u8 type;
+	__u8 code;
+	__sum16 checksum;
+	__u32 unused;
+};
+
+#define ICMP_DEST_UNREACH 3
+#define ICMP_PORT_UNREACH 3
+#define ICMPV6_DEST_UNREACH 1
+#define ICMPV6_PORT_UNREACH 4
+
+struct unreach4 {
+	struct iphdr ip;
+	struct icmp_err icmp;
+	struct iphdr orig;
+	__u8 orig_l4[8];
+};
+
+/*
+ * unreach4 answers a UDP datagram to a frontend nobody serves with an
+ * ICMP port unreachable from the frontend, as a host with nothing
+ * listening does (and kube-proxy's reject): a connected socket gets
+ * ECONNREFUSED instead of waiting. A datagram with IP options is only
+ * dropped.
+ */
+static __attribute__((noinline)) int unreach4(struct __sk_buff *skb, const struct pkt4 *p)
+{
+	if (!skb || !p)
+		return TCX_DROP;
+	struct unreach4 u = {};
+	__u8 mac[2 * ETH_ALEN], omac[2 * ETH_ALEN];
+	__s64 sum;
+
+	if (bpf_skb_load_bytes(skb, 0, mac, sizeof(mac)) < 0 ||
+	    bpf_skb_load_bytes(skb, IP_OFF, &u.orig, sizeof(u.orig)) < 0 ||
+	    bpf_skb_load_bytes(skb, p->l4_off, u.orig_l4, sizeof(u.orig_l4)) < 0)
+		return TCX_DROP;
+	if (u.orig.ihl != 5)
+		return TCX_DROP;
+
+	u.ip.version = 4;
+	u.ip.ihl = 5;
+	u.ip.tot_len = bpf_htons(sizeof(u));
+	u.ip.ttl = 64;
+	u.ip.protocol = IPPROTO_ICMP;
+	u.ip.saddr = p->daddr;
+	u.ip.daddr = p->saddr;
+	sum = bpf_csum_diff(NULL, 0, (__be32 *)&u.ip, sizeof(u.ip), 0);
+	if (sum < 0)
+		return TCX_DROP;
+	u.ip.check = csum_fold(sum);
+
+	u.icmp.type = ICMP_DEST_UNREACH;
+	u.icmp.code = ICMP_PORT_UNREACH;
+	sum = bpf_csum_diff(NULL, 0, (__be32 *)&u.icmp, sizeof(u) - sizeof(u.ip), 0);
+	if (sum < 0)
+		return TCX_DROP;
+	u.icmp.checksum = csum_fold(sum);
+
+	__builtin_memcpy(omac, mac + ETH_ALEN, ETH_ALEN);
+	__builtin_memcpy(omac + ETH_ALEN, mac, ETH_ALEN);
+	if (bpf_skb_change_tail(skb, ETH_HLEN + sizeof(u), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, omac, sizeof(omac), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, IP_OFF, &u, sizeof(u), 0) < 0)
+		return TCX_DROP;
+	count(NP_STAT_UNREACH);
+	return (int)bpf_redirect(skb->ifindex, 0);
+}
+
+/* refuse4 answers a new flow to a frontend without a usable backend
+ * (new_flow4 said NP_REFUSE): TCP with a reset, UDP with a port
+ * unreachable. Called from the program itself, not from ingress4, and
+ * parsing the packet again: the answer's stack then comes on top of
+ * nothing (the verifier allows 512 bytes for a chain of calls, which
+ * ingress6's path nearly takes alone). */
+static __attribute__((noinline)) int refuse4(struct __sk_buff *skb)
+{
+	struct pkt4 p;
+
+	if (!skb || !parse4(skb, &p))
+		return TCX_DROP;
+	if (p.proto == IPPROTO_TCP)
+		return reset4(skb, &p);
+	return unreach4(skb, &p);
+}
+
 /* new_flow4 sends a new flow to frontend (p->daddr, p->dport) to a
  * backend: TCX_NEXT with the packet translated, TCX_DROP, or -2 when the
  * destination is no routable frontend. */
@@ -720,10 +886,13 @@ static __always_inline int new_flow4(struct __sk_buff *skb, const struct pkt4 *p
 		be = affinity_backend(&akey, svc->backend_id & AFFINITY_TIMEOUT_MASK, now);
 	}
 	if (!be) {
-		be = pick_backend(&key, svc, &be_id);
+		/* The flow without the node's address: on an ECMP'd LoadBalancer
+		 * IP every node computes the same hash. */
+		be = pick_backend(&key, svc,
+				  flow_hash(p->saddr, ((__u32)p->sport << 16) | p->dport, p->proto), &be_id);
 		if (!be) {
 			count(NP_STAT_NO_BACKEND);
-			return reset4(skb, p);
+			return NP_REFUSE;
 		}
 		if (svc->flags & SVC_FLAG_AFFINITY) {
 			struct np_affinity_val av = {
@@ -987,22 +1156,31 @@ static __always_inline int out6(struct __sk_buff *skb, const union v6addr *saddr
 }
 
 static __always_inline const struct lb6_backend *pick_backend6(struct lb6_key *key,
-								const struct lb4_service *svc, __u32 *out_id)
+								const struct lb4_service *svc, __u32 hash,
+								__u32 *out_id)
 {
 	const struct lb4_service *slot;
 	const struct lb6_backend *be;
-	__u32 n = svc->count ? svc->count : svc->qcount;
+	__u32 n = slots(svc->count, svc->qcount);
 	__u32 id;
 
 	if (n == 0)
 		return NULL;
-	key->backend_slot = (__u16)(bpf_get_prandom_u32() % n + 1);
+	id = maglev_backend_id(svc, hash);
+	if (id) {
+		be = bpf_map_lookup_elem(&lb6_backends, &id);
+		if (be && be->flags == BACKEND_ACTIVE) {
+			*out_id = id;
+			return be;
+		}
+	}
+	key->backend_slot = random_slot(n);
 	slot = bpf_map_lookup_elem(&lb6_services, key);
 	if (!slot)
 		return NULL;
 	id = slot->backend_id;
 	be = bpf_map_lookup_elem(&lb6_backends, &id);
-	if (!be || (be->flags != BACKEND_ACTIVE && be->flags != BACKEND_TERMINATING))
+	if (!be || !backend_usable(be->flags))
 		return NULL;
 	*out_id = id;
 	return be;
@@ -1030,6 +1208,143 @@ static __always_inline const struct lb6_backend *affinity_backend6(const struct 
 		return NULL;
 	val->last_used = now;
 	return be;
+}
+
+struct rst6 {
+	struct ipv6hdr ip;
+	struct tcphdr tcp;
+};
+
+/* mac_turned reads the frame's MAC addresses swapped: the answer goes
+ * back to the sender. */
+static __always_inline int mac_turned(struct __sk_buff *skb, __u8 *omac)
+{
+	__u8 mac[2 * ETH_ALEN];
+
+	if (bpf_skb_load_bytes(skb, 0, mac, sizeof(mac)) < 0)
+		return -1;
+	__builtin_memcpy(omac, mac + ETH_ALEN, ETH_ALEN);
+	__builtin_memcpy(omac + ETH_ALEN, mac, ETH_ALEN);
+	return 0;
+}
+
+/* csum6 is the checksum of n bytes at data (a multiple of 4) under the
+ * IPv6 pseudo-header (RFC 8200 8.1) of ip, whose addresses are in place:
+ * summed where they are, so that no copy takes stack. */
+static __always_inline __s64 csum6(struct ipv6hdr *ip, __u8 next, void *data, __u32 n)
+{
+	__be32 tail[2] = { bpf_htonl(n), bpf_htonl(next) };
+	__s64 sum;
+
+	sum = bpf_csum_diff(NULL, 0, (__be32 *)&ip->saddr, 32, 0);
+	if (sum < 0)
+		return sum;
+	sum = bpf_csum_diff(NULL, 0, tail, sizeof(tail), (__u32)sum);
+	if (sum < 0)
+		return sum;
+	return bpf_csum_diff(NULL, 0, data, n, (__u32)sum);
+}
+
+/* reset6 is reset4 for IPv6: a TCP packet to a frontend nobody serves is
+ * answered with a reset from the frontend. */
+static __attribute__((noinline)) int reset6(struct __sk_buff *skb, const struct pkt6 *p)
+{
+	if (!skb || !p)
+		return TCX_DROP;
+	struct tcphdr tcp;
+	struct rst6 r = {};
+	__u8 omac[2 * ETH_ALEN];
+	__u32 payload;
+	__s64 sum;
+
+	if (mac_turned(skb, omac) < 0 || bpf_skb_load_bytes(skb, p->l4_off, &tcp, sizeof(tcp)) < 0)
+		return TCX_DROP;
+	if (tcp.rst || tcp.doff < 5)
+		return TCX_DROP;
+	payload = skb->len - p->l4_off - tcp.doff * 4;
+
+	r.ip.version = 6;
+	r.ip.payload_len = bpf_htons(sizeof(r.tcp));
+	r.ip.nexthdr = IPPROTO_TCP;
+	r.ip.hop_limit = 64;
+	__builtin_memcpy(&r.ip.saddr, &p->daddr, 16);
+	__builtin_memcpy(&r.ip.daddr, &p->saddr, 16);
+	r.tcp.source = p->dport;
+	r.tcp.dest = p->sport;
+	r.tcp.doff = 5;
+	r.tcp.rst = 1;
+	if (tcp.ack) {
+		r.tcp.seq = tcp.ack_seq;
+	} else {
+		r.tcp.ack = 1;
+		r.tcp.ack_seq = bpf_htonl(bpf_ntohl(tcp.seq) + payload + tcp.syn + tcp.fin);
+	}
+	sum = csum6(&r.ip, IPPROTO_TCP, &r.tcp, sizeof(r.tcp));
+	if (sum < 0)
+		return TCX_DROP;
+	r.tcp.check = csum_fold(sum);
+
+	if (bpf_skb_change_tail(skb, ETH_HLEN + sizeof(r), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, omac, sizeof(omac), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, IP6_OFF, &r, sizeof(r), 0) < 0)
+		return TCX_DROP;
+	count(NP_STAT_RESET);
+	return (int)bpf_redirect(skb->ifindex, 0);
+}
+
+struct unreach6 {
+	struct ipv6hdr ip;
+	struct icmp_err icmp;
+	struct ipv6hdr orig;
+	__u8 orig_l4[8];
+};
+
+/* unreach6 is unreach4 for IPv6: an ICMPv6 port unreachable (RFC 4443
+ * 3.1) carrying the datagram's IPv6 header and UDP header. */
+static __attribute__((noinline)) int unreach6(struct __sk_buff *skb, const struct pkt6 *p)
+{
+	if (!skb || !p)
+		return TCX_DROP;
+	struct unreach6 u = {};
+	__u8 omac[2 * ETH_ALEN];
+	__s64 sum;
+
+	if (mac_turned(skb, omac) < 0 ||
+	    bpf_skb_load_bytes(skb, IP6_OFF, &u.orig, sizeof(u.orig)) < 0 ||
+	    bpf_skb_load_bytes(skb, p->l4_off, u.orig_l4, sizeof(u.orig_l4)) < 0)
+		return TCX_DROP;
+
+	u.ip.version = 6;
+	u.ip.payload_len = bpf_htons(sizeof(u) - sizeof(u.ip));
+	u.ip.nexthdr = IPPROTO_ICMPV6;
+	u.ip.hop_limit = 64;
+	__builtin_memcpy(&u.ip.saddr, &p->daddr, 16);
+	__builtin_memcpy(&u.ip.daddr, &p->saddr, 16);
+	u.icmp.type = ICMPV6_DEST_UNREACH;
+	u.icmp.code = ICMPV6_PORT_UNREACH;
+	sum = csum6(&u.ip, IPPROTO_ICMPV6, &u.icmp, sizeof(u) - sizeof(u.ip));
+	if (sum < 0)
+		return TCX_DROP;
+	u.icmp.checksum = csum_fold(sum);
+
+	if (bpf_skb_change_tail(skb, ETH_HLEN + sizeof(u), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, omac, sizeof(omac), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, IP6_OFF, &u, sizeof(u), 0) < 0)
+		return TCX_DROP;
+	count(NP_STAT_UNREACH);
+	return (int)bpf_redirect(skb->ifindex, 0);
+}
+
+/* refuse6 is refuse4 for IPv6. */
+static __attribute__((noinline)) int refuse6(struct __sk_buff *skb)
+{
+	struct pkt6 p;
+
+	if (!skb || !parse6(skb, &p))
+		return TCX_DROP;
+	if (p.proto == IPPROTO_TCP)
+		return reset6(skb, &p);
+	return unreach6(skb, &p);
 }
 
 static __always_inline int new_flow6(struct __sk_buff *skb, const struct pkt6 *p)
@@ -1076,10 +1391,13 @@ static __always_inline int new_flow6(struct __sk_buff *skb, const struct pkt6 *p
 		be = affinity_backend6(&akey, svc->backend_id & AFFINITY_TIMEOUT_MASK, now);
 	}
 	if (!be) {
-		be = pick_backend6(&key, svc, &be_id);
+		be = pick_backend6(&key, svc,
+				   flow_hash(p->saddr.p[0] ^ p->saddr.p[1] ^ p->saddr.p[2] ^ p->saddr.p[3],
+					     ((__u32)p->sport << 16) | p->dport, p->proto),
+				   &be_id);
 		if (!be) {
 			count(NP_STAT_NO_BACKEND);
-			return TCX_DROP;
+			return NP_REFUSE;
 		}
 		if (svc->flags & SVC_FLAG_AFFINITY) {
 			struct np_affinity_val av = {
@@ -1302,9 +1620,14 @@ static __attribute__((noinline)) int ingress4(struct __sk_buff *skb)
 SEC("tc")
 int nodeport_ingress(struct __sk_buff *skb)
 {
-	if (skb->protocol == bpf_htons(ETH_P_IPV6))
-		return ingress6(skb);
-	return ingress4(skb);
+	int ret;
+
+	if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		ret = ingress6(skb);
+		return ret == NP_REFUSE ? refuse6(skb) : ret;
+	}
+	ret = ingress4(skb);
+	return ret == NP_REFUSE ? refuse4(skb) : ret;
 }
 
 /* nodeport_egress: what leaves through an external device; a local

@@ -33,6 +33,7 @@
 /* Only the restore of intercepted DNS: see dns_redirect.h. */
 #define DNS_REDIRECT_RESTORE_ONLY
 #include "dns_redirect.h"
+#include "lb_select.h"
 
 /* Word access for comparisons and for ctx->user_ip6, bytes for the layout. */
 union v6addr {
@@ -273,8 +274,6 @@ struct {
 	__uint(max_entries, 65536);
 } lb6_affinity SEC(".maps");
 
-#define BACKEND_ACTIVE		0
-#define BACKEND_TERMINATING	1
 
 #define SVC_FLAG_AFFINITY	(1 << 4)
 #define AFFINITY_TIMEOUT_MASK	0xFFFFFF /* of slot 0's backend_id, seconds */
@@ -286,25 +285,6 @@ enum fwd {
 	FWD_XLATE,  /* send it to the backend found */
 	FWD_REFUSE, /* a frontend with no backend, or an unserved port */
 };
-
-/* Keep in line with the states the agent writes; only active and
- * terminating backends are ever placed in slots, this is a second guard. */
-static __always_inline int backend_usable(__u8 state)
-{
-	return state == BACKEND_ACTIVE || state == BACKEND_TERMINATING;
-}
-
-/* How many slots to choose from: the active backends, or with none, the
- * terminating ones, which then follow in slots 1..qcount. */
-static __always_inline __u32 slots(__u16 count, __u16 qcount)
-{
-	return count ? count : qcount;
-}
-
-static __always_inline __u16 random_slot(__u32 n)
-{
-	return (__u16)(bpf_get_prandom_u32() % n + 1);
-}
 
 /* Only TCP and UDP are balanced; anything else goes where it was sent. */
 static __always_inline int proto_balanced(const struct bpf_sock_addr *ctx)

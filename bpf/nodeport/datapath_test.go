@@ -49,6 +49,14 @@ func newDatapath(tb testing.TB) *datapath {
 		Services6: mk(bpf.LB6ServicesMap), Backends6: mk(bpf.LB6BackendsMap),
 		NAT6: mk(NAT6Map), SourceRange6: mk(SourceRange6Map), Affinity6: mk(Affinity6Map),
 	}}
+	mg, err := MaglevMapSpec(0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if d.maps.Maglev, err = ebpf.NewMap(mg); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { d.maps.Maglev.Close() })
 	d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute}, d.maps)
 	if err != nil {
 		tb.Fatal(err)
@@ -229,8 +237,8 @@ func TestTranslate(t *testing.T) {
 
 // TestNotTranslated: a ClusterIP frontend (not routable) and an address
 // that is no frontend pass untouched; a frontend without backends answers
-// TCP with a reset sent back out of the device, and drops UDP; both
-// counted.
+// TCP with a reset and UDP with an ICMP port unreachable, sent back out
+// of the device; counted.
 func TestNotTranslated(t *testing.T) {
 	d := newDatapath(t)
 	clusterIP := netip.MustParseAddrPort("10.96.0.10:80")
@@ -266,10 +274,31 @@ func TestNotTranslated(t *testing.T) {
 	if n := d.stat(t, StatReset); n != 1 {
 		t.Errorf("reset_sent %d, want 1", n)
 	}
-	// UDP is dropped.
+	// UDP is answered with an ICMP port unreachable from the frontend,
+	// carrying the datagram's IP and UDP headers.
 	d.service(t, empty, udp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable)
-	if ret, _ := d.run(t, IngressProg, frame(udp, client, empty)); ret != tcxDrop {
-		t.Errorf("UDP to a frontend without backends: verdict %#x, want drop", ret)
+	dgram := frame(udp, client, empty)
+	out = make([]byte, len(dgram)+64)
+	ret, err = d.progs[IngressProg].Run(&ebpf.RunOptions{Data: dgram, DataOut: out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ret != tcRedirect {
+		t.Fatalf("UDP to a frontend without backends: verdict %#x, want redirect", ret)
+	}
+	const icmpLen = 20 + 8 + 20 + 8
+	out = out[:14+icmpLen]
+	ip, icmp := out[14:34], out[34:]
+	if c := csum(ip, 0); c != 0 || csum(icmp, 0) != 0 {
+		t.Errorf("checksums off: IP %#x ICMP %#x", c, csum(icmp, 0))
+	}
+	if got, want := netip.AddrFrom4([4]byte(ip[12:16])), empty.Addr(); got != want || ip[9] != 1 ||
+		netip.AddrFrom4([4]byte(ip[16:20])) != client.Addr() || icmp[0] != 3 || icmp[1] != 3 ||
+		string(icmp[8:8+28]) != string(dgram[14:14+28]) || binary.BigEndian.Uint16(ip[2:]) != icmpLen {
+		t.Errorf("ICMP answer % x; want port unreachable from %s to %s quoting the datagram", out, empty.Addr(), client.Addr())
+	}
+	if n := d.stat(t, StatUnreach); n != 1 {
+		t.Errorf("unreachable_sent %d, want 1", n)
 	}
 	if n := d.stat(t, StatNoBackend); n != 2 {
 		t.Errorf("drop_no_backend %d, want 2", n)
@@ -598,4 +627,129 @@ func TestTranslate6(t *testing.T) {
 			t.Errorf("client outside: verdict %#x, want drop", ret)
 		}
 	})
+}
+
+// TestRefused6: an IPv6 frontend without backends answers TCP with a
+// reset and UDP with an ICMPv6 port unreachable, from the frontend to the
+// client, with the checksums right.
+func TestRefused6(t *testing.T) {
+	client6 := netip.MustParseAddrPort("[2001:db8::7]:40000")
+	front6 := netip.MustParseAddrPort("[fd00::1]:30099")
+	d := newDatapath(t)
+	d.service6(t, front6, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable)
+	d.service6(t, front6, udp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable)
+
+	syn := frame6(tcp, client6, front6)
+	l4 := syn[54:]
+	binary.BigEndian.PutUint32(l4[4:], 1000) // seq
+	binary.BigEndian.PutUint16(l4[16:], 0)
+	binary.BigEndian.PutUint16(l4[16:], csum(l4, pseudo6(syn[14:54], tcp, len(l4))))
+	out := make([]byte, len(syn)+128)
+	ret, err := d.progs[IngressProg].Run(&ebpf.RunOptions{Data: syn, DataOut: out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ret != tcRedirect {
+		t.Fatalf("TCP: verdict %#x, want redirect", ret)
+	}
+	src, dst := parsed6(t, out[:14+40+20])
+	rst := out[54:74]
+	if src != front6 || dst != client6 || rst[13] != 0x14 || binary.BigEndian.Uint32(rst[8:]) != 1001 {
+		t.Errorf("reset %s -> %s flags %#x ack %d; want %s -> %s RST|ACK ack 1001",
+			src, dst, rst[13], binary.BigEndian.Uint32(rst[8:]), front6, client6)
+	}
+
+	dgram := frame6(udp, client6, front6)
+	out = make([]byte, len(dgram)+128)
+	ret, err = d.progs[IngressProg].Run(&ebpf.RunOptions{Data: dgram, DataOut: out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ret != tcRedirect {
+		t.Fatalf("UDP: verdict %#x, want redirect", ret)
+	}
+	const icmpLen = 8 + 40 + 8
+	ip, icmp := out[14:54], out[54:54+icmpLen]
+	if c := csum(icmp, pseudo6(ip, 58, icmpLen)); c != 0 {
+		t.Errorf("ICMPv6 checksum off by %#x", c)
+	}
+	if netip.AddrFrom16([16]byte(ip[8:24])) != front6.Addr() || netip.AddrFrom16([16]byte(ip[24:40])) != client6.Addr() ||
+		ip[6] != 58 || binary.BigEndian.Uint16(ip[4:]) != icmpLen || icmp[0] != 1 || icmp[1] != 4 ||
+		string(icmp[8:8+48]) != string(dgram[14:14+48]) {
+		t.Errorf("ICMPv6 answer % x; want port unreachable from %s to %s quoting the datagram", out[:14+40+icmpLen], front6.Addr(), client6.Addr())
+	}
+	for s, want := range map[Stat]uint64{StatReset: 1, StatUnreach: 1, StatNoBackend: 2} {
+		if n := d.stat(t, s); n != want {
+			t.Errorf("%s %d, want %d", StatNames[s], n, want)
+		}
+	}
+}
+
+// TestMaglev: with Maglev tables (Config.MaglevSize), a new flow's backend
+// is the one its frontend's table names for the flow's hash; a table that
+// names a backend no longer there, or no table, falls back to a random
+// active one.
+func TestMaglev(t *testing.T) {
+	const size = 251
+	d := newDatapath(t)
+	mg, err := MaglevMapSpec(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.maps.Maglev, err = ebpf.NewMap(mg); err != nil {
+		t.Fatal(err)
+	}
+	defer d.maps.Maglev.Close()
+	if d.progs, err = Load(Config{TCPTimeout: time.Hour, UDPTimeout: time.Minute, MaglevSize: size}, d.maps); err != nil {
+		t.Fatal(err)
+	}
+	other := netip.MustParseAddrPort("10.244.0.6:8080")
+	d.service(t, nodePort, tcp, bpf.SvcFlagNodePort|bpf.SvcFlagRoutable, backend, other)
+	flows := func() map[netip.AddrPort]int {
+		seen := map[netip.AddrPort]int{}
+		for i := range 64 {
+			src := netip.AddrPortFrom(client.Addr(), client.Port()+uint16(i))
+			ret, out := d.run(t, IngressProg, frame(tcp, src, nodePort))
+			if ret != tcxNext {
+				t.Fatalf("flow %d: verdict %#x", i, ret)
+			}
+			_, dst := parsed(t, out)
+			seen[dst]++
+		}
+		return seen
+	}
+	table := func(id uint32) {
+		lut := make([]uint32, size)
+		for i := range lut {
+			lut[i] = id
+		}
+		if err := d.maps.Maglev.Put(MaglevKey{RevNat: bpf.NewBe16(1)}, lut); err != nil {
+			t.Fatal(err)
+		}
+	}
+	table(2)
+	if seen := flows(); seen[other] != 64 {
+		t.Errorf("a table naming backend 2 everywhere: %v, want all to %s", seen, other)
+	}
+	d.maps.NAT4 = mustClear(t, d.maps.NAT4)
+	table(99) // no such backend
+	if seen := flows(); len(seen) != 2 {
+		t.Errorf("a table naming a backend that is gone: %v, want both backends (random)", seen)
+	}
+}
+
+// mustClear empties a hash map and returns it.
+func mustClear(tb testing.TB, m *ebpf.Map) *ebpf.Map {
+	tb.Helper()
+	var k NATKey
+	var keys []NATKey
+	it := m.Iterate()
+	var v NATEntry
+	for it.Next(&k, &v) {
+		keys = append(keys, k)
+	}
+	for _, k := range keys {
+		m.Delete(k)
+	}
+	return m
 }

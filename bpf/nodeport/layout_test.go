@@ -58,6 +58,7 @@ func TestLayout(t *testing.T) {
 		{"np6_key", reflect.TypeFor[NAT6Key]()},
 		{"np6_entry", reflect.TypeFor[NAT6Entry]()},
 		{"np_srcrange6_key", reflect.TypeFor[SourceRange6Key]()},
+		{"lb_maglev_key", reflect.TypeFor[MaglevKey]()},
 		{"np_affinity_val", reflect.TypeFor[affinityVal]()},
 	} {
 		t.Run(tc.cStruct, func(t *testing.T) {

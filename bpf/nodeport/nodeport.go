@@ -36,10 +36,39 @@ const (
 	Affinity4Map = "nodeport_affinity4"
 	// Affinity6Map is its IPv6 twin.
 	Affinity6Map = "nodeport_affinity6"
+
+	// MaglevMap holds each frontend's Maglev lookup table (MaglevKey ->
+	// the backend IDs of its slots), with --lb-algorithm=maglev; its
+	// value is sized by --lb-maglev-table-size (see MaglevMapSpec).
+	MaglevMap = "lb_maglev"
 )
 
 // OwnMaps lists the maps the programs use besides the load balancer's.
-var OwnMaps = [...]string{DevicesMap, NAT4Map, NAT6Map, StatsMap, SourceRange4Map, SourceRange6Map, Affinity4Map, Affinity6Map}
+var OwnMaps = [...]string{DevicesMap, NAT4Map, NAT6Map, StatsMap, SourceRange4Map, SourceRange6Map, Affinity4Map, Affinity6Map, MaglevMap}
+
+// MaglevKey is the key of lb_maglev (struct lb_maglev_key): a frontend's
+// rev-NAT index (service ID), IPv4 and IPv6 alike, one ID space.
+type MaglevKey struct {
+	RevNat bpf.Be16
+	Pad    uint16
+}
+
+// MaglevMapSpec is lb_maglev's spec for tables of size slots; the
+// programs must be loaded with the same Config.MaglevSize.
+func MaglevMapSpec(size uint32) (*ebpf.MapSpec, error) {
+	spec, err := MapSpec(MaglevMap, 0)
+	if err != nil {
+		return nil, err
+	}
+	if size == 0 {
+		// Random selection: the programs never read it; one slot
+		// keeps it small.
+		size = 1
+	}
+	spec.ValueSize = 4 * size
+	spec.Value = nil
+	return spec, nil
+}
 
 // SourceRangeKey is the key of nodeport_srcrange4 (struct
 // np_srcrange4_key): a frontend's (rev-NAT index) client prefix. The
@@ -184,6 +213,7 @@ const (
 	StatNoRoute
 	StatSourceRange
 	StatReset
+	StatUnreach
 	statCount
 )
 
@@ -191,6 +221,7 @@ const (
 var StatNames = [statCount]string{
 	"new_local", "new_remote", "forward", "reply",
 	"drop_no_backend", "drop_nat_full", "drop_nat_ports", "drop_no_snat_address", "drop_no_route", "drop_source_range", "reset_sent",
+	"unreachable_sent",
 }
 
 // NAT port range the programs allocate from: above Linux's default
@@ -210,6 +241,9 @@ type Config struct {
 	// TCPTimeout and UDPTimeout are how long a flow may be idle before
 	// its NAT port may be taken by another.
 	TCPTimeout, UDPTimeout time.Duration
+	// MaglevSize is the size of the Maglev tables in lb_maglev (a
+	// prime), 0 for random backend selection.
+	MaglevSize uint32
 }
 
 // Maps are the maps the programs use.
@@ -218,7 +252,7 @@ type Maps struct {
 	// bpf.LB6ServicesMap, bpf.LB6BackendsMap, bpf.LBAffinityMatchMap).
 	Services4, Backends4, Services6, Backends6, AffinityMatch *ebpf.Map
 	// The programs' own (see OwnMaps, MapSpec).
-	Devices, NAT4, NAT6, Stats, SourceRange4, SourceRange6, Affinity4, Affinity6 *ebpf.Map
+	Devices, NAT4, NAT6, Stats, SourceRange4, SourceRange6, Affinity4, Affinity6, Maglev *ebpf.Map
 }
 
 // Load loads the programs with m in place of the object's map definitions.
@@ -236,6 +270,18 @@ func Load(cfg Config, m Maps) (map[string]*ebpf.Program, error) {
 			return nil, fmt.Errorf("set %s: %w", name, err)
 		}
 	}
+	// lb_maglev's value is one table: the object's size is the default's.
+	mg, err := MaglevMapSpec(cfg.MaglevSize)
+	if err != nil {
+		return nil, err
+	}
+	spec.Maps[MaglevMap] = mg
+	if m.Maglev != nil && m.Maglev.ValueSize() != mg.ValueSize {
+		return nil, fmt.Errorf("%s holds tables of %d slots, the programs want %d", MaglevMap, m.Maglev.ValueSize()/4, mg.ValueSize/4)
+	}
+	if err := spec.Variables[nodeportVarMaglevSize].Set(cfg.MaglevSize); err != nil {
+		return nil, fmt.Errorf("set %s: %w", nodeportVarMaglevSize, err)
+	}
 	return bpf.LoadPrograms(spec, map[string]*ebpf.Map{
 		nodeportMapLb4Services:       m.Services4,
 		nodeportMapLb4Backends:       m.Backends4,
@@ -250,6 +296,7 @@ func Load(cfg Config, m Maps) (map[string]*ebpf.Program, error) {
 		nodeportMapNodeportSrcrange6: m.SourceRange6,
 		nodeportMapNodeportAffinity4: m.Affinity4,
 		nodeportMapNodeportAffinity6: m.Affinity6,
+		nodeportMapLbMaglev:          m.Maglev,
 	}, "nodeport programs")
 }
 

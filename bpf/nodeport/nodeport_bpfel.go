@@ -21,6 +21,7 @@ const (
 	nodeportMapLb6Backends       = "lb6_backends"
 	nodeportMapLb6Services       = "lb6_services"
 	nodeportMapLbAffinityMatch   = "lb_affinity_match"
+	nodeportMapLbMaglev          = "lb_maglev"
 	nodeportMapNodeportAffinity4 = "nodeport_affinity4"
 	nodeportMapNodeportAffinity6 = "nodeport_affinity6"
 	nodeportMapNodeportDevices   = "nodeport_devices"
@@ -31,6 +32,7 @@ const (
 	nodeportMapNodeportStats     = "nodeport_stats"
 	nodeportProgNodeportEgress   = "nodeport_egress"
 	nodeportProgNodeportIngress  = "nodeport_ingress"
+	nodeportVarMaglevSize        = "maglev_size"
 	nodeportVarNatPortMax        = "nat_port_max"
 	nodeportVarNatPortMin        = "nat_port_min"
 	nodeportVarTcpTimeoutNs      = "tcp_timeout_ns"
@@ -92,6 +94,7 @@ type nodeportMapSpecs struct {
 	Lb6Backends       *ebpf.MapSpec `ebpf:"lb6_backends"`
 	Lb6Services       *ebpf.MapSpec `ebpf:"lb6_services"`
 	LbAffinityMatch   *ebpf.MapSpec `ebpf:"lb_affinity_match"`
+	LbMaglev          *ebpf.MapSpec `ebpf:"lb_maglev"`
 	NodeportAffinity4 *ebpf.MapSpec `ebpf:"nodeport_affinity4"`
 	NodeportAffinity6 *ebpf.MapSpec `ebpf:"nodeport_affinity6"`
 	NodeportDevices   *ebpf.MapSpec `ebpf:"nodeport_devices"`
@@ -106,6 +109,7 @@ type nodeportMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type nodeportVariableSpecs struct {
+	MaglevSize   *ebpf.VariableSpec `ebpf:"maglev_size"`
 	NatPortMax   *ebpf.VariableSpec `ebpf:"nat_port_max"`
 	NatPortMin   *ebpf.VariableSpec `ebpf:"nat_port_min"`
 	TcpTimeoutNs *ebpf.VariableSpec `ebpf:"tcp_timeout_ns"`
@@ -137,6 +141,7 @@ type nodeportMaps struct {
 	Lb6Backends       *ebpf.Map `ebpf:"lb6_backends"`
 	Lb6Services       *ebpf.Map `ebpf:"lb6_services"`
 	LbAffinityMatch   *ebpf.Map `ebpf:"lb_affinity_match"`
+	LbMaglev          *ebpf.Map `ebpf:"lb_maglev"`
 	NodeportAffinity4 *ebpf.Map `ebpf:"nodeport_affinity4"`
 	NodeportAffinity6 *ebpf.Map `ebpf:"nodeport_affinity6"`
 	NodeportDevices   *ebpf.Map `ebpf:"nodeport_devices"`
@@ -154,6 +159,7 @@ func (m *nodeportMaps) Close() error {
 		m.Lb6Backends,
 		m.Lb6Services,
 		m.LbAffinityMatch,
+		m.LbMaglev,
 		m.NodeportAffinity4,
 		m.NodeportAffinity6,
 		m.NodeportDevices,
@@ -169,6 +175,7 @@ func (m *nodeportMaps) Close() error {
 //
 // It can be passed to loadNodeportObjects or ebpf.CollectionSpec.LoadAndAssign.
 type nodeportVariables struct {
+	MaglevSize   *ebpf.Variable `ebpf:"maglev_size"`
 	NatPortMax   *ebpf.Variable `ebpf:"nat_port_max"`
 	NatPortMin   *ebpf.Variable `ebpf:"nat_port_min"`
 	TcpTimeoutNs *ebpf.Variable `ebpf:"tcp_timeout_ns"`

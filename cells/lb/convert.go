@@ -273,8 +273,18 @@ func desiredFrontends(svc *tables.Service, nodeIPs []netip.Addr) []*tables.Front
 		}
 	}
 	out := make([]*tables.Frontend, 0, (len(svc.ClusterIPs)+len(svc.ExternalIPs)+len(svc.LoadBalancerIPs))*len(svc.Ports)+len(nodeIPs)*nodePorts)
-	// A linear search: services have a handful of frontends.
+	// A linear search: services have a handful of frontends; a set for
+	// the rare one with many ports, where the search is quadratic.
+	var seen map[tables.L4Addr]struct{}
+	if cap(out) > 64 {
+		seen = make(map[tables.L4Addr]struct{}, cap(out))
+	}
 	listed := func(addr tables.L4Addr) bool {
+		if seen != nil {
+			_, ok := seen[addr]
+			seen[addr] = struct{}{}
+			return ok
+		}
 		return slices.ContainsFunc(out, func(f *tables.Frontend) bool { return f.Address == addr })
 	}
 	has4 := slices.ContainsFunc(svc.ClusterIPs, netip.Addr.Is4)

@@ -43,6 +43,8 @@ type attacher struct {
 	nodeIPs []netip.Addr
 	db      *statedb.DB
 	devices statedb.RWTable[*tables.NodePortDevice]
+	// maglev writes lb_maglev; nil with random selection.
+	maglev *reconcilers.Maglev
 
 	// attached is closed once the programs and their maps are in place.
 	attached     chan struct{}
@@ -53,12 +55,12 @@ type attacher struct {
 }
 
 func newAttacher(log *slog.Logger, cfg Config, pinDir bpffs.PinDir, maps lb.Maps, nodeCfg node.Config,
-	db *statedb.DB, devices statedb.RWTable[*tables.NodePortDevice]) (*attacher, error) {
+	db *statedb.DB, devices statedb.RWTable[*tables.NodePortDevice], mg *reconcilers.Maglev) (*attacher, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
 	return &attacher{log: log, cfg: cfg, pinDir: string(pinDir), lbMaps: maps, nodeIPs: nodeCfg.NodeIPs,
-		db: db, devices: devices, attached: make(chan struct{})}, nil
+		db: db, devices: devices, maglev: mg, attached: make(chan struct{})}, nil
 }
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
@@ -72,29 +74,160 @@ func linkPin(dir string, ifindex int, egress bool) string {
 }
 
 func (a *attacher) progConfig() nodeport.Config {
-	return nodeport.Config{TCPTimeout: a.cfg.NATTCPTimeout, UDPTimeout: a.cfg.NATUDPTimeout}
+	return nodeport.Config{TCPTimeout: a.cfg.NATTCPTimeout, UDPTimeout: a.cfg.NATUDPTimeout, MaglevSize: a.cfg.maglevSize()}
 }
 
-// run attaches (or detaches) once, then keeps its health scope open with
-// what is attached where.
+// run attaches (or detaches), then, attached, follows the devices: when
+// a device named by --devices comes or goes, when the default routes name
+// other devices (--devices empty), or when a device's addresses change,
+// the programs are attached again to what is found, the devices map and
+// the nodeport-devices table rewritten.
 func (a *attacher) run(ctx context.Context, health cell.Health) error {
-	var msg string
-	var err error
-	if a.cfg.EnableNodePort {
-		msg, err = a.attach()
-	} else {
-		msg, err = a.detach()
+	if !a.cfg.EnableNodePort {
+		msg, err := a.detach()
+		if err != nil {
+			return fmt.Errorf("nodeport: %w", err)
+		}
+		a.log.Info(msg)
+		health.OK(msg)
+		<-ctx.Done()
+		return nil
 	}
+	// Subscribed before the first look, so that nothing between the two
+	// is missed.
+	events, err := a.subscribe(ctx)
+	if err != nil {
+		return fmt.Errorf("nodeport: follow the devices: %w", err)
+	}
+	msg, err := a.attach()
 	if err != nil {
 		return fmt.Errorf("nodeport: %w", err)
 	}
 	a.log.Info(msg)
 	health.OK(msg)
-	if a.cfg.EnableNodePort {
-		a.attachedOnce.Do(func() { close(a.attached) })
+	a.attachedOnce.Do(func() { close(a.attached) })
+	last := a.fingerprint()
+	recheck := time.NewTicker(deviceRecheckInterval)
+	defer recheck.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-events:
+			// A device comes with its addresses and routes in a burst:
+			// look once it has settled.
+			settle := time.NewTimer(deviceSettle)
+		drain:
+			for {
+				select {
+				case <-events:
+				case <-settle.C:
+					break drain
+				case <-ctx.Done():
+					settle.Stop()
+					return nil
+				}
+			}
+		case <-recheck.C:
+		}
+		_, rows, err := a.findDevices()
+		if err == nil && deviceFingerprint(rows) == last {
+			continue
+		}
+		msg, err := a.attach()
+		last = a.fingerprint()
+		if err != nil {
+			a.log.Warn("The external devices changed; attaching failed", "error", err)
+			health.Degraded("nodeport devices", err)
+			continue
+		}
+		a.log.Info("The external devices changed", "now", msg)
+		health.OK(msg)
 	}
-	<-ctx.Done()
-	return nil
+}
+
+// How the devices are followed: events settle for deviceSettle before
+// the devices are looked up again; every deviceRecheckInterval they are
+// looked up anyway (a lost netlink message must not leave them stale).
+const (
+	deviceSettle          = 200 * time.Millisecond
+	deviceRecheckInterval = 30 * time.Second
+)
+
+// subscribe delivers a tick on the returned channel for every change of
+// links and addresses, and of routes when the devices are found from them;
+// the subscriptions end with ctx. A subscription's error (a message lost)
+// ticks too.
+func (a *attacher) subscribe(ctx context.Context) (<-chan struct{}, error) {
+	tick := make(chan struct{}, 1)
+	kick := func() {
+		select {
+		case tick <- struct{}{}:
+		default:
+		}
+	}
+	onErr := func(err error) {
+		if ctx.Err() == nil {
+			a.log.Debug("Device events", "error", err)
+			kick()
+		}
+	}
+	links := make(chan netlink.LinkUpdate, 64)
+	addrs := make(chan netlink.AddrUpdate, 64)
+	routes := make(chan netlink.RouteUpdate, 64)
+	done := ctx.Done()
+	if err := netlink.LinkSubscribeWithOptions(links, done, netlink.LinkSubscribeOptions{ErrorCallback: onErr}); err != nil {
+		return nil, fmt.Errorf("links: %w", err)
+	}
+	if err := netlink.AddrSubscribeWithOptions(addrs, done, netlink.AddrSubscribeOptions{ErrorCallback: onErr}); err != nil {
+		return nil, fmt.Errorf("addresses: %w", err)
+	}
+	if len(a.cfg.Devices) == 0 {
+		if err := netlink.RouteSubscribeWithOptions(routes, done, netlink.RouteSubscribeOptions{ErrorCallback: onErr}); err != nil {
+			return nil, fmt.Errorf("routes: %w", err)
+		}
+	}
+	go func() {
+		for {
+			select {
+			case <-done:
+				return
+			case _, ok := <-links:
+				if !ok {
+					links = nil
+				}
+			case _, ok := <-addrs:
+				if !ok {
+					addrs = nil
+				}
+			case _, ok := <-routes:
+				if !ok {
+					routes = nil
+				}
+			}
+			kick()
+		}
+	}()
+	return tick, nil
+}
+
+// deviceFingerprint says what of the devices found matters to the
+// programs: names, indexes, SNAT addresses and why one is missing.
+func deviceFingerprint(rows []*tables.NodePortDevice) string {
+	lines := make([]string, 0, len(rows))
+	for _, r := range rows {
+		lines = append(lines, fmt.Sprintf("%s|%d|%v|%v|%s", r.Name, r.Ifindex, r.SNATAddr, r.SNATAddr6, r.Error))
+	}
+	slices.Sort(lines)
+	return strings.Join(lines, "\n")
+}
+
+// fingerprint is deviceFingerprint of the nodeport-devices table: what
+// was found when the programs were last attached. A device the programs
+// could not be attached to has that error there, which a new lookup does
+// not: it differs, and the next change tries again.
+func (a *attacher) fingerprint() string {
+	return deviceFingerprint(slices.Collect(statedb.ToSeq(a.devices.All(a.db.ReadTxn()))))
 }
 
 // device is an external device found.
@@ -175,6 +308,11 @@ func (a *attacher) openOwnMaps() (map[string]*ebpf.Map, error) {
 	own := map[string]*ebpf.Map{}
 	for _, name := range nodeport.OwnMaps {
 		spec, err := nodeport.MapSpec(name, a.cfg.BPFNATMax)
+		if name == nodeport.MaglevMap {
+			// Another table size than the pin's: the pin is replaced
+			// (nothing migrates; the reconciler writes every table).
+			spec, err = nodeport.MaglevMapSpec(a.cfg.maglevSize())
+		}
 		if err != nil {
 			closeMaps(own)
 			return nil, err
@@ -234,7 +372,7 @@ func (a *attacher) attach() (string, error) {
 			Affinity4: own[nodeport.Affinity4Map], Affinity6: own[nodeport.Affinity6Map], Services6: s6, Backends6: b6,
 			NAT6: own[nodeport.NAT6Map], SourceRange6: own[nodeport.SourceRange6Map],
 			Devices: own[nodeport.DevicesMap], NAT4: own[nodeport.NAT4Map], Stats: own[nodeport.StatsMap],
-			SourceRange4: own[nodeport.SourceRange4Map]})
+			SourceRange4: own[nodeport.SourceRange4Map], Maglev: own[nodeport.MaglevMap]})
 		return err
 	})
 	if err != nil {
@@ -315,6 +453,11 @@ func (a *attacher) attach() (string, error) {
 	a.mu.Lock()
 	a.own = own
 	a.mu.Unlock()
+	if a.maglev != nil {
+		if err := a.maglev.SetMap(own[nodeport.MaglevMap]); err != nil {
+			return "", err
+		}
+	}
 	var failed []string
 	for _, r := range rows {
 		if r.Error != "" {
@@ -407,4 +550,7 @@ func (a *attacher) close() {
 	defer a.mu.Unlock()
 	closeMaps(a.own)
 	a.own = nil
+	if a.maglev != nil {
+		_ = a.maglev.SetMap(nil)
+	}
 }

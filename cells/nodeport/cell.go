@@ -23,6 +23,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/apiary-net/apiary/bpf/iflink"
+	"github.com/apiary-net/apiary/internal/maglev"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -34,9 +35,10 @@ var Cell = cell.Module(
 	"North-south load balancing at the external devices",
 
 	cell.Config(defaultConfig),
-	cell.ProvidePrivate(tables.NewNodePortDevicesTable, newAttacher, newSourceRanges),
+	cell.ProvidePrivate(tables.NewNodePortDevicesTable, newAttacher, newSourceRanges, tables.NewMaglevTable, newMaglevOps),
 	cell.Provide(func(t statedb.RWTable[*tables.NodePortDevice]) statedb.Table[*tables.NodePortDevice] { return t }),
-	cell.Invoke(registerJobs, registerMetrics),
+	cell.Provide(func(t statedb.RWTable[*tables.Maglev]) statedb.Table[*tables.Maglev] { return t }),
+	cell.Invoke(registerJobs, registerMetrics, registerMaglev),
 )
 
 // Flag names.
@@ -47,6 +49,8 @@ const (
 	TCPTimeoutFlag = "nat-tcp-timeout"
 	UDPTimeoutFlag = "nat-udp-timeout"
 	AttachFlag     = "nodeport-attach"
+	AlgorithmFlag  = "lb-algorithm"
+	MaglevSizeFlag = "lb-maglev-table-size"
 )
 
 // Config is the north-south load balancer's configuration.
@@ -66,13 +70,33 @@ type Config struct {
 	// NodePortAttach is how the programs go on the devices: auto, tcx
 	// or tc (iflink.Mode).
 	NodePortAttach string
+	// LBAlgorithm is how a new flow from outside picks its backend:
+	// random, or maglev (the same backend on every node for the same
+	// flow).
+	LBAlgorithm string
+	// LBMaglevTableSize is the size of each frontend's Maglev table, a
+	// prime.
+	LBMaglevTableSize uint32
+}
+
+// maglev says whether Maglev tables are computed and used.
+func (c Config) maglev() bool { return c.EnableNodePort && c.LBAlgorithm == AlgorithmMaglev }
+
+// maglevSize is the programs' table size: 0 for random selection.
+func (c Config) maglevSize() uint32 {
+	if c.maglev() {
+		return c.LBMaglevTableSize
+	}
+	return 0
 }
 
 var defaultConfig = Config{
-	BPFNATMax:      131072,
-	NATTCPTimeout:  6 * time.Hour,
-	NATUDPTimeout:  time.Minute,
-	NodePortAttach: string(iflink.ModeAuto),
+	BPFNATMax:         131072,
+	NATTCPTimeout:     6 * time.Hour,
+	NATUDPTimeout:     time.Minute,
+	NodePortAttach:    string(iflink.ModeAuto),
+	LBAlgorithm:       AlgorithmRandom,
+	LBMaglevTableSize: maglev.DefaultTableSize,
 }
 
 // Flags implements cell.Flagger.
@@ -86,6 +110,10 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 	fs.Duration(TCPTimeoutFlag, def.NATTCPTimeout, "Idle time after which a translated TCP flow's NAT entries are removed")
 	fs.Duration(UDPTimeoutFlag, def.NATUDPTimeout, "Idle time after which a translated UDP flow's NAT entries are removed")
 	fs.String(AttachFlag, def.NodePortAttach, "How the nodeport programs go on the devices: auto (tcx links, tc filters where the kernel has no tcx), tcx or tc")
+	fs.String(AlgorithmFlag, def.LBAlgorithm,
+		"How a new flow from outside the node picks its backend: random, or maglev (a per-frontend Maglev table, so that every node sends the same flow to the same backend)")
+	fs.Uint32(MaglevSizeFlag, def.LBMaglevTableSize,
+		"Slots of each frontend's Maglev table (--"+AlgorithmFlag+"=maglev): a prime, at least 100 times the most backends a service has for even spread; 4 bytes a slot per frontend")
 }
 
 func (c Config) validate() error {
@@ -96,6 +124,14 @@ func (c Config) validate() error {
 		return fmt.Errorf("--%s=%s is below 1s", TCPTimeoutFlag, c.NATTCPTimeout)
 	case c.NATUDPTimeout < time.Second:
 		return fmt.Errorf("--%s=%s is below 1s", UDPTimeoutFlag, c.NATUDPTimeout)
+	}
+	switch c.LBAlgorithm {
+	case AlgorithmRandom, AlgorithmMaglev:
+	default:
+		return fmt.Errorf("--%s=%q: want %s or %s", AlgorithmFlag, c.LBAlgorithm, AlgorithmRandom, AlgorithmMaglev)
+	}
+	if err := maglev.ValidateTableSize(c.LBMaglevTableSize); err != nil {
+		return fmt.Errorf("--%s: %w", MaglevSizeFlag, err)
 	}
 	if _, err := iflink.ParseMode(c.NodePortAttach); err != nil {
 		return fmt.Errorf("--%s: %w", AttachFlag, err)

@@ -20,6 +20,10 @@ func TestConfigValidate(t *testing.T) {
 		{"UDP timeout", func(c *Config) { c.NATUDPTimeout = 0 }, "--" + UDPTimeoutFlag},
 		{"attach mode", func(c *Config) { c.NodePortAttach = "xdp" }, "--" + AttachFlag},
 		{"tc", func(c *Config) { c.NodePortAttach = "tc" }, ""},
+		{"algorithm", func(c *Config) { c.LBAlgorithm = "roundrobin" }, "--" + AlgorithmFlag + `="roundrobin"`},
+		{"maglev", func(c *Config) { c.LBAlgorithm = AlgorithmMaglev }, ""},
+		{"maglev size not a prime", func(c *Config) { c.LBMaglevTableSize = 16384 }, "--" + MaglevSizeFlag + ": maglev table size 16384 is not a prime"},
+		{"maglev size too big", func(c *Config) { c.LBMaglevTableSize = 262139 }, "--" + MaglevSizeFlag + ": maglev table size 262139 is out of range"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			c := defaultConfig

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -102,6 +103,10 @@ func npUDP(addr string) string {
 	if err != nil {
 		if os.IsTimeout(err) {
 			return "timeout"
+		}
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			// An ICMP port unreachable came back.
+			return "ECONNREFUSED"
 		}
 		return "error: " + err.Error()
 	}
@@ -296,7 +301,9 @@ type npSetup struct {
 	configDir, cgRoot string
 }
 
-func setupNodePort(t *testing.T, extra, attach string) *npSetup {
+// setupNodePort starts the agent with the nodeport programs on two
+// devices (and flags, e.g. another --devices that adds to them).
+func setupNodePort(t *testing.T, extra, attach string, flags ...string) *npSetup {
 	t.Helper()
 	testenv.RequireRoot(t)
 	testenv.RequireProgram(t, "ip")
@@ -321,10 +328,10 @@ func setupNodePort(t *testing.T, extra, attach string) *npSetup {
 	startServer(t, s.pod.command(t, true, []string{npServeEnv + "=:8080"}), npPod4)
 	startServer(t, s.remote.command(npServeEnv+"=:8080"), npRemote4)
 	writeFile(t, filepath.Join(s.configDir, "np.yaml"), npConfig+extra)
-	s.a = startAgent(t, agentOptions{configDir: s.configDir, flags: []string{
+	s.a = startAgent(t, agentOptions{configDir: s.configDir, flags: append([]string{
 		"--node-name=e2e-node", "--cgroup-root=" + s.cgRoot, "--node-ips=" + npNode4 + "," + npNode6, "--enable-ipv6",
 		"--enable-nodeport", "--enable-health-check-node-port", "--devices=" + s.client.hostIf + "," + s.remote.hostIf, "--nodeport-attach=" + attach,
-	}})
+	}, flags...)})
 	s.a.waitPodInterfaces(t, map[string]string{"default/npb": s.pod.hostIf})
 	want := attach
 	if want == "auto" {
@@ -384,7 +391,7 @@ ports: [{name: tcp, port: 8080, protocol: TCP}]
 endpoints: [{addresses: ["` + npPod4 + `"], nodeName: e2e-node, conditions: {ready: true}}]
 `
 
-// npEmpty: a NodePort service without endpoints.
+// npEmpty: a dual-stack NodePort service without endpoints, TCP and UDP.
 const npEmpty = `---
 apiVersion: v1
 kind: Service
@@ -392,7 +399,12 @@ metadata: {name: np-empty, namespace: default}
 spec:
   type: NodePort
   clusterIP: 10.96.0.85
-  ports: [{name: tcp, port: 80, targetPort: 8080, nodePort: 30085, protocol: TCP}]
+  clusterIPs: [10.96.0.85, "fd00:96::85"]
+  ipFamilies: [IPv4, IPv6]
+  ipFamilyPolicy: RequireDualStack
+  ports:
+  - {name: tcp, port: 80, targetPort: 8080, nodePort: 30085, protocol: TCP}
+  - {name: udp, port: 80, targetPort: 8080, nodePort: 30085, protocol: UDP}
 `
 
 // npLong: a NodePort service for a long-lived connection to the pod.
@@ -576,12 +588,22 @@ func testNodePortFromOutside(t *testing.T, attach string) {
 	t.Run("no endpoints", func(t *testing.T) {
 		// Refused at once (a reset from the node), as kube-proxy's
 		// reject does, not left to time out.
-		testenv.Eventually(t, waitTimeout, "TCP to a node port without endpoints refused", func() (bool, string) {
-			got := s.client.run(t, connectEnv+"="+npNode4+":30085")
-			return got == "ECONNREFUSED", got
-		})
-		if n := s.nodePortStat(t, "reset_sent"); n == 0 {
-			t.Errorf("reset_sent not counted")
+		// TCP gets a reset, UDP an ICMP (ICMPv6) port unreachable: both
+		// are ECONNREFUSED to the client's connected socket.
+		for _, addr := range []string{npNode4 + ":30085", "[" + npNode6 + "]:30085"} {
+			testenv.Eventually(t, waitTimeout, "TCP to "+addr+" (no endpoints) refused", func() (bool, string) {
+				got := s.client.run(t, connectEnv+"="+addr)
+				return got == "ECONNREFUSED", got
+			})
+			testenv.Eventually(t, waitTimeout, "UDP to "+addr+" (no endpoints) refused", func() (bool, string) {
+				got := s.client.run(t, npUDPEnv+"="+addr)
+				return got == "ECONNREFUSED", got
+			})
+		}
+		for _, name := range []string{"reset_sent", "unreachable_sent"} {
+			if n := s.nodePortStat(t, name); n < 2 {
+				t.Errorf("%s %d, want at least 2 (IPv4 and IPv6)", name, n)
+			}
 		}
 	})
 
