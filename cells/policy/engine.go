@@ -1170,7 +1170,7 @@ func (ep *endpoint) decideTiered(cs []contrib, dir uint8, audited func(policy st
 		return entryValue{final: true, deny: true, audit: audit, policies: named(denies)}
 	case len(allows) > 0:
 		return entryValue{final: true, podAddrs: podAddrs, policies: named(allows)}
-	case !ep.rulesDeny[dir] && base != nil:
+	case !ep.rulesDeny[dir] && base != nil && !base.pass:
 		if base.deny {
 			return entryValue{final: true, deny: true, audit: audited(base.policy), policies: named([]string{base.label})}
 		}
