@@ -147,6 +147,8 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 	switch ev.Reason {
 	case bpf.PolicyReasonDefaultDeny:
 		v.Reason = ReasonDefaultDeny
+		// A default deny after an Admin tier Pass names the Pass.
+		v.Policy = r.policyName(ev.Cookie)
 		// The datapath cannot tell a default deny that an invalid policy
 		// keeps from another; the endpoint's row can.
 		if row != nil {
@@ -206,8 +208,35 @@ func (r *eventReader) policyName(cookie uint32) string {
 	}
 	clear(r.policyNames)
 	r.policyNames[policyCookie(LocalhostEntryPolicy)] = LocalhostEntryPolicy
+	// The entries of ClusterNetworkPolicy rules name the rule, and those
+	// decided after an Admin tier Pass name the Pass and what decided:
+	// "<pass rule> → <policy or Baseline rule>" (see decideTiered).
+	var names, passes []string
 	for p := range r.policies.All(r.db.ReadTxn()) {
-		r.policyNames[policyCookie(p.Name)] = p.Name
+		names = append(names, p.Name)
+		for _, s := range p.Specs {
+			for _, rule := range s.Rules {
+				if rule.Label == "" {
+					continue
+				}
+				names = append(names, rule.Label)
+				if rule.Pass && rule.Tier == tables.TierAdmin {
+					passes = append(passes, rule.Label)
+				}
+			}
+		}
+	}
+	for _, n := range names {
+		r.policyNames[policyCookie(n)] = n
+	}
+	if _, ok := r.policyNames[cookie]; !ok {
+		for _, p := range passes {
+			for _, n := range names {
+				if label := p + passArrow + n; policyCookie(label) == cookie {
+					r.policyNames[cookie] = label
+				}
+			}
+		}
 	}
 	return r.policyNames[cookie]
 }
