@@ -80,6 +80,14 @@ func TestVerdictReason(t *testing.T) {
 		}
 	}
 
+	// Verdicts of ClusterNetworkPolicy rules count for their policy; after
+	// a Pass, for the policy that decided.
+	for name, want := range map[string]string{accept: tiered, pass + passArrow + good: good, pass + passArrow + accept: tiered, good: good} {
+		if got := r.countedPolicy(name); got != want {
+			t.Errorf("verdict of %q counted for %q, want %q", name, got, want)
+		}
+	}
+
 	// The row changes (the policy fixed): the next verdict follows.
 	wtxn = db.WriteTxn(endpoints)
 	endpoints.Insert(wtxn, &tables.EndpointPolicy{Name: "default/web", ID: 1})
