@@ -1,8 +1,14 @@
 package policy
 
 import (
+	"encoding/json"
 	"fmt"
 	"testing"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/apiary-net/apiary/cells/selectors"
+	"github.com/apiary-net/apiary/tables"
 )
 
 // clusterNetpolDoc returns a ClusterNetworkPolicy of the tier and priority.
@@ -78,4 +84,52 @@ func TestSemanticsClusterNetworkPolicyTiers(t *testing.T) {
 			in("beta/server", "alpha/web", 80, "deny"),
 		}},
 	})
+}
+
+// An invalid policy keeps its subject's direction closed: no Accept of a
+// tier opens it, whatever its priority; an Admin Deny still denies, and
+// another pod is not concerned.
+func TestSemanticsClusterNetworkPolicyFailClosed(t *testing.T) {
+	const betaServer = "subject: {pods: {namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: beta}}, podSelector: {matchLabels: {app: server}}}}\n"
+	accept := clusterNetpolDoc("accept", "Admin", 1, betaServer+"ingress: [{action: Accept, from: [{namespaces: {}}]}]")
+	c := baseCluster(accept,
+		clusterNetpolDoc("base", "Baseline", 1, betaServer+"ingress: [{action: Accept, from: [{namespaces: {}}]}]"),
+		clusterNetpolDoc("deny", "Admin", 2, betaServer+"ingress: [{action: Deny, from: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: web}}}}]}]"))
+	m := newAgentModel(t, c.localhost)
+	m.apply(c)
+	for _, p := range []probe{in("beta/server", "beta/client", 80, "allow"), in("beta/server", "beta/web", 80, "allow")} {
+		if got := m.verdictOf(p); got != p.want {
+			t.Errorf("before: %s: %s, want %s", p, got, p.want)
+		}
+	}
+	// The policies table's row of an invalid policy selecting the same
+	// pod: its fail-closed spec, as the controller hands it over.
+	js, err := yaml.YAMLToJSON([]byte(accept))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cn selectors.ClusterNetworkPolicy
+	if err := json.Unmarshal(js, &cn); err != nil {
+		t.Fatal(err)
+	}
+	parsed, err := selectors.ParseClusterNetworkPolicy(&cn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.eng.setPolicy("clusternetpol/broken", []tables.PolicySpec{{Subject: parsed.Specs[0].Subject, Ingress: true, DefaultDenyIngress: true}}, false, "broken")
+	m.eng.flush(m.out)
+	m.byGroup = map[string][]*tables.PolicyEntry{}
+	for _, e := range m.out.entries {
+		g := groupOf(e.Endpoint, e.Identity, e.Direction)
+		m.byGroup[g] = append(m.byGroup[g], e)
+	}
+	for _, p := range []probe{
+		in("beta/server", "beta/client", 80, "deny"),
+		in("beta/server", "beta/web", 80, "deny"),
+		in("beta/web", "beta/client", 80, "allow"),
+	} {
+		if got := m.verdictOf(p); got != p.want {
+			t.Errorf("with the invalid policy: %s: %s, want %s\nentries: %v", p, got, p.want, m.out.list(p.ep))
+		}
+	}
 }

@@ -1113,12 +1113,22 @@ const passArrow = " → "
 // direction into it (the entry passes: the datapath's default deny, and
 // its allow by address, decide as they would without the tiers); then the
 // first Baseline tier rule; then the default (the entry passes too).
+// Where an invalid policy keeps the direction closed, Accept rules are
+// left out.
 func (ep *endpoint) decideTiered(cs []contrib, dir uint8, audited func(policy string) bool) entryValue {
 	var admin, base *contrib
 	var denies, allows []string
 	podAddrs := false
+	// A direction an invalid policy keeps closed takes no Accept of a
+	// tier: the API makes a broken Deny or Pass rule "deny all" at its
+	// priority, which the entries cannot place, so no Accept overrides
+	// the fail-closed default deny.
+	failClosed := (dir == dirIngress && len(ep.failIngress) > 0) || (dir == dirEgress && len(ep.failEgress) > 0)
 	for i := range cs {
 		c := &cs[i]
+		if failClosed && (c.tier == layerAdmin || c.tier == layerBaseline) && !c.deny && !c.pass {
+			continue
+		}
 		switch c.tier {
 		case layerAdmin:
 			if admin == nil || c.before(admin) {
