@@ -133,3 +133,39 @@ func TestSemanticsClusterNetworkPolicyFailClosed(t *testing.T) {
 		}
 	}
 }
+
+// A peer's group of tiered rules takes the ports of identity 0's entries
+// only where they change the decision: an Admin Deny of every port over a
+// CNP's allow of three ports to every peer is one entry, a Pass over it
+// four (the Pass's, and the three allows folded in).
+func TestClusterNetworkPolicyEntries(t *testing.T) {
+	const betaServer = "subject: {pods: {namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: beta}}, podSelector: {matchLabels: {app: server}}}}\n"
+	open := cnp("beta", "open", `endpointSelector: {matchLabels: {app: server}}
+ingress: [{fromEntities: [all], toPorts: [{ports: [{port: "80", protocol: TCP}, {port: "53", protocol: UDP}, {port: "8080", protocol: TCP}]}]}]`)
+	for _, tc := range []struct {
+		action string
+		want   int
+		probes []probe
+	}{
+		{"Deny", 1, []probe{in("beta/server", "beta/web", 80, "deny"), in("beta/server", "beta/client", 80, "allow")}},
+		{"Pass", 4, []probe{in("beta/server", "beta/web", 80, "allow"), in("beta/server", "beta/web", 81, "deny")}},
+	} {
+		c := baseCluster(open, clusterNetpolDoc("admin", "Admin", 1, betaServer+"ingress: [{action: "+tc.action+", from: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: web}}}}]}]"))
+		m := newAgentModel(t, c.localhost)
+		m.apply(c)
+		n := 0
+		for _, e := range m.out.entries {
+			if e.Endpoint == "beta/server" && e.Identity == m.podIDs["beta/web"] {
+				n++
+			}
+		}
+		if n != tc.want {
+			t.Errorf("%s: %d entries of beta/web on beta/server, want %d: %v", tc.action, n, tc.want, m.out.list("beta/server"))
+		}
+		for _, p := range tc.probes {
+			if got := m.verdictOf(p); got != p.want {
+				t.Errorf("%s: %s: %s, want %s", tc.action, p, got, p.want)
+			}
+		}
+	}
+}

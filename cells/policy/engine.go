@@ -1097,6 +1097,30 @@ func (ep *endpoint) recomputeTiered(gk groupKey, keys []portKey, audited func(po
 		}
 		out = append(out, portEntry{pk, ep.decideTiered(cs, gk.dir, audited)})
 	}
+	// A key of identity 0 that decides as the longest key covering it
+	// adds nothing: the lookup would find that one instead, to the same
+	// effect. (An Admin rule of every port over a NetworkPolicy of many
+	// ports to any peer would otherwise copy those ports into every
+	// peer's group.)
+	if len(all) > len(keys) {
+		kept := out[:0:0]
+		for i, pe := range out {
+			if i >= len(keys) {
+				var parent *portEntry
+				for j := range out[:len(all)] {
+					c := &out[j]
+					if c.port != pe.port && c.port.covers(pe.port) && (parent == nil || parent.port.covers(c.port)) {
+						parent = c
+					}
+				}
+				if parent != nil && parent.v.equal(pe.v) {
+					continue
+				}
+			}
+			kept = append(kept, pe)
+		}
+		out = kept
+	}
 	slices.SortFunc(out, func(a, b portEntry) int { return comparePorts(a.port, b.port) })
 	return out
 }
