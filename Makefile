@@ -30,7 +30,7 @@ IMAGE_TAR ?= bin/apiary-image.tar
 # version (a '+', a '/') becomes '-'.
 IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
 
-.PHONY: all build image test test-race test-cluster conformance conformance-multinode conformance-services bench run lint deps clean bpf demo
+.PHONY: all build image test test-race test-cluster conformance conformance-multinode conformance-services bench bench-lb-reference run lint deps clean bpf demo
 
 all: build
 
@@ -89,6 +89,13 @@ conformance-services: deps image
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)
+
+## bench-lb-reference: the reference's LB control-plane benchmark (cilium
+## v1.19.3, built in scripts/lb-reference, a module of its own) and apiary's
+## BenchmarkServices, interleaved ROUNDS times, with the ratios (root).
+ROUNDS ?= 3
+bench-lb-reference:
+	ROUNDS=$(ROUNDS) scripts/lb-reference/compare.sh
 
 ## run: build and start the agent with docs/examples as its config dir.
 run: build

@@ -37,7 +37,6 @@ import (
 	"github.com/cilium/hive/script"
 	"github.com/cilium/hive/script/scripttest"
 	"github.com/spf13/pflag"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/bpf/memmap"
 	"github.com/apiary-net/apiary/cells/api"
@@ -174,7 +173,7 @@ func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string
 		tb:         tb,
 		log:        hivetest.Logger(tb, hivetest.LogLevel(slog.LevelInfo)),
 		newCells:   newCells,
-		fakeClient: k8sfake.NewCell(newFakeClientset()),
+		fakeClient: k8sfake.NewCell(k8sfake.New()),
 		args:       append(defaults, args...),
 		configDir:  configDir,
 		memory:     memory,
@@ -371,11 +370,4 @@ func (a *agent) httpGetCmd() script.Cmd {
 				return fmt.Sprintf("%d\n%s", resp.StatusCode, respBody), "", nil
 			}, nil
 		})
-}
-
-// newFakeClientset returns a fake clientset whose tracker stores objects of
-// any type, so that k8s/add works for custom resources too
-// (fake.NewClientset rejects kinds it has no schema for).
-func newFakeClientset() *fake.Clientset {
-	return fake.NewSimpleClientset() //nolint:staticcheck // see above
 }

@@ -41,6 +41,12 @@ func pinnedAttrs(m *ebpf.Map) mapAttrs {
 // pinned. They differ from the spec's fields where the library fills in
 // fields left zero and where the kernel drops or adds flags; comparing raw
 // fields would replace such maps on every start.
+//
+// ebpf.MapSpec.Compatible (v0.22.0) makes the same fill-ins but is not used:
+// it answers with one error for any difference, where the agent must tell a
+// new size (the entries are copied into a new map) from a new layout (they
+// cannot be), and it compares the transient flags (BPF_F_RDONLY, ...) the
+// kernel never stores, so such a map would never be compatible.
 func wantAttrs(spec *ebpf.MapSpec, pinned mapAttrs) (mapAttrs, error) {
 	want := mapAttrs{
 		typ:        spec.Type,

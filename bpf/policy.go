@@ -18,6 +18,11 @@ const (
 	// PolicyEndpointsMap maps the cgroup ID of an endpoint (a pod's
 	// cgroup) to its endpoint ID and enforcement flags.
 	PolicyEndpointsMap = "policy_endpoints"
+	// PolicyEndpointsGenMap holds one counter (a uint64 at key 0) that
+	// the agent increments after each change of policy_endpoints: the
+	// programs keep what they found for a cgroup along with the counter,
+	// and walk its ancestors again once it has moved.
+	PolicyEndpointsGenMap = "policy_endpoints_gen"
 	// PolicySockMap is the socket storage (BPF_MAP_TYPE_SK_STORAGE) in
 	// which each socket of an endpoint remembers its allowed flows, so
 	// that replies pass whatever the other direction's policy says. It
@@ -335,6 +340,18 @@ func PolicyEndpointsMapSpec(maxEntries uint32) *ebpf.MapSpec {
 		ValueSize:  PolicyEndpointValueSize,
 		MaxEntries: maxEntries,
 		Flags:      unix.BPF_F_NO_PREALLOC,
+		Pinning:    ebpf.PinByName,
+	}
+}
+
+// PolicyEndpointsGenMapSpec returns the spec of policy_endpoints_gen.
+func PolicyEndpointsGenMapSpec() *ebpf.MapSpec {
+	return &ebpf.MapSpec{
+		Name:       PolicyEndpointsGenMap,
+		Type:       ebpf.Array,
+		KeySize:    4,
+		ValueSize:  8,
+		MaxEntries: 1,
 		Pinning:    ebpf.PinByName,
 	}
 }

@@ -50,7 +50,12 @@ type Policy struct {
 	mu        sync.Mutex
 	policy    *ebpf.Map
 	endpoints *ebpf.Map
-	entries   map[bpf.PolicyKey]bpf.PolicyValue
+	// gen is policy_endpoints_gen, moved to genValue after each change of
+	// endpoints: the programs' cache of each cgroup's endpoint holds only
+	// until it moves.
+	gen      *ebpf.Map
+	genValue uint64
+	entries  map[bpf.PolicyKey]bpf.PolicyValue
 	// byID are the keys of entries by endpoint ID.
 	byID map[uint32]map[bpf.PolicyKey]struct{}
 	// cgroups is what policy_endpoints holds: cgroup ID → value.
@@ -130,6 +135,25 @@ func (p *Policy) Open(pinDir string, maxEntries, maxEndpoints uint32) (map[uint6
 		pol.Close()
 		return nil, err
 	}
+	gen, err := bpf.OpenPinnedMap(p.log, bpf.PolicyEndpointsGenMapSpec(), pinDir, nil)
+	if err != nil {
+		pol.Close()
+		eps.Close()
+		return nil, err
+	}
+	var genValue uint64
+	if err := gen.Map.Lookup(uint32(0), &genValue); err != nil {
+		genValue = 0
+	}
+	// Moved at once: programs of an earlier run may have cached what
+	// this one is about to change, and 0 means no counter to them.
+	genValue++
+	if err := gen.Map.Put(uint32(0), genValue); err != nil {
+		pol.Close()
+		eps.Close()
+		gen.Close()
+		return nil, fmt.Errorf("write %s: %w", gen.Path, err)
+	}
 	entries := map[bpf.PolicyKey]bpf.PolicyValue{}
 	err = bpf.Walk(pol.Map, 1024, func(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
 		for i, k := range keys {
@@ -140,6 +164,7 @@ func (p *Policy) Open(pinDir string, maxEntries, maxEndpoints uint32) (map[uint6
 	if err != nil {
 		pol.Close()
 		eps.Close()
+		gen.Close()
 		return nil, fmt.Errorf("read %s: %w", pol.Path, err)
 	}
 	cgroups := map[uint64]bpf.PolicyEndpointValue{}
@@ -157,6 +182,7 @@ func (p *Policy) Open(pinDir string, maxEntries, maxEndpoints uint32) (map[uint6
 	if err != nil {
 		pol.Close()
 		eps.Close()
+		gen.Close()
 		return nil, fmt.Errorf("read %s: %w", eps.Path, err)
 	}
 	byID := map[uint32]map[bpf.PolicyKey]struct{}{}
@@ -165,6 +191,10 @@ func (p *Policy) Open(pinDir string, maxEntries, maxEndpoints uint32) (map[uint6
 	}
 	p.mu.Lock()
 	p.policy, p.endpoints, p.entries, p.byID, p.cgroups, p.maxCount = pol.Map, eps.Map, entries, byID, cgroups, maxEntries
+	if p.gen != nil {
+		p.gen.Close()
+	}
+	p.gen, p.genValue = gen.Map, genValue
 	clear(p.applied)
 	clear(p.idOwner)
 	clear(p.cgroupOwner)
@@ -228,7 +258,34 @@ func (p *Policy) Close() error {
 		errs = append(errs, p.endpoints.Close())
 		p.endpoints = nil
 	}
+	if p.gen != nil {
+		errs = append(errs, p.gen.Close())
+		p.gen = nil
+	}
 	return errors.Join(errs...)
+}
+
+// EndpointsGen returns policy_endpoints_gen, for the programs' loader
+// (policyprog.Maps.EndpointsGen); nil before Open. It stays open until
+// Close.
+func (p *Policy) EndpointsGen() *ebpf.Map {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.gen
+}
+
+// moveGenLocked moves policy_endpoints_gen after a change of
+// policy_endpoints. Until it has moved the programs may go on with what
+// they cached, so a failure fails the change: its row is retried.
+func (p *Policy) moveGenLocked() error {
+	if p.gen == nil {
+		return errors.New("policy_endpoints_gen map not open")
+	}
+	p.genValue++
+	if err := p.gen.Put(uint32(0), p.genValue); err != nil {
+		return fmt.Errorf("write policy_endpoints_gen: %w", err)
+	}
+	return nil
 }
 
 // Maps calls fn with the open policy and policy_endpoints maps, for the
@@ -522,6 +579,9 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 			if err := o.endpoints.Put(e.CgroupID, v); err != nil {
 				return fmt.Errorf("write policy_endpoints entry of %s: %w", e.Name, err)
 			}
+			if err := o.moveGenLocked(); err != nil {
+				return fmt.Errorf("endpoint %s: %w", e.Name, err)
+			}
 			o.writes.Add(1)
 			o.cgroups[e.CgroupID] = v
 		}
@@ -708,6 +768,9 @@ func (p *Policy) putTreeLocked(e *tables.EndpointPolicy) error {
 		if err := p.endpoints.Put(e.CgroupID, v); err != nil {
 			return fmt.Errorf("write policy_endpoints entry of %s: %w", e.Name, err)
 		}
+		if err := p.moveGenLocked(); err != nil {
+			return fmt.Errorf("%s: %w", e.Name, err)
+		}
 		p.writes.Add(1)
 		p.cgroups[e.CgroupID] = v
 	}
@@ -785,6 +848,9 @@ func (p *Policy) deleteCgroupLocked(cg uint64) error {
 	if err := p.endpoints.Delete(cg); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("delete policy_endpoints entry of cgroup %d: %w", cg, err)
 	}
+	if err := p.moveGenLocked(); err != nil {
+		return fmt.Errorf("cgroup %d: %w", cg, err)
+	}
 	p.deletes.Add(1)
 	delete(p.cgroups, cg)
 	delete(p.cgroupOwner, cg)
@@ -808,6 +874,8 @@ func (p *Policy) resyncLocked() error {
 	errs := []error{err, p.drift.Report(bpf.PolicyMap, c)}
 	c, err = resyncMap(p.endpoints, p.cgroups)
 	errs = append(errs, err, p.drift.Report(bpf.PolicyEndpointsMap, c))
+	// Whatever the repair wrote, the programs' cache goes with it.
+	errs = append(errs, p.moveGenLocked())
 	return errors.Join(errs...)
 }
 

@@ -159,6 +159,12 @@ func (f *policyFixture) endpointsMap(t *testing.T) map[uint64]bpf.PolicyEndpoint
 	return readPinned[uint64, bpf.PolicyEndpointValue](t, filepath.Join(f.dir, bpf.PolicyEndpointsMap))
 }
 
+// endpointsGen reads the pinned policy_endpoints_gen counter.
+func (f *policyFixture) endpointsGen(t *testing.T) uint64 {
+	t.Helper()
+	return readPinned[uint32, uint64](t, filepath.Join(f.dir, bpf.PolicyEndpointsGenMap))[0]
+}
+
 func readPinned[K comparable, V any](t *testing.T, path string) map[K]V {
 	t.Helper()
 	m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
@@ -655,6 +661,7 @@ func TestPolicyEndpointCgroup(t *testing.T) {
 	row := web
 	for _, step := range steps {
 		var err error
+		genBefore := f.endpointsGen(t)
 		if step.change == nil {
 			txn := f.db.ReadTxn()
 			f.remove(t, row)
@@ -670,6 +677,10 @@ func TestPolicyEndpointCgroup(t *testing.T) {
 		}
 		if got := f.endpointsMap(t); !maps.Equal(got, step.want) {
 			t.Fatalf("%s: policy_endpoints %v, want %v", step.name, got, step.want)
+		}
+		// Every change moves the counter the programs' cache holds to.
+		if gen := f.endpointsGen(t); gen <= genBefore {
+			t.Errorf("%s: policy_endpoints_gen %d, was %d: the programs would go on with what they cached", step.name, gen, genBefore)
 		}
 	}
 	// Its entries went with it.
@@ -695,10 +706,14 @@ func TestPolicyEndpointCgroup(t *testing.T) {
 	if err := f.updateEndpoint(t, db.Name); err != nil {
 		t.Fatal(err)
 	}
+	genBefore := f.endpointsGen(t)
 	f.prune(t)
 	want := map[uint64]bpf.PolicyEndpointValue{1005: {EndpointID: 2, Flags: bpf.PolicyEnforceIngress}}
 	if got := f.endpointsMap(t); !maps.Equal(got, want) {
 		t.Fatalf("after the prune policy_endpoints %v, want %v", got, want)
+	}
+	if gen := f.endpointsGen(t); gen <= genBefore {
+		t.Errorf("the prune deleted an entry, policy_endpoints_gen stayed %d", gen)
 	}
 }
 

@@ -15,8 +15,9 @@ const (
 	SelectorsTableName = "selectors"
 )
 
-// Policy is one CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy or
-// NetworkPolicy as the agent understood it.
+// Policy is one CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy,
+// NetworkPolicy or ClusterNetworkPolicy as the agent understood it. What
+// enforcing it shows (verdicts, warnings) is in the policy-status table.
 type Policy struct {
 	// Name is "cnp/<namespace>/<name>", "ccnp/<name>" or, for a
 	// NetworkPolicy, "netpol/<namespace>/<name>".
@@ -40,18 +41,11 @@ type Policy struct {
 	// Audit is set by the annotation apiary.io/audit: "true": what only
 	// this policy denies is let through and reported as audited.
 	Audit bool `json:"audit,omitempty" yaml:"audit,omitempty"`
-	// Verdicts count the connections and flows the policy's entries
-	// decided on this node since the agent started.
-	Verdicts VerdictCounts `json:"verdicts" yaml:"verdicts"`
 	// Status is "OK" or "Error".
 	Status string `json:"status" yaml:"status"`
 	// Error says what is wrong with an invalid policy; the valid rules of
 	// the other policies keep working.
 	Error string `json:"error,omitempty" yaml:"error,omitempty"`
-	// Warnings say what policy enforcement found wrong with a valid
-	// policy on this node, such as a port name that stands for two
-	// numbers (the rule then uses neither).
-	Warnings []string `json:"warnings,omitempty" yaml:"warnings,omitempty"`
 }
 
 // VerdictCounts are counts of decisions by verdict.
@@ -74,7 +68,7 @@ const (
 
 // TableHeader implements statedb.TableWritable.
 func (*Policy) TableHeader() []string {
-	return []string{"Name", "Subjects", "Peers", "CIDRs", "Rules", "Allowed", "Denied", "Audited", "Status", "Error", "Warnings"}
+	return []string{"Name", "Subjects", "Peers", "CIDRs", "Rules", "Status", "Error"}
 }
 
 // TableRow implements statedb.TableWritable. Rules is the number of rules
@@ -98,9 +92,7 @@ func (p *Policy) TableRow() []string {
 	}
 	return []string{
 		p.Name, strings.Join(p.Subjects, "; "), strings.Join(p.Peers, "; "),
-		strings.Join(p.CIDRs, ", "), rules,
-		strconv.FormatUint(p.Verdicts.Allowed, 10), strconv.FormatUint(p.Verdicts.Denied, 10),
-		strconv.FormatUint(p.Verdicts.Audited, 10), status, p.Error, strings.Join(p.Warnings, "; "),
+		strings.Join(p.CIDRs, ", "), rules, status, p.Error,
 	}
 }
 

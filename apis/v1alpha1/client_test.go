@@ -8,19 +8,23 @@ import (
 
 	k8serrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/apiary-net/apiary/cells/k8s"
+	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
 )
 
-// TestClientAndInformer drives the typed client and the kind's informer
-// against the fake clientset, as the operator and agents do in tests.
+// TestClientAndInformer drives the client and the kind's informer against
+// client-go's fake dynamic client, as the operator and agents do in tests.
 func TestClientAndInformer(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	f := fake.NewSimpleClientset()
-	cs := &k8s.Clientset{Interface: f}
+	kinds := k8s.NewKinds()
+	if err := k8s.RegisterKind(kinds, IdentityKind); err != nil {
+		t.Fatal(err)
+	}
+	f := k8sfake.New(kinds)
+	cs := f.K8s()
 	c, err := NewClient(cs)
 	if err != nil {
 		t.Fatal(err)
@@ -69,22 +73,19 @@ func TestClientAndInformer(t *testing.T) {
 		t.Fatalf("deleting a missing name: err = %v, want NotFound", err)
 	}
 
-	l, err := c.List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
+	got := inf.GetStore().List()[0].(*Identity)
+	if got.Name != "301" || !slices.Equal(got.SecurityLabels, []string{"k8s:app=b"}) {
+		t.Fatalf("informer has %+v", got)
 	}
-	if len(l.Items) != 1 || l.Items[0].Name != "301" || !slices.Equal(l.Items[0].SecurityLabels, []string{"k8s:app=b"}) {
-		t.Fatalf("list = %+v", l.Items)
-	}
-	n, err := l.Items[0].Number()
+	n, err := got.Number()
 	if err != nil || n != 301 {
 		t.Fatalf("Number() = %d, %v", n, err)
 	}
 
-	// Every call went through the clientset's reactors, where tests can
-	// count them.
+	// Every call went through the fake's reactors, where tests can count
+	// them.
 	creates := 0
-	for _, a := range f.Actions() {
+	for _, a := range f.Dynamic.Fake().Actions() {
 		if a.GetVerb() == "create" && a.GetResource() == IdentityGVR {
 			creates++
 		}

@@ -127,19 +127,3 @@ func (l *IdentityList) DeepCopyObject() runtime.Object {
 	}
 	return nil
 }
-
-// AddToScheme registers the types of the group version in s.
-func AddToScheme(s *runtime.Scheme) error {
-	s.AddKnownTypes(GroupVersion, &Identity{}, &IdentityList{})
-	metav1.AddToGroupVersion(s, GroupVersion)
-	return nil
-}
-
-// scheme knows the types, for the REST client's JSON codec.
-var scheme = func() *runtime.Scheme {
-	s := runtime.NewScheme()
-	if err := AddToScheme(s); err != nil {
-		panic(err)
-	}
-	return s
-}()

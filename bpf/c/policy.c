@@ -152,6 +152,40 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } policy_endpoints SEC(".maps");
 
+/*
+ * policy_endpoints_gen: one counter the agent increments after each change
+ * of policy_endpoints. policy_cgroup_cache (the programs' own) remembers
+ * what the ancestor walk found for a socket's or process's cgroup, and
+ * the counter it read before walking: an entry of an older counter is
+ * walked again. A cgroup then costs one lookup per hook instead of one per
+ * level, most of a connection's program time where nothing is enforced.
+ * Used only when the loader sets endpoint_cache (it has the agent's
+ * counter): with the object's own, nothing would ever increment it.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+} policy_endpoints_gen SEC(".maps");
+
+struct ep_cache {
+	__u64 gen;
+	__u32 id;
+	__u32 flags;
+	__u32 found;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, __u64); /* the cgroup's own ID */
+	__type(value, struct ep_cache);
+	__uint(max_entries, 8192);
+} policy_cgroup_cache SEC(".maps");
+
+volatile const __u32 endpoint_cache = 0;
+
 struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
 	__type(key, int);
@@ -460,15 +494,61 @@ static __always_inline int unclassified(__u32 tree, struct ep_ref *out)
 	return 1;
 }
 
+/* cache_gen reads policy_endpoints_gen, 0 when the cache is off. */
+static __always_inline __u64 cache_gen(void)
+{
+	__u32 zero = 0;
+	__u64 *gen;
+
+	if (!endpoint_cache)
+		return 0;
+	gen = bpf_map_lookup_elem(&policy_endpoints_gen, &zero);
+	/* 0 is no counter: the agent's starts at 1. */
+	return gen ? *gen : 0;
+}
+
+/* cached_endpoint returns 1 and fills *found and out when cgroup cg's
+ * entry is of generation gen. */
+static __always_inline int cached_endpoint(__u64 cg, __u64 gen, int *found, struct ep_ref *out)
+{
+	struct ep_cache *e;
+
+	if (!gen || !cg)
+		return 0;
+	e = bpf_map_lookup_elem(&policy_cgroup_cache, &cg);
+	if (!e || e->gen != gen)
+		return 0;
+	*found = e->found;
+	out->id = e->id;
+	out->flags = e->flags;
+	return 1;
+}
+
+static __always_inline int cache_endpoint(__u64 cg, __u64 gen, int found, const struct ep_ref *out)
+{
+	struct ep_cache e = { .gen = gen, .found = found };
+
+	if (!gen || !cg)
+		return found;
+	if (found) {
+		e.id = out->id;
+		e.flags = out->flags;
+	}
+	bpf_map_update_elem(&policy_cgroup_cache, &cg, &e, BPF_ANY);
+	return found;
+}
+
 /*
  * The ancestor walks go from the top (level 1) down to the cgroup itself
  * (below it, the helpers return 0): the shallowest registered cgroup that
  * is not a pod tree is the endpoint, so a pod's containers (cgroups below
  * it) are the pod. The level-based helpers are the only way to see a
  * cgroup's ancestors; they differ between program types, hence two walks.
- * Both return 0 when the process or packet is no endpoint's.
+ * Both return 0 when the process or packet is no endpoint's;
+ * endpoint_of_current and endpoint_of_skb walk only when the cache has
+ * nothing of the current policy_endpoints_gen for the cgroup.
  */
-static __always_inline int endpoint_of_current(struct ep_ref *out)
+static __always_inline int walk_current(struct ep_ref *out)
 {
 	__u32 tree = 0;
 
@@ -483,9 +563,21 @@ static __always_inline int endpoint_of_current(struct ep_ref *out)
 	return unclassified(tree, out);
 }
 
+static __always_inline int endpoint_of_current(struct ep_ref *out)
+{
+	__u64 gen = cache_gen(), cg = gen ? bpf_get_current_cgroup_id() : 0;
+	int found;
+
+	if (cached_endpoint(cg, gen, &found, out))
+		return found;
+	/* gen was read before the walk: an entry the agent changes meanwhile
+	 * comes with a newer counter, and this one is walked again. */
+	return cache_endpoint(cg, gen, walk_current(out), out);
+}
+
 /* The same for the packet's socket, which may belong to no process that
  * is running now (softirq) or to another process than the current one. */
-static __always_inline int endpoint_of_skb(struct __sk_buff *skb, struct ep_ref *out)
+static __always_inline int walk_skb(struct __sk_buff *skb, struct ep_ref *out)
 {
 	__u32 tree = 0;
 
@@ -498,6 +590,16 @@ static __always_inline int endpoint_of_skb(struct __sk_buff *skb, struct ep_ref 
 			return 1;
 	}
 	return unclassified(tree, out);
+}
+
+static __always_inline int endpoint_of_skb(struct __sk_buff *skb, struct ep_ref *out)
+{
+	__u64 gen = cache_gen(), cg = gen ? bpf_skb_cgroup_id(skb) : 0;
+	int found;
+
+	if (cached_endpoint(cg, gen, &found, out))
+		return found;
+	return cache_endpoint(cg, gen, walk_skb(skb, out), out);
 }
 
 static __always_inline int is_v4mapped(const union addr *a)

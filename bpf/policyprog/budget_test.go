@@ -22,7 +22,7 @@ func TestEventBudget(t *testing.T) {
 	d := newDatapathBudget(t, 16384, EventBudget{PerSecond: perSecond, Burst: burst})
 	d.peers()
 	d.endpoint(bpf.PolicyEnforceEgress) // the pod: default deny egress
-	if err := d.maps.Endpoints.Put(cgroupID(t, d.other),
+	if err := d.putEndpoint(cgroupID(t, d.other),
 		bpf.PolicyEndpointValue{EndpointID: other, Flags: bpf.PolicyEnforceEgress}); err != nil {
 		t.Fatal(err)
 	}

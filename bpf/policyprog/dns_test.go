@@ -127,7 +127,7 @@ func TestDNSOriginPerEndpoint(t *testing.T) {
 	d.endpoint(bpf.PolicyDNS)
 	const otherID = 8
 	other := d.origins(otherID)
-	if err := d.maps.Endpoints.Put(cgroupID(t, d.other), bpf.PolicyEndpointValue{EndpointID: otherID, Flags: bpf.PolicyDNS}); err != nil {
+	if err := d.putEndpoint(cgroupID(t, d.other), bpf.PolicyEndpointValue{EndpointID: otherID, Flags: bpf.PolicyDNS}); err != nil {
 		t.Fatal(err)
 	}
 

@@ -193,7 +193,7 @@ func TestUnclassified(t *testing.T) {
 	unknown := mkCgroup(t, tree, "podunknown")
 	known := mkCgroup(t, tree, "podknown")
 	put := func(dir string, v bpf.PolicyEndpointValue) {
-		if err := d.maps.Endpoints.Put(cgroupID(t, dir), v); err != nil {
+		if err := d.putEndpoint(cgroupID(t, dir), v); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -262,7 +262,7 @@ func TestFloodKeepsFlows(t *testing.T) {
 	// The flooding pod: registered, enforcing nothing but ingress, so
 	// that each datagram's flow is remembered.
 	flooder := mkCgroup(t, d.root, "flooder")
-	if err := d.maps.Endpoints.Put(cgroupID(t, flooder), bpf.PolicyEndpointValue{EndpointID: 8, Flags: bpf.PolicyEnforceIngress}); err != nil {
+	if err := d.putEndpoint(cgroupID(t, flooder), bpf.PolicyEndpointValue{EndpointID: 8, Flags: bpf.PolicyEnforceIngress}); err != nil {
 		t.Fatal(err)
 	}
 

@@ -37,6 +37,8 @@ type datapath struct {
 	maps                  Maps
 	progs                 map[string]*ebpf.Program
 	root, pod, app, other string
+	// gen is what putEndpoint last wrote to policy_endpoints_gen.
+	gen uint64
 	// events reads policy_events, once a test asks for one.
 	events *ringbuf.Reader
 	// eventsRead counts the events a benchmark's reader read.
@@ -81,18 +83,25 @@ func newDatapathBudget(t testing.TB, eventsSize uint32, budget EventBudget) *dat
 	d := &datapath{t: t, maps: Maps{
 		Policy:    newMap(bpf.PolicyMapSpec(1024)),
 		Endpoints: newMap(bpf.PolicyEndpointsMapSpec(64)),
-		Sock:      newMap(sockSpec(t)),
-		Stats:     newMap(bpf.PolicyStatsMapSpec()),
-		IPCache:   newMap(bpf.IPCacheMapSpec(1024)),
-		Prefixes:  newMap(bpf.PolicyPrefixesMapSpec(1024)),
-		Events:    newMap(bpf.PolicyEventsMapSpec(eventsSize)),
-		Budget:    budget,
-		DNSSock:   newMap(dnsSockSpec(t)),
-		DNSOrigin: newMap(bpf.DNSOriginMapSpec()),
-		DNSConfig: newMap(bpf.DNSConfigMapSpec()),
+		// With it, the programs cache each cgroup's walk, as in the
+		// agent; putEndpoint moves it as the agent does.
+		EndpointsGen: newMap(bpf.PolicyEndpointsGenMapSpec()),
+		Sock:         newMap(sockSpec(t)),
+		Stats:        newMap(bpf.PolicyStatsMapSpec()),
+		IPCache:      newMap(bpf.IPCacheMapSpec(1024)),
+		Prefixes:     newMap(bpf.PolicyPrefixesMapSpec(1024)),
+		Events:       newMap(bpf.PolicyEventsMapSpec(eventsSize)),
+		Budget:       budget,
+		DNSSock:      newMap(dnsSockSpec(t)),
+		DNSOrigin:    newMap(bpf.DNSOriginMapSpec()),
+		DNSConfig:    newMap(bpf.DNSConfigMapSpec()),
 
 		DNSOriginLost: newMap(bpf.DNSOriginLostMapSpec()),
-	}, start: monotonicNow(t)}
+	}, start: monotonicNow(t), gen: 1}
+	// The agent's counter starts at 1: 0 turns the cache off.
+	if err := d.maps.EndpointsGen.Put(uint32(0), d.gen); err != nil {
+		t.Fatal(err)
+	}
 	progs, err := Load(d.maps)
 	if err != nil {
 		t.Fatal(err)
@@ -183,9 +192,19 @@ func (d *datapath) endpoint(flags uint32) {
 	if flags&bpf.PolicyDNS != 0 {
 		d.origins(testEndpoint)
 	}
-	if err := d.maps.Endpoints.Put(cgroupID(d.t, d.pod), v); err != nil {
+	if err := d.putEndpoint(cgroupID(d.t, d.pod), v); err != nil {
 		d.t.Fatal(err)
 	}
+}
+
+// putEndpoint writes cgroup cg's policy_endpoints entry and then moves
+// the counter of policy_endpoints_gen, as the agent does.
+func (d *datapath) putEndpoint(cg uint64, v bpf.PolicyEndpointValue) error {
+	if err := d.maps.Endpoints.Put(cg, v); err != nil {
+		return err
+	}
+	d.gen++
+	return d.maps.EndpointsGen.Put(uint32(0), d.gen)
 }
 
 // origins gives endpoint ID id its map in dns_origin, as the agent does

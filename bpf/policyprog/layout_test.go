@@ -72,6 +72,7 @@ func TestLayout(t *testing.T) {
 	for _, want := range []*ebpf.MapSpec{
 		bpf.PolicyMapSpec(16),
 		bpf.PolicyEndpointsMapSpec(16),
+		bpf.PolicyEndpointsGenMapSpec(),
 		bpf.PolicyStatsMapSpec(),
 		bpf.IPCacheMapSpec(16),
 		bpf.PolicyEventsMapSpec(4096),

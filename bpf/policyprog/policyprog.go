@@ -62,6 +62,11 @@ type Maps struct {
 	Policy *ebpf.Map
 	// Endpoints maps pod cgroup IDs to endpoints (bpf.PolicyEndpointsMapSpec).
 	Endpoints *ebpf.Map
+	// EndpointsGen is the counter whoever writes Endpoints increments
+	// after each change (bpf.PolicyEndpointsGenMapSpec). With it, the
+	// programs remember what each cgroup's ancestor walk found until the
+	// counter moves; nil: they walk on every run.
+	EndpointsGen *ebpf.Map
 	// Sock is the sockets' storage of allowed flows
 	// (bpf.PolicySockMapSpec).
 	Sock *ebpf.Map
@@ -115,6 +120,15 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 	if err := m.Budget.apply(spec); err != nil {
 		return nil, err
 	}
+	if m.EndpointsGen != nil {
+		v, ok := spec.Variables[policyprogVarEndpointCache]
+		if !ok {
+			return nil, fmt.Errorf("load policy programs: no endpoint_cache variable")
+		}
+		if err := v.Set(uint32(1)); err != nil {
+			return nil, fmt.Errorf("load policy programs: endpoint_cache: %w", err)
+		}
+	}
 	repl := map[string]*ebpf.Map{
 		policyprogMapPolicy:          m.Policy,
 		policyprogMapPolicyEndpoints: m.Endpoints,
@@ -127,6 +141,7 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 	for name, dm := range map[string]*ebpf.Map{
 		policyprogMapDnsSk: m.DNSSock, policyprogMapDnsOrigin: m.DNSOrigin, policyprogMapDnsConfig: m.DNSConfig,
 		policyprogMapDnsOriginLost: m.DNSOriginLost, policyprogMapPolicyEventBudget: m.Budget.Map,
+		policyprogMapPolicyEndpointsGen: m.EndpointsGen,
 	} {
 		if dm != nil {
 			repl[name] = dm
@@ -183,7 +198,8 @@ func LoadInterface(m InterfaceMaps) (map[string]*ebpf.Program, error) {
 		}
 	}
 	// Only the socket programs use these; nothing would replace them.
-	for _, name := range []string{policyprogMapPolicySk, policyprogMapDnsSk, policyprogMapDnsOrigin, policyprogMapDnsOriginLost} {
+	for _, name := range []string{policyprogMapPolicySk, policyprogMapDnsSk, policyprogMapDnsOrigin, policyprogMapDnsOriginLost,
+		policyprogMapPolicyCgroupCache, policyprogMapPolicyEndpointsGen} {
 		delete(spec.Maps, name)
 	}
 	repl := map[string]*ebpf.Map{

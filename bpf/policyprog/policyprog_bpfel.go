@@ -22,7 +22,9 @@ const (
 	policyprogMapDnsSk               = "dns_sk"
 	policyprogMapIpcache             = "ipcache"
 	policyprogMapPolicy              = "policy"
+	policyprogMapPolicyCgroupCache   = "policy_cgroup_cache"
 	policyprogMapPolicyEndpoints     = "policy_endpoints"
+	policyprogMapPolicyEndpointsGen  = "policy_endpoints_gen"
 	policyprogMapPolicyEventBudget   = "policy_event_budget"
 	policyprogMapPolicyEvents        = "policy_events"
 	policyprogMapPolicyIfaceFlows    = "policy_iface_flows"
@@ -45,6 +47,7 @@ const (
 	policyprogProgPolicySendmsg6     = "policy_sendmsg6"
 	policyprogProgPolicySockops      = "policy_sockops"
 	policyprogProgPolicyToPod        = "policy_to_pod"
+	policyprogVarEndpointCache       = "endpoint_cache"
 	policyprogVarEventsBurst         = "events_burst"
 	policyprogVarEventsPerSec        = "events_per_sec"
 )
@@ -110,30 +113,33 @@ type policyprogProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type policyprogMapSpecs struct {
-	DnsConfig         *ebpf.MapSpec `ebpf:"dns_config"`
-	DnsOrigin         *ebpf.MapSpec `ebpf:"dns_origin"`
-	DnsOriginLost     *ebpf.MapSpec `ebpf:"dns_origin_lost"`
-	DnsSk             *ebpf.MapSpec `ebpf:"dns_sk"`
-	Ipcache           *ebpf.MapSpec `ebpf:"ipcache"`
-	Policy            *ebpf.MapSpec `ebpf:"policy"`
-	PolicyEndpoints   *ebpf.MapSpec `ebpf:"policy_endpoints"`
-	PolicyEventBudget *ebpf.MapSpec `ebpf:"policy_event_budget"`
-	PolicyEvents      *ebpf.MapSpec `ebpf:"policy_events"`
-	PolicyIfaceFlows  *ebpf.MapSpec `ebpf:"policy_iface_flows"`
-	PolicyIfaceFrags  *ebpf.MapSpec `ebpf:"policy_iface_frags"`
-	PolicyIfaceStats  *ebpf.MapSpec `ebpf:"policy_iface_stats"`
-	PolicyIfaces      *ebpf.MapSpec `ebpf:"policy_ifaces"`
-	PolicyPrefixes    *ebpf.MapSpec `ebpf:"policy_prefixes"`
-	PolicySk          *ebpf.MapSpec `ebpf:"policy_sk"`
-	PolicyStats       *ebpf.MapSpec `ebpf:"policy_stats"`
+	DnsConfig          *ebpf.MapSpec `ebpf:"dns_config"`
+	DnsOrigin          *ebpf.MapSpec `ebpf:"dns_origin"`
+	DnsOriginLost      *ebpf.MapSpec `ebpf:"dns_origin_lost"`
+	DnsSk              *ebpf.MapSpec `ebpf:"dns_sk"`
+	Ipcache            *ebpf.MapSpec `ebpf:"ipcache"`
+	Policy             *ebpf.MapSpec `ebpf:"policy"`
+	PolicyCgroupCache  *ebpf.MapSpec `ebpf:"policy_cgroup_cache"`
+	PolicyEndpoints    *ebpf.MapSpec `ebpf:"policy_endpoints"`
+	PolicyEndpointsGen *ebpf.MapSpec `ebpf:"policy_endpoints_gen"`
+	PolicyEventBudget  *ebpf.MapSpec `ebpf:"policy_event_budget"`
+	PolicyEvents       *ebpf.MapSpec `ebpf:"policy_events"`
+	PolicyIfaceFlows   *ebpf.MapSpec `ebpf:"policy_iface_flows"`
+	PolicyIfaceFrags   *ebpf.MapSpec `ebpf:"policy_iface_frags"`
+	PolicyIfaceStats   *ebpf.MapSpec `ebpf:"policy_iface_stats"`
+	PolicyIfaces       *ebpf.MapSpec `ebpf:"policy_ifaces"`
+	PolicyPrefixes     *ebpf.MapSpec `ebpf:"policy_prefixes"`
+	PolicySk           *ebpf.MapSpec `ebpf:"policy_sk"`
+	PolicyStats        *ebpf.MapSpec `ebpf:"policy_stats"`
 }
 
 // policyprogVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type policyprogVariableSpecs struct {
-	EventsBurst  *ebpf.VariableSpec `ebpf:"events_burst"`
-	EventsPerSec *ebpf.VariableSpec `ebpf:"events_per_sec"`
+	EndpointCache *ebpf.VariableSpec `ebpf:"endpoint_cache"`
+	EventsBurst   *ebpf.VariableSpec `ebpf:"events_burst"`
+	EventsPerSec  *ebpf.VariableSpec `ebpf:"events_per_sec"`
 }
 
 // policyprogObjects contains all objects after they have been loaded into the kernel.
@@ -156,22 +162,24 @@ func (o *policyprogObjects) Close() error {
 //
 // It can be passed to loadPolicyprogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type policyprogMaps struct {
-	DnsConfig         *ebpf.Map `ebpf:"dns_config"`
-	DnsOrigin         *ebpf.Map `ebpf:"dns_origin"`
-	DnsOriginLost     *ebpf.Map `ebpf:"dns_origin_lost"`
-	DnsSk             *ebpf.Map `ebpf:"dns_sk"`
-	Ipcache           *ebpf.Map `ebpf:"ipcache"`
-	Policy            *ebpf.Map `ebpf:"policy"`
-	PolicyEndpoints   *ebpf.Map `ebpf:"policy_endpoints"`
-	PolicyEventBudget *ebpf.Map `ebpf:"policy_event_budget"`
-	PolicyEvents      *ebpf.Map `ebpf:"policy_events"`
-	PolicyIfaceFlows  *ebpf.Map `ebpf:"policy_iface_flows"`
-	PolicyIfaceFrags  *ebpf.Map `ebpf:"policy_iface_frags"`
-	PolicyIfaceStats  *ebpf.Map `ebpf:"policy_iface_stats"`
-	PolicyIfaces      *ebpf.Map `ebpf:"policy_ifaces"`
-	PolicyPrefixes    *ebpf.Map `ebpf:"policy_prefixes"`
-	PolicySk          *ebpf.Map `ebpf:"policy_sk"`
-	PolicyStats       *ebpf.Map `ebpf:"policy_stats"`
+	DnsConfig          *ebpf.Map `ebpf:"dns_config"`
+	DnsOrigin          *ebpf.Map `ebpf:"dns_origin"`
+	DnsOriginLost      *ebpf.Map `ebpf:"dns_origin_lost"`
+	DnsSk              *ebpf.Map `ebpf:"dns_sk"`
+	Ipcache            *ebpf.Map `ebpf:"ipcache"`
+	Policy             *ebpf.Map `ebpf:"policy"`
+	PolicyCgroupCache  *ebpf.Map `ebpf:"policy_cgroup_cache"`
+	PolicyEndpoints    *ebpf.Map `ebpf:"policy_endpoints"`
+	PolicyEndpointsGen *ebpf.Map `ebpf:"policy_endpoints_gen"`
+	PolicyEventBudget  *ebpf.Map `ebpf:"policy_event_budget"`
+	PolicyEvents       *ebpf.Map `ebpf:"policy_events"`
+	PolicyIfaceFlows   *ebpf.Map `ebpf:"policy_iface_flows"`
+	PolicyIfaceFrags   *ebpf.Map `ebpf:"policy_iface_frags"`
+	PolicyIfaceStats   *ebpf.Map `ebpf:"policy_iface_stats"`
+	PolicyIfaces       *ebpf.Map `ebpf:"policy_ifaces"`
+	PolicyPrefixes     *ebpf.Map `ebpf:"policy_prefixes"`
+	PolicySk           *ebpf.Map `ebpf:"policy_sk"`
+	PolicyStats        *ebpf.Map `ebpf:"policy_stats"`
 }
 
 func (m *policyprogMaps) Close() error {
@@ -182,7 +190,9 @@ func (m *policyprogMaps) Close() error {
 		m.DnsSk,
 		m.Ipcache,
 		m.Policy,
+		m.PolicyCgroupCache,
 		m.PolicyEndpoints,
+		m.PolicyEndpointsGen,
 		m.PolicyEventBudget,
 		m.PolicyEvents,
 		m.PolicyIfaceFlows,
@@ -199,8 +209,9 @@ func (m *policyprogMaps) Close() error {
 //
 // It can be passed to loadPolicyprogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type policyprogVariables struct {
-	EventsBurst  *ebpf.Variable `ebpf:"events_burst"`
-	EventsPerSec *ebpf.Variable `ebpf:"events_per_sec"`
+	EndpointCache *ebpf.Variable `ebpf:"endpoint_cache"`
+	EventsBurst   *ebpf.Variable `ebpf:"events_burst"`
+	EventsPerSec  *ebpf.Variable `ebpf:"events_per_sec"`
 }
 
 // policyprogPrograms contains all programs after they have been loaded into the kernel.

@@ -22,7 +22,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/endpoints"
@@ -122,13 +121,13 @@ type agent struct {
 	db     *statedb.DB
 	eps    statedb.Table[*tables.Endpoint]
 	health statedb.Table[*tables.HealthStatus]
-	fake   *fake.Clientset
+	fake   *k8sfake.Clients
 }
 
 // startAgent starts an agent with flags, until the test ends.
 func startAgent(t *testing.T, flags ...string) *agent {
 	t.Helper()
-	a := &agent{fake: fake.NewSimpleClientset()} //nolint:staticcheck // stores any kind, as apiarytest's
+	a := &agent{fake: k8sfake.New()} //nolint:staticcheck // stores any kind, as apiarytest's
 	h := hive.NewWithOptions(core.HiveOptions(),
 		infra.Cell, k8sfake.NewCell(a.fake),
 		identity.Cell, ipcache.Cell, selectors.Cell, endpoints.Cell,

@@ -18,7 +18,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/pflag"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/cells/core"
@@ -58,6 +57,17 @@ func startAgent(t testing.TB, upstream string, args ...string) *agent {
 	return startAgentWith(t, upstream, nil, nil, args...)
 }
 
+// newClients returns fake clients holding objects.
+func newClients(t testing.TB, objects []runtime.Object) *k8sfake.Clients {
+	c := k8sfake.New()
+	for _, o := range objects {
+		if err := c.Tracker().Add(o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return c
+}
+
 // startAgentWith is startAgent with more cells in the hive (extra) and
 // objects in the fake clientset.
 func startAgentWith(t testing.TB, upstream string, extra []cell.Cell, objects []runtime.Object, args ...string) *agent {
@@ -69,7 +79,7 @@ func startAgentWith(t testing.TB, upstream string, extra []cell.Cell, objects []
 	}
 	a := &agent{pinDir: pinDir}
 	cells := append([]cell.Cell{
-		infra.Cell, k8sfake.NewCell(fake.NewSimpleClientset(objects...)), //nolint:staticcheck // CRDs need the untyped tracker
+		infra.Cell, k8sfake.NewCell(newClients(t, objects)),
 		identity.Cell, ipcache.Cell, selectors.Cell, fqdn.Cell,
 		cell.Invoke(func(p *fqdn.Proxy, db *statedb.DB, ids statedb.Table[*tables.Identity], names statedb.Table[*tables.FQDNName], reg *prometheus.Registry) {
 			a.proxy, a.db, a.identities, a.names, a.reg = p, db, ids, names, reg

@@ -18,7 +18,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/apiary-net/apiary/cells/health"
@@ -330,7 +329,7 @@ func report(b *testing.B, rs []scenarioResult) {
 // identity.
 func runClusterScenario(b *testing.B, mode, pinRoot string) scenarioResult {
 	ctx := context.Background()
-	f := fake.NewSimpleClientset()
+	f := k8sfake.New()
 	counter := &writeCounter{}
 	f.PrependReactor("*", "*", counter.react)
 	for i := range benchNamespaces {
@@ -481,7 +480,7 @@ func BenchmarkFakeCreatePods(b *testing.B) {
 			for range b.N {
 				b.StopTimer()
 				ctx, cancel := context.WithCancel(context.Background())
-				f := fake.NewSimpleClientset()
+				f := k8sfake.New()
 				f.PrependReactor("*", "*", (&writeCounter{}).react)
 				var wg sync.WaitGroup
 				for range watchers {

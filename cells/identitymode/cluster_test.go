@@ -16,7 +16,6 @@ import (
 	"github.com/spf13/pflag"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/apis/v1alpha1"
 	"github.com/apiary-net/apiary/cells/core"
@@ -71,7 +70,7 @@ type agent struct {
 
 // startAgent starts node's agent; flags come after, and override, the
 // defaults (operator mode).
-func startAgent(t testing.TB, f *fake.Clientset, node, pinDir, stateDir string, flags ...string) *agent {
+func startAgent(t testing.TB, f *k8sfake.Clients, node, pinDir, stateDir string, flags ...string) *agent {
 	a := &agent{}
 	cells := []cell.Cell{
 		infra.Cell, k8sfake.NewCell(f),
@@ -105,13 +104,9 @@ func waitFor(t *testing.T, what string, cond func() bool, show func() any) {
 	})
 }
 
-func listIdentities(t testing.TB, f *fake.Clientset) []v1alpha1.Identity {
-	c, err := v1alpha1.NewClient(&k8s.Clientset{Interface: f})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := c.List(context.Background(), metav1.ListOptions{})
-	if err != nil {
+func listIdentities(t testing.TB, f *k8sfake.Clients) []v1alpha1.Identity {
+	var l v1alpha1.IdentityList
+	if err := f.ListCustom(v1alpha1.IdentityGVR, "", &l); err != nil {
 		t.Fatal(err)
 	}
 	return l.Items
@@ -119,7 +114,7 @@ func listIdentities(t testing.TB, f *fake.Clientset) []v1alpha1.Identity {
 
 // waitOneIdentity waits until exactly one Identity exists and returns its
 // name.
-func waitOneIdentity(t *testing.T, f *fake.Clientset) string {
+func waitOneIdentity(t *testing.T, f *k8sfake.Clients) string {
 	t.Helper()
 	var name string
 	waitFor(t, "one Identity", func() bool {
@@ -132,9 +127,9 @@ func waitOneIdentity(t *testing.T, f *fake.Clientset) string {
 	return name
 }
 
-func identityCreates(f *fake.Clientset) int {
+func identityCreates(f *k8sfake.Clients) int {
 	n := 0
-	for _, a := range f.Actions() {
+	for _, a := range f.Dynamic.Fake().Actions() {
 		if a.GetVerb() == "create" && a.GetResource() == v1alpha1.IdentityGVR {
 			n++
 		}
@@ -149,7 +144,7 @@ func identityCreates(f *fake.Clientset) int {
 // restarted agents take the cluster numbers back without a detour.
 func TestOperatorAndAgents(t *testing.T) {
 	pinRoot := testenv.BPFPinDir(t)
-	f := fake.NewSimpleClientset()
+	f := k8sfake.New()
 	ctx := context.Background()
 	if _, err := f.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{"env": "dev"}}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -251,7 +246,7 @@ func TestOperatorAndAgents(t *testing.T) {
 // (no endpoint stays temporary).
 func TestIdentityLabelsShared(t *testing.T) {
 	pinRoot := testenv.BPFPinDir(t)
-	f := fake.NewSimpleClientset()
+	f := k8sfake.New()
 	ctx := context.Background()
 	const ignored = "--identity-labels=!rollout"
 	for i, rollout := range []string{"r1", "r2"} {

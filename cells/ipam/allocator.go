@@ -46,6 +46,13 @@ type allocator struct {
 
 // run works on every kind until each is allocated or released, retrying
 // failures with backoff. It holds the IPAM lock while it works.
+//
+// Not a statedb reconciler with hive's job retries: the rows are the
+// protocol's outcome (the plugin chooses the IP), not desired state to
+// converge, so their Status names the protocol's steps (pending, ready,
+// releasing) rather than reconciler.Status; and a retry must come at once
+// when the CNI configuration file appears or changes (wait), which a
+// job's fixed backoff cannot do.
 func (a *allocator) run(ctx context.Context, _ cell.Health) error {
 	lock, err := a.lock(ctx)
 	if err != nil || lock == nil {

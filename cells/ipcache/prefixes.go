@@ -193,7 +193,15 @@ func (p *prefixes) Wait(ctx context.Context, rev Revision) error {
 
 // waitReconciled waits until rec has written every entry up to target to
 // the map name.
+//
+// WaitUntilReconciled returns as soon as the reconciler has processed
+// target, also when an entry up to target failed and waits for its retry;
+// the reconciler (statedb v0.8.3) signals nothing when a retry succeeds, so
+// that case, rare (a full or failing map), is polled, backing off from 5 ms
+// to 100 ms: a waiter answers soon after the retry without spinning while
+// the map stays full.
 func waitReconciled(ctx context.Context, rec reconciler.Reconciler[*tables.IPCacheEntry], target Revision, name string) error {
+	poll := 5 * time.Millisecond
 	for {
 		done, retryLow, err := rec.WaitUntilReconciled(ctx, target)
 		if err != nil {
@@ -206,7 +214,8 @@ func waitReconciled(ctx context.Context, rec reconciler.Reconciler[*tables.IPCac
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("wait for the %s map: %w", name, ctx.Err())
-		case <-time.After(5 * time.Millisecond):
+		case <-time.After(poll):
 		}
+		poll = min(2*poll, 100*time.Millisecond)
 	}
 }

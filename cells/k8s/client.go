@@ -10,9 +10,7 @@ import (
 	"strings"
 
 	"github.com/spf13/pflag"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/runtime/serializer"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -24,30 +22,13 @@ import (
 type Clientset struct {
 	kubernetes.Interface
 
-	// RESTConfig is the configuration the clientset was built from, for
-	// building clients of other API groups (e.g. CRDs). Nil when disabled
-	// and for the fake clientset.
-	RESTConfig *rest.Config
-}
+	// Dynamic is the client of the custom resources (CRDs) whose types
+	// apiary defines (CustomResourceListWatch). Nil when disabled.
+	Dynamic dynamic.Interface
 
-// RESTClientFor returns a REST client for the API group version gv (a CRD's,
-// typically), decoding JSON into the types of scheme.
-func (c *Clientset) RESTClientFor(gv schema.GroupVersion, scheme *runtime.Scheme) (*rest.RESTClient, error) {
-	if c == nil || c.RESTConfig == nil {
-		return nil, fmt.Errorf("no REST config for %s", gv)
-	}
-	cfg := rest.CopyConfig(c.RESTConfig)
-	cfg.GroupVersion = &gv
-	cfg.APIPath = "/apis"
-	cfg.NegotiatedSerializer = serializer.NewCodecFactory(scheme).WithoutConversion()
-	if cfg.UserAgent == "" {
-		cfg.UserAgent = rest.DefaultKubernetesUserAgent()
-	}
-	rc, err := rest.RESTClientFor(cfg)
-	if err != nil {
-		return nil, fmt.Errorf("REST client for %s: %w", gv, err)
-	}
-	return rc, nil
+	// RESTConfig is the configuration the clientset was built from. Nil
+	// when disabled and for the fake clientset.
+	RESTConfig *rest.Config
 }
 
 // IsEnabled reports whether a Kubernetes API server is configured.
@@ -91,8 +72,12 @@ func newClientset(cfg ClientConfig, log *slog.Logger) (*Clientset, error) {
 	if err != nil {
 		return nil, fmt.Errorf("create Kubernetes client for %s: %w", restCfg.Host, err)
 	}
+	dyn, err := dynamic.NewForConfig(restCfg)
+	if err != nil {
+		return nil, fmt.Errorf("create Kubernetes dynamic client for %s: %w", restCfg.Host, err)
+	}
 	log.Info("Kubernetes enabled", "host", restCfg.Host)
-	return &Clientset{Interface: cs, RESTConfig: restCfg}, nil
+	return &Clientset{Interface: cs, Dynamic: dyn, RESTConfig: restCfg}, nil
 }
 
 // restConfig is the client configuration cfg asks for, nil when Kubernetes

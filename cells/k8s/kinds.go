@@ -265,3 +265,14 @@ func (k *Kinds) Resource(gvk schema.GroupVersionKind) (schema.GroupVersionResour
 	}
 	return d.gvr(), true
 }
+
+// Resources returns the registered kinds by API resource.
+func (k *Kinds) Resources() map[schema.GroupVersionResource]schema.GroupVersionKind {
+	k.mu.RLock()
+	defer k.mu.RUnlock()
+	out := make(map[schema.GroupVersionResource]schema.GroupVersionKind, len(k.byGVK))
+	for gvk, d := range k.byGVK {
+		out[d.gvr()] = gvk
+	}
+	return out
+}

@@ -53,10 +53,12 @@ type reflector struct {
 	change *change
 }
 
-// event is a Service or EndpointSlice event.
+// event is a Service or EndpointSlice event, held by value: a batch is
+// one allocation, not one per event.
 type event struct {
-	svc   *k8s.Event[*corev1.Service]
-	slice *k8s.Event[*discoveryv1.EndpointSlice]
+	svc     k8s.Event[*corev1.Service]
+	slice   k8s.Event[*discoveryv1.EndpointSlice]
+	isSlice bool
 }
 
 func (r *reflector) run(ctx context.Context, health cell.Health) error {
@@ -66,11 +68,14 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 	var initial []event
 	health.OK("Waiting for Services and EndpointSlices")
 	var batch []event
-	onSvc := func(e k8s.Event[*corev1.Service]) { batch = append(batch, event{svc: &e}) }
-	onSlice := func(e k8s.Event[*discoveryv1.EndpointSlice]) { batch = append(batch, event{slice: &e}) }
+	onSvc := func(e k8s.Event[*corev1.Service]) { batch = append(batch, event{svc: e}) }
+	onSlice := func(e k8s.Event[*discoveryv1.EndpointSlice]) { batch = append(batch, event{slice: e, isSlice: true}) }
 	var noWake <-chan struct{} // nil: only events (or the end) end the wait
 	for {
-		batch = make([]event, 0, 16)
+		// The last batch's array is reused, emptied so that it keeps no
+		// object alive.
+		clear(batch)
+		batch = batch[:0]
 		// Without a wake, no event means that ctx is done or a stream
 		// closed; a stream that closes after some events ends the loop on
 		// the next wait, once this batch is applied.
@@ -86,8 +91,8 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 		}
 
 		for _, ev := range batch {
-			svcSynced = svcSynced || ev.svc != nil && ev.svc.Kind == k8s.Sync
-			sliceSynced = sliceSynced || ev.slice != nil && ev.slice.Kind == k8s.Sync
+			svcSynced = svcSynced || !ev.isSlice && ev.svc.Kind == k8s.Sync
+			sliceSynced = sliceSynced || ev.isSlice && ev.slice.Kind == k8s.Sync
 		}
 		if !initialized && !(svcSynced && sliceSynced) {
 			// Until both kinds have synced, hold everything back: a
@@ -121,11 +126,10 @@ func (r *reflector) apply(batch []event, finishInit bool) {
 	c := r.change
 	c.reset()
 	for _, ev := range batch {
-		switch {
-		case ev.svc != nil:
-			r.applyService(txn, *ev.svc, c)
-		case ev.slice != nil:
-			r.applySlice(txn, *ev.slice, c)
+		if ev.isSlice {
+			r.applySlice(txn, ev.slice, c)
+		} else {
+			r.applyService(txn, ev.svc, c)
 		}
 	}
 	r.w.refresh(txn, c)

@@ -21,8 +21,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	k8serrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/apiary-net/apiary/apis/v1alpha1"
@@ -56,7 +56,7 @@ type operatorHive struct {
 
 // startOperator runs an operator hive over f until the test ends or stop
 // is called.
-func startOperator(t *testing.T, f *fake.Clientset, flags ...string) *operatorHive {
+func startOperator(t *testing.T, f *k8sfake.Clients, flags ...string) *operatorHive {
 	t.Helper()
 	o := &operatorHive{}
 	h := hive.NewWithOptions(core.HiveOptions(),
@@ -178,14 +178,10 @@ func namespace(name string, labels map[string]string) *corev1.Namespace {
 }
 
 // identities returns the Identities as "labels -> names" lines, sorted.
-func identities(t *testing.T, f *fake.Clientset) []string {
+func identities(t *testing.T, f *k8sfake.Clients) []string {
 	t.Helper()
-	c, err := v1alpha1.NewClient(&k8s.Clientset{Interface: f})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := c.List(context.Background(), metav1.ListOptions{})
-	if err != nil {
+	var l v1alpha1.IdentityList
+	if err := f.ListCustom(v1alpha1.IdentityGVR, "", &l); err != nil {
 		t.Fatal(err)
 	}
 	byLabels := map[string][]string{}
@@ -203,7 +199,7 @@ func identities(t *testing.T, f *fake.Clientset) []string {
 }
 
 // waitIdentities waits until identities(f) equals want.
-func waitIdentities(t *testing.T, f *fake.Clientset, want ...string) {
+func waitIdentities(t *testing.T, f *k8sfake.Clients, want ...string) {
 	t.Helper()
 	testenv.Eventually(t, 20*time.Second, "identities:\n  "+strings.Join(want, "\n  "), func() (bool, string) {
 		got := identities(t, f)
@@ -211,10 +207,19 @@ func waitIdentities(t *testing.T, f *fake.Clientset, want ...string) {
 	})
 }
 
+// newClients returns fake clients that serve Identities.
+func newClients() *k8sfake.Clients {
+	kinds := k8s.NewKinds()
+	if err := k8s.RegisterKind(kinds, v1alpha1.IdentityKind); err != nil {
+		panic(err)
+	}
+	return k8sfake.New(kinds)
+}
+
 // creates counts the Identity create calls made on f.
-func creates(f *fake.Clientset) int {
+func creates(f *k8sfake.Clients) int {
 	n := 0
-	for _, a := range f.Actions() {
+	for _, a := range f.Dynamic.Fake().Actions() {
 		if a.GetVerb() == "create" && a.GetResource() == v1alpha1.IdentityGVR {
 			n++
 		}
@@ -237,7 +242,7 @@ const (
 // One Identity per label set however many pods (on however many nodes)
 // share it; per-pod labels are ignored; host-network pods get none.
 func TestOneIdentityPerLabelSet(t *testing.T) {
-	f := fake.NewSimpleClientset()
+	f := newClients()
 	pods := f.CoreV1().Pods("default")
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	for i := range 20 {
@@ -272,7 +277,7 @@ func TestOneIdentityPerLabelSet(t *testing.T) {
 // A namespace label change gives its pods new Identities; the old ones are
 // collected once unused for the grace period.
 func TestNamespaceRelabelAndGC(t *testing.T) {
-	f := fake.NewSimpleClientset()
+	f := newClients()
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("prod", map[string]string{"team": "a"}))
 	mustCreate(t, f.CoreV1().Pods("prod").Create, pod("prod", "web-1", "n1", map[string]string{"app": "web"}))
 	mustCreate(t, f.CoreV1().Pods("prod").Create, pod("prod", "web-2", "n2", map[string]string{"app": "web"}))
@@ -305,7 +310,7 @@ func TestNamespaceRelabelAndGC(t *testing.T) {
 // An Identity is kept for the grace period after its last pod goes, so a
 // pod re-created at once finds it again.
 func TestGCGracePeriod(t *testing.T) {
-	f := fake.NewSimpleClientset()
+	f := newClients()
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
 	o := startOperator(t, f, "--identity-gc-grace-period=1h")
@@ -335,8 +340,8 @@ func TestGCGracePeriod(t *testing.T) {
 // Existing Identities are reused, duplicates made by others are tolerated
 // (kept while their label set is used) and never added to.
 func TestReuseAndDuplicates(t *testing.T) {
-	f := fake.NewSimpleClientset()
-	c, err := v1alpha1.NewClient(&k8s.Clientset{Interface: f})
+	f := newClients()
+	c, err := v1alpha1.NewClient(f.K8s())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -365,14 +370,14 @@ func TestReuseAndDuplicates(t *testing.T) {
 // A restarted operator creates nothing for label sets that have
 // Identities, and deletes nothing in use.
 func TestRestartNoChurn(t *testing.T) {
-	f := fake.NewSimpleClientset()
+	f := newClients()
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "db-1", "n1", map[string]string{"app": "db"}))
 	first := startOperator(t, f)
 	waitIdentities(t, f, dbDefault+" -> 1", webDefault+" -> 1")
 	first.stop()
-	before := len(f.Actions())
+	before := len(f.Dynamic.Fake().Actions())
 	o := startOperator(t, f)
 	// Synced, then two collections and reconciles of every label set.
 	o.waitKnown(t, 2, 2)
@@ -380,7 +385,7 @@ func TestRestartNoChurn(t *testing.T) {
 	if got, want := identities(t, f), []string{dbDefault + " -> 1", webDefault + " -> 1"}; !slices.Equal(got, want) {
 		t.Fatalf("identities after the restart: %q, want %q", got, want)
 	}
-	for _, a := range f.Actions()[before:] {
+	for _, a := range f.Dynamic.Fake().Actions()[before:] {
 		if a.GetResource() == v1alpha1.IdentityGVR && (a.GetVerb() == "create" || a.GetVerb() == "delete") {
 			t.Errorf("restarted operator wrote: %s %v", a.GetVerb(), a)
 		}
@@ -389,7 +394,7 @@ func TestRestartNoChurn(t *testing.T) {
 
 // Two replicas: one leads and writes; when it stops, the other takes over.
 func TestLeaderElection(t *testing.T) {
-	f := fake.NewSimpleClientset()
+	f := newClients()
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	for i := range 10 {
 		mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", fmt.Sprintf("web-%d", i), "n", map[string]string{"app": "web"}))
@@ -429,21 +434,21 @@ func TestLeaderElection(t *testing.T) {
 // leader's, of the same label set) makes the operator wait for the watch
 // rather than create a second Identity under the next number.
 func TestTakenNumberNoDuplicate(t *testing.T) {
-	f := fake.NewSimpleClientset()
+	f := newClients()
 	mustCreate(t, f.CoreV1().Namespaces().Create, namespace("default", nil))
 	mustCreate(t, f.CoreV1().Pods("default").Create, pod("default", "web-1", "n1", map[string]string{"app": "web"}))
 	var raced atomic.Bool
-	f.PrependReactor("create", v1alpha1.IdentityResource, func(a k8stesting.Action) (bool, runtime.Object, error) {
+	f.Dynamic.Fake().PrependReactor("create", v1alpha1.IdentityResource, func(a k8stesting.Action) (bool, runtime.Object, error) {
 		if raced.Swap(true) {
 			return false, nil, nil
 		}
 		// Someone created the same label set's Identity under this number
 		// just before us.
-		obj := a.(k8stesting.CreateAction).GetObject().(*v1alpha1.Identity)
-		if err := f.Tracker().Create(v1alpha1.IdentityGVR, obj.DeepCopy(), ""); err != nil {
+		obj := a.(k8stesting.CreateAction).GetObject().(*unstructured.Unstructured)
+		if err := f.Create(v1alpha1.IdentityGVR, obj.DeepCopy(), ""); err != nil {
 			t.Error(err)
 		}
-		return true, nil, k8serrors.NewAlreadyExists(v1alpha1.IdentityGVR.GroupResource(), obj.Name)
+		return true, nil, k8serrors.NewAlreadyExists(v1alpha1.IdentityGVR.GroupResource(), obj.GetName())
 	})
 	o := startOperator(t, f)
 	waitIdentities(t, f, webDefault+" -> 1")

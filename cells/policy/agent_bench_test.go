@@ -26,7 +26,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/endpoints"
@@ -46,7 +45,7 @@ import (
 // pinned maps and a cgroup root of its own, fed through a fake clientset.
 type policyAgent struct {
 	db       *statedb.DB
-	fake     *fake.Clientset
+	fake     *k8sfake.Clients
 	epPolicy statedb.Table[*tables.EndpointPolicy]
 	entries  statedb.Table[*tables.PolicyEntry]
 	registry *prometheus.Registry
@@ -99,7 +98,7 @@ func (d *directCNPs) send(kind k8s.EventKind, p *selectors.CiliumNetworkPolicy) 
 func newPolicyAgent(b *testing.B, direct bool, args ...string) *policyAgent {
 	b.Helper()
 	testenv.RequireRoot(b)
-	a := &policyAgent{fake: fake.NewSimpleClientset(), root: testenv.Cgroup(b)} //nolint:staticcheck // CRDs need the untyped tracker
+	a := &policyAgent{fake: k8sfake.New(), root: testenv.Cgroup(b)} //nolint:staticcheck // CRDs need the untyped tracker
 	b.Cleanup(func() { removeCgroupsBelow(b, a.root) })
 	selectorsCell := selectors.Cell
 	if direct {
@@ -188,7 +187,7 @@ func (a *policyAgent) addPolicy(b *testing.B, p *selectors.CiliumNetworkPolicy) 
 		a.cnps.send(k8s.Upsert, p)
 		return
 	}
-	if err := a.fake.Tracker().Create(cnpResource, p, p.Namespace); err != nil {
+	if err := a.fake.Create(cnpResource, p, p.Namespace); err != nil {
 		b.Fatal(err)
 	}
 }
@@ -199,7 +198,7 @@ func (a *policyAgent) deletePolicy(b *testing.B, p *selectors.CiliumNetworkPolic
 		a.cnps.send(k8s.Delete, p)
 		return
 	}
-	if err := a.fake.Tracker().Delete(cnpResource, p.Namespace, p.Name); err != nil {
+	if err := a.fake.Delete(cnpResource, p.Namespace, p.Name); err != nil {
 		b.Fatal(err)
 	}
 }

@@ -172,10 +172,11 @@ func (a *attacher) attach() (string, error) {
 		return "", err
 	}
 	var progs map[string]*ebpf.Program
+	endpointsGen := a.ops.EndpointsGen()
 	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
 		return a.ipcache.WithMap(func(ipc, prefixes *ebpf.Map) error {
 			progs, err = policyprog.Load(policyprog.Maps{
-				Policy: policy, Endpoints: endpoints, Sock: sock.Map, Stats: stats.Map, IPCache: ipc, Prefixes: prefixes,
+				Policy: policy, Endpoints: endpoints, EndpointsGen: endpointsGen, Sock: sock.Map, Stats: stats.Map, IPCache: ipc, Prefixes: prefixes,
 				Events: events.Map, Budget: policyprog.EventBudget{Map: budget.Map},
 				DNSSock: dnsSock, DNSOrigin: dnsOrigin, DNSConfig: dnsConfig, DNSOriginLost: dnsLost,
 			})

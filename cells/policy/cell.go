@@ -26,14 +26,14 @@ import (
 	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/metrics"
-	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/internal/podnet"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
 
-// Cell provides the read-only policy-entries and endpoint-policy tables,
-// the verdict Monitor and the DNS proxy's gate, and enforces the policy.
+// Cell provides the read-only policy-entries, endpoint-policy and
+// policy-status tables, the verdict Monitor and the DNS proxy's gate, and
+// enforces the policy.
 var Cell = cell.Module(
 	"policy",
 	"Policy enforcement per endpoint",
@@ -43,6 +43,8 @@ var Cell = cell.Module(
 		tables.NewPolicyEntriesTable,
 		tables.NewEndpointPolicyTable,
 		tables.NewPodInterfacesTable,
+		tables.NewPolicyStatusTable,
+		newVerdictCounter,
 		newOps,
 		newProgress,
 		newMapsOpened,
@@ -56,6 +58,7 @@ var Cell = cell.Module(
 		statedb.RWTable[*tables.PolicyEntry].ToTable,
 		statedb.RWTable[*tables.EndpointPolicy].ToTable,
 		statedb.RWTable[*tables.PodInterface].ToTable,
+		statedb.RWTable[*tables.PolicyStatus].ToTable,
 		newGate,
 		newInterceptor,
 	),
@@ -63,6 +66,7 @@ var Cell = cell.Module(
 		registerReconcilers,
 		registerController,
 		registerAttacher,
+		registerVerdictWriter,
 	),
 )
 
@@ -245,7 +249,7 @@ type controllerParams struct {
 	IPCache        statedb.Table[*tables.IPCacheEntry]
 	Progress       *progress
 	Opened         mapsOpened
-	Warnings       *selectors.PolicyWarnings
+	Status         statedb.RWTable[*tables.PolicyStatus]
 	Registry       prometheus.Registerer
 
 	// Interfaces are the pod-interfaces rows: a pod whose interface
@@ -333,7 +337,7 @@ type attacherParams struct {
 	Endpoints  statedb.RWTable[*tables.EndpointPolicy]
 	Policies   statedb.Table[*tables.Policy]
 	Monitor    *Monitor
-	Counter    *selectors.VerdictCounter
+	Counter    *verdictCounter
 
 	ReconcilerParams reconciler.Params
 	PodEndpoints     statedb.Table[*tables.Endpoint]
@@ -424,51 +428,66 @@ func registerPodInterfaces(p attacherParams, a *attacher) error {
 		return err
 	}
 	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { ops.close(); return nil }})
-	return p.Registry.Register(&ifaceCollector{ops: ops,
-		packets: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "interface_decisions_total"),
+	return p.Registry.Register(&decisionsCollector{
+		read: func() ([]uint64, error) { c, err := ops.stats(); return c[:], err },
+		decisions: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "interface_decisions_total"),
 			"Decisions of the programs on pods' interfaces (packets of flows they do not know yet), by direction and verdict; counted in the datapath",
 			[]string{"direction", "verdict"}, nil),
 		drops: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "interface_drops_total"),
 			"Packets dropped on pods' interfaces whatever the policy: reason spoofed (a source not the pod's own), not-ip (neither IP nor ARP), unparsable (IP whose headers cannot be read to the ports) or fragment-unknown (a later fragment whose first one the interface does not know: denied, or pushed out by the pod's newer ones)",
 			[]string{"reason"}, nil),
+		dropReasons: map[int]string{
+			bpf.PolicyIfaceStatsSpoofed: "spoofed", bpf.PolicyIfaceStatsNotIP: "not-ip",
+			bpf.PolicyIfaceStatsUnparsable: "unparsable", bpf.PolicyIfaceStatsFragUnknown: "fragment-unknown",
+		},
 	})
 }
 
-// ifaceCollector reads policy_iface_stats when scraped.
-type ifaceCollector struct {
-	ops            *ifaceOps
-	packets, drops *prometheus.Desc
+// decisionsCollector exports, when scraped, the counts a policy program
+// keeps in its stats map (read): decisions by direction and verdict, and,
+// if drops is set, the drops by reason (dropReasons: index → reason).
+type decisionsCollector struct {
+	read        func() ([]uint64, error)
+	decisions   *prometheus.Desc
+	drops       *prometheus.Desc
+	dropReasons map[int]string
 }
 
-func (c *ifaceCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.packets; ch <- c.drops }
+func (c *decisionsCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.decisions
+	if c.drops != nil {
+		ch <- c.drops
+	}
+}
 
-func (c *ifaceCollector) Collect(ch chan<- prometheus.Metric) {
-	counts, err := c.ops.stats()
+func (c *decisionsCollector) Collect(ch chan<- prometheus.Metric) {
+	counts, err := c.read()
 	if err != nil {
-		ch <- prometheus.NewInvalidMetric(c.packets, err)
+		ch <- prometheus.NewInvalidMetric(c.decisions, err)
 		return
 	}
 	names := [...]string{bpf.PolicyVerdictAllowed: "allowed", bpf.PolicyVerdictDenied: "denied", bpf.PolicyVerdictAudited: "audited"}
 	for d, dir := range []string{"ingress", "egress"} {
 		for v, verdict := range names {
-			ch <- prometheus.MustNewConstMetric(c.packets, prometheus.CounterValue,
+			ch <- prometheus.MustNewConstMetric(c.decisions, prometheus.CounterValue,
 				float64(counts[d*bpf.PolicyVerdicts+v]), dir, verdict)
 		}
 	}
-	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsSpoofed]), "spoofed")
-	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsNotIP]), "not-ip")
-	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsUnparsable]), "unparsable")
-	ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[bpf.PolicyIfaceStatsFragUnknown]), "fragment-unknown")
+	for i, reason := range c.dropReasons {
+		ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[i]), reason)
+	}
 }
 
 // registerMetrics exports the verdict counters of the datapath and the
 // policy map's writes.
 func registerMetrics(reg prometheus.Registerer, a *attacher, ops *reconcilers.Policy) error {
-	decisions := prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "decisions_total"),
-		"Decisions of the policy programs (connections, and packets of flows not yet known), by direction and verdict (audited: would have been denied); counted in the datapath, exact",
-		[]string{"direction", "verdict"}, nil)
 	collectors := []prometheus.Collector{
-		&verdictCollector{desc: decisions, a: a},
+		&decisionsCollector{
+			read: func() ([]uint64, error) { c, err := a.verdicts(); return c[:], err },
+			decisions: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "decisions_total"),
+				"Decisions of the policy programs (connections, and packets of flows not yet known), by direction and verdict (audited: would have been denied); counted in the datapath, exact",
+				[]string{"direction", "verdict"}, nil),
+		},
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Namespace: metrics.Namespace, Subsystem: "policy", Name: "events_lost_total",
 			Help: "Verdict events the policy programs could not hand to the agent (a full ring buffer)",
@@ -502,27 +521,4 @@ func registerMetrics(reg prometheus.Registerer, a *attacher, ops *reconcilers.Po
 		}
 	}
 	return nil
-}
-
-// verdictCollector reads policy_stats when scraped.
-type verdictCollector struct {
-	desc *prometheus.Desc
-	a    *attacher
-}
-
-func (c *verdictCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
-
-func (c *verdictCollector) Collect(ch chan<- prometheus.Metric) {
-	counts, err := c.a.verdicts()
-	if err != nil {
-		ch <- prometheus.NewInvalidMetric(c.desc, err)
-		return
-	}
-	names := [...]string{bpf.PolicyVerdictAllowed: "allowed", bpf.PolicyVerdictDenied: "denied", bpf.PolicyVerdictAudited: "audited"}
-	for d, dir := range []string{"ingress", "egress"} {
-		for v, verdict := range names {
-			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue,
-				float64(counts[d*bpf.PolicyVerdicts+v]), dir, verdict)
-		}
-	}
 }

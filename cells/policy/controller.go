@@ -98,12 +98,14 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		return fmt.Errorf("watch tables: %w", err)
 	}
 
+	status := newStatusRows(c.DB, c.Status)
 	initDone, marked := false, false
 	for {
 		rtxn := c.DB.ReadTxn()
 		polSeq, polWatch := policies.Next(rtxn)
 		for ch := range polSeq {
 			p := ch.Object
+			status.policy(p.Name, ch.Deleted)
 			switch {
 			case ch.Deleted:
 				eng.setPolicy(p.Name, nil, false, "")
@@ -168,7 +170,9 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 			if err != nil {
 				return err
 			}
-			c.Warnings.Set(eng.warnings())
+			if err := status.sync(eng.warnings()); err != nil {
+				return fmt.Errorf("write policy-status rows: %w", err)
+			}
 			c.Progress.set(c.Selectors.Revision(rtxn))
 			if !marked {
 				marked = true

@@ -16,7 +16,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
-	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -34,7 +33,7 @@ type eventReader struct {
 	endpoints  statedb.Table[*tables.EndpointPolicy]
 	policies   statedb.Table[*tables.Policy]
 	monitor    *Monitor
-	counter    *selectors.VerdictCounter
+	counter    *verdictCounter
 	verdicts   *prometheus.CounterVec
 	// lost reads the datapath's count of events lost, which the monitor
 	// reports to its subscribers (refreshed at most once a second while

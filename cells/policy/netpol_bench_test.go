@@ -22,7 +22,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/endpoints"
@@ -232,7 +231,7 @@ func cutRange(s string) (string, string, bool) {
 func netpolAgent(b *testing.B, c *netpolCluster) (*policyAgent, *directResource[*networkingv1.NetworkPolicy], *directResource[*selectors.CiliumNetworkPolicy], *directResource[*selectors.ClusterNetworkPolicy]) {
 	b.Helper()
 	testenv.RequireRoot(b)
-	a := &policyAgent{fake: fake.NewSimpleClientset(), root: testenv.Cgroup(b)} //nolint:staticcheck // CRDs need the untyped tracker
+	a := &policyAgent{fake: k8sfake.New(), root: testenv.Cgroup(b)} //nolint:staticcheck // CRDs need the untyped tracker
 	b.Cleanup(func() { removeCgroupsBelow(b, a.root) })
 	netpols, cnps := newDirectResource[*networkingv1.NetworkPolicy](), newDirectResource[*selectors.CiliumNetworkPolicy]()
 	clusterNetpols := newDirectResource[*selectors.ClusterNetworkPolicy]()

@@ -16,7 +16,6 @@ import (
 	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/identity"
@@ -32,7 +31,7 @@ import (
 // real pinned maps, with a fake clientset that policies are created in.
 type agent struct {
 	db         *statedb.DB
-	fake       *fake.Clientset
+	fake       *k8sfake.Clients
 	prefixes   ipcache.Prefixes
 	policies   statedb.Table[*tables.Policy]
 	selectors  statedb.Table[*tables.Selector]
@@ -45,7 +44,7 @@ type agent struct {
 func startAgent(tb testing.TB, args ...string) *agent {
 	tb.Helper()
 	testenv.RequireRoot(tb)
-	a := &agent{fake: fake.NewSimpleClientset(), txns: &txnRecorder{}} //nolint:staticcheck // CRDs need the untyped tracker
+	a := &agent{fake: k8sfake.New(), txns: &txnRecorder{}} //nolint:staticcheck // CRDs need the untyped tracker
 	h := hive.NewWithOptions(core.HiveOptions(),
 		infra.Cell, k8sfake.NewCell(a.fake),
 		cell.DecorateAll(func(m statedb.Metrics) statedb.Metrics {
@@ -97,21 +96,21 @@ func cidrPolicy(name string, cidrs []netip.Prefix) *selectors.CiliumNetworkPolic
 
 func (a *agent) addPolicy(tb testing.TB, p *selectors.CiliumNetworkPolicy) {
 	tb.Helper()
-	if err := a.fake.Tracker().Create(cnpResource, p, p.Namespace); err != nil {
+	if err := a.fake.Create(cnpResource, p, p.Namespace); err != nil {
 		tb.Fatal(err)
 	}
 }
 
 func (a *agent) updatePolicy(tb testing.TB, p *selectors.CiliumNetworkPolicy) {
 	tb.Helper()
-	if err := a.fake.Tracker().Update(cnpResource, p, p.Namespace, metav1.UpdateOptions{}); err != nil {
+	if err := a.fake.Update(cnpResource, p, p.Namespace); err != nil {
 		tb.Fatal(err)
 	}
 }
 
 func (a *agent) deletePolicy(tb testing.TB, p *selectors.CiliumNetworkPolicy) {
 	tb.Helper()
-	if err := a.fake.Tracker().Delete(cnpResource, p.Namespace, p.Name); err != nil {
+	if err := a.fake.Delete(cnpResource, p.Namespace, p.Name); err != nil {
 		tb.Fatal(err)
 	}
 }

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/cilium/statedb"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/selectors"
@@ -217,7 +216,7 @@ func TestBigPolicyRoundTrip(t *testing.T) {
 	}
 	big = cidrPolicy("big", changed)
 	big.ResourceVersion = "2"
-	if err := a.fake.Tracker().Update(cnpResource, big, big.Namespace, metav1.UpdateOptions{}); err != nil {
+	if err := a.fake.Update(cnpResource, big, big.Namespace); err != nil {
 		t.Fatal(err)
 	}
 	a.waitUntil(t, testTimeout, "big policy changed", a.cidrsApplied("cnp/default/big", changed))

@@ -53,8 +53,7 @@ var Cell = cell.Module(
 			return k8s.NewResource(p, ClusterNetpolKind)
 		},
 	),
-	cell.Provide(newVerdictCounter, newPolicyWarnings),
-	cell.Invoke(registerController, registerVerdicts, registerWarnings),
+	cell.Invoke(registerController),
 )
 
 // OwnerPolicy owns the prefixes named by policies.
@@ -78,7 +77,6 @@ type controllerParams struct {
 	NetPols    k8s.Resource[*networkingv1.NetworkPolicy]
 	// ClusterNetpols are policy.networking.k8s.io ClusterNetworkPolicies.
 	ClusterNetpols k8s.Resource[*ClusterNetworkPolicy]
-	Warnings       *PolicyWarnings
 }
 
 type controller struct {
@@ -470,14 +468,6 @@ func (c *controller) writeRows(writes []rowWrite) error {
 		var err error
 		switch {
 		case w.policy != nil:
-			// The verdict counts (see VerdictCounter) stay; the warnings
-			// are policy enforcement's latest.
-			if old, _, found := c.Policies.Get(wtxn, tables.PolicyNameIndex.Query(w.policy.Name)); found {
-				w.policy.Verdicts = old.Verdicts
-			}
-			if w.policy.Status == tables.PolicyOK {
-				w.policy.Warnings = c.Warnings.get(w.policy.Name)
-			}
 			_, _, err = c.Policies.Insert(wtxn, w.policy)
 		case w.selector != nil:
 			_, _, err = c.Selectors.Insert(wtxn, w.selector)

@@ -171,15 +171,7 @@ var ClusterNetpolKind = k8s.Kind[*ClusterNetworkPolicy]{
 	// A cluster without the CRDs has no such policies.
 	Optional: true,
 	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
-		return crdListWatch(c, ClusterNetpolGroupVersion, "clusternetworkpolicies", func(items []runtime.Object) *ClusterNetworkPolicyList {
-			l := &ClusterNetworkPolicyList{}
-			for _, o := range items {
-				if p, ok := o.(*ClusterNetworkPolicy); ok {
-					l.Items = append(l.Items, *p)
-				}
-			}
-			return l
-		})
+		return k8s.CustomResourceListWatch[*ClusterNetworkPolicy, *ClusterNetworkPolicyList](c, ClusterNetpolGroupVersion.WithResource("clusternetworkpolicies"))
 	},
 }
 

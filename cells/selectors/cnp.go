@@ -1,18 +1,14 @@
 package selectors
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
 
-	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/watch"
-	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/apiary-net/apiary/cells/k8s"
@@ -231,15 +227,7 @@ var CNPKind = k8s.Kind[*CiliumNetworkPolicy]{
 	// Cilium's CRD, which apiary does not ship: without it, no policies.
 	Optional: true,
 	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
-		return crdListWatch(c, GroupVersion, "ciliumnetworkpolicies", func(items []runtime.Object) *CiliumNetworkPolicyList {
-			l := &CiliumNetworkPolicyList{}
-			for _, o := range items {
-				if p, ok := o.(*CiliumNetworkPolicy); ok {
-					l.Items = append(l.Items, *p)
-				}
-			}
-			return l
-		})
+		return k8s.CustomResourceListWatch[*CiliumNetworkPolicy, *CiliumNetworkPolicyList](c, GroupVersion.WithResource("ciliumnetworkpolicies"))
 	},
 }
 
@@ -251,93 +239,6 @@ var CCNPKind = k8s.Kind[*CiliumClusterwideNetworkPolicy]{
 	// Cilium's CRD, which apiary does not ship: without it, no policies.
 	Optional: true,
 	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
-		return crdListWatch(c, GroupVersion, "ciliumclusterwidenetworkpolicies", func(items []runtime.Object) *CiliumClusterwideNetworkPolicyList {
-			l := &CiliumClusterwideNetworkPolicyList{}
-			for _, o := range items {
-				if p, ok := o.(*CiliumClusterwideNetworkPolicy); ok {
-					l.Items = append(l.Items, *p)
-				}
-			}
-			return l
-		})
+		return k8s.CustomResourceListWatch[*CiliumClusterwideNetworkPolicy, *CiliumClusterwideNetworkPolicyList](c, GroupVersion.WithResource("ciliumclusterwidenetworkpolicies"))
 	},
 }
-
-// scheme knows the policy types, for the REST client's JSON decoding.
-var scheme = func() *runtime.Scheme {
-	s := runtime.NewScheme()
-	s.AddKnownTypes(GroupVersion,
-		&CiliumNetworkPolicy{}, &CiliumNetworkPolicyList{},
-		&CiliumClusterwideNetworkPolicy{}, &CiliumClusterwideNetworkPolicyList{})
-	metav1.AddToGroupVersion(s, GroupVersion)
-	s.AddKnownTypes(ClusterNetpolGroupVersion, &ClusterNetworkPolicy{}, &ClusterNetworkPolicyList{})
-	metav1.AddToGroupVersion(s, ClusterNetpolGroupVersion)
-	return s
-}()
-
-// tracker is what the fake clientset of tests offers.
-type tracker interface {
-	Tracker() k8stesting.ObjectTracker
-	InvokesWatch(action k8stesting.Action) (watch.Interface, error)
-}
-
-// crdListWatch lists and watches a resource of a CRD of group version gv: with a REST
-// client on a real API server, or through the object tracker of the fake
-// clientset, which stores objects of any kind but can only list the types
-// of its own scheme (so it is asked for a generic v1 List, whose items
-// carry the objects as they are).
-func crdListWatch[L runtime.Object](c *k8s.Clientset, gv schema.GroupVersion, resource string, toList func([]runtime.Object) L) cache.ListerWatcher {
-	gvr := gv.WithResource(resource)
-	if f, ok := c.Interface.(tracker); ok && c.RESTConfig == nil {
-		t := f.Tracker()
-		return k8s.NewListWatch(c.Interface,
-			func(_ context.Context, _ metav1.ListOptions) (L, error) {
-				obj, err := t.List(gvr, schema.GroupVersionKind{Version: "v1"}, "")
-				if err != nil {
-					var zero L
-					return zero, err
-				}
-				items, err := meta.ExtractList(obj)
-				if err != nil {
-					var zero L
-					return zero, err
-				}
-				// The list's resource version lets the watch replay what
-				// changed between the two (the tracker does, given it).
-				out := toList(items)
-				if from, err := meta.ListAccessor(obj); err == nil {
-					if to, err := meta.ListAccessor(out); err == nil {
-						to.SetResourceVersion(from.GetResourceVersion())
-					}
-				}
-				return out, nil
-			},
-			func(_ context.Context, opts metav1.ListOptions) (watch.Interface, error) {
-				// Through the clientset's reactors, so that the watch is
-				// the fake's (whose events carry copies), not the bare
-				// tracker's.
-				return f.InvokesWatch(k8stesting.NewWatchActionWithOptions(gvr, "", opts))
-			})
-	}
-	rc, err := c.RESTClientFor(gv, scheme)
-	if err != nil {
-		return &failingListWatch{err: err}
-	}
-	return k8s.NewListWatch(c.Interface,
-		func(ctx context.Context, opts metav1.ListOptions) (L, error) {
-			out := toList(nil)
-			err := rc.Get().Resource(resource).VersionedParams(&opts, metav1.ParameterCodec).Do(ctx).Into(out)
-			return out, err
-		},
-		func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
-			opts.Watch = true
-			return rc.Get().Resource(resource).VersionedParams(&opts, metav1.ParameterCodec).Watch(ctx)
-		})
-}
-
-// failingListWatch reports a client that could not be built on every call,
-// so that the informer retries and logs it instead of the agent crashing.
-type failingListWatch struct{ err error }
-
-func (f *failingListWatch) List(metav1.ListOptions) (runtime.Object, error)   { return nil, f.err }
-func (f *failingListWatch) Watch(metav1.ListOptions) (watch.Interface, error) { return nil, f.err }

@@ -643,7 +643,7 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if left := attachedTo(t, root); len(left) != 0 {
+	if left := testenv.CgroupPrograms(t, root); len(left) != 0 {
 		t.Errorf("programs still attached to %s: %v", root, left)
 	}
 	if left := podInterfacePrograms(t); len(left) != 0 {
@@ -671,37 +671,6 @@ func testUninstall(t *testing.T, n *node, w *workloads) {
 		t.Fatal(err)
 	}
 	wantConnect(t, p, other, "ok: hello from other")
-}
-
-// cgroupHooks are the cgroup attach types the agent's programs use.
-var cgroupHooks = []ebpf.AttachType{
-	ebpf.AttachCGroupInet4Connect, ebpf.AttachCGroupInet6Connect,
-	ebpf.AttachCGroupUDP4Sendmsg, ebpf.AttachCGroupUDP6Sendmsg,
-	ebpf.AttachCGroupUDP4Recvmsg, ebpf.AttachCGroupUDP6Recvmsg,
-	ebpf.AttachCgroupInet4GetPeername, ebpf.AttachCgroupInet6GetPeername,
-	ebpf.AttachCGroupSockOps, ebpf.AttachCGroupInetIngress, ebpf.AttachCGroupInetEgress,
-}
-
-// attachedTo returns the number of programs attached directly to the
-// cgroup dir, per hook that has any.
-func attachedTo(t *testing.T, dir string) map[ebpf.AttachType]int {
-	t.Helper()
-	f, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	got := map[ebpf.AttachType]int{}
-	for _, hook := range cgroupHooks {
-		res, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: hook})
-		if err != nil {
-			t.Fatalf("query %s of %s: %v", hook, dir, err)
-		}
-		if n := len(res.Programs); n > 0 {
-			got[hook] = n
-		}
-	}
-	return got
 }
 
 // podInterfacePrograms returns, per interface on the pods' bridge (the

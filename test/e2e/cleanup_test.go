@@ -9,43 +9,11 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/testenv"
 )
-
-// cgroupHooks are the cgroup attach types the agent's programs use.
-var cgroupHooks = []ebpf.AttachType{
-	ebpf.AttachCGroupInet4Connect, ebpf.AttachCGroupInet6Connect,
-	ebpf.AttachCGroupUDP4Sendmsg, ebpf.AttachCGroupUDP6Sendmsg,
-	ebpf.AttachCGroupUDP4Recvmsg, ebpf.AttachCGroupUDP6Recvmsg,
-	ebpf.AttachCgroupInet4GetPeername, ebpf.AttachCgroupInet6GetPeername,
-	ebpf.AttachCGroupSockOps, ebpf.AttachCGroupInetIngress, ebpf.AttachCGroupInetEgress,
-}
-
-// attachedTo returns the number of programs attached directly to the
-// cgroup dir, per hook that has any.
-func attachedTo(t *testing.T, dir string) map[ebpf.AttachType]int {
-	t.Helper()
-	f, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	got := map[ebpf.AttachType]int{}
-	for _, hook := range cgroupHooks {
-		res, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: hook})
-		if err != nil {
-			t.Fatalf("query %s of %s: %v", hook, dir, err)
-		}
-		if n := len(res.Programs); n > 0 {
-			got[hook] = n
-		}
-	}
-	return got
-}
 
 // TestCleanup: `apiary cleanup` is the uninstall path. Programs stay
 // attached and enforcing after the agent is killed (by design), cleanup
@@ -88,7 +56,7 @@ spec:
 		t.Fatal(err)
 	}
 	<-a.proc.done
-	before := attachedTo(t, root)
+	before := testenv.CgroupPrograms(t, root)
 	if before[ebpf.AttachCGroupInet4Connect] != 2 || before[ebpf.AttachCGroupInetEgress] != 1 {
 		t.Fatalf("programs on the cgroup root after the agent was killed: %v; want the socket LB's and policy's", before)
 	}
@@ -104,7 +72,7 @@ spec:
 	if !strings.Contains(out, "detached links/policy_connect4\n") || !strings.Contains(out, "Removed ") {
 		t.Errorf("apiary cleanup said:\n%s", out)
 	}
-	if after := attachedTo(t, root); len(after) != 0 {
+	if after := testenv.CgroupPrograms(t, root); len(after) != 0 {
 		t.Errorf("programs still attached to the cgroup root after cleanup: %v", after)
 	}
 	if _, err := os.Stat(a.pinDir); !errors.Is(err, os.ErrNotExist) {

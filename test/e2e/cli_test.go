@@ -62,15 +62,15 @@ func TestCLI(t *testing.T) {
 		}
 		for _, table := range []string{"agent-ips", "backends", "ct-maps", "endpoints", "fqdn-names", "frontends",
 			"health", "identities", "ipcache", "policies", "prefixes", "selectors", "services",
-			"policy-entries", "endpoint-policy"} {
+			"policy-entries", "endpoint-policy", "policy-status"} {
 			if _, ok := counts[table]; !ok {
 				t.Fatalf("apiary db tables lacks %s:\n%s", table, out)
 			}
 		}
 		// docs/examples: one Service with one frontend and two backends,
-		// two policies, two conntrack maps.
+		// two policies (with their status rows), two conntrack maps.
 		return counts["services"] == 1 && counts["frontends"] == 1 && counts["backends"] == 2 &&
-			counts["policies"] == 2 && counts["ct-maps"] == 2, out
+			counts["policies"] == 2 && counts["policy-status"] == 2 && counts["ct-maps"] == 2, out
 	})
 
 	// `apiary db show health -o json`: the modules' scopes, none degraded.

@@ -23,8 +23,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 
+	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/internal/testenv"
 )
 
@@ -437,6 +439,12 @@ func TestPolicy(t *testing.T) {
 	a.waitEndpointPolicy(t, map[string]string{
 		"default/client-a": "off default-deny", "default/server-b": "off off", "default/client-c": "off off",
 	})
+	// The programs cache each cgroup's endpoint until this counter moves:
+	// the agent moved it when it started and with each endpoint it wrote
+	// (every verdict below is taken with the cache on).
+	if gen := endpointsGen(t, a.pinDir); gen < 4 {
+		t.Errorf("policy_endpoints_gen is %d after three endpoints were written, want at least 4", gen)
+	}
 
 	check := func(t *testing.T, dir, bind string, want map[string]string) {
 		t.Helper()
@@ -750,12 +758,12 @@ func TestPolicyVerdicts(t *testing.T) {
 	if n, err := a.labelledMetric(series); err != nil || n < 1 {
 		t.Errorf("%s: %v %v, want at least 1", series, n, err)
 	}
-	testenv.Eventually(t, waitTimeout, "the policies table counts the verdicts", func() (bool, string) {
+	testenv.Eventually(t, waitTimeout, "the policy-status table counts the verdicts", func() (bool, string) {
 		var rows []struct {
 			Name     string
 			Verdicts struct{ Allowed, Denied, Audited uint64 }
 		}
-		if err := a.dump("policies", &rows); err != nil {
+		if err := a.dump("policy-status", &rows); err != nil {
 			return false, err.Error()
 		}
 		ok := 0
@@ -767,4 +775,19 @@ func TestPolicyVerdicts(t *testing.T) {
 		}
 		return ok == 2, fmt.Sprintf("%+v", rows)
 	})
+}
+
+// endpointsGen reads the agent's policy_endpoints_gen counter.
+func endpointsGen(t *testing.T, pinDir string) uint64 {
+	t.Helper()
+	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, bpf.PolicyEndpointsGenMap), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	var gen uint64
+	if err := m.Lookup(uint32(0), &gen); err != nil {
+		t.Fatal(err)
+	}
+	return gen
 }

@@ -82,7 +82,7 @@ func showEndpoints(eps map[string]tables.Endpoint) string {
 }
 
 // identities lists the cluster's Identities: number → labels.
-func identities(t *testing.T, c *v1alpha1.Client) map[uint32]tables.Labels {
+func identities(t *testing.T, c identityClient) map[uint32]tables.Labels {
 	t.Helper()
 	l, err := c.List(context.Background(), metav1.ListOptions{})
 	if err != nil {
@@ -107,17 +107,37 @@ func showIdentities(ids map[uint32]tables.Labels) string {
 	return b.String()
 }
 
-func identityClient(t *testing.T, cfg *rest.Config) *v1alpha1.Client {
+// identityClient is the operator's Identity client with a List.
+type identityClient struct {
+	*v1alpha1.Client
+	res dynamic.ResourceInterface
+}
+
+func newIdentityClient(t *testing.T, cfg *rest.Config) identityClient {
 	t.Helper()
 	cs, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := v1alpha1.NewClient(&k8s.Clientset{Interface: cs, RESTConfig: cfg})
+	dyn, err := dynamic.NewForConfig(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return c
+	c, err := v1alpha1.NewClient(&k8s.Clientset{Interface: cs, Dynamic: dyn, RESTConfig: cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return identityClient{Client: c, res: dyn.Resource(v1alpha1.IdentityGVR)}
+}
+
+// List lists every Identity.
+func (c identityClient) List(ctx context.Context, opts metav1.ListOptions) (*v1alpha1.IdentityList, error) {
+	ul, err := c.res.List(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	out := &v1alpha1.IdentityList{}
+	return out, k8s.FromUnstructured(ul.UnstructuredContent(), out)
 }
 
 // podSpec is a pod of the test: its node, labels and IP.
@@ -258,10 +278,10 @@ func TestOperatorAndAgentsOnRealAPIServer(t *testing.T) {
 
 	agentKubeconfig, agentCfg := c.kubeconfig(t, "apiary-agent")
 	operatorKubeconfig, operatorCfg := c.kubeconfig(t, "apiary-operator")
-	adminIDs := identityClient(t, c.admin)
+	adminIDs := newIdentityClient(t, c.admin)
 
 	// RBAC: an agent can read Identities but not write them.
-	agentIDs := identityClient(t, agentCfg)
+	agentIDs := newIdentityClient(t, agentCfg)
 	if _, err := agentIDs.List(ctx, metav1.ListOptions{}); err != nil {
 		t.Fatalf("the agent's ServiceAccount cannot list Identities: %v", err)
 	}

@@ -5,6 +5,7 @@
 package k8sfake
 
 import (
+	"context"
 	"fmt"
 	"os"
 
@@ -12,40 +13,130 @@ import (
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/script"
 	k8serrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/cells/k8s"
 )
 
 // Cell replaces k8s.ClientCell in tests: it provides a *k8s.Clientset backed
-// by client-go's fake clientset (so that real informers run against it), the
-// *fake.Clientset itself, and the script commands k8s/add, k8s/update and
-// k8s/delete, which apply YAML files to it. Each hive gets a new, empty
-// clientset.
-var Cell = module(func() *fake.Clientset {
+// by client-go's fake clientset and fake dynamic client (so that real
+// informers run against them), the *Clients themselves, and the script
+// commands k8s/add, k8s/update and k8s/delete, which apply YAML files to
+// them. Each hive gets new, empty clients.
+var Cell = module(func() *Clients { return New() })
+
+// NewCell is Cell over the given clients. A test that restarts its hive
+// hands the same clients to every new hive, so the objects added before the
+// restart are still there, as they would be in a real API server.
+func NewCell(c *Clients) cell.Cell {
+	return module(func() *Clients { return c })
+}
+
+// Clients are the fake Kubernetes clients of a test: client-go's fake
+// clientset for Kubernetes' own kinds and its fake dynamic client for the
+// custom resources apiary defines, as a real API server serves them.
+type Clients struct {
+	*fake.Clientset
+	Dynamic *Dynamic
+}
+
+// New returns empty clients whose dynamic client serves the custom kinds of
+// kinds (and those of every hive they are given to through NewCell).
+func New(kinds ...*k8s.Kinds) *Clients {
 	// The simple tracker, unlike NewClientset's field-managed one, stores
 	// objects of any type, so the commands work for kinds that other cells
 	// register too.
-	return fake.NewSimpleClientset() //nolint:staticcheck // see above
-})
-
-// NewCell is Cell over the given fake clientset. A test that restarts its
-// hive hands the same clientset to every new hive, so the objects added
-// before the restart are still there, as they would be in a real API server.
-func NewCell(f *fake.Clientset) cell.Cell {
-	return module(func() *fake.Clientset { return f })
+	f := fake.NewSimpleClientset() //nolint:staticcheck // see above
+	copyWatches(f)
+	return &Clients{Clientset: f, Dynamic: NewDynamic(kinds...)}
 }
 
-func module(newFake func() *fake.Clientset) cell.Cell {
+// Create creates obj, of resource gvr, in namespace ns (empty for a
+// cluster-scoped one), in the fake that serves gvr.
+func (c *Clients) Create(gvr schema.GroupVersionResource, obj runtime.Object, ns string) error {
+	if !isCustom(gvr) {
+		return c.Tracker().Create(gvr, obj, ns)
+	}
+	u, err := c.unstructured(gvr, obj)
+	if err != nil {
+		return err
+	}
+	return c.Dynamic.Fake().Tracker().Create(gvr, u, ns)
+}
+
+// Update replaces obj, of resource gvr, in namespace ns.
+func (c *Clients) Update(gvr schema.GroupVersionResource, obj runtime.Object, ns string) error {
+	if !isCustom(gvr) {
+		return c.Tracker().Update(gvr, obj, ns)
+	}
+	u, err := c.unstructured(gvr, obj)
+	if err != nil {
+		return err
+	}
+	return c.Dynamic.Fake().Tracker().Update(gvr, u, ns)
+}
+
+// Delete deletes the object name of resource gvr in namespace ns.
+func (c *Clients) Delete(gvr schema.GroupVersionResource, ns, name string) error {
+	if !isCustom(gvr) {
+		return c.Tracker().Delete(gvr, ns, name)
+	}
+	return c.Dynamic.Fake().Tracker().Delete(gvr, ns, name)
+}
+
+// K8s is the agent's client over the fakes.
+func (c *Clients) K8s() *k8s.Clientset {
+	return &k8s.Clientset{Interface: c.Clientset, Dynamic: c.Dynamic}
+}
+
+// ListCustom lists the custom resource gvr in namespace ns (empty: all)
+// into out, a typed list.
+func (c *Clients) ListCustom(gvr schema.GroupVersionResource, ns string, out runtime.Object) error {
+	ul, err := c.Dynamic.Resource(gvr).Namespace(ns).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		return err
+	}
+	return k8s.FromUnstructured(ul.UnstructuredContent(), out)
+}
+
+// unstructured is a custom resource's object as the dynamic client
+// carries it, with its registered kind (or the one it says it has).
+func (c *Clients) unstructured(gvr schema.GroupVersionResource, obj runtime.Object) (runtime.Object, error) {
+	if _, ok := obj.(*unstructured.Unstructured); ok {
+		return obj, nil
+	}
+	gvk, ok := c.Dynamic.kindOf(gvr)
+	if !ok {
+		gvk = obj.GetObjectKind().GroupVersionKind()
+	}
+	if gvk.Kind == "" {
+		return nil, fmt.Errorf("%s: kind not registered", gvr)
+	}
+	return k8s.ToUnstructured(obj, gvk)
+}
+
+type clientsParams struct {
+	cell.In
+
+	// Kinds comes from SourcesCell: the dynamic client serves its custom
+	// kinds.
+	Kinds *k8s.Kinds `optional:"true"`
+}
+
+func module(newClients func() *Clients) cell.Cell {
 	return cell.Module(
 		"k8s-client",
 		"Fake Kubernetes client for tests",
 
 		cell.Provide(
-			func() (*k8s.Clientset, *fake.Clientset) {
-				f := newFake()
-				copyWatches(f)
-				return &k8s.Clientset{Interface: f}, f
+			func(p clientsParams) (*k8s.Clientset, *Clients) {
+				c := newClients()
+				c.Dynamic.addKinds(p.Kinds)
+				return c.K8s(), c
 			},
 			fakeScriptCommands,
 		),
@@ -55,7 +146,7 @@ func module(newFake func() *fake.Clientset) cell.Cell {
 type fakeCmdParams struct {
 	cell.In
 
-	Fake *fake.Clientset
+	Fake *Clients
 	// Kinds comes from SourcesCell; without it only the core kinds decode.
 	Kinds *k8s.Kinds `optional:"true"`
 }
@@ -87,9 +178,8 @@ var fakeOpSummaries = map[fakeOp]string{
 }
 
 // fakeApplyCmd decodes the files with the same decoder as --config-dir and
-// applies them through the fake clientset's object tracker, which informers
-// watch.
-func fakeApplyCmd(f *fake.Clientset, kinds *k8s.Kinds, op fakeOp) script.Cmd {
+// applies them through the fakes' object trackers, which informers watch.
+func fakeApplyCmd(f *Clients, kinds *k8s.Kinds, op fakeOp) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
 			Summary: fakeOpSummaries[op],
@@ -123,24 +213,23 @@ func fakeApplyCmd(f *fake.Clientset, kinds *k8s.Kinds, op fakeOp) script.Cmd {
 	)
 }
 
-func applyFake(f *fake.Clientset, kinds *k8s.Kinds, op fakeOp, file string, o k8s.Decoded) error {
+func applyFake(f *Clients, kinds *k8s.Kinds, op fakeOp, file string, o k8s.Decoded) error {
 	gvr, ok := kinds.Resource(o.GVK)
 	if o.Object == nil || !ok {
 		return fmt.Errorf("%s:%d: kind %s is not registered", file, o.Line, o.GVK)
 	}
 	ns := o.Key.Namespace
-	tracker := f.Tracker()
 	var err error
 	switch op {
 	case fakeAdd:
-		err = tracker.Create(gvr, o.Object, ns)
+		err = f.Create(gvr, o.Object, ns)
 	case fakeUpdate:
-		err = tracker.Update(gvr, o.Object, ns)
+		err = f.Update(gvr, o.Object, ns)
 		if k8serrors.IsNotFound(err) {
-			err = tracker.Create(gvr, o.Object, ns)
+			err = f.Create(gvr, o.Object, ns)
 		}
 	case fakeDelete:
-		err = tracker.Delete(gvr, ns, o.Key.Name)
+		err = f.Delete(gvr, ns, o.Key.Name)
 	}
 	if err != nil {
 		return fmt.Errorf("%s:%d: %s %s: %w", file, o.Line, o.GVK.Kind, o.Key, err)

@@ -12,7 +12,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/apiary-net/apiary/cells/k8s"
 )
@@ -44,9 +43,10 @@ func svcYAML(ns, name, version string) string {
 }
 
 func TestCommands(t *testing.T) {
-	f := fake.NewSimpleClientset() //nolint:staticcheck // stores objects of any kind
 	kinds := k8s.NewKinds()
 	require.NoError(t, k8s.RegisterKind(kinds, widgetKind))
+	f := New()
+	f.Dynamic.addKinds(kinds)
 	cmds := fakeScriptCommands(fakeCmdParams{Fake: f, Kinds: kinds}).ScriptCmds
 	work := t.TempDir()
 	for name, data := range map[string]string{
@@ -90,10 +90,13 @@ func TestCommands(t *testing.T) {
 	require.NoError(t, run("k8s/delete svc.yaml new.yaml"))
 	require.Equal(t, `services "a" not found`, version("default", "a"))
 
-	require.NoError(t, run("k8s/add widget.yaml"), "a registered kind of another cell")
-	obj, err := f.Tracker().Get(widgetKind.GVR(), "default", "w")
+	require.NoError(t, run("k8s/add widget.yaml"), "a registered kind of another cell, a custom resource")
+	u, err := f.Dynamic.Resource(widgetKind.GVR()).Namespace("default").Get(t.Context(), "w", metav1.GetOptions{})
 	require.NoError(t, err)
-	require.Equal(t, 2, obj.(*widget).Spec.Size)
+	var w widget
+	require.NoError(t, k8s.FromUnstructured(u.Object, &w))
+	require.Equal(t, 2, w.Spec.Size)
+	require.Equal(t, "Widget", u.GetKind())
 
 	require.ErrorContains(t, run("k8s/add bad.yaml"), "bad.yaml:4: did not find expected ',' or ']'")
 	require.ErrorContains(t, run("k8s/add gadget.yaml"), "gadget.yaml:1: kind example.com/v1, Kind=Gadget is not registered")
