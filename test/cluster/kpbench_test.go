@@ -64,7 +64,12 @@ type benchConfig struct {
 	changes             int // new Services and endpoint changes measured per proxy
 	loadFor             time.Duration
 	workers             int
+	// proxies measured (APIARY_BENCH_PROXIES, comma-separated): apiary,
+	// nftables, iptables; all by default.
+	proxies []string
 }
+
+func (c benchConfig) measures(proxy string) bool { return slices.Contains(c.proxies, proxy) }
 
 func benchConfigFromEnv(t *testing.T) benchConfig {
 	c := benchConfig{services: 10000, endpoints: 10, runs: 3, changes: 5, loadFor: 5 * time.Second, workers: 4}
@@ -79,6 +84,10 @@ func benchConfigFromEnv(t *testing.T) benchConfig {
 			}
 			*p = n
 		}
+	}
+	c.proxies = []string{"nftables", "iptables", "apiary"}
+	if v := os.Getenv("APIARY_BENCH_PROXIES"); v != "" {
+		c.proxies = strings.Split(v, ",")
 	}
 	if v := os.Getenv("APIARY_BENCH_LOAD"); v != "" {
 		d, err := time.ParseDuration(v)
@@ -165,9 +174,13 @@ func TestKubeProxyBench(t *testing.T) {
 
 	var results []*benchResult
 	for _, mode := range []string{"nftables", "iptables"} {
-		results = append(results, n.benchKubeProxy(kubeProxy, mode, cs, cfg))
+		if cfg.measures(mode) {
+			results = append(results, n.benchKubeProxy(kubeProxy, mode, cs, cfg))
+		}
 	}
-	results = append(results, n.benchApiary(cs, cfg))
+	if cfg.measures("apiary") {
+		results = append(results, n.benchApiary(cs, cfg))
+	}
 	endLoad := loadavg()
 	report := benchReport(cfg, results, startLoad, endLoad)
 	t.Logf("results:\n%s", report)
@@ -541,14 +554,16 @@ func (n *node) benchLoad(r *benchResult, cfg benchConfig) {
 	bin := filepath.Join(n.dir, "testpod")
 	// One short run first: the path works, and the backend's first
 	// connections are paid before the clock runs.
-	testenv.Eventually(t, waitTimeout, "the outside client reaches the NodePort "+addr, func() (bool, string) {
+	reached, last := false, ""
+	for deadline := time.Now().Add(waitTimeout); !reached && time.Now().Before(deadline); {
 		out, err := exec.Command("ip", "netns", "exec", benchOutsideNS, bin, "load", addr, "200ms", "1").CombinedOutput()
 		var res struct{ Conns, Errors int }
-		if err != nil || json.Unmarshal(out, &res) != nil {
-			return false, fmt.Sprintf("%v: %s", err, out)
-		}
-		return res.Conns > 0 && res.Errors == 0, string(out)
-	})
+		last = fmt.Sprintf("%v: %s", err, out)
+		reached = err == nil && json.Unmarshal(out, &res) == nil && res.Conns > 0 && res.Errors == 0
+	}
+	if !reached {
+		t.Fatalf("%s: the outside client does not reach the NodePort %s: %s\n%s", r.name, addr, last, n.benchDiag())
+	}
 	for range cfg.runs {
 		out, err := exec.Command("ip", "netns", "exec", benchOutsideNS, bin, "load", addr, cfg.loadFor.String(), strconv.Itoa(cfg.workers)).Output()
 		if err != nil {
@@ -571,6 +586,38 @@ func (n *node) benchLoad(r *benchResult, cfg benchConfig) {
 		t.Logf("%s: %s (load %s)", r.name, bytes.TrimSpace(out), loadavg())
 		time.Sleep(time.Second)
 	}
+}
+
+// benchDiag shows what may say why the outside client gets no answer:
+// the agent's nodeport counters, the NodePort's LB entries, conntrack.
+func (n *node) benchDiag() string {
+	var b strings.Builder
+	if m, err := scrape("http://127.0.0.1:9234/metrics"); err == nil {
+		for k, v := range m {
+			if strings.Contains(k, "nodeport") && v != 0 {
+				fmt.Fprintf(&b, "%s %v\n", k, v)
+			}
+		}
+	}
+	for _, c := range [][]string{
+		{n.apiaryBin, "bpf", "lb", "list", "--bpf-pin-dir", n.pinDir},
+		{"ip", "-s", "link", "show", benchHostIf},
+		{"ip", "route"},
+		{"conntrack", "-L", "-p", "tcp", "--dport", "8080"},
+		{"iptables-save"},
+		{"nft", "list", "ruleset"},
+	} {
+		out, err := exec.Command(c[0], c[1:]...).CombinedOutput()
+		lines := strings.Split(string(out), "\n")
+		if len(lines) > 40 {
+			lines = append(lines[:40], "…")
+		}
+		if c[0] == n.apiaryBin {
+			lines = slices.DeleteFunc(lines, func(l string) bool { return !strings.Contains(l, strconv.Itoa(benchNodePort)) && !strings.Contains(l, "10.253.") })
+		}
+		fmt.Fprintf(&b, "$ %s (%v)\n%s\n", strings.Join(c, " "), err, strings.Join(lines, "\n"))
+	}
+	return b.String()
 }
 
 // benchApiary installs apiary from deploy/ (NodePort on the outside link)
@@ -846,8 +893,18 @@ func fmtRate(v []float64, unit string) string {
 // each kube-proxy mode.
 func benchReport(cfg benchConfig, results []*benchResult, startLoad, endLoad string) string {
 	var b strings.Builder
-	order := []*benchResult{results[len(results)-1]}
-	order = append(order, results[:len(results)-1]...)
+	order := slices.Clone(results)
+	slices.SortStableFunc(order, func(a, b *benchResult) int {
+		switch {
+		case a.name == b.name:
+			return 0
+		case a.name == "apiary":
+			return -1
+		case b.name == "apiary":
+			return 1
+		}
+		return 0
+	})
 	row := func(what, input string, cell func(r *benchResult) string) {
 		fmt.Fprintf(&b, "| %s | %s |", what, input)
 		for _, r := range order {
