@@ -113,6 +113,7 @@ type benchResult struct {
 	// From the outside client through the NodePort, per load run.
 	rate, p50us, p99us []float64
 	errors             int
+	noAnswer           bool     // the outside client got no answer at all
 	loads              []string // /proc/loadavg during the proxy's phase
 }
 
@@ -562,7 +563,15 @@ func (n *node) benchLoad(r *benchResult, cfg benchConfig) {
 		reached = err == nil && json.Unmarshal(out, &res) == nil && res.Conns > 0 && res.Errors == 0
 	}
 	if !reached {
-		t.Fatalf("%s: the outside client does not reach the NodePort %s: %s\n%s", r.name, addr, last, n.benchDiag())
+		// Reported, and the other figures kept: the table is written
+		// whatever happens here.
+		r.noAnswer = true
+		t.Errorf("%s: the outside client does not reach the NodePort %s: %s\n%s", r.name, addr, last, n.benchDiag())
+		if hold, err := time.ParseDuration(os.Getenv("APIARY_BENCH_HOLD")); err == nil {
+			t.Logf("%s: no answer through the NodePort; holding the node for %s (APIARY_BENCH_HOLD)", r.name, hold)
+			time.Sleep(hold)
+		}
+		return
 	}
 	for range cfg.runs {
 		out, err := exec.Command("ip", "netns", "exec", benchOutsideNS, bin, "load", addr, cfg.loadFor.String(), strconv.Itoa(cfg.workers)).Output()
@@ -592,6 +601,16 @@ func (n *node) benchLoad(r *benchResult, cfg benchConfig) {
 // the agent's nodeport counters, the NodePort's LB entries, conntrack.
 func (n *node) benchDiag() string {
 	var b strings.Builder
+	mon := exec.Command("timeout", "4", n.apiaryBin, "monitor", "--server", agentAPI)
+	var monOut bytes.Buffer
+	mon.Stdout, mon.Stderr = &monOut, &monOut
+	if err := mon.Start(); err == nil {
+		time.Sleep(500 * time.Millisecond)
+		exec.Command("ip", "netns", "exec", benchOutsideNS, filepath.Join(n.dir, "testpod"), "load", fmt.Sprintf("%s:%d", benchHostIP, benchNodePort), "1s", "1").Run()
+		mon.Wait()
+		lines := strings.Split(monOut.String(), "\n")
+		fmt.Fprintf(&b, "$ apiary monitor (during one more try)\n%s\n", strings.Join(lines[:min(len(lines), 30)], "\n"))
+	}
 	if m, err := scrape("http://127.0.0.1:9234/metrics"); err == nil {
 		for k, v := range m {
 			if strings.Contains(k, "nodeport") && v != 0 {
@@ -923,7 +942,12 @@ func benchReport(cfg benchConfig, results []*benchResult, startLoad, endLoad str
 	row("new Service (+ its endpoints) → datapath", fmt.Sprintf("at %s, %d changes", scale, cfg.changes), func(r *benchResult) string { return fmtDur(r.newService) })
 	row("one endpoint changed → datapath", fmt.Sprintf("at %s, %d changes", scale, cfg.changes), func(r *benchResult) string { return fmtDur(r.endpoint) })
 	load := fmt.Sprintf("outside client → NodePort → 1 pod, %d workers, %s × %d", cfg.workers, cfg.loadFor, cfg.runs)
-	row("new connections/s (connect, GET, close)", load, func(r *benchResult) string { return fmtRate(r.rate, "/s") })
+	row("new connections/s (connect, GET, close)", load, func(r *benchResult) string {
+		if r.noAnswer {
+			return "no answer"
+		}
+		return fmtRate(r.rate, "/s")
+	})
 	row("latency p50", load, func(r *benchResult) string { return fmtRate(r.p50us, " µs") })
 	row("latency p99", load, func(r *benchResult) string { return fmtRate(r.p99us, " µs") })
 	row("failed connections", load, func(r *benchResult) string { return strconv.Itoa(r.errors) })
