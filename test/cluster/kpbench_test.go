@@ -622,14 +622,16 @@ func (n *node) benchDiag() string {
 		{n.apiaryBin, "bpf", "lb", "list", "--bpf-pin-dir", n.pinDir},
 		{"ip", "-s", "link", "show", benchHostIf},
 		{"ip", "route"},
+		{"ip", "-s", "link", "show", "master", bridgeName},
+		{"nstat", "-as"},
 		{"conntrack", "-L", "-p", "tcp", "--dport", "8080"},
 		{"iptables-save"},
 		{"nft", "list", "ruleset"},
 	} {
 		out, err := exec.Command(c[0], c[1:]...).CombinedOutput()
 		lines := strings.Split(string(out), "\n")
-		if len(lines) > 40 {
-			lines = append(lines[:40], "…")
+		if len(lines) > 80 {
+			lines = append(lines[:80], "…")
 		}
 		if c[0] == n.apiaryBin {
 			lines = slices.DeleteFunc(lines, func(l string) bool { return !strings.Contains(l, strconv.Itoa(benchNodePort)) && !strings.Contains(l, "10.253.") })
