@@ -141,7 +141,7 @@ func TestKubeProxyBench(t *testing.T) {
 	t.Logf("load average at the start: %s; %d Services × %d endpoints, %d cold starts, %d changes, load %s × %d workers",
 		startLoad, cfg.services, cfg.endpoints, cfg.runs, cfg.changes, cfg.loadFor, cfg.workers)
 
-	n := startNode(t, withServiceCIDR(benchServiceCIDR), withAgentEnv(
+	n := startNode(t, withServiceCIDR(benchServiceCIDR), withPodDefaultRoute(), withAgentEnv(
 		corev1.EnvVar{Name: "APIARY_ENABLE_NODEPORT", Value: "true"},
 		// The socket hooks sit on the root cgroup, whose processes
 		// include the outside client (a process of this machine in a

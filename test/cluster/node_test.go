@@ -105,6 +105,9 @@ type node struct {
 	// serviceRange is the API server's --service-cluster-ip-range
 	// (serviceCIDR unless withServiceCIDR).
 	serviceRange string
+	// podDefaultRoute gives pods a default route through the node (see
+	// withPodDefaultRoute).
+	podDefaultRoute bool
 	// agentEnv is set on the agent's container by install, replacing a
 	// variable of the same name (see withAgentEnv).
 	agentEnv []corev1.EnvVar
@@ -122,6 +125,13 @@ func withClusterDNS() nodeOption { return func(n *node) { n.clusterDNS = true } 
 // serviceCIDR's 254 addresses (the kube-proxy benchmark makes 10,000
 // Services).
 func withServiceCIDR(cidr string) nodeOption { return func(n *node) { n.serviceRange = cidr } }
+
+// withPodDefaultRoute gives pods a default route through the node, as a
+// cluster's pods have: without one (the default here, so that nothing a
+// pod sends leaves the machine) a pod answers only clients of its own
+// subnet or the node's, and a NodePort client outside whose address is
+// kept (apiary's local backends) gets no answer.
+func withPodDefaultRoute() nodeOption { return func(n *node) { n.podDefaultRoute = true } }
 
 // withAgentEnv sets environment variables (flags, APIARY_<FLAG>) on the
 // agent's container when install applies deploy/.
@@ -609,15 +619,19 @@ func (n *node) cniBinDir() string  { return filepath.Join(n.dir, "cni-bin") }
 // chains apiary-cni after it once it runs. containerd reads the directory
 // again when it changes.
 func (n *node) writeCNIConf() {
+	routes := ""
+	if n.podDefaultRoute {
+		routes = `, "routes": [{"dst": "0.0.0.0/0"}]`
+	}
 	writeFile(n.t, filepath.Join(n.cniConfDir(), cniConfName), fmt.Sprintf(`{
   "cniVersion": "1.0.0",
   "name": "apiary-test",
   "plugins": [{
     "type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": false,
-    "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q}
+    "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q%s}
   }]
 }
-`, bridgeName, podSubnet, nodeIP, filepath.Join(n.dir, "ipam")))
+`, bridgeName, podSubnet, nodeIP, filepath.Join(n.dir, "ipam"), routes))
 }
 
 // cniPlugins returns the plugin types of the node's CNI configuration,
