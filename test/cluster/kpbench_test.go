@@ -634,7 +634,9 @@ func (n *node) benchDiag() string {
 			lines = append(lines[:80], "…")
 		}
 		if c[0] == n.apiaryBin {
-			lines = slices.DeleteFunc(lines, func(l string) bool { return !strings.Contains(l, strconv.Itoa(benchNodePort)) && !strings.Contains(l, "10.253.") })
+			lines = slices.DeleteFunc(lines, func(l string) bool {
+				return !strings.Contains(l, strconv.Itoa(benchNodePort)) && !strings.Contains(l, "10.253.")
+			})
 		}
 		fmt.Fprintf(&b, "$ %s (%v)\n%s\n", strings.Join(c, " "), err, strings.Join(lines, "\n"))
 	}
