@@ -630,13 +630,13 @@ func (n *node) benchDiag() string {
 	} {
 		out, err := exec.Command(c[0], c[1:]...).CombinedOutput()
 		lines := strings.Split(string(out), "\n")
-		if len(lines) > 80 {
-			lines = append(lines[:80], "…")
-		}
 		if c[0] == n.apiaryBin {
 			lines = slices.DeleteFunc(lines, func(l string) bool {
 				return !strings.Contains(l, strconv.Itoa(benchNodePort)) && !strings.Contains(l, "10.253.")
 			})
+		}
+		if len(lines) > 80 {
+			lines = append(lines[:80], "…")
 		}
 		fmt.Fprintf(&b, "$ %s (%v)\n%s\n", strings.Join(c, " "), err, strings.Join(lines, "\n"))
 	}
