@@ -110,6 +110,10 @@ type benchResult struct {
 	// endpoints are in the datapath; endpoint: from one endpoint's
 	// change until the datapath has it.
 	newService, endpoint []time.Duration
+	// watchNew, watchEndpoint: from the same start until the test's own
+	// watch of EndpointSlices got the change: the API server's write and
+	// its watch delivery, which every proxy waits for as well.
+	watchNew, watchEndpoint []time.Duration
 	// From the outside client through the NodePort, per load run.
 	rate, p50us, p99us []float64
 	errors             int
@@ -450,6 +454,7 @@ func (n *node) benchKubeProxy(bin, mode string, cs *kubernetes.Clientset, cfg be
 		})
 		return got
 	}
+	sw := n.watchSlices(cs)
 	for c := range cfg.changes {
 		time.Sleep(2 * time.Second)
 		before, err := scrape(metrics)
@@ -457,8 +462,9 @@ func (n *node) benchKubeProxy(bin, mode string, cs *kubernetes.Clientset, cfg be
 			t.Fatal(err)
 		}
 		name := fmt.Sprintf("new-kp-%s-%d", mode, c)
-		n.createChange(cs, name, cfg)
+		trigger, _, key := n.createChange(cs, name, cfg)
 		r.newService = append(r.newService, programmed(before))
+		r.watchNew = append(r.watchNew, sw.since(trigger, key))
 		if c == cfg.changes-1 {
 			n.kubeProxyHas(mode, name)
 		}
@@ -469,8 +475,9 @@ func (n *node) benchKubeProxy(bin, mode string, cs *kubernetes.Clientset, cfg be
 		if err != nil {
 			t.Fatal(err)
 		}
-		n.changeEndpoint(cs, cfg, mode, c)
+		_, _, _, trigger, key := n.changeEndpoint(cs, cfg, mode, c)
 		r.endpoint = append(r.endpoint, programmed(before))
+		r.watchEndpoint = append(r.watchEndpoint, sw.since(trigger, key))
 	}
 	t.Logf("%s: new Service %v, endpoint change %v", r.name, r.newService, r.endpoint)
 	n.benchLoad(r, cfg)
@@ -510,7 +517,7 @@ func (n *node) kubeProxyHas(mode, name string) {
 // endpoints past the bulk's), and returns when the change began (just
 // before the Service's create call; the slice carries that time as its
 // trigger time) and the Service's cluster IP.
-func (n *node) createChange(cs *kubernetes.Clientset, name string, cfg benchConfig) (time.Time, netip.Addr) {
+func (n *node) createChange(cs *kubernetes.Clientset, name string, cfg benchConfig) (time.Time, netip.Addr, string) {
 	ctx := context.Background()
 	trigger := time.Now()
 	svc, err := cs.CoreV1().Services(benchNS).Create(ctx, benchService(name), metav1.CreateOptions{})
@@ -518,10 +525,11 @@ func (n *node) createChange(cs *kubernetes.Clientset, name string, cfg benchConf
 		n.t.Fatal(err)
 	}
 	first := (cfg.services + int(changeSeq.Add(1))) * cfg.endpoints
-	if _, err := cs.DiscoveryV1().EndpointSlices(benchNS).Create(ctx, benchSlice(name, first, cfg.endpoints, trigger), metav1.CreateOptions{}); err != nil {
+	slice, err := cs.DiscoveryV1().EndpointSlices(benchNS).Create(ctx, benchSlice(name, first, cfg.endpoints, trigger), metav1.CreateOptions{})
+	if err != nil {
 		n.t.Fatal(err)
 	}
-	return trigger, netip.MustParseAddr(svc.Spec.ClusterIP)
+	return trigger, netip.MustParseAddr(svc.Spec.ClusterIP), sliceKey(slice)
 }
 
 var changeSeq atomic.Int64
@@ -529,7 +537,7 @@ var changeSeq atomic.Int64
 // changeEndpoint replaces the first endpoint of a bulk Service (a
 // different one for each change) with a new address, and returns the
 // Service, the old and the new address and when the change began.
-func (n *node) changeEndpoint(cs *kubernetes.Clientset, cfg benchConfig, phase string, c int) (svc string, old, addr netip.Addr, trigger time.Time) {
+func (n *node) changeEndpoint(cs *kubernetes.Clientset, cfg benchConfig, phase string, c int) (svc string, old, addr netip.Addr, trigger time.Time, key string) {
 	ctx := context.Background()
 	svc = bulkName((len(phase)*7919 + c*1009) % cfg.services)
 	s, err := cs.DiscoveryV1().EndpointSlices(benchNS).Get(ctx, svc+"-a", metav1.GetOptions{})
@@ -541,10 +549,59 @@ func (n *node) changeEndpoint(cs *kubernetes.Clientset, cfg benchConfig, phase s
 	trigger = time.Now()
 	s.Endpoints[0].Addresses = []string{addr.String()}
 	s.Annotations = map[string]string{corev1.EndpointsLastChangeTriggerTime: trigger.Format(time.RFC3339Nano)}
-	if _, err := cs.DiscoveryV1().EndpointSlices(benchNS).Update(ctx, s, metav1.UpdateOptions{}); err != nil {
+	updated, err := cs.DiscoveryV1().EndpointSlices(benchNS).Update(ctx, s, metav1.UpdateOptions{})
+	if err != nil {
 		n.t.Fatal(err)
 	}
-	return svc, old, addr, trigger
+	return svc, old, addr, trigger, sliceKey(updated)
+}
+
+func sliceKey(s *discoveryv1.EndpointSlice) string { return s.Name + "@" + s.ResourceVersion }
+
+// sliceWatch is the test's own watch of the benchmark's EndpointSlices:
+// when each version of each slice reached a watcher.
+type sliceWatch struct {
+	mu   sync.Mutex
+	seen map[string]time.Time
+}
+
+func (n *node) watchSlices(cs *kubernetes.Clientset) *sliceWatch {
+	ctx, cancel := context.WithCancel(context.Background())
+	n.t.Cleanup(cancel)
+	list, err := cs.DiscoveryV1().EndpointSlices(benchNS).List(ctx, metav1.ListOptions{Limit: 1})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	w, err := cs.DiscoveryV1().EndpointSlices(benchNS).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	sw := &sliceWatch{seen: map[string]time.Time{}}
+	go func() {
+		for ev := range w.ResultChan() {
+			if s, ok := ev.Object.(*discoveryv1.EndpointSlice); ok {
+				now := time.Now()
+				sw.mu.Lock()
+				sw.seen[sliceKey(s)] = now
+				sw.mu.Unlock()
+			}
+		}
+	}()
+	return sw
+}
+
+// since returns the time from start until the watch got key, waiting for
+// it up to 30 s (0 if it never came).
+func (sw *sliceWatch) since(start time.Time, key string) time.Duration {
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		sw.mu.Lock()
+		at, ok := sw.seen[key]
+		sw.mu.Unlock()
+		if ok {
+			return at.Sub(start)
+		}
+	}
+	return 0
 }
 
 // benchLoad runs the load generator from the outside client through the
@@ -714,24 +771,27 @@ func (n *node) benchApiary(cs *kubernetes.Clientset, cfg benchConfig) *benchResu
 		t.Fatal(err)
 	}
 	defer backends.Close()
+	sw := n.watchSlices(cs)
 	for c := range cfg.changes {
 		time.Sleep(2 * time.Second)
 		name := fmt.Sprintf("new-apiary-%d", c)
-		trigger, ip := n.createChange(cs, name, cfg)
+		trigger, ip, key := n.createChange(cs, name, cfg)
 		fe := netip.AddrPortFrom(ip, 80)
 		r.newService = append(r.newService, pollUntil(t, trigger, "Service "+name+" in lb4_services", func() bool {
 			var v bpf.LB4ServiceValue
 			return services.Lookup(bpf.NewLB4ServiceKey(fe, 6, 0), &v) == nil && int(v.Count) == cfg.endpoints
 		}))
+		r.watchNew = append(r.watchNew, sw.since(trigger, key))
 	}
 	for c := range cfg.changes {
 		time.Sleep(2 * time.Second)
-		svcName, old, addr, trigger := n.changeEndpoint(cs, cfg, "apiary", c)
+		svcName, old, addr, trigger, key := n.changeEndpoint(cs, cfg, "apiary", c)
 		fe := netip.AddrPortFrom(svcs[svcName], 80)
 		r.endpoint = append(r.endpoint, pollUntil(t, trigger, "endpoint "+addr.String()+" of "+svcName+" in the LB maps", func() bool {
 			addrs := frontendBackends(services, backends, fe)
 			return slices.Contains(addrs, addr) && !slices.Contains(addrs, old)
 		}))
+		r.watchEndpoint = append(r.watchEndpoint, sw.since(trigger, key))
 	}
 	t.Logf("apiary: new Service %v, endpoint change %v", r.newService, r.endpoint)
 	n.benchLoad(r, cfg)
@@ -944,7 +1004,9 @@ func benchReport(cfg benchConfig, results []*benchResult, startLoad, endLoad str
 	row("cold start: process start → every Service in the datapath", scale+fmt.Sprintf(", %d starts", cfg.runs), func(r *benchResult) string { return fmtDur(r.initial) })
 	row("of which kube-proxy's own first sync", "(kubeproxy_sync_full_proxy_rules_duration_seconds)", func(r *benchResult) string { return fmtDur(r.ownSync) })
 	row("new Service (+ its endpoints) → datapath", fmt.Sprintf("at %s, %d changes", scale, cfg.changes), func(r *benchResult) string { return fmtDur(r.newService) })
+	row("of which the API server's write and watch (the test's own watch)", "", func(r *benchResult) string { return fmtDur(r.watchNew) })
 	row("one endpoint changed → datapath", fmt.Sprintf("at %s, %d changes", scale, cfg.changes), func(r *benchResult) string { return fmtDur(r.endpoint) })
+	row("of which the API server's write and watch (the test's own watch)", "", func(r *benchResult) string { return fmtDur(r.watchEndpoint) })
 	load := fmt.Sprintf("outside client → NodePort → 1 pod, %d workers, %s × %d", cfg.workers, cfg.loadFor, cfg.runs)
 	row("new connections/s (connect, GET, close)", load, func(r *benchResult) string {
 		if r.noAnswer {
