@@ -426,7 +426,10 @@ func (n *node) benchKubeProxy(bin, mode string, cs *kubernetes.Clientset, cfg be
 		initial := time.Unix(0, int64(last*1e9)).Sub(t0)
 		own := time.Duration(m["kubeproxy_sync_full_proxy_rules_duration_seconds_sum"+kpV4] * float64(time.Second))
 		r.initial = append(r.initial, initial)
-		r.ownSync = append(r.ownSync, own)
+		if own > 0 {
+			// Zero when the first sync was not counted a full one.
+			r.ownSync = append(r.ownSync, own)
+		}
 		t.Logf("%s cold start %d: all rules in %s (its first sync took %s); load %s", r.name, run, initial.Round(time.Millisecond), own.Round(time.Millisecond), loadavg())
 		n.kubeProxyHas(mode, bulkName(cfg.services-1))
 		if run < cfg.runs-1 {
