@@ -93,7 +93,7 @@ bench:
 ## bench-kube-proxy: apiary side by side with kube-proxy (nftables and
 ## iptables modes, in turn) on test/cluster's node: time from a Service
 ## change to the datapath at 10,000 Services × 10 endpoints, one endpoint
-## change, NodePort connections/s from an outside client (as root, ~25 min;
+## change, NodePort connections/s from an outside client (as root, 25-45 min;
 ## not in CI). Writes bin/bench-kube-proxy.md; docs/benchmarks.md has the
 ## figures. Take the cluster lock: flock /tmp/apiary-cluster.lock make bench-kube-proxy
 bench-kube-proxy: deps image
