@@ -170,6 +170,9 @@ func TestKubeProxyBench(t *testing.T) {
 		// Two entries per flow, kept until the TCP timeout: the load runs
 		// make ~100,000 flows.
 		corev1.EnvVar{Name: "APIARY_BPF_NAT_MAX", Value: "1048576"},
+		// 10,000 Services × (1 + 10 slots): the default 65,536 entries
+		// hold about 5,900 of them.
+		corev1.EnvVar{Name: "APIARY_BPF_LB_MAP_MAX", Value: "262144"},
 	))
 	n.makeOutside()
 	// Outside client to pod: the node forwards.

@@ -108,7 +108,11 @@ func TestLBScaleBench(t *testing.T) {
 		t0 := time.Now()
 		agent = startApiary(t, ps, fmt.Sprintf("agent %d", run), bin, "agent",
 			"--kubeconfig="+agentKubeconfig, "--node-name=bench-node", "--bpf-pin-dir="+pin,
-			"--state-dir="+t.TempDir(), "--cgroup-root="+cgroup)
+			"--state-dir="+t.TempDir(), "--cgroup-root="+cgroup,
+			// 10,000 × (1 + 10) entries: the default 65,536 holds about
+			// 5,900 such Services (the rest get a clear error, the
+			// agent's health degraded).
+			"--bpf-lb-map-max=262144")
 		var done time.Time
 		testenv.Eventually(t, 10*time.Minute, "every Service in lb4_services", func() (bool, string) {
 			m, err := ebpf.LoadPinnedMap(filepath.Join(pin, bpf.LB4ServicesMap), nil)
