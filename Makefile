@@ -30,7 +30,7 @@ IMAGE_TAR ?= bin/apiary-image.tar
 # version (a '+', a '/') becomes '-'.
 IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
 
-.PHONY: all build image test test-race test-cluster conformance conformance-multinode conformance-services bench bench-lb-reference run lint deps clean bpf demo
+.PHONY: all build image test test-race test-cluster conformance conformance-multinode conformance-services bench bench-lb-reference bench-kube-proxy run lint deps clean bpf demo
 
 all: build
 
@@ -96,6 +96,16 @@ bench:
 ROUNDS ?= 3
 bench-lb-reference:
 	ROUNDS=$(ROUNDS) scripts/lb-reference/compare.sh
+
+## bench-kube-proxy: apiary side by side with kube-proxy (nftables and
+## iptables modes, in turn) on test/cluster's node: time from a Service
+## change to the datapath at 10,000 Services × 10 endpoints, one endpoint
+## change, NodePort connections/s from an outside client (as root, 25-45 min;
+## not in CI). Writes bin/bench-kube-proxy.md; docs/benchmarks.md has the
+## figures. Take the cluster lock: flock /tmp/apiary-cluster.lock make bench-kube-proxy
+bench-kube-proxy: deps image
+	APIARY_BENCH_KUBE_PROXY=1 APIARY_BENCH_REPORT=$(CURDIR)/bin/bench-kube-proxy.md \
+		$(GO) test -tags cluster -count=1 -timeout 90m -v -run '^TestKubeProxyBench$$' $(TESTFLAGS) ./test/cluster
 
 ## run: build and start the agent with docs/examples as its config dir.
 run: build

@@ -12,8 +12,9 @@ set -euo pipefail
 #   containerd, runc             the container runtime of test/cluster's node (make test-cluster)
 #   busybox-static, wget,        /bin/sh, wget, nc … in test/cluster's agnhost image: the e2e suites exec them
 #   netcat-openbsd               (curl, above, goes into that image too; wget, nc and curl with their libraries)
+#   nftables, iptables           kube-proxy's nftables and iptables modes (make bench-kube-proxy)
 #   kubernetes-client            kubectl, which the Services suite execs its pods with (only where none is on PATH)
-packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl gcc libc6-dev containerd runc busybox-static wget netcat-openbsd)
+packages=(containernetworking-plugins iproute2 dnsmasq-base dnsutils curl gcc libc6-dev containerd runc busybox-static wget netcat-openbsd nftables iptables)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -6,6 +6,8 @@
 #   kube-scheduler, kubelet     with containerd and runc from Debian)
 #   e2e.test, agnhost           test/cluster's NetworkPolicy conformance run
 #                               (Kubernetes' own e2e suite and its test image)
+#   kube-proxy                  test/cluster's side-by-side benchmark
+#                               (make bench-kube-proxy, nftables and iptables)
 #
 # The binaries go to a cache directory keyed on this module's go.sum and this
 # script, so a second run (or another checkout of the same versions) is a
@@ -13,7 +15,7 @@
 # <key> is the first 16 hex digits of the SHA-256 of go.sum followed by this
 # file (the tests compute the same path). Set APIARY_KUBE_TESTBIN to use
 # another directory, for this script and the tests alike. Only missing
-# binaries are built. Cold, all seven take ~20 min on 2 cores (about 0.8 GB
+# binaries are built. Cold, all eight take ~20 min on 2 cores (about 0.8 GB
 # of module cache, 4 GB of build cache); NICE=1 runs the compiler under nice.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -23,7 +25,7 @@ out=${APIARY_KUBE_TESTBIN:-${XDG_CACHE_HOME:-$HOME/.cache}/apiary/kube-testbin/$
 
 # Built in this order; each is renamed into place when complete, so an
 # interrupted build never leaves a binary that the check below takes for one.
-kube=(kube-apiserver kube-controller-manager kube-scheduler kubelet)
+kube=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
 missing=()
 [ -x "$out/etcd" ] || missing+=(etcd)
 for b in "${kube[@]}" e2e.test agnhost; do

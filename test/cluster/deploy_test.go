@@ -8,9 +8,11 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -155,6 +157,14 @@ func (n *node) install(dirs agentDirs) {
 				switch e.Name {
 				case "APIARY_BPF_PIN_DIR":
 					spec.Containers[0].Env[i].Value = dirs.pinDir
+				}
+			}
+			for _, want := range n.agentEnv {
+				env := &spec.Containers[0].Env
+				if i := slices.IndexFunc(*env, func(e corev1.EnvVar) bool { return e.Name == want.Name }); i >= 0 {
+					(*env)[i] = want
+				} else {
+					*env = append(*env, want)
 				}
 			}
 			for i, v := range spec.Volumes {

@@ -102,6 +102,15 @@ type node struct {
 	// clusterDNS makes the kubelet give pods the node's address as their
 	// DNS server, where serveClusterDNS answers (see withClusterDNS).
 	clusterDNS bool
+	// serviceRange is the API server's --service-cluster-ip-range
+	// (serviceCIDR unless withServiceCIDR).
+	serviceRange string
+	// podDefaultRoute gives pods a default route through the node (see
+	// withPodDefaultRoute).
+	podDefaultRoute bool
+	// agentEnv is set on the agent's container by install, replacing a
+	// variable of the same name (see withAgentEnv).
+	agentEnv []corev1.EnvVar
 }
 
 // nodeOption changes how startNode brings the node up.
@@ -111,6 +120,24 @@ type nodeOption func(*node)
 // <namespace>.svc.cluster.local …) served by the test on the node's
 // address: the Services suite reaches Services by name.
 func withClusterDNS() nodeOption { return func(n *node) { n.clusterDNS = true } }
+
+// withServiceCIDR gives the API server a larger Service range than
+// serviceCIDR's 254 addresses (the kube-proxy benchmark makes 10,000
+// Services).
+func withServiceCIDR(cidr string) nodeOption { return func(n *node) { n.serviceRange = cidr } }
+
+// withPodDefaultRoute gives pods a default route through the node, as a
+// cluster's pods have: without one (the default here, so that nothing a
+// pod sends leaves the machine) a pod answers only clients of its own
+// subnet or the node's, and a NodePort client outside whose address is
+// kept (apiary's local backends) gets no answer.
+func withPodDefaultRoute() nodeOption { return func(n *node) { n.podDefaultRoute = true } }
+
+// withAgentEnv sets environment variables (flags, APIARY_<FLAG>) on the
+// agent's container when install applies deploy/.
+func withAgentEnv(env ...corev1.EnvVar) nodeOption {
+	return func(n *node) { n.agentEnv = append(n.agentEnv, env...) }
+}
 
 // requirements returns the paths of what the node runs, skipping (failing
 // under APIARY_STRICT=1) when something is missing.
@@ -139,7 +166,7 @@ func requirements(t *testing.T) map[string]string {
 // when the test fails, the logs of every process are shown first.
 func startNode(t *testing.T, opts ...nodeOption) *node {
 	bins := requirements(t)
-	n := &node{t: t, dir: t.TempDir(), apiaryBin: bins["bin/image/apiary"]}
+	n := &node{t: t, dir: t.TempDir(), apiaryBin: bins["bin/image/apiary"], serviceRange: serviceCIDR}
 	for _, o := range opts {
 		o(n)
 	}
@@ -538,7 +565,7 @@ func (n *node) startControlPlane(bins map[string]string) {
 		"--token-auth-file="+tokens, "--authorization-mode=RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file="+saKey, "--service-account-signing-key-file="+saKey,
-		"--service-cluster-ip-range="+serviceCIDR, "--service-node-port-range=30000-30100",
+		"--service-cluster-ip-range="+n.serviceRange, "--service-node-port-range=30000-30100",
 		"--allow-privileged=true",
 		// The kubelet is known by its InternalIP (its name resolves
 		// nowhere): exec and logs go there.
@@ -592,15 +619,19 @@ func (n *node) cniBinDir() string  { return filepath.Join(n.dir, "cni-bin") }
 // chains apiary-cni after it once it runs. containerd reads the directory
 // again when it changes.
 func (n *node) writeCNIConf() {
+	routes := ""
+	if n.podDefaultRoute {
+		routes = `, "routes": [{"dst": "0.0.0.0/0"}]`
+	}
 	writeFile(n.t, filepath.Join(n.cniConfDir(), cniConfName), fmt.Sprintf(`{
   "cniVersion": "1.0.0",
   "name": "apiary-test",
   "plugins": [{
     "type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": false,
-    "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q}
+    "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q%s}
   }]
 }
-`, bridgeName, podSubnet, nodeIP, filepath.Join(n.dir, "ipam")))
+`, bridgeName, podSubnet, nodeIP, filepath.Join(n.dir, "ipam"), routes))
 }
 
 // cniPlugins returns the plugin types of the node's CNI configuration,

@@ -204,7 +204,7 @@ type cluster struct {
 // startCluster starts etcd and kube-apiserver on free loopback ports, with
 // token authentication (an admin token in system:masters), RBAC and a
 // service account signing key, and waits until /readyz answers 200.
-func startCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string) *cluster {
+func startCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string, apiserverArgs ...string) *cluster {
 	t.Helper()
 	// Removed after the processes have stopped (cleanups run last first);
 	// etcd preallocates ~123 MB of WAL in it.
@@ -246,13 +246,13 @@ func startCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string) *cluste
 
 	port := freePort(t)
 	c.server = fmt.Sprintf("https://127.0.0.1:%d", port)
-	apiserver := ps.start(t, "kube-apiserver", apiserverBin,
-		"--etcd-servers="+etcdURL,
-		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port="+strconv.Itoa(port),
-		"--cert-dir="+filepath.Join(dir, "certs"),
-		"--token-auth-file="+tokens, "--authorization-mode=RBAC",
+	apiserver := ps.start(t, "kube-apiserver", apiserverBin, append([]string{
+		"--etcd-servers=" + etcdURL,
+		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port=" + strconv.Itoa(port),
+		"--cert-dir=" + filepath.Join(dir, "certs"),
+		"--token-auth-file=" + tokens, "--authorization-mode=RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-		"--service-account-key-file="+saKey, "--service-account-signing-key-file="+saKey,
+		"--service-account-key-file=" + saKey, "--service-account-signing-key-file=" + saKey,
 		"--service-cluster-ip-range=10.0.0.0/24",
 		// No controller manager creates the namespaces' default
 		// ServiceAccounts, which this admission plugin would demand of pods.
@@ -262,7 +262,9 @@ func startCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string) *cluste
 		"--allow-privileged=true",
 		// The built-in kubernetes Service's Endpoints cannot hold a
 		// loopback address; don't keep trying.
-		"--endpoint-reconciler-type=none")
+		"--endpoint-reconciler-type=none"},
+		// A flag given again wins: callers may change the defaults.
+		apiserverArgs...)...)
 	apiserver.diesOfSIGTERM = true
 
 	// The certificate is written at start; until it is there, and for the
@@ -441,7 +443,7 @@ func (c *cluster) kubeconfig(t *testing.T, name string) (string, *rest.Config) {
 
 // startInstalledCluster starts a cluster with deploy/ installed and builds
 // the apiary binary meanwhile, returning both.
-func startInstalledCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string) (*cluster, string) {
+func startInstalledCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string, apiserverArgs ...string) (*cluster, string) {
 	t.Helper()
 	// If the test fails while the build runs, its end waits for the
 	// build, which would otherwise write into a removed directory.
@@ -456,7 +458,7 @@ func startInstalledCluster(t *testing.T, ps *procs, apiserverBin, etcdBin string
 		bin, buildErr = buildApiary(binDir)
 	}()
 	t.Cleanup(func() { <-built })
-	c := startCluster(t, ps, apiserverBin, etcdBin)
+	c := startCluster(t, ps, apiserverBin, etcdBin, apiserverArgs...)
 	c.install(t)
 	<-built
 	if buildErr != nil {

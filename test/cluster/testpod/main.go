@@ -15,6 +15,12 @@
 //     each, other names none.
 //   - testpod pause: the pod sandbox's process (containerd's
 //     sandbox_image): it waits for SIGTERM or SIGINT.
+//   - testpod load ADDR DURATION WORKERS: a load generator (the kube-proxy
+//     benchmark runs it in the outside client's namespace): WORKERS loops,
+//     for DURATION, each making a new TCP connection to ADDR, one HTTP/1.0
+//     GET on it and reading the answer to its end; prints one JSON line
+//     with the count of such exchanges, the failures and the latency
+//     percentiles (dial to the answer's end).
 package main
 
 import (
@@ -41,12 +47,21 @@ func main() {
 	switch mode {
 	case "serve":
 		serve()
+	case "load":
+		if len(os.Args) != 5 {
+			fmt.Fprintln(os.Stderr, "usage: testpod load ADDR DURATION WORKERS")
+			os.Exit(2)
+		}
+		if err := load(os.Args[2], os.Args[3], os.Args[4]); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
 	case "pause":
 		sig := make(chan os.Signal, 1)
 		signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
 		<-sig
 	default:
-		fmt.Fprintln(os.Stderr, "usage: testpod serve|pause")
+		fmt.Fprintln(os.Stderr, "usage: testpod serve|pause|load")
 		os.Exit(2)
 	}
 }
