@@ -1,18 +1,42 @@
 package hubble
 
 import (
+	"net/netip"
 	"testing"
 	"time"
 
 	flowpb "github.com/cilium/cilium/api/v1/flow"
+	"github.com/cilium/statedb"
 
 	"github.com/apiary-net/apiary/cells/policy"
+	"github.com/apiary-net/apiary/tables"
 )
+
+// endpointsWith returns a database whose endpoints table holds eps.
+func endpointsWith(t *testing.T, eps ...*tables.Endpoint) (*statedb.DB, statedb.Table[*tables.Endpoint]) {
+	t.Helper()
+	db := statedb.New()
+	tbl, err := tables.NewEndpointsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wtxn := db.WriteTxn(tbl)
+	for _, ep := range eps {
+		if _, _, err := tbl.Insert(wtxn, ep); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wtxn.Commit()
+	return db, tbl
+}
 
 // testFlows are flows as the converter makes them from verdicts.
 func testFlows(t *testing.T) map[string]*flowpb.Flow {
 	t.Helper()
-	c := newConverter("node-1", nil, nil, nil, lbTables{})
+	// shop/web-1 is a pod of this node, of the Deployment web.
+	db, eps := endpointsWith(t, &tables.Endpoint{Name: "shop/web-1", IPs: []netip.Addr{netip.MustParseAddr("10.0.0.5")},
+		Labels: tables.Labels{"k8s:app=web"}, Identity: 1000, Workload: &tables.Workload{Kind: "Deployment", Name: "web"}})
+	c := newConverter("node-1", db, eps, nil, lbTables{})
 	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
 	out := map[string]*flowpb.Flow{}
 	one := func(v policy.Verdict) *flowpb.Flow {
@@ -49,7 +73,10 @@ func TestConverter(t *testing.T) {
 		a.GetDestination().GetNamespace() != "data" || a.GetDestination().GetIdentity() != 300 ||
 		a.GetVerdict() != flowpb.Verdict_FORWARDED || a.GetEventType().GetType() != eventTypePolicyVerdict ||
 		a.GetEgressAllowedBy()[0].GetKind() != "CiliumNetworkPolicy" || a.GetEgressAllowedBy()[0].GetName() != "web" ||
-		a.GetNodeName() != "node-1" || a.GetL4().GetTCP().GetDestinationPort() != 8080 {
+		a.GetNodeName() != "node-1" || a.GetL4().GetTCP().GetDestinationPort() != 8080 ||
+		a.GetSource().GetIdentity() != 1000 || len(a.GetSource().GetWorkloads()) != 1 ||
+		a.GetSource().GetWorkloads()[0].GetKind() != "Deployment" || a.GetSource().GetWorkloads()[0].GetName() != "web" ||
+		a.GetDestination().GetWorkloads() != nil {
 		t.Errorf("allowed: %v", a)
 	}
 	if d := fs["denied"]; d.GetDestination().GetPodName() != "web-1" || d.GetDropReasonDesc() != flowpb.DropReason_POLICY_DENIED ||
@@ -106,7 +133,11 @@ func TestFilters(t *testing.T) {
 		{"fields AND", &flowpb.FlowFilter{SourcePod: []string{"shop/"}, Protocol: []string{"tcp"}}, []string{"allowed"}, false},
 		{"http matches nothing", &flowpb.FlowFilter{HttpMethod: []string{"GET"}}, nil, false},
 		{"service", &flowpb.FlowFilter{DestinationService: []string{"kube-system/kube"}}, nil, false},
-		{"workload unsupported", &flowpb.FlowFilter{SourceWorkload: []*flowpb.Workload{{Name: "x"}}}, nil, true},
+		{"workload", &flowpb.FlowFilter{SourceWorkload: []*flowpb.Workload{{Kind: "Deployment", Name: "web"}}}, []string{"allowed", "dns-query"}, false},
+		{"workload by name", &flowpb.FlowFilter{DestinationWorkload: []*flowpb.Workload{{Name: "web"}}}, []string{"denied", "dns-answer"}, false},
+		{"workload by kind", &flowpb.FlowFilter{SourceWorkload: []*flowpb.Workload{{Kind: "Deployment"}}}, []string{"allowed", "dns-query"}, false},
+		{"other workload", &flowpb.FlowFilter{SourceWorkload: []*flowpb.Workload{{Kind: "DaemonSet", Name: "web"}, {Name: "api"}}}, nil, false},
+		{"interface unsupported", &flowpb.FlowFilter{Interface: []*flowpb.NetworkInterface{{Name: "eth0"}}}, nil, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m, err := compileFilter(tc.filter)

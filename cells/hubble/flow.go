@@ -278,6 +278,9 @@ func (c *converter) local(name string) *flowpb.Endpoint {
 	ep := &flowpb.Endpoint{Namespace: ns, PodName: pod}
 	if row := c.byName[name]; row != nil {
 		ep.Identity, ep.Labels = row.Identity, sortedLabels(row.Labels)
+		if w := row.Workload; w != nil {
+			ep.Workloads = []*flowpb.Workload{{Kind: w.Kind, Name: w.Name}}
+		}
 	}
 	return ep
 }

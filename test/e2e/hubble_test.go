@@ -52,13 +52,25 @@ metadata: {name: default}
 ---
 apiVersion: v1
 kind: Pod
-metadata: {name: hba, namespace: shop, uid: ` + uidHbA + `, labels: {app: hba}}
+metadata:
+  name: hba
+  generateName: hba-7c9d5-
+  namespace: shop
+  uid: ` + uidHbA + `
+  labels: {app: hba, pod-template-hash: 7c9d5}
+  ownerReferences: [{apiVersion: apps/v1, kind: ReplicaSet, name: hba-7c9d5, uid: 1a1a1a1a-0000-4000-8000-0000000000a9, controller: true}]
 spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
 status: {phase: Running, podIP: ` + hbA4 + `, podIPs: [{ip: ` + hbA4 + `}]}
 ---
 apiVersion: v1
 kind: Pod
-metadata: {name: hbb, namespace: default, uid: ` + uidHbB + `, labels: {app: hbb}}
+metadata:
+  name: hbb
+  generateName: hbb-
+  namespace: default
+  uid: ` + uidHbB + `
+  labels: {app: hbb}
+  ownerReferences: [{apiVersion: apps/v1, kind: DaemonSet, name: hbb, uid: 1b1b1b1b-0000-4000-8000-0000000000b9, controller: true}]
 spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
 status: {phase: Running, podIP: ` + hbB4 + `, podIPs: [{ip: ` + hbB4 + `}]}
 ---
@@ -126,10 +138,19 @@ type hubbleFlow struct {
 }
 
 type hubbleEndpoint struct {
-	Identity  int      `json:"identity"`
-	Namespace string   `json:"namespace"`
-	PodName   string   `json:"pod_name"`
-	Labels    []string `json:"labels"`
+	Identity  int                           `json:"identity"`
+	Namespace string                        `json:"namespace"`
+	PodName   string                        `json:"pod_name"`
+	Labels    []string                      `json:"labels"`
+	Workloads []struct{ Kind, Name string } `json:"workloads"`
+}
+
+// workload is the endpoint's one workload, "Kind/name", "" for none.
+func (e hubbleEndpoint) workload() string {
+	if len(e.Workloads) != 1 {
+		return fmt.Sprint(e.Workloads)
+	}
+	return e.Workloads[0].Kind + "/" + e.Workloads[0].Name
 }
 
 func (f hubbleFlow) dstPort() int {
@@ -253,7 +274,7 @@ func TestHubble(t *testing.T) {
 	if e := allowed.Flow; e.Source.Namespace != hubbleNS || e.TrafficDirection != "EGRESS" || e.NodeName != "e2e-node" ||
 		e.EventType.Type != 5 || e.Source.Identity == 0 || !containsStr(e.Source.Labels, "k8s:app=hba") ||
 		len(e.EgressAllowedBy) != 1 || e.EgressAllowedBy[0].Name != "hba-egress" || e.EgressAllowedBy[0].Namespace != hubbleNS ||
-		e.EgressAllowedBy[0].Kind != "CiliumNetworkPolicy" {
+		e.EgressAllowedBy[0].Kind != "CiliumNetworkPolicy" || e.Source.workload() != "Deployment/hba" {
 		t.Errorf("allowed flow: %+v", e)
 	}
 	if e := denied.Flow; e.DropReasonDesc != "POLICY_DENIED" || e.EventType.Type != 5 || e.TrafficDirection != "EGRESS" {
@@ -372,10 +393,34 @@ func TestHubble(t *testing.T) {
 			}
 		}
 	})
+	t.Run("workload", func(t *testing.T) {
+		// hba's ReplicaSet is the Deployment hba's; hbb is the DaemonSet hbb's.
+		got := h.observe(t, "--last", "1000", "--from-workload", "Deployment/hba")
+		if len(got) < 3 {
+			t.Errorf("--from-workload Deployment/hba: %v", got)
+		}
+		for _, f := range got {
+			if f.Flow.Source.PodName != "hba" || f.Flow.Source.workload() != "Deployment/hba" {
+				t.Errorf("--from-workload Deployment/hba: %v %s", f, f.Flow.Source.workload())
+			}
+		}
+		got = h.observe(t, "--last", "1000", "--workload", "hbb")
+		if len(got) == 0 {
+			t.Error("--workload hbb: nothing")
+		}
+		for _, f := range got {
+			if f.Flow.Source.workload() != "DaemonSet/hbb" && f.Flow.Destination.workload() != "DaemonSet/hbb" {
+				t.Errorf("--workload hbb: %v", f)
+			}
+		}
+		if got := h.observe(t, "--last", "1000", "--from-workload", "ReplicaSet/hba-7c9d5"); len(got) != 0 {
+			t.Errorf("--from-workload ReplicaSet/hba-7c9d5: %v", got)
+		}
+	})
 	t.Run("bad filter", func(t *testing.T) {
-		cmd := exec.Command(h.bin, "observe", "--server", h.server, "--to-workload", "x")
+		cmd := exec.Command(h.bin, "observe", "--server", h.server, "--interface", "eth0")
 		if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "not supported") {
-			t.Errorf("--to-workload: %v: %s", err, out)
+			t.Errorf("--interface: %v: %s", err, out)
 		}
 	})
 	t.Run("service", func(t *testing.T) {
