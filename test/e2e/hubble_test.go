@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os/exec"
 	"path/filepath"
@@ -117,6 +118,7 @@ type hubbleFlow struct {
 			} `json:"UDP"`
 		} `json:"l4"`
 		DestinationService struct{ Name, Namespace string } `json:"destination_service"`
+		DestinationNames   []string                         `json:"destination_names"`
 		Source             hubbleEndpoint                   `json:"source"`
 		Destination        hubbleEndpoint                   `json:"destination"`
 		NodeName           string                           `json:"node_name"`
@@ -623,6 +625,96 @@ func TestHubbleDNS(t *testing.T) {
 	}
 	if n, err := a.labelledMetric(`hubble_dns_responses_total{ips_returned="1",qtypes="A",rcode="No Error"}`); err != nil || n < 1 {
 		t.Errorf("hubble_dns_responses_total: %v %v", n, err)
+	}
+}
+
+// hubbleFQDNPolicy lets client-a ask the resolver anything and reach
+// *.example.test on TCP 8080.
+const hubbleFQDNPolicy = `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: fqdn-client, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egress:
+  - toCIDR: [%s/32]
+    toPorts:
+    - ports: [{port: "53", protocol: ANY}]
+      rules: {dns: [{matchPattern: "*"}]}
+  - toFQDNs: [{matchPattern: "*.example.test"}]
+    toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+`
+
+// TestHubbleToFQDN: after a pod resolved api.example.test through the DNS
+// proxy (dnsmasq on a loopback address answering it), its connection to
+// the answer's address carries the name, and `hubble observe --to-fqdn
+// '*.example.test'` finds that connection and no other flow.
+func TestHubbleToFQDN(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	bin := testenv.RequireHubble(t, repoRoot)
+	digBin := testenv.RequireProgram(t, "dig")
+	dnsmasq := testenv.RequireProgram(t, "dnsmasq", "/usr/sbin")
+	x := 1 + rand.IntN(250)
+	resolver, exampleIP, otherIP := fmt.Sprintf("127.54.%d.1", x), fmt.Sprintf("127.54.%d.2", x), fmt.Sprintf("127.54.%d.3", x)
+	startProcess(t, "dnsmasq", nil, dnsmasq,
+		"--keep-in-foreground", "--conf-file=/dev/null", "--pid-file",
+		"--no-resolv", "--no-hosts", "--listen-address="+resolver, "--bind-interfaces",
+		"--port=53", "--log-queries", "--log-facility=-", "--local-ttl=300",
+		"--address=/example.test/"+exampleIP, "--address=/other.test/"+otherIP)
+	testenv.Eventually(t, waitTimeout, "dnsmasq to answer on "+resolver, func() (bool, string) {
+		out, err := digIn("", digBin, resolver, "api.example.test", false)
+		return err == nil && strings.Contains(out, exampleIP), out
+	})
+	listen(t, exampleIP+":8080", otherIP+":8080")
+	root := testenv.Cgroup(t)
+	cgA, _, _ := mkCgroups(t, root)
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), policyPods)
+	writeFile(t, filepath.Join(configDir, "dns.yaml"), fmt.Sprintf(hubbleFQDNPolicy, resolver))
+	sock := filepath.Join(t.TempDir(), "hubble.sock")
+	proxy := net.JoinHostPort("127.0.0.1", fmt.Sprint(freePort(t)))
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{
+		"--node-name=e2e-node", "--cgroup-root=" + root,
+		"--dns-proxy-addr=" + proxy, "--dns-upstream=127.0.0.1:1",
+		"--dns-trusted-resolvers=" + resolver,
+		"--enable-hubble", "--hubble-socket-path=" + sock,
+	}})
+	a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny"})
+	a.waitLog(t, "Intercepting the DNS of endpoints with DNS rules")
+	h := hubbleCLI{bin: bin, server: "unix://" + sock}
+
+	for name, ip := range map[string]string{"api.example.test": exampleIP, "www.other.test": otherIP} {
+		out, err := digIn(cgA, digBin, resolver, name, false)
+		if status, ips := answerOf(out); err != nil || status != "NOERROR" || len(ips) != 1 || ips[0] != ip {
+			t.Fatalf("dig %s from client-a: %v: %s", name, err, out)
+		}
+	}
+	if got := connectFrom(t, cgA, exampleIP+":8080", ""); got != "ok: hello from "+exampleIP+":8080" {
+		t.Fatalf("client-a to api.example.test's %s: %s", exampleIP, got)
+	}
+	if got := connectFrom(t, cgA, otherIP+":8080", ""); got != "EPERM" {
+		t.Fatalf("client-a to www.other.test's %s: %s, want EPERM", otherIP, got)
+	}
+
+	var got []hubbleFlow
+	testenv.Eventually(t, waitTimeout, "hubble observe --to-fqdn '*.example.test' shows the connection", func() (bool, string) {
+		got = h.observe(t, "--last", "1000", "--to-fqdn", "*.example.test")
+		return len(got) > 0, fmt.Sprint(h.observe(t, "--last", "1000"))
+	})
+	for _, f := range got {
+		if f.Flow.IP.Destination != exampleIP || f.dstPort() != 8080 || f.Flow.Verdict != "FORWARDED" ||
+			f.Flow.Source.PodName != "client-a" || !containsStr(f.Flow.DestinationNames, "api.example.test") {
+			t.Errorf("--to-fqdn '*.example.test': %v names %v", f, f.Flow.DestinationNames)
+		}
+	}
+	// The flows the pattern leaves out are there: the queries, the denied
+	// connection to www.other.test's address.
+	var denied bool
+	for _, f := range h.observe(t, "--last", "1000", "--from-pod", "default/client-a") {
+		denied = denied || (f.Flow.IP.Destination == otherIP && f.Flow.Verdict == "DROPPED")
+	}
+	if !denied {
+		t.Error("no denied flow to www.other.test's address")
 	}
 }
 
