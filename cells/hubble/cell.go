@@ -144,7 +144,9 @@ func register(p params) error {
 		dropped func() uint64
 		cancel  func()
 	)
-	obs := &observer{ring: r, nodeName: p.Node.NodeName}
+	obs := &observer{ring: r, nodeName: p.Node.NodeName, onLost: func(n uint64) {
+		p.Metrics.lost.WithLabelValues("hubble_ring_buffer").Add(float64(n))
+	}}
 	srv := grpc.NewServer()
 	observerpb.RegisterObserverServer(srv, obs)
 	hs := health.NewServer()
