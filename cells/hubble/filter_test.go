@@ -177,3 +177,59 @@ func TestFQDNFilter(t *testing.T) {
 		}
 	}
 }
+
+// TestServiceFlows: a flow names the Service of its destination as the
+// address the pod asked for (the frontend, without the socket LB) or the
+// one the socket LB translated it to (a backend), in destination_service,
+// and a reply's source as source_service; an address of no Service, or
+// another port or protocol of a frontend's address, names none.
+func TestServiceFlows(t *testing.T) {
+	db, eps := endpointsWith(t)
+	fes, err := tables.NewFrontendsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bes, err := tables.NewBackendsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	web := tables.ServiceName{Namespace: "shop", Name: "web"}
+	wtxn := db.WriteTxn(fes, bes)
+	if _, _, err := fes.Insert(wtxn, &tables.Frontend{Address: tables.L4Addr{Addr: netip.MustParseAddr("10.96.0.80"), Port: 80, Proto: tables.TCP}, Service: web}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := bes.Insert(wtxn, &tables.Backend{Address: tables.L4Addr{Addr: netip.MustParseAddr("10.0.0.9"), Port: 8080, Proto: tables.TCP},
+		Services: []tables.BackendInstance{{Service: web, Slice: "web-1"}}}); err != nil {
+		t.Fatal(err)
+	}
+	wtxn.Commit()
+	c := newConverter("node-1", db, eps, nil, lbTables{fes, bes})
+	for _, tc := range []struct {
+		name, dir, src, dst, proto string
+		wantDst, wantSrc           string
+	}{
+		{"to the frontend", "egress", "10.0.0.5:40000", "10.96.0.80:80", "TCP", "shop/web", ""},
+		{"to a backend", "egress", "10.0.0.5:40000", "10.0.0.9:8080", "TCP", "shop/web", ""},
+		{"a backend's reply", "ingress", "10.0.0.9:8080", "10.0.0.5:40000", "TCP", "", "shop/web"},
+		{"another port of the frontend", "egress", "10.0.0.5:40000", "10.96.0.80:81", "TCP", "", ""},
+		{"another protocol", "egress", "10.0.0.5:40000", "10.96.0.80:80", "UDP", "", ""},
+		{"no service", "egress", "10.0.0.5:40000", "10.0.0.7:8080", "TCP", "", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fs := c.flows(policy.Verdict{Time: time.Now(), Type: policy.VerdictTypePolicy, Endpoint: "shop/client", Direction: tc.dir,
+				Src: tc.src, Dst: tc.dst, Proto: tc.proto, Verdict: policy.VerdictAllowed, Layer: policy.LayerSocket})
+			name := func(s *flowpb.Service) string {
+				if s == nil {
+					return ""
+				}
+				return s.GetNamespace() + "/" + s.GetName()
+			}
+			if got := name(fs[0].GetDestinationService()); got != tc.wantDst {
+				t.Errorf("destination_service %q, want %q", got, tc.wantDst)
+			}
+			if got := name(fs[0].GetSourceService()); got != tc.wantSrc {
+				t.Errorf("source_service %q, want %q", got, tc.wantSrc)
+			}
+		})
+	}
+}
