@@ -9,6 +9,7 @@ import (
 	"github.com/cilium/statedb"
 
 	"github.com/apiary-net/apiary/cells/policy"
+	"github.com/apiary-net/apiary/cells/socketlb"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -231,5 +232,67 @@ func TestServiceFlows(t *testing.T) {
 				t.Errorf("source_service %q, want %q", got, tc.wantSrc)
 			}
 		})
+	}
+}
+
+// TestXlateFlows: a socket LB translation of a pod's socket is the
+// reference's two trace-sock flows, to the frontend (TRACED) and to the
+// backend (TRANSLATED), each naming the Service; one of a socket in no
+// pod's cgroup is none.
+func TestXlateFlows(t *testing.T) {
+	db, eps := endpointsWith(t, &tables.Endpoint{Name: "shop/client", IPs: []netip.Addr{netip.MustParseAddr("10.0.0.5")},
+		Identity: 1000, CgroupID: 77})
+	fes, err := tables.NewFrontendsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bes, err := tables.NewBackendsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	web := tables.ServiceName{Namespace: "shop", Name: "web"}
+	wtxn := db.WriteTxn(fes)
+	if _, _, err := fes.Insert(wtxn, &tables.Frontend{Address: tables.L4Addr{Addr: netip.MustParseAddr("10.96.0.80"), Port: 80, Proto: tables.TCP}, Service: web}); err != nil {
+		t.Fatal(err)
+	}
+	wtxn.Commit()
+	c := newConverter("node-1", db, eps, nil, lbTables{fes, bes})
+	now := time.Now()
+	tr := socketlb.Translation{Time: now, CgroupID: 77, SockCookie: 4242, Proto: "TCP",
+		Frontend: netip.MustParseAddrPort("10.96.0.80:80"), Backend: netip.MustParseAddrPort("10.0.0.9:8080")}
+	fs := c.xlateFlows(tr)
+	if len(fs) != 2 {
+		t.Fatalf("%d flows, want 2", len(fs))
+	}
+	for i, want := range []struct {
+		point   flowpb.SocketTranslationPoint
+		verdict flowpb.Verdict
+		dst     string
+		port    uint32
+	}{
+		{flowpb.SocketTranslationPoint_SOCK_XLATE_POINT_PRE_DIRECTION_FWD, flowpb.Verdict_TRACED, "10.96.0.80", 80},
+		{flowpb.SocketTranslationPoint_SOCK_XLATE_POINT_POST_DIRECTION_FWD, flowpb.Verdict_TRANSLATED, "10.0.0.9", 8080},
+	} {
+		f := fs[i]
+		if f.GetSockXlatePoint() != want.point || f.GetVerdict() != want.verdict || f.GetType() != flowpb.FlowType_SOCK ||
+			f.GetEventType().GetType() != eventTypeTraceSock || f.GetEventType().GetSubType() != int32(want.point) ||
+			f.GetIP().GetSource() != "10.0.0.5" || f.GetIP().GetDestination() != want.dst ||
+			f.GetL4().GetTCP().GetDestinationPort() != want.port || f.GetSource().GetPodName() != "client" ||
+			f.GetSource().GetIdentity() != 1000 || f.GetSocketCookie() != 4242 || f.GetCgroupId() != 77 ||
+			f.GetDestinationService().GetName() != "web" || !f.GetTime().AsTime().Equal(now) || f.GetNodeName() != "node-1" {
+			t.Errorf("flow %d: %v", i, f)
+		}
+	}
+	// The pre-translation flow is the one a filter by the frontend finds.
+	m, err := compileFilter(&flowpb.FlowFilter{DestinationIp: []string{"10.96.0.80"}, EventType: []*flowpb.EventTypeFilter{{Type: eventTypeTraceSock}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !m(fs[0]) || m(fs[1]) {
+		t.Errorf("--to-ip frontend --type trace-sock: %t %t", m(fs[0]), m(fs[1]))
+	}
+	tr.CgroupID = 78
+	if fs := c.xlateFlows(tr); len(fs) != 0 {
+		t.Errorf("a socket of no pod: %v", fs)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/apiary-net/apiary/cells/policy"
+	"github.com/apiary-net/apiary/cells/socketlb"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -20,6 +21,7 @@ import (
 const (
 	eventTypeDrop          = 1
 	eventTypePolicyVerdict = 5
+	eventTypeTraceSock     = 7
 	eventTypeAccessLog     = 129
 )
 
@@ -47,6 +49,7 @@ type converter struct {
 	rev      statedb.Revision
 	byName   map[string]*tables.Endpoint
 	byIP     map[netip.Addr]*tables.Endpoint
+	byCgroup map[uint64]*tables.Endpoint
 	namesRev statedb.Revision
 	names    map[netip.Addr][]string
 }
@@ -59,7 +62,8 @@ type lbTables struct {
 
 func newConverter(nodeName string, db *statedb.DB, eps statedb.Table[*tables.Endpoint], names statedb.Table[*tables.FQDNName], lb lbTables) *converter {
 	return &converter{nodeName: nodeName, db: db, endpoints: eps, fqdnNames: names, frontends: lb.frontends, backends: lb.backends,
-		byName: map[string]*tables.Endpoint{}, byIP: map[netip.Addr]*tables.Endpoint{}, names: map[netip.Addr][]string{}}
+		byName: map[string]*tables.Endpoint{}, byIP: map[netip.Addr]*tables.Endpoint{}, byCgroup: map[uint64]*tables.Endpoint{},
+		names: map[netip.Addr][]string{}}
 }
 
 func (c *converter) refresh() {
@@ -85,8 +89,12 @@ func (c *converter) refresh() {
 	c.rev = rev
 	clear(c.byName)
 	clear(c.byIP)
+	clear(c.byCgroup)
 	for ep := range c.endpoints.All(txn) {
 		c.byName[ep.Name] = ep
+		if ep.CgroupID != 0 {
+			c.byCgroup[ep.CgroupID] = ep
+		}
 		for _, ip := range ep.IPs {
 			c.byIP[ip] = ep
 		}
@@ -179,6 +187,49 @@ func (c *converter) policyFlow(v policy.Verdict) *flowpb.Flow {
 	}
 	f.Summary = v.Layer + ": " + v.Reason
 	return f
+}
+
+// xlateFlows returns the socket LB's translation as the reference's
+// trace-sock flows: the socket's connect() or sendmsg() to the frontend
+// (pre-xlate-fwd, TRACED) and to the backend it was sent to
+// (post-xlate-fwd, TRANSLATED). A socket of no pod of the node (a host
+// process) has none, as the reference skips what it cannot name.
+func (c *converter) xlateFlows(tr socketlb.Translation) []*flowpb.Flow {
+	c.refresh()
+	row := c.byCgroup[tr.CgroupID]
+	if row == nil || row.HostNetwork {
+		return nil
+	}
+	src := c.podAddr(row.Name, tr.Frontend.Addr())
+	if src == tr.Frontend.Addr() {
+		// The pod has no address of the frontend's family.
+		src = netip.Addr{}
+	}
+	// Both are of the frontend's Service, which the translation names.
+	svc := c.service(tr.Frontend, tr.Proto)
+	flow := func(dst netip.AddrPort, point flowpb.SocketTranslationPoint, v flowpb.Verdict) *flowpb.Flow {
+		f := &flowpb.Flow{
+			Time: timestamppb.New(tr.Time), NodeName: c.nodeName, Verdict: v, Type: flowpb.FlowType_SOCK,
+			EventType:      &flowpb.CiliumEventType{Type: eventTypeTraceSock, SubType: int32(point)},
+			SockXlatePoint: point, SocketCookie: tr.SockCookie, CgroupId: tr.CgroupID,
+			IsReply: wrapperspb.Bool(false), Summary: tr.Proto,
+			Source: c.local(row.Name), Destination: c.remote(dst.Addr(), 0, nil),
+			DestinationService: svc, DestinationNames: c.names[dst.Addr().Unmap()],
+		}
+		if src.IsValid() {
+			f.IP = &flowpb.IP{Source: src.Unmap().String(), Destination: dst.Addr().Unmap().String(), IpVersion: flowpb.IPVersion_IPv4}
+			if dst.Addr().Unmap().Is6() {
+				f.IP.IpVersion = flowpb.IPVersion_IPv6
+			}
+		}
+		// The source port is not known at connect(), as in the reference.
+		f.L4 = layer4(tr.Proto, 0, dst.Port(), dst.Addr().Unmap().Is6())
+		return f
+	}
+	return []*flowpb.Flow{
+		flow(tr.Frontend, flowpb.SocketTranslationPoint_SOCK_XLATE_POINT_PRE_DIRECTION_FWD, flowpb.Verdict_TRACED),
+		flow(tr.Backend, flowpb.SocketTranslationPoint_SOCK_XLATE_POINT_POST_DIRECTION_FWD, flowpb.Verdict_TRANSLATED),
+	}
 }
 
 // dnsFlows returns the query (client to resolver) and, when the proxy let
