@@ -119,6 +119,7 @@ type hubbleFlow struct {
 		} `json:"l4"`
 		DestinationService struct{ Name, Namespace string } `json:"destination_service"`
 		DestinationNames   []string                         `json:"destination_names"`
+		SockXlatePoint     string                           `json:"sock_xlate_point"`
 		Source             hubbleEndpoint                   `json:"source"`
 		Destination        hubbleEndpoint                   `json:"destination"`
 		NodeName           string                           `json:"node_name"`
@@ -432,7 +433,7 @@ func TestHubble(t *testing.T) {
 			got := podA.run(t, true, connectEnv+"="+hbSvc4+":80")
 			return strings.HasPrefix(got, "ok"), got
 		})
-		got := h.observe(t, "--last", "1000", "--to-service", hubbleNS+"/web")
+		got := h.observe(t, "--last", "1000", "--to-service", hubbleNS+"/web", "--type", "policy-verdict")
 		if len(got) == 0 {
 			t.Fatal("--to-service shop/web: nothing")
 		}
@@ -441,6 +442,31 @@ func TestHubble(t *testing.T) {
 				f.Flow.DestinationService.Namespace != hubbleNS {
 				t.Errorf("--to-service shop/web: %v %+v", f, f.Flow.DestinationService)
 			}
+		}
+		// The translation itself, as the reference's trace-sock flows:
+		// hba's socket to the frontend, then to the backend.
+		var pre, post bool
+		testenv.Eventually(t, waitTimeout, "hubble observe --type trace-sock shows the translation", func() (bool, string) {
+			xl := h.observe(t, "--last", "1000", "--type", "trace-sock", "--from-pod", hubbleNS+"/hba")
+			pre, post = false, false
+			for _, f := range xl {
+				if f.Flow.IP.Source != hbA4 || f.Flow.DestinationService.Name != "web" || f.Flow.DestinationService.Namespace != hubbleNS ||
+					f.Flow.EventType.Type != 7 || f.Flow.Source.workload() != "Deployment/hba" {
+					t.Errorf("--type trace-sock: %v %+v", f, f.Flow)
+				}
+				switch {
+				case f.Flow.SockXlatePoint == "SOCK_XLATE_POINT_PRE_DIRECTION_FWD":
+					pre = pre || (f.Flow.Verdict == "TRACED" && f.Flow.IP.Destination == hbSvc4 && f.dstPort() == 80)
+				case f.Flow.SockXlatePoint == "SOCK_XLATE_POINT_POST_DIRECTION_FWD":
+					post = post || (f.Flow.Verdict == "TRANSLATED" && f.Flow.IP.Destination == hbGw4 && f.dstPort() == 8080)
+				}
+			}
+			return pre && post, fmt.Sprintf("pre-xlate-fwd %t, post-xlate-fwd %t: %v", pre, post, xl)
+		})
+		// As the CLI prints them: the frontend by its Service's name.
+		if out := h.run(t, "observe", "--last", "1000", "--type", "trace-sock", "--to-ip", hbSvc4); !strings.Contains(out,
+			"shop/hba (ID:") || !strings.Contains(out, "-> shop/web:80 (unknown) pre-xlate-fwd TRACED (TCP)") {
+			t.Errorf("hubble observe --type trace-sock --to-ip %s:\n%s", hbSvc4, out)
 		}
 	})
 	t.Run("follow", func(t *testing.T) {
