@@ -740,13 +740,19 @@ static __always_inline void v4mapped(union v6addr *a, __be32 v4)
 static __noinline void trace(struct bpf_sock_addr *ctx, struct xlate_event *ev)
 {
 	__u32 zero = 0;
-	__u64 *lost;
+	__u64 *lost, flags;
 
 	ev->time_ns = bpf_ktime_get_ns();
 	ev->cgroup_id = bpf_get_current_cgroup_id();
 	ev->sock_cookie = bpf_get_socket_cookie(ctx);
 	ev->protocol = (__u8)ctx->protocol;
-	if (bpf_ringbuf_output(&xlate_events, ev, sizeof(*ev), 0) == 0)
+	/* The reader is woken only once an eighth of the ring waits (a
+	 * wake-up per event would cost each connection several times what the
+	 * translation does); below that, it polls. */
+	flags = bpf_ringbuf_query(&xlate_events, BPF_RB_AVAIL_DATA) >=
+			bpf_ringbuf_query(&xlate_events, BPF_RB_RING_SIZE) >> 3 ?
+		BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
+	if (bpf_ringbuf_output(&xlate_events, ev, sizeof(*ev), flags) == 0)
 		return;
 	lost = bpf_map_lookup_elem(&xlate_lost, &zero);
 	if (lost)

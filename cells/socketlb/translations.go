@@ -79,6 +79,10 @@ func (t *Translations) Lost() uint64 {
 	return n
 }
 
+// xlatePoll is how often the reader looks for translations the programs
+// did not wake it for.
+const xlatePoll = 250 * time.Millisecond
+
 // xlateReader reads the programs' ring into the consumer's queue.
 type xlateReader struct {
 	rd         *ringbuf.Reader
@@ -125,7 +129,13 @@ func (t *Translations) start(log *slog.Logger) (*xlateReader, error) {
 	go func() {
 		defer close(x.done)
 		for {
+			// The programs wake the reader only once the ring is an
+			// eighth full: below that, it polls.
+			rd.SetDeadline(time.Now().Add(xlatePoll))
 			rec, err := rd.Read()
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				continue
+			}
 			if errors.Is(err, ringbuf.ErrClosed) || errors.Is(err, os.ErrClosed) {
 				return
 			}
