@@ -25,6 +25,7 @@ type clusterFlow struct {
 		Destination        clusterFlowEndpoint              `json:"destination"`
 		DestinationService struct{ Name, Namespace string } `json:"destination_service"`
 		NodeName           string                           `json:"node_name"`
+		SockXlatePoint     string                           `json:"sock_xlate_point"`
 		TrafficDirection   string                           `json:"traffic_direction"`
 		EgressAllowedBy    []struct{ Name string }          `json:"egress_allowed_by"`
 	} `json:"flow"`
@@ -40,7 +41,8 @@ type clusterFlowEndpoint struct {
 // test's pods from the DaemonSet's agent through the Hubble socket the
 // deployment puts in the agent's state directory (a hostPath): the client
 // denied to the other pod and allowed, through the Service, to a server
-// of the Deployment, each with its namespace, pod and verdict.
+// of the Deployment, each with its namespace, pod and verdict, and the
+// socket LB's translation of that connection.
 func testHubble(t *testing.T, n *node, w *workloads) {
 	bin := testenv.RequireHubble(t, repoRoot)
 	server := "unix://" + filepath.Join(n.dir, "agent-state", "hubble.sock")
@@ -95,6 +97,17 @@ func testHubble(t *testing.T, n *node, w *workloads) {
 		len(f.Destination.Workloads) != 1 || f.Destination.Workloads[0] != (struct{ Kind, Name string }{"Deployment", "server"}) ||
 		len(f.EgressAllowedBy) != 1 || f.EgressAllowedBy[0].Name != "client-egress" {
 		t.Errorf("allowed flow: %+v", f)
+	}
+	// The socket LB's translation of the client's connection to the
+	// Service, as the reference's trace-sock flow to the frontend.
+	xl := observe("--last", "1000", "--type", "trace-sock", "--pod", ns+"/"+w.client.Name, "--to-ip", w.clusterIP)
+	var pre bool
+	for _, f := range xl {
+		pre = pre || (f.Flow.SockXlatePoint == "SOCK_XLATE_POINT_PRE_DIRECTION_FWD" && f.Flow.Verdict == "TRACED" &&
+			f.Flow.Source.PodName == w.client.Name && f.Flow.DestinationService.Name == "server")
+	}
+	if !pre {
+		t.Errorf("no pre-xlate-fwd flow of the client to %s: %+v", w.clusterIP, xl)
 	}
 	// As an operator filters: the namespace's drops.
 	drops := observe("--last", "1000", "--namespace", ns, "--verdict", "DROPPED")
