@@ -100,7 +100,7 @@ func testHubble(t *testing.T, n *node, w *workloads) {
 	}
 	// The socket LB's translation of the client's connection to the
 	// Service, as the reference's trace-sock flow to the frontend.
-	xl := observe("--last", "1000", "--type", "trace-sock", "--pod", ns+"/"+w.client.Name, "--to-ip", w.clusterIP)
+	xl := observe("--last", "1000", "--type", "trace-sock", "--from-pod", ns+"/"+w.client.Name, "--to-ip", w.clusterIP)
 	var pre bool
 	for _, f := range xl {
 		pre = pre || (f.Flow.SockXlatePoint == "SOCK_XLATE_POINT_PRE_DIRECTION_FWD" && f.Flow.Verdict == "TRACED" &&
