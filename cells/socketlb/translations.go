@@ -163,7 +163,7 @@ func (t *Translations) start(log *slog.Logger) (*xlateReader, error) {
 	return x, nil
 }
 
-// close stops the reader and frees the maps (the programs that write
+// stop stops the reader and frees the maps (the programs that write
 // them keep theirs until they go).
 func (t *Translations) stop(x *xlateReader) {
 	if t == nil || x == nil {
