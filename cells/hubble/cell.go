@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/node"
 	"github.com/apiary-net/apiary/cells/policy"
 	"github.com/apiary-net/apiary/cells/socketlb"
@@ -129,6 +130,7 @@ type params struct {
 	Monitor   *policy.Monitor
 	// Translations are the socket LB's, for the trace-sock flows.
 	Translations *socketlb.Translations
+	CgroupRoot   cgroups.Root
 	Node         node.Config
 	Metrics      *metrics
 }
@@ -145,6 +147,7 @@ func register(p params) error {
 	xlates := p.Translations.Subscribe(p.Config.HubbleEventQueueSize)
 	r := newRing(p.Config.HubbleEventBufferCapacity)
 	conv := newConverter(p.Node.NodeName, p.DB, p.Endpoints, p.FQDNNames, lbTables{p.Frontends, p.Backends})
+	conv.cgroupRoot = p.CgroupRoot.Path()
 	var (
 		ch      <-chan policy.Verdict
 		dropped func() uint64

@@ -2,11 +2,14 @@ package hubble
 
 import (
 	"net/netip"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
 	flowpb "github.com/cilium/cilium/api/v1/flow"
 	"github.com/cilium/statedb"
+	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/cells/policy"
 	"github.com/apiary-net/apiary/cells/socketlb"
@@ -294,5 +297,25 @@ func TestXlateFlows(t *testing.T) {
 	tr.CgroupID = 78
 	if fs := c.xlateFlows(tr); len(fs) != 0 {
 		t.Errorf("a socket of no pod: %v", fs)
+	}
+
+	// A socket of a container of the pod: its cgroup is a child of the
+	// pod's, as the kubelet lays them out.
+	root := t.TempDir()
+	ctr := filepath.Join(root, "kubepods", "podabc", "ctr1")
+	if err := os.MkdirAll(ctr, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(ctr, &st); err != nil {
+		t.Fatal(err)
+	}
+	db2, eps2 := endpointsWith(t, &tables.Endpoint{Name: "shop/client", IPs: []netip.Addr{netip.MustParseAddr("10.0.0.5")},
+		Cgroup: "kubepods/podabc", CgroupID: 77})
+	c2 := newConverter("node-1", db2, eps2, nil, lbTables{})
+	c2.cgroupRoot = root
+	tr.CgroupID = st.Ino
+	if fs := c2.xlateFlows(tr); len(fs) != 2 || fs[0].GetSource().GetPodName() != "client" {
+		t.Errorf("a socket of the pod's container: %v", fs)
 	}
 }

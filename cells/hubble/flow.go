@@ -2,12 +2,15 @@ package hubble
 
 import (
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
 	flowpb "github.com/cilium/cilium/api/v1/flow"
 	"github.com/cilium/statedb"
 	"github.com/miekg/dns"
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
@@ -50,8 +53,11 @@ type converter struct {
 	byName   map[string]*tables.Endpoint
 	byIP     map[netip.Addr]*tables.Endpoint
 	byCgroup map[uint64]*tables.Endpoint
-	namesRev statedb.Revision
-	names    map[netip.Addr][]string
+	// cgroupRoot is --cgroup-root, under which the endpoints' cgroups
+	// are.
+	cgroupRoot string
+	namesRev   statedb.Revision
+	names      map[netip.Addr][]string
 }
 
 // lbTables are the load-balancing tables a converter names Services from.
@@ -196,7 +202,7 @@ func (c *converter) policyFlow(v policy.Verdict) *flowpb.Flow {
 // process) has none, as the reference skips what it cannot name.
 func (c *converter) xlateFlows(tr socketlb.Translation) []*flowpb.Flow {
 	c.refresh()
-	row := c.byCgroup[tr.CgroupID]
+	row := c.endpointOfCgroup(tr.CgroupID)
 	if row == nil || row.HostNetwork {
 		return nil
 	}
@@ -230,6 +236,39 @@ func (c *converter) xlateFlows(tr socketlb.Translation) []*flowpb.Flow {
 		flow(tr.Frontend, flowpb.SocketTranslationPoint_SOCK_XLATE_POINT_PRE_DIRECTION_FWD, flowpb.Verdict_TRACED),
 		flow(tr.Backend, flowpb.SocketTranslationPoint_SOCK_XLATE_POINT_POST_DIRECTION_FWD, flowpb.Verdict_TRANSLATED),
 	}
+}
+
+// endpointOfCgroup returns the endpoint whose cgroup is id or holds it: a
+// pod's processes run in its containers' cgroups, the children of the pod's
+// (the kubelet's layout), which the endpoints table does not list. Those are
+// found by reading the pods' cgroup directories, once per unknown id until
+// the endpoints change.
+func (c *converter) endpointOfCgroup(id uint64) *tables.Endpoint {
+	if ep, ok := c.byCgroup[id]; ok || c.cgroupRoot == "" {
+		return ep
+	}
+	c.byCgroup[id] = nil // a miss is remembered too: host processes
+	for _, ep := range c.byName {
+		if ep.Cgroup == "" {
+			continue
+		}
+		dir := filepath.Join(c.cgroupRoot, ep.Cgroup)
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			continue
+		}
+		for _, e := range entries {
+			if !e.IsDir() {
+				continue
+			}
+			var st unix.Stat_t
+			if unix.Stat(filepath.Join(dir, e.Name()), &st) == nil && st.Ino == id {
+				c.byCgroup[id] = ep
+				return ep
+			}
+		}
+	}
+	return nil
 }
 
 // dnsFlows returns the query (client to resolver) and, when the proxy let

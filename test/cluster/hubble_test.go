@@ -82,7 +82,7 @@ func testHubble(t *testing.T, n *node, w *workloads) {
 			switch {
 			case f.Flow.Verdict == "DROPPED" && f.Flow.IP.Destination == other:
 				denied = &flows[i]
-			case f.Flow.Verdict == "FORWARDED" && f.Flow.DestinationService.Name == "server":
+			case f.Flow.Verdict == "FORWARDED" && f.Flow.TrafficDirection == "EGRESS" && f.Flow.DestinationService.Name == "server":
 				allowed = &flows[i]
 			}
 		}
