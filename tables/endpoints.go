@@ -48,6 +48,19 @@ type Endpoint struct {
 	// cgroup, no cgroup of the UID (yet), or an unusable cgroup root. The
 	// pod is not enforced until it has a cgroup.
 	CgroupError string `json:"cgroupError,omitempty" yaml:"cgroupError,omitempty"`
+	// Workload is the workload that controls the pod, as Hubble names it
+	// in its flows; nil for a pod no controller made.
+	Workload *Workload `json:"workload,omitempty" yaml:"workload,omitempty"`
+}
+
+// Workload is a pod's controlling workload: a Deployment (through its
+// ReplicaSet), a DaemonSet, a StatefulSet, a Job, a CronJob (through its
+// Job), or whatever other kind of controller owns the pod.
+type Workload struct {
+	// Kind is the workload's kind ("Deployment", "DaemonSet", ...).
+	Kind string `json:"kind" yaml:"kind"`
+	// Name is the workload's name, in the pod's namespace.
+	Name string `json:"name" yaml:"name"`
 }
 
 // NamedPort is a named container port of a pod.

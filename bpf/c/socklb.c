@@ -274,6 +274,38 @@ struct {
 	__uint(max_entries, 65536);
 } lb6_affinity SEC(".maps");
 
+/*
+ * xlate_events: each translation of a connect() or sendmsg(), for Hubble's
+ * trace-sock flows (the frontend asked for, the backend chosen). Written
+ * only when the loader sets trace_xlate (the agent serves Hubble): a
+ * ring nobody reads costs nothing then. A full ring drops the event, which
+ * xlate_lost counts.
+ */
+struct xlate_event {
+	__u64 time_ns; /* bpf_ktime_get_ns() */
+	__u64 cgroup_id;
+	__u64 sock_cookie;
+	union v6addr frontend; /* IPv4: IPv4-mapped */
+	union v6addr backend;
+	__be16 frontend_port;
+	__be16 backend_port;
+	__u8 protocol;
+	__u8 pad[3];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 18);
+} xlate_events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+} xlate_lost SEC(".maps");
+
+volatile const __u8 trace_xlate = 0;
 
 #define SVC_FLAG_AFFINITY	(1 << 4)
 #define AFFINITY_TIMEOUT_MASK	0xFFFFFF /* of slot 0's backend_id, seconds */
@@ -674,6 +706,38 @@ static __always_inline void set_user_ip6(struct bpf_sock_addr *ctx, const union 
 	ctx->user_ip6[3] = a->p[3];
 }
 
+static __always_inline void v4mapped(union v6addr *a, __be32 v4)
+{
+	a->p[0] = 0;
+	a->p[1] = 0;
+	a->p[2] = bpf_htonl(0xffff);
+	a->p[3] = v4;
+}
+
+/* Out of line, so that struct xlate_event is in the object's BTF, where a
+ * test compares it with the agent's Go type. */
+static __noinline void trace(struct bpf_sock_addr *ctx, struct xlate_event *ev)
+{
+	__u32 zero = 0;
+	__u64 *lost, flags;
+
+	ev->time_ns = bpf_ktime_get_ns();
+	ev->cgroup_id = bpf_get_current_cgroup_id();
+	ev->sock_cookie = bpf_get_socket_cookie(ctx);
+	ev->protocol = (__u8)ctx->protocol;
+	/* The reader is woken only once an eighth of the ring waits (a
+	 * wake-up per event would cost each connection several times what the
+	 * translation does); below that, it polls. */
+	flags = bpf_ringbuf_query(&xlate_events, BPF_RB_AVAIL_DATA) >=
+			bpf_ringbuf_query(&xlate_events, BPF_RB_RING_SIZE) >> 3 ?
+		BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
+	if (bpf_ringbuf_output(&xlate_events, ev, sizeof(*ev), flags) == 0)
+		return;
+	lost = bpf_map_lookup_elem(&xlate_lost, &zero);
+	if (lost)
+		*lost += 1;
+}
+
 /* sock4_xlate rewrites an AF_INET destination that is a frontend. */
 static __always_inline int sock4_xlate(struct bpf_sock_addr *ctx)
 {
@@ -683,6 +747,15 @@ static __always_inline int sock4_xlate(struct bpf_sock_addr *ctx)
 		return 1;
 	switch (lb4_fwd(ctx, ctx->user_ip4, (__be16)ctx->user_port, &be)) {
 	case FWD_XLATE:
+		if (trace_xlate) {
+			struct xlate_event ev = {
+				.frontend_port = (__be16)ctx->user_port,
+				.backend_port = be->port,
+			};
+			v4mapped(&ev.frontend, ctx->user_ip4);
+			v4mapped(&ev.backend, be->address);
+			trace(ctx, &ev);
+		}
 		ctx->user_ip4 = be->address;
 		ctx->user_port = (__u32)be->port;
 		break;
@@ -714,12 +787,30 @@ static __always_inline int sock6_xlate(struct bpf_sock_addr *ctx)
 	if (is_v4mapped(&addr)) {
 		fwd = lb4_fwd(ctx, addr.p[3], port, &be4);
 		if (fwd == FWD_XLATE) {
+			if (trace_xlate) {
+				struct xlate_event ev = {
+					.frontend = addr,
+					.frontend_port = port,
+					.backend_port = be4->port,
+				};
+				v4mapped(&ev.backend, be4->address);
+				trace(ctx, &ev);
+			}
 			ctx->user_ip6[3] = be4->address;
 			ctx->user_port = (__u32)be4->port;
 		}
 	} else {
 		fwd = lb6_fwd(ctx, &addr, port, &be6);
 		if (fwd == FWD_XLATE) {
+			if (trace_xlate) {
+				struct xlate_event ev = {
+					.frontend = addr,
+					.backend = be6->address,
+					.frontend_port = port,
+					.backend_port = be6->port,
+				};
+				trace(ctx, &ev);
+			}
 			set_user_ip6(ctx, &be6->address);
 			ctx->user_port = (__u32)be6->port;
 		}

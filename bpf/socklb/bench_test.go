@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/ringbuf"
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -114,4 +115,60 @@ func serveDiscard(b *testing.B, network, addr string) netip.AddrPort {
 		}
 	}()
 	return l.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// BenchmarkConnectTraced is BenchmarkConnect's vip/ipv4 with the
+// translation events on (the agent serving Hubble) and a reader draining
+// them as the agent does: hook-ns/op against BenchmarkConnect's is what a
+// report costs a connection.
+func BenchmarkConnectTraced(b *testing.B) {
+	l := newLB(b)
+	evSpec, lostSpec, err := XlateMapSpecs()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if l.XlateEvents, err = ebpf.NewMap(evSpec); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { l.XlateEvents.Close() })
+	if l.XlateLost, err = ebpf.NewMap(lostSpec); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { l.XlateLost.Close() })
+	rd, err := ringbuf.NewReader(l.XlateEvents)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { rd.Close() })
+	go func() {
+		for {
+			if _, err := rd.Read(); err != nil {
+				return
+			}
+		}
+	}()
+	backend := serveDiscard(b, "tcp4", "127.0.0.1")
+	vip := netip.MustParseAddrPort("10.96.0.99:80")
+	l.backend(1, backend, tcp, bpf.BackendActive)
+	l.service(1, vip, tcp, 0, []uint32{1}, nil)
+	progs := l.load()
+	attach(b, enterCgroup(b), progs)
+	stats, err := ebpf.EnableStats(unix.BPF_STATS_RUN_TIME)
+	if err != nil {
+		b.Fatalf("enable BPF statistics: %s", err)
+	}
+	defer stats.Close()
+	prog := progs[socklbProgSock4Connect]
+	before := progStats(b, prog)
+	for b.Loop() {
+		c, err := net.Dial("tcp4", vip.String())
+		if err != nil {
+			b.Fatal(err)
+		}
+		c.Close()
+	}
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "conns/s")
+	if after := progStats(b, prog); after.RunCount > before.RunCount {
+		b.ReportMetric(float64(after.Runtime-before.Runtime)/float64(after.RunCount-before.RunCount), "hook-ns/op")
+	}
 }

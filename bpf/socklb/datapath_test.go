@@ -6,10 +6,13 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"os"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/ringbuf"
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -282,4 +285,104 @@ func count(tb testing.TB, m *ebpf.Map) int {
 		tb.Fatalf("iterate %s: %s", m, err)
 	}
 	return n
+}
+
+// TestXlateEvents: with the translation events' maps, each connect() and
+// sendmsg() the programs translate is reported with the frontend asked
+// for, the backend chosen, the protocol and the socket's cgroup; a
+// connection to an address that is no frontend is not.
+func TestXlateEvents(t *testing.T) {
+	l := newLB(t)
+	evSpec, lostSpec, err := XlateMapSpecs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, spec := range []*ebpf.MapSpec{evSpec, lostSpec} {
+		m, err := ebpf.NewMap(spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { m.Close() })
+		if spec.Type == ebpf.RingBuf {
+			l.XlateEvents = m
+		} else {
+			l.XlateLost = m
+		}
+	}
+	rd, err := ringbuf.NewReader(l.XlateEvents)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rd.Close() })
+	tcpBE := serve(t, tcp, "127.0.0.1", "tcp")
+	udpBE := serve(t, udp, "::1", "udp")
+	plain := serve(t, tcp, "127.0.0.1", "plain")
+	l.backend(1, tcpBE, tcp, bpf.BackendActive)
+	l.backend(2, udpBE, udp, bpf.BackendActive)
+	l.service(1, netip.AddrPortFrom(vip4, 80), tcp, 0, []uint32{1}, nil)
+	l.service(2, netip.AddrPortFrom(vip6, 53), udp, 0, []uint32{2}, nil)
+	progs := l.load()
+	cg := enterCgroup(t)
+	attach(t, cg, progs)
+	cgID, err := cgroupID(cg)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	if _, err := dial(unix.AF_INET, tcp, plain); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dial(unix.AF_INET, tcp, netip.AddrPortFrom(vip4, 80)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sendTo(unix.AF_INET6, netip.AddrPortFrom(vip6, 53)); err != nil {
+		t.Fatal(err)
+	}
+	// The programs do not wake the reader for a few events: it polls.
+	read := func() (ringbuf.Record, error) {
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			rd.SetDeadline(time.Now().Add(50 * time.Millisecond))
+			rec, err := rd.Read()
+			if !errors.Is(err, os.ErrDeadlineExceeded) || time.Now().After(deadline) {
+				return rec, err
+			}
+		}
+	}
+	for _, want := range []struct {
+		fe, be netip.AddrPort
+		proto  uint8
+	}{
+		{netip.AddrPortFrom(vip4, 80), tcpBE, tcp},
+		{netip.AddrPortFrom(vip6, 53), udpBE, udp},
+	} {
+		rec, err := read()
+		if err != nil {
+			t.Fatalf("the translation of %s: %v", want.fe, err)
+		}
+		ev, err := DecodeXlateEvent(rec.RawSample)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ev.FrontendAddr() != want.fe || ev.BackendAddr() != want.be || ev.Protocol != want.proto ||
+			ev.CgroupID != cgID || ev.SockCookie == 0 || ev.TimeNs == 0 {
+			t.Errorf("event %+v (%s -> %s), want %s -> %s proto %d cgroup %d", ev, ev.FrontendAddr(), ev.BackendAddr(),
+				want.fe, want.be, want.proto, cgID)
+		}
+	}
+	// Nothing else: the connection to the plain address was not reported.
+	rd.SetDeadline(time.Now().Add(100 * time.Millisecond))
+	if rec, err := rd.Read(); err == nil {
+		ev, _ := DecodeXlateEvent(rec.RawSample)
+		t.Errorf("an event more: %s -> %s", ev.FrontendAddr(), ev.BackendAddr())
+	}
+}
+
+// cgroupID is the ID of the cgroup directory dir (its inode number).
+func cgroupID(dir string) (uint64, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return 0, err
+	}
+	return st.Ino, nil
 }

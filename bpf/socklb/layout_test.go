@@ -41,6 +41,7 @@ func TestLayout(t *testing.T) {
 		{"lb4_sock_state", reflect.TypeFor[sockState4]()},
 		{"lb6_sock_xlat", reflect.TypeFor[sockXlat6]()},
 		{"lb6_sock_state", reflect.TypeFor[sockState6]()},
+		{"xlate_event", reflect.TypeFor[XlateEvent]()},
 	} {
 		t.Run(tc.cStruct, func(t *testing.T) {
 			var st *btf.Struct

@@ -1,7 +1,10 @@
 package socklb
 
 import (
+	"bytes"
+	"encoding/binary"
 	"fmt"
+	"net/netip"
 	"slices"
 	"strings"
 
@@ -65,6 +68,57 @@ type Maps struct {
 	// DNS the policy programs sent to the proxy its resolver back before
 	// translating it. Nil: the programs' own, in which no socket is.
 	DNSSock *ebpf.Map
+
+	// XlateEvents and XlateLost, when set (both, from XlateMapSpecs),
+	// make the programs report each translation of a connect() or
+	// sendmsg() in XlateEvents (a ring of XlateEvent) and count in
+	// XlateLost the ones it had no room for. Nil: they report nothing.
+	XlateEvents, XlateLost *ebpf.Map
+}
+
+// XlateEvent is a translation the programs report (struct xlate_event):
+// a socket of the cgroup CgroupID asked for Frontend and was sent to
+// Backend. Addresses are IPv6 or IPv4-mapped, ports in network order.
+type XlateEvent struct {
+	TimeNs       uint64 // bpf_ktime_get_ns()
+	CgroupID     uint64
+	SockCookie   uint64
+	Frontend     [16]byte
+	Backend      [16]byte
+	FrontendPort [2]byte
+	BackendPort  [2]byte
+	Protocol     uint8
+	Pad          [3]uint8
+}
+
+// FrontendAddr is the address and port the socket asked for.
+func (e *XlateEvent) FrontendAddr() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom16(e.Frontend).Unmap(), binary.BigEndian.Uint16(e.FrontendPort[:]))
+}
+
+// BackendAddr is the address and port the socket was sent to.
+func (e *XlateEvent) BackendAddr() netip.AddrPort {
+	return netip.AddrPortFrom(netip.AddrFrom16(e.Backend).Unmap(), binary.BigEndian.Uint16(e.BackendPort[:]))
+}
+
+// DecodeXlateEvent decodes a record of the XlateEvents ring.
+func DecodeXlateEvent(raw []byte) (XlateEvent, error) {
+	var e XlateEvent
+	if err := binary.Read(bytes.NewReader(raw), binary.LittleEndian, &e); err != nil {
+		return e, fmt.Errorf("decode a translation event of %d bytes: %w", len(raw), err)
+	}
+	return e, nil
+}
+
+// XlateMapSpecs returns the specs of the maps that make the programs
+// report translations (see Maps.XlateEvents): the ring and the per-CPU
+// count of the events it had no room for.
+func XlateMapSpecs() (events, lost *ebpf.MapSpec, err error) {
+	spec, err := Spec()
+	if err != nil {
+		return nil, nil, err
+	}
+	return spec.Maps[socklbMapXlateEvents].Copy(), spec.Maps[socklbMapXlateLost].Copy(), nil
 }
 
 // Load loads the programs with m in place of the object's own map
@@ -94,6 +148,16 @@ func Load(m Maps) (map[string]*ebpf.Program, error) {
 	}
 	if m.DNSSock != nil {
 		repl[socklbMapDnsSk] = m.DNSSock
+	}
+	if (m.XlateEvents == nil) != (m.XlateLost == nil) {
+		return nil, fmt.Errorf("socket LB programs: the translation events' ring and lost count go together")
+	}
+	if m.XlateEvents != nil {
+		if err := spec.Variables[socklbVarTraceXlate].Set(uint8(1)); err != nil {
+			return nil, fmt.Errorf("socket LB programs: enable translation events: %w", err)
+		}
+		repl[socklbMapXlateEvents] = m.XlateEvents
+		repl[socklbMapXlateLost] = m.XlateLost
 	}
 	return bpf.LoadPrograms(spec, repl, "socket LB programs")
 }

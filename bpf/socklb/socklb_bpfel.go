@@ -28,6 +28,8 @@ const (
 	socklbMapLb6Services       = "lb6_services"
 	socklbMapLb6SockRevnat     = "lb6_sock_revnat"
 	socklbMapLbAffinityMatch   = "lb_affinity_match"
+	socklbMapXlateEvents       = "xlate_events"
+	socklbMapXlateLost         = "xlate_lost"
 	socklbProgSock4Connect     = "sock4_connect"
 	socklbProgSock4Getpeername = "sock4_getpeername"
 	socklbProgSock4Recvmsg     = "sock4_recvmsg"
@@ -36,6 +38,7 @@ const (
 	socklbProgSock6Getpeername = "sock6_getpeername"
 	socklbProgSock6Recvmsg     = "sock6_recvmsg"
 	socklbProgSock6Sendmsg     = "sock6_sendmsg"
+	socklbVarTraceXlate        = "trace_xlate"
 )
 
 // loadSocklb returns the embedded CollectionSpec for socklb.
@@ -106,12 +109,15 @@ type socklbMapSpecs struct {
 	Lb6Services     *ebpf.MapSpec `ebpf:"lb6_services"`
 	Lb6SockRevnat   *ebpf.MapSpec `ebpf:"lb6_sock_revnat"`
 	LbAffinityMatch *ebpf.MapSpec `ebpf:"lb_affinity_match"`
+	XlateEvents     *ebpf.MapSpec `ebpf:"xlate_events"`
+	XlateLost       *ebpf.MapSpec `ebpf:"xlate_lost"`
 }
 
 // socklbVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type socklbVariableSpecs struct {
+	TraceXlate *ebpf.VariableSpec `ebpf:"trace_xlate"`
 }
 
 // socklbObjects contains all objects after they have been loaded into the kernel.
@@ -146,6 +152,8 @@ type socklbMaps struct {
 	Lb6Services     *ebpf.Map `ebpf:"lb6_services"`
 	Lb6SockRevnat   *ebpf.Map `ebpf:"lb6_sock_revnat"`
 	LbAffinityMatch *ebpf.Map `ebpf:"lb_affinity_match"`
+	XlateEvents     *ebpf.Map `ebpf:"xlate_events"`
+	XlateLost       *ebpf.Map `ebpf:"xlate_lost"`
 }
 
 func (m *socklbMaps) Close() error {
@@ -162,6 +170,8 @@ func (m *socklbMaps) Close() error {
 		m.Lb6Services,
 		m.Lb6SockRevnat,
 		m.LbAffinityMatch,
+		m.XlateEvents,
+		m.XlateLost,
 	)
 }
 
@@ -169,6 +179,7 @@ func (m *socklbMaps) Close() error {
 //
 // It can be passed to loadSocklbObjects or ebpf.CollectionSpec.LoadAndAssign.
 type socklbVariables struct {
+	TraceXlate *ebpf.Variable `ebpf:"trace_xlate"`
 }
 
 // socklbPrograms contains all programs after they have been loaded into the kernel.

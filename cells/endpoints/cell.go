@@ -491,7 +491,7 @@ func (c *controller) endpoint(txn statedb.ReadTxn, key k8s.Key, s *podState) *ta
 	e := &tables.Endpoint{
 		Name: key.String(), IPs: append([]netip.Addr{}, s.ips...), Labels: s.labels,
 		UID: s.uid, NamedPorts: slices.Clone(s.ports), Cgroup: s.cgroup.path, CgroupID: s.cgroup.id,
-		HostNetwork: s.pod.Spec.HostNetwork, CgroupError: cgroupError(s),
+		HostNetwork: s.pod.Spec.HostNetwork, CgroupError: cgroupError(s), Workload: WorkloadOf(s.pod),
 	}
 	if e.HostNetwork {
 		e.Identity, e.IdentitySource = hostIdentity, tables.SourceReserved
@@ -525,7 +525,8 @@ func sameEndpoint(a, b *tables.Endpoint) bool {
 	return a.Name == b.Name && slices.Equal(a.IPs, b.IPs) && a.Labels.Equal(b.Labels) &&
 		a.Identity == b.Identity && a.IdentitySource == b.IdentitySource && a.Error == b.Error &&
 		a.UID == b.UID && slices.Equal(a.NamedPorts, b.NamedPorts) && a.Cgroup == b.Cgroup && a.CgroupID == b.CgroupID &&
-		a.HostNetwork == b.HostNetwork && a.CgroupError == b.CgroupError
+		a.HostNetwork == b.HostNetwork && a.CgroupError == b.CgroupError &&
+		(a.Workload == nil) == (b.Workload == nil) && (a.Workload == nil || *a.Workload == *b.Workload)
 }
 
 // problems says what is wrong with the pods, "" when nothing is: addresses

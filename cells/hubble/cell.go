@@ -24,8 +24,10 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/node"
 	"github.com/apiary-net/apiary/cells/policy"
+	"github.com/apiary-net/apiary/cells/socketlb"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -126,8 +128,11 @@ type params struct {
 	Frontends statedb.Table[*tables.Frontend]
 	Backends  statedb.Table[*tables.Backend]
 	Monitor   *policy.Monitor
-	Node      node.Config
-	Metrics   *metrics
+	// Translations are the socket LB's, for the trace-sock flows.
+	Translations *socketlb.Translations
+	CgroupRoot   cgroups.Root
+	Node         node.Config
+	Metrics      *metrics
 }
 
 func register(p params) error {
@@ -137,14 +142,20 @@ func register(p params) error {
 	if !p.Config.EnableHubble {
 		return nil
 	}
+	// Asked for now, before the socket LB loads its programs: they report
+	// translations only when someone reads them.
+	xlates := p.Translations.Subscribe(p.Config.HubbleEventQueueSize)
 	r := newRing(p.Config.HubbleEventBufferCapacity)
 	conv := newConverter(p.Node.NodeName, p.DB, p.Endpoints, p.FQDNNames, lbTables{p.Frontends, p.Backends})
+	conv.cgroupRoot = p.CgroupRoot.Path()
 	var (
 		ch      <-chan policy.Verdict
 		dropped func() uint64
 		cancel  func()
 	)
-	obs := &observer{ring: r, nodeName: p.Node.NodeName}
+	obs := &observer{ring: r, nodeName: p.Node.NodeName, onLost: func(n uint64) {
+		p.Metrics.lost.WithLabelValues("hubble_ring_buffer").Add(float64(n))
+	}}
 	srv := grpc.NewServer()
 	observerpb.RegisterObserverServer(srv, obs)
 	hs := health.NewServer()
@@ -199,11 +210,20 @@ func register(p params) error {
 		},
 	})
 	p.Jobs.Add(job.OneShot("ingest", func(ctx context.Context, _ cell.Health) error {
-		var lastDropped, lastLost uint64
+		var lastDropped, lastLost, lastXlateLost uint64
 		for {
 			select {
 			case <-ctx.Done():
 				return nil
+			case tr := <-xlates:
+				for _, f := range conv.xlateFlows(tr) {
+					r.write(f)
+					p.Metrics.observe(f)
+				}
+				if l := p.Translations.Lost(); l > lastXlateLost {
+					p.Metrics.lost.WithLabelValues("perf_event_ring_buffer").Add(float64(l - lastXlateLost))
+					lastXlateLost = l
+				}
 			case v, ok := <-ch:
 				if !ok {
 					return nil

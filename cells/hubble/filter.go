@@ -106,6 +106,27 @@ func compileFilter(ff *flowpb.FlowFilter) (match, error) {
 			})
 		})
 	}
+	for _, wls := range []struct {
+		vals []*flowpb.Workload
+		get  func(*flowpb.Flow) *flowpb.Endpoint
+	}{
+		{ff.SourceWorkload, (*flowpb.Flow).GetSource},
+		{ff.DestinationWorkload, (*flowpb.Flow).GetDestination},
+	} {
+		if len(wls.vals) == 0 {
+			continue
+		}
+		// As the reference: an empty kind or name matches any.
+		vals, get := wls.vals, wls.get
+		add(func(f *flowpb.Flow) bool {
+			return slices.ContainsFunc(get(f).GetWorkloads(), func(w *flowpb.Workload) bool {
+				return slices.ContainsFunc(vals, func(want *flowpb.Workload) bool {
+					return (want.GetName() == "" || want.GetName() == w.GetName()) &&
+						(want.GetKind() == "" || want.GetKind() == w.GetKind())
+				})
+			})
+		})
+	}
 	for _, lbls := range []struct {
 		vals []string
 		get  func(*flowpb.Flow) *flowpb.Endpoint
@@ -289,7 +310,6 @@ func unsupported(ff *flowpb.FlowFilter) error {
 	}{
 		{len(ff.Uuid) > 0, "uuid"},
 		{len(ff.SourceIpXlated) > 0, "source_ip_xlated"},
-		{len(ff.SourceWorkload)+len(ff.DestinationWorkload) > 0, "workload"},
 		{len(ff.SourceClusterName)+len(ff.DestinationClusterName) > 0, "cluster name"},
 		{len(ff.Interface) > 0, "interface"},
 		{len(ff.NodeLabels) > 0, "node labels"},

@@ -2,16 +2,20 @@ package hubble
 
 import (
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
 	flowpb "github.com/cilium/cilium/api/v1/flow"
 	"github.com/cilium/statedb"
 	"github.com/miekg/dns"
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/apiary-net/apiary/cells/policy"
+	"github.com/apiary-net/apiary/cells/socketlb"
 	"github.com/apiary-net/apiary/tables"
 )
 
@@ -20,6 +24,7 @@ import (
 const (
 	eventTypeDrop          = 1
 	eventTypePolicyVerdict = 5
+	eventTypeTraceSock     = 7
 	eventTypeAccessLog     = 129
 )
 
@@ -47,8 +52,12 @@ type converter struct {
 	rev      statedb.Revision
 	byName   map[string]*tables.Endpoint
 	byIP     map[netip.Addr]*tables.Endpoint
-	namesRev statedb.Revision
-	names    map[netip.Addr][]string
+	byCgroup map[uint64]*tables.Endpoint
+	// cgroupRoot is --cgroup-root, under which the endpoints' cgroups
+	// are.
+	cgroupRoot string
+	namesRev   statedb.Revision
+	names      map[netip.Addr][]string
 }
 
 // lbTables are the load-balancing tables a converter names Services from.
@@ -59,7 +68,8 @@ type lbTables struct {
 
 func newConverter(nodeName string, db *statedb.DB, eps statedb.Table[*tables.Endpoint], names statedb.Table[*tables.FQDNName], lb lbTables) *converter {
 	return &converter{nodeName: nodeName, db: db, endpoints: eps, fqdnNames: names, frontends: lb.frontends, backends: lb.backends,
-		byName: map[string]*tables.Endpoint{}, byIP: map[netip.Addr]*tables.Endpoint{}, names: map[netip.Addr][]string{}}
+		byName: map[string]*tables.Endpoint{}, byIP: map[netip.Addr]*tables.Endpoint{}, byCgroup: map[uint64]*tables.Endpoint{},
+		names: map[netip.Addr][]string{}}
 }
 
 func (c *converter) refresh() {
@@ -85,8 +95,12 @@ func (c *converter) refresh() {
 	c.rev = rev
 	clear(c.byName)
 	clear(c.byIP)
+	clear(c.byCgroup)
 	for ep := range c.endpoints.All(txn) {
 		c.byName[ep.Name] = ep
+		if ep.CgroupID != 0 {
+			c.byCgroup[ep.CgroupID] = ep
+		}
 		for _, ip := range ep.IPs {
 			c.byIP[ip] = ep
 		}
@@ -179,6 +193,82 @@ func (c *converter) policyFlow(v policy.Verdict) *flowpb.Flow {
 	}
 	f.Summary = v.Layer + ": " + v.Reason
 	return f
+}
+
+// xlateFlows returns the socket LB's translation as the reference's
+// trace-sock flows: the socket's connect() or sendmsg() to the frontend
+// (pre-xlate-fwd, TRACED) and to the backend it was sent to
+// (post-xlate-fwd, TRANSLATED). A socket of no pod of the node (a host
+// process) has none, as the reference skips what it cannot name.
+func (c *converter) xlateFlows(tr socketlb.Translation) []*flowpb.Flow {
+	c.refresh()
+	row := c.endpointOfCgroup(tr.CgroupID)
+	if row == nil || row.HostNetwork {
+		return nil
+	}
+	src := c.podAddr(row.Name, tr.Frontend.Addr())
+	if src == tr.Frontend.Addr() {
+		// The pod has no address of the frontend's family.
+		src = netip.Addr{}
+	}
+	// Both are of the frontend's Service, which the translation names.
+	svc := c.service(tr.Frontend, tr.Proto)
+	flow := func(dst netip.AddrPort, point flowpb.SocketTranslationPoint, v flowpb.Verdict) *flowpb.Flow {
+		f := &flowpb.Flow{
+			Time: timestamppb.New(tr.Time), NodeName: c.nodeName, Verdict: v, Type: flowpb.FlowType_SOCK,
+			EventType:      &flowpb.CiliumEventType{Type: eventTypeTraceSock, SubType: int32(point)},
+			SockXlatePoint: point, SocketCookie: tr.SockCookie, CgroupId: tr.CgroupID,
+			IsReply: wrapperspb.Bool(false), Summary: tr.Proto,
+			Source: c.local(row.Name), Destination: c.remote(dst.Addr(), 0, nil),
+			DestinationService: svc, DestinationNames: c.names[dst.Addr().Unmap()],
+		}
+		if src.IsValid() {
+			f.IP = &flowpb.IP{Source: src.Unmap().String(), Destination: dst.Addr().Unmap().String(), IpVersion: flowpb.IPVersion_IPv4}
+			if dst.Addr().Unmap().Is6() {
+				f.IP.IpVersion = flowpb.IPVersion_IPv6
+			}
+		}
+		// The source port is not known at connect(), as in the reference.
+		f.L4 = layer4(tr.Proto, 0, dst.Port(), dst.Addr().Unmap().Is6())
+		return f
+	}
+	return []*flowpb.Flow{
+		flow(tr.Frontend, flowpb.SocketTranslationPoint_SOCK_XLATE_POINT_PRE_DIRECTION_FWD, flowpb.Verdict_TRACED),
+		flow(tr.Backend, flowpb.SocketTranslationPoint_SOCK_XLATE_POINT_POST_DIRECTION_FWD, flowpb.Verdict_TRANSLATED),
+	}
+}
+
+// endpointOfCgroup returns the endpoint whose cgroup is id or holds it: a
+// pod's processes run in its containers' cgroups, the children of the pod's
+// (the kubelet's layout), which the endpoints table does not list. Those are
+// found by reading the pods' cgroup directories, once per unknown id until
+// the endpoints change.
+func (c *converter) endpointOfCgroup(id uint64) *tables.Endpoint {
+	if ep, ok := c.byCgroup[id]; ok || c.cgroupRoot == "" {
+		return ep
+	}
+	c.byCgroup[id] = nil // a miss is remembered too: host processes
+	for _, ep := range c.byName {
+		if ep.Cgroup == "" {
+			continue
+		}
+		dir := filepath.Join(c.cgroupRoot, ep.Cgroup)
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			continue
+		}
+		for _, e := range entries {
+			if !e.IsDir() {
+				continue
+			}
+			var st unix.Stat_t
+			if unix.Stat(filepath.Join(dir, e.Name()), &st) == nil && st.Ino == id {
+				c.byCgroup[id] = ep
+				return ep
+			}
+		}
+	}
+	return nil
 }
 
 // dnsFlows returns the query (client to resolver) and, when the proxy let
@@ -278,6 +368,9 @@ func (c *converter) local(name string) *flowpb.Endpoint {
 	ep := &flowpb.Endpoint{Namespace: ns, PodName: pod}
 	if row := c.byName[name]; row != nil {
 		ep.Identity, ep.Labels = row.Identity, sortedLabels(row.Labels)
+		if w := row.Workload; w != nil {
+			ep.Workloads = []*flowpb.Workload{{Kind: w.Kind, Name: w.Name}}
+		}
 	}
 	return ep
 }

@@ -11,12 +11,14 @@ import (
 // metrics are Hubble's metrics under Hubble's names and labels, so that
 // dashboards built for the reference read them.
 type metrics struct {
-	flows  *prometheus.CounterVec
-	drops  *prometheus.CounterVec
-	dnsQ   *prometheus.CounterVec
-	dnsR   *prometheus.CounterVec
-	policy *prometheus.CounterVec
-	lost   *prometheus.CounterVec
+	flows *prometheus.CounterVec
+	drops *prometheus.CounterVec
+	dnsQ  *prometheus.CounterVec
+	dnsR  *prometheus.CounterVec
+	// dnsTypes counts the answers' record types.
+	dnsTypes *prometheus.CounterVec
+	policy   *prometheus.CounterVec
+	lost     *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, c Config) (*metrics, error) {
@@ -33,6 +35,9 @@ func newMetrics(reg prometheus.Registerer, c Config) (*metrics, error) {
 		dnsR: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "hubble", Name: "dns_responses_total", Help: "Number of DNS responses observed",
 		}, []string{"rcode", "qtypes", "ips_returned"}),
+		dnsTypes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "hubble", Name: "dns_response_types_total", Help: "Number of DNS response types",
+		}, []string{"type", "qtypes"}),
 		policy: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "hubble", Name: "policy_verdicts_total", Help: "Total number of Cilium network policy verdicts",
 		}, []string{"direction", "match", "action"}),
@@ -43,7 +48,7 @@ func newMetrics(reg prometheus.Registerer, c Config) (*metrics, error) {
 	if !c.EnableHubble {
 		return m, nil
 	}
-	for _, col := range []prometheus.Collector{m.flows, m.drops, m.dnsQ, m.dnsR, m.policy, m.lost} {
+	for _, col := range []prometheus.Collector{m.flows, m.drops, m.dnsQ, m.dnsR, m.dnsTypes, m.policy, m.lost} {
 		if err := reg.Register(col); err != nil {
 			return nil, err
 		}
@@ -51,73 +56,106 @@ func newMetrics(reg prometheus.Registerer, c Config) (*metrics, error) {
 	return m, nil
 }
 
-// observe counts f.
+// observe counts f as the reference's flow, drop, dns and policy
+// handlers count a flow (pkg/hubble/metrics/*), with the same label
+// values, so that the series dashboards query exist.
 func (m *metrics) observe(f *flowpb.Flow) {
-	proto := l4Name(f)
-	typ, sub := "L3_L4", ""
-	switch f.GetEventType().GetType() {
+	proto := flowProtocol(f)
+	var typ, sub string
+	switch t := f.GetEventType().GetType(); t {
+	case eventTypeAccessLog:
+		typ = "L7"
+		if f.GetL7().GetDns() != nil {
+			sub = "DNS"
+		}
 	case eventTypeDrop:
 		typ = "Drop"
 	case eventTypePolicyVerdict:
 		typ = "PolicyVerdict"
-	case eventTypeAccessLog:
-		typ, sub, proto = "L7", "DNS", "DNS"
+	default:
+		typ, sub = "Unknown", strconv.Itoa(int(t))
 	}
 	m.flows.WithLabelValues(proto, typ, sub, f.GetVerdict().String()).Inc()
+
 	if f.GetVerdict() == flowpb.Verdict_DROPPED {
-		m.drops.WithLabelValues(f.GetDropReasonDesc().String(), l4Name(f)).Inc()
+		m.drops.WithLabelValues(f.GetDropReasonDesc().String(), proto).Inc()
 	}
+
 	if d := f.GetL7().GetDns(); d != nil {
-		rcode := ""
-		if f.GetL7().GetType() == flowpb.L7FlowType_RESPONSE {
-			rcode = rcodeName(d.GetRcode())
-		}
-		labels := []string{rcode, strings.Join(d.GetQtypes(), ","), strconv.Itoa(len(d.GetIps()))}
-		if f.GetL7().GetType() == flowpb.L7FlowType_REQUEST {
-			m.dnsQ.WithLabelValues(labels...).Inc()
-		} else {
-			m.dnsR.WithLabelValues(labels...).Inc()
+		qtypes, ips := strings.Join(d.GetQtypes(), ","), strconv.Itoa(len(d.GetIps()))
+		switch {
+		case f.GetVerdict() == flowpb.Verdict_DROPPED:
+			m.dnsQ.WithLabelValues("Policy denied", qtypes, ips).Inc()
+		case !f.GetIsReply().GetValue():
+			m.dnsQ.WithLabelValues("", qtypes, ips).Inc()
+		default:
+			m.dnsR.WithLabelValues(rcodeName(d.GetRcode()), qtypes, ips).Inc()
+			for _, rr := range d.GetRrtypes() {
+				m.dnsTypes.WithLabelValues(rr, qtypes).Inc()
+			}
 		}
 	}
-	if f.GetEventType().GetType() != eventTypeAccessLog {
+
+	direction, action := strings.ToLower(f.GetTrafficDirection().String()), strings.ToLower(f.GetVerdict().String())
+	switch f.GetEventType().GetType() {
+	case eventTypePolicyVerdict:
+		// The host may connect to any local endpoint: not a verdict.
+		if f.GetSource().GetIdentity() == hostIdentity {
+			return
+		}
 		match := "none"
 		if f.GetPolicyMatchType() == policyMatchL3L4 {
 			match = "l3-l4"
 		}
-		action := map[flowpb.Verdict]string{
-			flowpb.Verdict_FORWARDED: "forwarded", flowpb.Verdict_DROPPED: "dropped", flowpb.Verdict_AUDIT: "audit",
-		}[f.GetVerdict()]
-		m.policy.WithLabelValues(strings.ToLower(f.GetTrafficDirection().String()), match, action).Inc()
+		m.policy.WithLabelValues(direction, match, action).Inc()
+	case eventTypeAccessLog:
+		if f.GetL7().GetDns() != nil {
+			m.policy.WithLabelValues(direction, "l7/dns", action).Inc()
+		}
 	}
 }
 
-func l4Name(f *flowpb.Flow) string {
-	l4 := f.GetL4()
-	switch {
-	case l4.GetTCP() != nil:
-		return "TCP"
-	case l4.GetUDP() != nil:
-		return "UDP"
-	case l4.GetSCTP() != nil:
-		return "SCTP"
-	case l4.GetICMPv4() != nil:
-		return "ICMPv4"
-	case l4.GetICMPv6() != nil:
-		return "ICMPv6"
+// hostIdentity is the reserved identity of the host.
+const hostIdentity = 1
+
+// flowProtocol names f's protocol as the reference's metrics do
+// (pkg/hubble/api/v1.FlowProtocol).
+func flowProtocol(f *flowpb.Flow) string {
+	switch f.GetEventType().GetType() {
+	case eventTypeAccessLog:
+		if f.GetL7().GetDns() != nil {
+			return "DNS"
+		}
+		return "Unknown L7"
+	case eventTypeDrop, eventTypePolicyVerdict:
+		l4 := f.GetL4()
+		switch {
+		case l4.GetTCP() != nil:
+			return "TCP"
+		case l4.GetUDP() != nil:
+			return "UDP"
+		case l4.GetICMPv4() != nil:
+			return "ICMPv4"
+		case l4.GetICMPv6() != nil:
+			return "ICMPv6"
+		case l4.GetSCTP() != nil:
+			return "SCTP"
+		}
+		return "Unknown L4"
 	}
-	return "Unknown"
+	return "Unknown flow"
 }
 
-func rcodeName(rc uint32) string {
-	switch rc {
-	case 0:
-		return "No Error"
-	case 2:
-		return "Server Failure"
-	case 3:
-		return "Non-Existent Domain"
-	case 5:
-		return "Query Refused"
-	}
-	return strconv.Itoa(int(rc))
+// rcodeNames are the reference's names of DNS response codes in its
+// metrics (pkg/hubble/metrics/dns).
+var rcodeNames = map[uint32]string{
+	0: "No Error", 1: "Format Error", 2: "Server Failure", 3: "Non-Existent Domain", 4: "Not Implemented",
+	5: "Query Refused", 6: "Name Exists when it should not", 7: "RR Set Exists when it should not",
+	8: "RR Set that should exist does not", 9: "Not Authorized", 10: "Name not contained in zone",
+	11: "DSO-TYPE Not Implemented", 16: "Bad OPT Version", 17: "Key not recognized",
+	18: "Signature out of time window", 19: "Bad TKEY Mode", 20: "Duplicate key name",
+	21: "Algorithm not supported", 22: "Bad Truncation", 23: "Bad/missing Server Cookie",
 }
+
+// rcodeName is the name of rc, "" for a code the reference does not name.
+func rcodeName(rc uint32) string { return rcodeNames[rc] }

@@ -23,6 +23,8 @@ type observer struct {
 	ring     *ring
 	nodeName string
 	started  time.Time
+	// onLost, when set, counts the flows a follower lost.
+	onLost func(n uint64)
 }
 
 // ServerStatus reports the ring's fill and the flows seen since start.
@@ -116,6 +118,9 @@ func (o *observer) GetFlows(req *observerpb.GetFlowsRequest, stream grpc.ServerS
 		flows, lost, n, written := o.ring.readFrom(next, followBatch)
 		next = n
 		if lost > 0 {
+			if o.onLost != nil {
+				o.onLost(lost)
+			}
 			// Overwritten before this follower could read them: it
 			// reads slower than flows come.
 			if err := stream.Send(&observerpb.GetFlowsResponse{

@@ -47,9 +47,13 @@ type attacher struct {
 	// attached is closed once the programs are attached.
 	attached chan struct{}
 
+	// translations, when subscribed, gets the programs' reports.
+	translations *Translations
+
 	mu    sync.Mutex
 	links []link.Link
 	own   map[string]*ebpf.Map // the programs' own maps, by name
+	xlate *xlateReader         // the reader of the programs' reports
 }
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
@@ -100,6 +104,19 @@ func (a *attacher) attach() (string, error) {
 	if err != nil {
 		return "", err
 	}
+	var xlate *xlateReader
+	var xlateMaps [2]*ebpf.Map
+	if a.translations != nil && a.translations.wanted() {
+		if xlate, err = a.translations.start(a.log); err != nil {
+			closeMaps(own)
+			return "", err
+		}
+		xlateMaps = xlate.maps
+	}
+	fail := func() {
+		closeMaps(own)
+		a.translations.stop(xlate)
+	}
 	var progs map[string]*ebpf.Program
 	err = a.lbMaps.Maps(func(lm reconcilers.LBMaps) error {
 		// The programs reference the kernel's maps.
@@ -118,11 +135,13 @@ func (a *attacher) attach() (string, error) {
 			Affinity4:     own[bpf.LB4AffinityMap],
 			Affinity6:     own[bpf.LB6AffinityMap],
 			DNSSock:       own[bpf.DNSSockMap],
+			XlateEvents:   xlateMaps[0],
+			XlateLost:     xlateMaps[1],
 		})
 		return err
 	})
 	if err != nil {
-		closeMaps(own)
+		fail()
 		return "", err
 	}
 	// The links hold the programs (and the programs the maps).
@@ -133,7 +152,7 @@ func (a *attacher) attach() (string, error) {
 	}()
 
 	if err := os.MkdirAll(a.linksDir(), 0o750); err != nil {
-		closeMaps(own)
+		fail()
 		return "", fmt.Errorf("links directory: %w", err)
 	}
 	var links []link.Link
@@ -144,14 +163,14 @@ func (a *attacher) attach() (string, error) {
 			for _, l := range links {
 				l.Close()
 			}
-			closeMaps(own)
+			fail()
 			return "", fmt.Errorf("attach %s to %s: %w", h.Name, cgroup, err)
 		}
 		links = append(links, l)
 		done = append(done, h.Name+" "+how)
 	}
 	a.mu.Lock()
-	a.links, a.own = links, own
+	a.links, a.own, a.xlate = links, own, xlate
 	a.mu.Unlock()
 	return fmt.Sprintf("Attached to cgroup %s: %s (links pinned in %s)",
 		cgroup, strings.Join(done, ", "), a.linksDir()), nil
@@ -244,4 +263,6 @@ func (a *attacher) close() {
 	a.links = nil
 	closeMaps(a.own)
 	a.own = nil
+	a.translations.stop(a.xlate)
+	a.xlate = nil
 }

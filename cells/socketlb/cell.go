@@ -35,7 +35,7 @@ var Cell = cell.Module(
 
 	cell.Config(defaultConfig),
 	cell.ProvidePrivate(newAttacher, newAffinityGC),
-	cell.Provide(scriptCommands),
+	cell.Provide(scriptCommands, newTranslations),
 	cell.Invoke(registerJobs),
 )
 
@@ -75,7 +75,7 @@ func registerJobs(jobs job.Group, a *attacher, gc *affinityGC, lc cell.Lifecycle
 	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
 }
 
-func newAttacher(log *slog.Logger, cfg Config, root cgroups.Root, pinDir bpffs.PinDir, maps lb.Maps) *attacher {
+func newAttacher(log *slog.Logger, cfg Config, root cgroups.Root, pinDir bpffs.PinDir, maps lb.Maps, tr *Translations) *attacher {
 	return &attacher{log: log, cfg: cfg, root: root, pinDir: string(pinDir), lbMaps: maps,
-		attached: make(chan struct{})}
+		attached: make(chan struct{}), translations: tr}
 }

@@ -61,6 +61,7 @@ func TestCluster(t *testing.T) {
 		{"IngressPolicyKeepsProbes", testIngressPolicy},
 		{"FirstConnection", testFirstConnection},
 		{"Monitor", testMonitor},
+		{"Hubble", testHubble},
 		{"DNSThroughClusterService", testDNS},
 		{"RemoteNodeFromNodeObject", testRemoteNode},
 		{"AgentRestart", testAgentRestart},

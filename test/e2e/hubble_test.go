@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os/exec"
 	"path/filepath"
@@ -52,13 +53,25 @@ metadata: {name: default}
 ---
 apiVersion: v1
 kind: Pod
-metadata: {name: hba, namespace: shop, uid: ` + uidHbA + `, labels: {app: hba}}
+metadata:
+  name: hba
+  generateName: hba-7c9d5-
+  namespace: shop
+  uid: ` + uidHbA + `
+  labels: {app: hba, pod-template-hash: 7c9d5}
+  ownerReferences: [{apiVersion: apps/v1, kind: ReplicaSet, name: hba-7c9d5, uid: 1a1a1a1a-0000-4000-8000-0000000000a9, controller: true}]
 spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
 status: {phase: Running, podIP: ` + hbA4 + `, podIPs: [{ip: ` + hbA4 + `}]}
 ---
 apiVersion: v1
 kind: Pod
-metadata: {name: hbb, namespace: default, uid: ` + uidHbB + `, labels: {app: hbb}}
+metadata:
+  name: hbb
+  generateName: hbb-
+  namespace: default
+  uid: ` + uidHbB + `
+  labels: {app: hbb}
+  ownerReferences: [{apiVersion: apps/v1, kind: DaemonSet, name: hbb, uid: 1b1b1b1b-0000-4000-8000-0000000000b9, controller: true}]
 spec: {nodeName: e2e-node, containers: [{name: c, image: busybox}]}
 status: {phase: Running, podIP: ` + hbB4 + `, podIPs: [{ip: ` + hbB4 + `}]}
 ---
@@ -105,6 +118,8 @@ type hubbleFlow struct {
 			} `json:"UDP"`
 		} `json:"l4"`
 		DestinationService struct{ Name, Namespace string } `json:"destination_service"`
+		DestinationNames   []string                         `json:"destination_names"`
+		SockXlatePoint     string                           `json:"sock_xlate_point"`
 		Source             hubbleEndpoint                   `json:"source"`
 		Destination        hubbleEndpoint                   `json:"destination"`
 		NodeName           string                           `json:"node_name"`
@@ -126,10 +141,19 @@ type hubbleFlow struct {
 }
 
 type hubbleEndpoint struct {
-	Identity  int      `json:"identity"`
-	Namespace string   `json:"namespace"`
-	PodName   string   `json:"pod_name"`
-	Labels    []string `json:"labels"`
+	Identity  int                           `json:"identity"`
+	Namespace string                        `json:"namespace"`
+	PodName   string                        `json:"pod_name"`
+	Labels    []string                      `json:"labels"`
+	Workloads []struct{ Kind, Name string } `json:"workloads"`
+}
+
+// workload is the endpoint's one workload, "Kind/name", "" for none.
+func (e hubbleEndpoint) workload() string {
+	if len(e.Workloads) != 1 {
+		return fmt.Sprint(e.Workloads)
+	}
+	return e.Workloads[0].Kind + "/" + e.Workloads[0].Name
 }
 
 func (f hubbleFlow) dstPort() int {
@@ -253,7 +277,7 @@ func TestHubble(t *testing.T) {
 	if e := allowed.Flow; e.Source.Namespace != hubbleNS || e.TrafficDirection != "EGRESS" || e.NodeName != "e2e-node" ||
 		e.EventType.Type != 5 || e.Source.Identity == 0 || !containsStr(e.Source.Labels, "k8s:app=hba") ||
 		len(e.EgressAllowedBy) != 1 || e.EgressAllowedBy[0].Name != "hba-egress" || e.EgressAllowedBy[0].Namespace != hubbleNS ||
-		e.EgressAllowedBy[0].Kind != "CiliumNetworkPolicy" {
+		e.EgressAllowedBy[0].Kind != "CiliumNetworkPolicy" || e.Source.workload() != "Deployment/hba" {
 		t.Errorf("allowed flow: %+v", e)
 	}
 	if e := denied.Flow; e.DropReasonDesc != "POLICY_DENIED" || e.EventType.Type != 5 || e.TrafficDirection != "EGRESS" {
@@ -372,10 +396,34 @@ func TestHubble(t *testing.T) {
 			}
 		}
 	})
+	t.Run("workload", func(t *testing.T) {
+		// hba's ReplicaSet is the Deployment hba's; hbb is the DaemonSet hbb's.
+		got := h.observe(t, "--last", "1000", "--from-workload", "Deployment/hba")
+		if len(got) < 3 {
+			t.Errorf("--from-workload Deployment/hba: %v", got)
+		}
+		for _, f := range got {
+			if f.Flow.Source.PodName != "hba" || f.Flow.Source.workload() != "Deployment/hba" {
+				t.Errorf("--from-workload Deployment/hba: %v %s", f, f.Flow.Source.workload())
+			}
+		}
+		got = h.observe(t, "--last", "1000", "--workload", "hbb")
+		if len(got) == 0 {
+			t.Error("--workload hbb: nothing")
+		}
+		for _, f := range got {
+			if f.Flow.Source.workload() != "DaemonSet/hbb" && f.Flow.Destination.workload() != "DaemonSet/hbb" {
+				t.Errorf("--workload hbb: %v", f)
+			}
+		}
+		if got := h.observe(t, "--last", "1000", "--from-workload", "ReplicaSet/hba-7c9d5"); len(got) != 0 {
+			t.Errorf("--from-workload ReplicaSet/hba-7c9d5: %v", got)
+		}
+	})
 	t.Run("bad filter", func(t *testing.T) {
-		cmd := exec.Command(h.bin, "observe", "--server", h.server, "--to-workload", "x")
+		cmd := exec.Command(h.bin, "observe", "--server", h.server, "--interface", "eth0")
 		if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "not supported") {
-			t.Errorf("--to-workload: %v: %s", err, out)
+			t.Errorf("--interface: %v: %s", err, out)
 		}
 	})
 	t.Run("service", func(t *testing.T) {
@@ -385,7 +433,7 @@ func TestHubble(t *testing.T) {
 			got := podA.run(t, true, connectEnv+"="+hbSvc4+":80")
 			return strings.HasPrefix(got, "ok"), got
 		})
-		got := h.observe(t, "--last", "1000", "--to-service", hubbleNS+"/web")
+		got := h.observe(t, "--last", "1000", "--to-service", hubbleNS+"/web", "--type", "policy-verdict")
 		if len(got) == 0 {
 			t.Fatal("--to-service shop/web: nothing")
 		}
@@ -394,6 +442,31 @@ func TestHubble(t *testing.T) {
 				f.Flow.DestinationService.Namespace != hubbleNS {
 				t.Errorf("--to-service shop/web: %v %+v", f, f.Flow.DestinationService)
 			}
+		}
+		// The translation itself, as the reference's trace-sock flows:
+		// hba's socket to the frontend, then to the backend.
+		var pre, post bool
+		testenv.Eventually(t, waitTimeout, "hubble observe --type trace-sock shows the translation", func() (bool, string) {
+			xl := h.observe(t, "--last", "1000", "--type", "trace-sock", "--from-pod", hubbleNS+"/hba")
+			pre, post = false, false
+			for _, f := range xl {
+				if f.Flow.IP.Source != hbA4 || f.Flow.DestinationService.Name != "web" || f.Flow.DestinationService.Namespace != hubbleNS ||
+					f.Flow.EventType.Type != 7 || f.Flow.Source.workload() != "Deployment/hba" {
+					t.Errorf("--type trace-sock: %v %+v", f, f.Flow)
+				}
+				switch {
+				case f.Flow.SockXlatePoint == "SOCK_XLATE_POINT_PRE_DIRECTION_FWD":
+					pre = pre || (f.Flow.Verdict == "TRACED" && f.Flow.IP.Destination == hbSvc4 && f.dstPort() == 80)
+				case f.Flow.SockXlatePoint == "SOCK_XLATE_POINT_POST_DIRECTION_FWD":
+					post = post || (f.Flow.Verdict == "TRANSLATED" && f.Flow.IP.Destination == hbGw4 && f.dstPort() == 8080)
+				}
+			}
+			return pre && post, fmt.Sprintf("pre-xlate-fwd %t, post-xlate-fwd %t: %v", pre, post, xl)
+		})
+		// As the CLI prints them: the frontend by its Service's name.
+		if out := h.run(t, "observe", "--last", "1000", "--type", "trace-sock", "--to-ip", hbSvc4); !strings.Contains(out,
+			"shop/hba (ID:") || !strings.Contains(out, "-> shop/web:80 (unknown) pre-xlate-fwd TRACED (TCP)") {
+			t.Errorf("hubble observe --type trace-sock --to-ip %s:\n%s", hbSvc4, out)
 		}
 	})
 	t.Run("follow", func(t *testing.T) {
@@ -578,6 +651,96 @@ func TestHubbleDNS(t *testing.T) {
 	}
 	if n, err := a.labelledMetric(`hubble_dns_responses_total{ips_returned="1",qtypes="A",rcode="No Error"}`); err != nil || n < 1 {
 		t.Errorf("hubble_dns_responses_total: %v %v", n, err)
+	}
+}
+
+// hubbleFQDNPolicy lets client-a ask the resolver anything and reach
+// *.example.test on TCP 8080.
+const hubbleFQDNPolicy = `apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: fqdn-client, namespace: default}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egress:
+  - toCIDR: [%s/32]
+    toPorts:
+    - ports: [{port: "53", protocol: ANY}]
+      rules: {dns: [{matchPattern: "*"}]}
+  - toFQDNs: [{matchPattern: "*.example.test"}]
+    toPorts: [{ports: [{port: "8080", protocol: TCP}]}]
+`
+
+// TestHubbleToFQDN: after a pod resolved api.example.test through the DNS
+// proxy (dnsmasq on a loopback address answering it), its connection to
+// the answer's address carries the name, and `hubble observe --to-fqdn
+// '*.example.test'` finds that connection and no other flow.
+func TestHubbleToFQDN(t *testing.T) {
+	t.Parallel()
+	testenv.RequireRoot(t)
+	bin := testenv.RequireHubble(t, repoRoot)
+	digBin := testenv.RequireProgram(t, "dig")
+	dnsmasq := testenv.RequireProgram(t, "dnsmasq", "/usr/sbin")
+	x := 1 + rand.IntN(250)
+	resolver, exampleIP, otherIP := fmt.Sprintf("127.54.%d.1", x), fmt.Sprintf("127.54.%d.2", x), fmt.Sprintf("127.54.%d.3", x)
+	startProcess(t, "dnsmasq", nil, dnsmasq,
+		"--keep-in-foreground", "--conf-file=/dev/null", "--pid-file",
+		"--no-resolv", "--no-hosts", "--listen-address="+resolver, "--bind-interfaces",
+		"--port=53", "--log-queries", "--log-facility=-", "--local-ttl=300",
+		"--address=/example.test/"+exampleIP, "--address=/other.test/"+otherIP)
+	testenv.Eventually(t, waitTimeout, "dnsmasq to answer on "+resolver, func() (bool, string) {
+		out, err := digIn("", digBin, resolver, "api.example.test", false)
+		return err == nil && strings.Contains(out, exampleIP), out
+	})
+	listen(t, exampleIP+":8080", otherIP+":8080")
+	root := testenv.Cgroup(t)
+	cgA, _, _ := mkCgroups(t, root)
+	configDir := t.TempDir()
+	writeFile(t, filepath.Join(configDir, "pods.yaml"), policyPods)
+	writeFile(t, filepath.Join(configDir, "dns.yaml"), fmt.Sprintf(hubbleFQDNPolicy, resolver))
+	sock := filepath.Join(t.TempDir(), "hubble.sock")
+	proxy := net.JoinHostPort("127.0.0.1", fmt.Sprint(freePort(t)))
+	a := startAgent(t, agentOptions{configDir: configDir, flags: []string{
+		"--node-name=e2e-node", "--cgroup-root=" + root,
+		"--dns-proxy-addr=" + proxy, "--dns-upstream=127.0.0.1:1",
+		"--dns-trusted-resolvers=" + resolver,
+		"--enable-hubble", "--hubble-socket-path=" + sock,
+	}})
+	a.waitEndpointPolicy(t, map[string]string{"default/client-a": "off default-deny"})
+	a.waitLog(t, "Intercepting the DNS of endpoints with DNS rules")
+	h := hubbleCLI{bin: bin, server: "unix://" + sock}
+
+	for name, ip := range map[string]string{"api.example.test": exampleIP, "www.other.test": otherIP} {
+		out, err := digIn(cgA, digBin, resolver, name, false)
+		if status, ips := answerOf(out); err != nil || status != "NOERROR" || len(ips) != 1 || ips[0] != ip {
+			t.Fatalf("dig %s from client-a: %v: %s", name, err, out)
+		}
+	}
+	if got := connectFrom(t, cgA, exampleIP+":8080", ""); got != "ok: hello from "+exampleIP+":8080" {
+		t.Fatalf("client-a to api.example.test's %s: %s", exampleIP, got)
+	}
+	if got := connectFrom(t, cgA, otherIP+":8080", ""); got != "EPERM" {
+		t.Fatalf("client-a to www.other.test's %s: %s, want EPERM", otherIP, got)
+	}
+
+	var got []hubbleFlow
+	testenv.Eventually(t, waitTimeout, "hubble observe --to-fqdn '*.example.test' shows the connection", func() (bool, string) {
+		got = h.observe(t, "--last", "1000", "--to-fqdn", "*.example.test")
+		return len(got) > 0, fmt.Sprint(h.observe(t, "--last", "1000"))
+	})
+	for _, f := range got {
+		if f.Flow.IP.Destination != exampleIP || f.dstPort() != 8080 || f.Flow.Verdict != "FORWARDED" ||
+			f.Flow.Source.PodName != "client-a" || !containsStr(f.Flow.DestinationNames, "api.example.test") {
+			t.Errorf("--to-fqdn '*.example.test': %v names %v", f, f.Flow.DestinationNames)
+		}
+	}
+	// The flows the pattern leaves out are there: the queries, the denied
+	// connection to www.other.test's address.
+	var denied bool
+	for _, f := range h.observe(t, "--last", "1000", "--from-pod", "default/client-a") {
+		denied = denied || (f.Flow.IP.Destination == otherIP && f.Flow.Verdict == "DROPPED")
+	}
+	if !denied {
+		t.Error("no denied flow to www.other.test's address")
 	}
 }
 
