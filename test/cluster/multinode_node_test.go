@@ -55,6 +55,7 @@ type workerNode struct {
 	netns   string
 	cgroup  string // the subtree's name below each hierarchy's root
 	holder  *proc
+	kubelet *proc
 	// stateDir is the agents' state directory, a tmpfs in each node.
 	stateDir string
 	// hostCNIConf and hostCNIBin are the CNI directories the agent's
@@ -397,7 +398,7 @@ serializeImagePulls: false
 maxPods: 60
 `, w.ctrSock, w.ip, w.podLogs))
 	env := []string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + d}
-	w.startIn("kubelet", env, false, bins["kubelet"], "--config="+config, "--kubeconfig="+w.kubeconfigPath,
+	w.kubelet = w.startIn("kubelet", env, false, bins["kubelet"], "--config="+config, "--kubeconfig="+w.kubeconfigPath,
 		"--root-dir="+filepath.Join(d, "root"), "--hostname-override="+w.name, "--node-ip="+w.ip, "--v=1")
 }
 
