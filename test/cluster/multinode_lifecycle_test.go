@@ -49,6 +49,7 @@ func TestMultiNodeLifecycle(t *testing.T) {
 	}{
 		{"IngressCNPByRemoteIdentity", testIngressAcrossNodes},
 		{"RolloutHoldsEnforcement", testRolloutAcrossNodes},
+		{"OperatorModeAcrossNodes", testOperatorModeAcrossNodes},
 		{"NodeClaimingAnotherNodesAddress", testImposterNode},
 		{"NodeJoins", lc.testNodeJoins},
 		{"NodeLeaves", lc.testNodeLeaves},
@@ -107,14 +108,30 @@ func (n *node) agentPods(t *testing.T) map[string]corev1.Pod {
 // one node at a time; all the while, and on every round, the clients of
 // every node reach the servers of the others and the other pods do not.
 func testRolloutAcrossNodes(t *testing.T, n *node, p *mnPods) {
+	rounds, roundsDown := n.rollOut(t, "restart", func() []string { return p.checkHeld(t) })
+	if bad := p.checkHeld(t); len(bad) > 0 {
+		t.Errorf("after the rollout: %s", strings.Join(bad, "; "))
+	}
+	t.Logf("%d rounds of checks during the rollout, %d of them with an agent not ready", rounds, roundsDown)
+	if roundsDown == 0 {
+		t.Errorf("no round of checks ran while an agent was down: the rollout went unobserved")
+	}
+}
+
+// rollOut changes the agent DaemonSet's pod template (an annotation
+// naming why) and waits until every agent pod has been replaced and is
+// Ready. While it waits it calls check, if any, in rounds, and reports
+// what a round found wrong; it returns the number of rounds and of those
+// that ran while an agent was not ready.
+func (n *node) rollOut(t *testing.T, why string, check func() []string) (rounds, roundsDown int) {
+	t.Helper()
 	ctx := context.Background()
 	old := n.agentPods(t)
-	patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"apiary.test/restarted-at":%q}}}}}`, time.Now().Format(time.RFC3339Nano))
+	patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"apiary.test/rollout":%q}}}}}`, why+" "+time.Now().Format(time.RFC3339Nano))
 	if _, err := n.cs.AppsV1().DaemonSets("kube-system").Patch(ctx, "apiary-agent", types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(4 * waitTimeout)
-	rounds, roundsDown := 0, 0
 	for {
 		ds, err := n.cs.AppsV1().DaemonSets("kube-system").Get(ctx, "apiary-agent", metav1.GetOptions{})
 		if err != nil {
@@ -128,28 +145,24 @@ func testRolloutAcrossNodes(t *testing.T, n *node, p *mnPods) {
 			}
 		}
 		st := ds.Status
-		done := replaced == len(old) && st.ObservedGeneration == ds.Generation && st.UpdatedNumberScheduled == st.DesiredNumberScheduled &&
-			st.NumberReady == st.DesiredNumberScheduled
-		if done {
-			break
+		if replaced == len(old) && st.ObservedGeneration == ds.Generation && st.UpdatedNumberScheduled == st.DesiredNumberScheduled &&
+			st.NumberReady == st.DesiredNumberScheduled {
+			return rounds, roundsDown
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the rollout did not finish: %d of %d agents replaced and ready; %+v", replaced, len(old), st)
+			t.Fatalf("the rollout (%s) did not finish: %d of %d agents replaced and ready; %+v", why, replaced, len(old), st)
+		}
+		if check == nil {
+			time.Sleep(time.Second)
+			continue
 		}
 		rounds++
 		if st.NumberReady < st.DesiredNumberScheduled {
 			roundsDown++
 		}
-		if bad := p.checkHeld(t); len(bad) > 0 {
+		if bad := check(); len(bad) > 0 {
 			t.Errorf("round %d of the rollout (%d of %d agents replaced, %d ready): %s", rounds, replaced, len(old), st.NumberReady, strings.Join(bad, "; "))
 		}
-	}
-	if bad := p.checkHeld(t); len(bad) > 0 {
-		t.Errorf("after the rollout: %s", strings.Join(bad, "; "))
-	}
-	t.Logf("%d rounds of checks during the rollout, %d of them with an agent not ready", rounds, roundsDown)
-	if roundsDown == 0 {
-		t.Errorf("no round of checks ran while an agent was down: the rollout went unobserved")
 	}
 }
 
