@@ -184,6 +184,11 @@ func (w *workerNode) setupNetwork(count int) {
 	})
 	host := w.netns + "h"
 	w.run("ip", "link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", w.netns)
+	// Deleted here, before the namespace: the kernel frees a namespace
+	// (and the veth with it) asynchronously, and the next cluster of this
+	// process (make conformance-multinode runs several) uses the same
+	// names.
+	t.Cleanup(func() { exec.Command("ip", "link", "del", host).Run() })
 	w.run("ip", "link", "set", host, "master", nodeNetBridge, "up")
 	in := func(args ...string) { w.run("ip", append([]string{"netns", "exec", w.netns}, args...)...) }
 	in("ip", "link", "set", "lo", "up")
