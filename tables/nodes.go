@@ -24,6 +24,10 @@ type Node struct {
 	// Addresses are the node's InternalIP and ExternalIP addresses, in
 	// the order of the Node's status, of the families the agent runs.
 	Addresses []netip.Addr `json:"addresses" yaml:"addresses"`
+	// Conflicts are what a remote node's object claims of this node's:
+	// its addresses or addresses in its pod CIDRs (left out of Addresses,
+	// not remote-node), pod CIDRs overlapping its own.
+	Conflicts []string `json:"conflicts,omitempty" yaml:"conflicts,omitempty"`
 }
 
 // RemoteNodeOwner returns the prefixes owner of a remote node's addresses,
@@ -31,7 +35,7 @@ type Node struct {
 func RemoteNodeOwner(name string) string { return "remote-node/" + name }
 
 // TableHeader implements statedb.TableWritable.
-func (*Node) TableHeader() []string { return []string{"Name", "Local", "Addresses"} }
+func (*Node) TableHeader() []string { return []string{"Name", "Local", "Addresses", "Conflicts"} }
 
 // TableRow implements statedb.TableWritable.
 func (n *Node) TableRow() []string {
@@ -43,7 +47,7 @@ func (n *Node) TableRow() []string {
 	if n.Local {
 		local = "yes"
 	}
-	return []string{n.Name, local, strings.Join(addrs, ", ")}
+	return []string{n.Name, local, strings.Join(addrs, ", "), strings.Join(n.Conflicts, "; ")}
 }
 
 // NodeNameIndex is the primary index of the nodes table.

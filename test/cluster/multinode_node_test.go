@@ -55,6 +55,7 @@ type workerNode struct {
 	netns   string
 	cgroup  string // the subtree's name below each hierarchy's root
 	holder  *proc
+	kubelet *proc
 	// stateDir is the agents' state directory, a tmpfs in each node.
 	stateDir string
 	// hostCNIConf and hostCNIBin are the CNI directories the agent's
@@ -183,6 +184,11 @@ func (w *workerNode) setupNetwork(count int) {
 	})
 	host := w.netns + "h"
 	w.run("ip", "link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", w.netns)
+	// Deleted here, before the namespace: the kernel frees a namespace
+	// (and the veth with it) asynchronously, and the next cluster of this
+	// process (make conformance-multinode runs several) uses the same
+	// names.
+	t.Cleanup(func() { exec.Command("ip", "link", "del", host).Run() })
 	w.run("ip", "link", "set", host, "master", nodeNetBridge, "up")
 	in := func(args ...string) { w.run("ip", append([]string{"netns", "exec", w.netns}, args...)...) }
 	in("ip", "link", "set", "lo", "up")
@@ -397,7 +403,7 @@ serializeImagePulls: false
 maxPods: 60
 `, w.ctrSock, w.ip, w.podLogs))
 	env := []string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + d}
-	w.startIn("kubelet", env, false, bins["kubelet"], "--config="+config, "--kubeconfig="+w.kubeconfigPath,
+	w.kubelet = w.startIn("kubelet", env, false, bins["kubelet"], "--config="+config, "--kubeconfig="+w.kubeconfigPath,
 		"--root-dir="+filepath.Join(d, "root"), "--hostname-override="+w.name, "--node-ip="+w.ip, "--v=1")
 }
 

@@ -26,6 +26,8 @@ type mnPods struct {
 	// a pod from its own node, as the kubelet's probes reach it (the
 	// control plane's host is the world to the nodes' agents).
 	netns map[string]string
+	// workers are the nodes, in order.
+	workers []*workerNode
 }
 
 // ask asks pod for path (see testpod) from the pod's node.
@@ -78,9 +80,14 @@ func TestMultiNode(t *testing.T) {
 	}{
 		{"PodToPodAcrossNodes", testAcrossNodes},
 		{"ServiceWithABackendPerNode", testServiceAcrossNodes},
+		{"ServiceFromEachNodesHost", testServiceFromHosts},
 		{"IngressCNPByRemoteIdentity", testIngressAcrossNodes},
 		{"EgressNetworkPolicyAcrossNodes", testEgressNetpolAcrossNodes},
+		{"IngressNetworkPolicyNamedPort", testIngressNetpolAcrossNodes},
+		{"EgressCNPAcrossNodes", testEgressCNPAcrossNodes},
 		{"RemoteNodeEntity", testRemoteNodeEntity},
+		{"EntitiesFromEachSide", testEntitiesAcrossNodes},
+		{"DNSAcrossNodes", testDNSAcrossNodes},
 	}
 	for _, s := range steps {
 		start := time.Now()
@@ -127,7 +134,7 @@ func (n *node) startMultiNodePods(workers []*workerNode) *mnPods {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &mnPods{clusterIP: svc.Spec.ClusterIP, netns: map[string]string{}}
+	p := &mnPods{clusterIP: svc.Spec.ClusterIP, netns: map[string]string{}, workers: workers}
 	for _, w := range workers {
 		p.netns[w.name] = w.netns
 	}

@@ -33,6 +33,7 @@ type nodeRow struct {
 	Name      string   `json:"name"`
 	Local     bool     `json:"local"`
 	Addresses []string `json:"addresses"`
+	Conflicts []string `json:"conflicts"`
 }
 
 // nodesTable returns the agent's nodes table by name.

@@ -51,6 +51,14 @@ metadata: {name: e2e-node}
 status: {addresses: [{type: InternalIP, address: 192.0.2.250}, {type: Hostname, address: e2e-node}]}
 `
 
+// imposterNode claims the agent's own address (its --node-ips) beside one
+// of its own.
+const imposterNode = `apiVersion: v1
+kind: Node
+metadata: {name: e2e-imposter}
+status: {addresses: [{type: InternalIP, address: 192.0.2.250}, {type: InternalIP, address: ` + remoteAddr + `}]}
+`
+
 const otherNode = `apiVersion: v1
 kind: Node
 metadata: {name: e2e-node-2}
@@ -61,7 +69,8 @@ status: {addresses: [{type: InternalIP, address: ` + remoteAddr + `}, {type: Hos
 // names it; then it is reserved:remote-node (identity 6) in the ipcache
 // table and map, and a pod whose egress allows the world but denies
 // remote-node cannot connect to it; once the Node is deleted it is the
-// world again and the pod connects.
+// world again and the pod connects. A Node claiming this node's own
+// address does not make it remote-node.
 func TestRemoteNodeIdentity(t *testing.T) {
 	testenv.RequireRoot(t)
 	root := testenv.Cgroup(t)
@@ -107,6 +116,48 @@ func TestRemoteNodeIdentity(t *testing.T) {
 	}
 	a.waitRemoteNode(t, remoteAddr+"/32", false)
 	wantConnectFrom(t, cg, addr, "ok")
+
+	// A Node claiming this node's own address: that address stays the
+	// host's alone (not remote-node too), the claim is in the nodes
+	// table's Conflicts; the Node's other address is remote-node.
+	imposter := filepath.Join(configDir, "imposter.yaml")
+	writeFile(t, imposter, imposterNode)
+	a.waitRemoteNode(t, remoteAddr+"/32", true)
+	wantConnectFrom(t, cg, addr, "EPERM")
+	var nodes []struct {
+		Name      string   `json:"name"`
+		Addresses []string `json:"addresses"`
+		Conflicts []string `json:"conflicts"`
+	}
+	if err := a.dump("nodes", &nodes); err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, n := range nodes {
+		if n.Name == "e2e-imposter" {
+			found = true
+			if !slices.Equal(n.Addresses, []string{remoteAddr}) || !slices.Equal(n.Conflicts, []string{"192.0.2.250 is this node's address"}) {
+				t.Errorf("e2e-imposter in the nodes table: %+v", n)
+			}
+		}
+	}
+	if !found {
+		t.Errorf("e2e-imposter not in the nodes table: %+v", nodes)
+	}
+	var rows []ipcacheRow
+	if err := a.dump("ipcache", &rows); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rows {
+		if r.Prefix == "192.0.2.250/32" && (r.Identity != 1 || !slices.Equal(r.Labels, []string{"reserved:host"})) {
+			t.Errorf("the node's own address claimed by e2e-imposter: %+v", r)
+		}
+	}
+	out, err = a.db("show", "nodes")
+	if err != nil {
+		t.Fatalf("apiary db show nodes: %v\n%s", err, out)
+	}
+	t.Logf("apiary db show nodes:\n%s", out)
 }
 
 // wantConnectFrom waits until a connection from the cgroup dir to addr
