@@ -24,7 +24,7 @@ func TestKubeTestbinDir(t *testing.T) {
 	if err := os.MkdirAll(got, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	for _, b := range []string{"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "e2e.test", "agnhost"} {
+	for _, b := range []string{"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy", "e2e.test", "agnhost"} {
 		if err := os.WriteFile(filepath.Join(got, b), nil, 0o755); err != nil {
 			t.Fatal(err)
 		}
