@@ -30,7 +30,7 @@ IMAGE_TAR ?= bin/apiary-image.tar
 # version (a '+', a '/') becomes '-'.
 IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
 
-.PHONY: all build image test test-race test-cluster conformance conformance-multinode conformance-services bench run lint deps clean bpf demo
+.PHONY: all build image test test-race test-cluster conformance conformance-multinode conformance-services conformance-clusternetpol bench run lint deps clean bpf demo
 
 all: build
 
@@ -86,6 +86,14 @@ conformance-multinode: deps image
 conformance-services: deps image
 	APIARY_SERVICES_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance-services.md \
 		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestServicesConformance$$' $(TESTFLAGS) ./test/cluster
+
+## conformance-clusternetpol: network-policy-api v0.3.0's ClusterNetworkPolicy
+## conformance suite (profile ClusterNetworkPolicy, both experimental features)
+## against apiary on test/cluster's node; writes
+## docs/conformance-clusternetpol.md (as root).
+conformance-clusternetpol: deps image
+	APIARY_CNP_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance-clusternetpol.md \
+		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestClusterNetworkPolicyConformance$$' $(TESTFLAGS) ./test/cluster
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)

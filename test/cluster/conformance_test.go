@@ -165,7 +165,8 @@ func TestNetworkPolicyConformance(t *testing.T) {
 // shellTools are the programs the suites exec in agnhost's pods beside
 // agnhost itself, as Kubernetes' own agnhost image (Alpine-based) has
 // them: seq, sleep … from Debian's busybox-static (its applets are links
-// to it), and dash as /bin/sh, curl, GNU wget and OpenBSD's nc with the
+// to it), and dash as /bin/sh, bash (network-policy-api's suite starts its
+// servers with /bin/bash -c), curl, GNU wget and OpenBSD's nc with the
 // shared libraries they load (ldd's list, at the same paths, with the
 // dynamic loader). busybox's own sh, wget and nc will not do: its static
 // wget crashes (SIGSEGV) in a container, its nc lacks the `-v -t` the
@@ -181,6 +182,7 @@ func (n *node) shellTools() []imagetar.File {
 	// Where each dynamic program goes in the image, and the host's.
 	dynamic := []struct{ path, host string }{
 		{"/bin/sh", testenv.RequireProgram(t, "dash", "/usr/bin", "/bin")},
+		{"/bin/bash", testenv.RequireProgram(t, "bash", "/usr/bin", "/bin")},
 		{"/usr/bin/curl", testenv.RequireProgram(t, "curl", "/usr/bin", "/bin")},
 		{"/usr/bin/nc", testenv.RequireProgram(t, "nc.openbsd", "/usr/bin", "/bin")},
 		{"/usr/bin/wget", testenv.RequireProgram(t, "wget", "/usr/bin", "/bin")},
@@ -228,8 +230,10 @@ func readFile(t *testing.T, path string) []byte {
 
 // importAgnhost imports agnhost into containerd under the names the
 // suites ask for, which e2e.test --list-images prints (the current one and
-// older ones that some suites pin), and returns them.
-func (n *node) importAgnhost(bins map[string]string) []string {
+// older ones that some suites pin), and under extra names (those of
+// network-policy-api's suite), and returns them. Like Kubernetes' own
+// agnhost image, it runs `agnhost pause` when a pod gives no arguments.
+func (n *node) importAgnhost(bins map[string]string, extra ...string) []string {
 	t := n.t
 	out, err := exec.Command(bins["e2e.test"], "--list-images").Output()
 	if err != nil {
@@ -243,6 +247,11 @@ func (n *node) importAgnhost(bins map[string]string) []string {
 	}
 	if len(tags) == 0 {
 		t.Fatalf("e2e.test --list-images names no agnhost image:\n%s", out)
+	}
+	for _, e := range extra {
+		if !slices.Contains(tags, e) {
+			tags = append(tags, e)
+		}
 	}
 	data, err := os.ReadFile(bins["agnhost"])
 	if err != nil {
@@ -258,6 +267,7 @@ func (n *node) importAgnhost(bins map[string]string) []string {
 		Tags:         tags,
 		Files:        files,
 		Entrypoint:   []string{"/agnhost"},
+		Cmd:          []string{"pause"},
 		Architecture: runtime.GOARCH,
 	}); err != nil {
 		t.Fatal(err)
