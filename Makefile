@@ -89,11 +89,11 @@ conformance-services: deps image
 
 ## conformance-clusternetpol: network-policy-api v0.3.0's ClusterNetworkPolicy
 ## conformance suite (profile ClusterNetworkPolicy, both experimental features)
-## against apiary on test/cluster's node; writes
+## against apiary on NODES nodes (default 2) of test/cluster's multi-node cluster; writes
 ## docs/conformance-clusternetpol.md (as root).
 conformance-clusternetpol: deps image
 	APIARY_CNP_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance-clusternetpol.md \
-		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestClusterNetworkPolicyConformance$$' $(TESTFLAGS) ./test/cluster
+		APIARY_NODES=$(NODES) $(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestClusterNetworkPolicyConformance$$' $(TESTFLAGS) ./test/cluster
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)

@@ -6,7 +6,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/rand"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -45,9 +44,10 @@ var cnpCISubset = []string{
 // scripts/cnp-testbin) with the ClusterNetworkPolicy profile and both
 // experimental features (ClusterNetworkPolicyNamedPorts,
 // ClusterNetworkPolicyEgressNodePeers) against apiary installed from
-// deploy/ on the real node, with the experimental-channel CRD the features
-// need and agnhost imported under the name the suite's manifests give.
-// Every test run must pass.
+// deploy/ on the multi-node cluster (APIARY_NODES nodes, 2 by default: the
+// suite needs two), with the experimental-channel CRD the features need
+// and agnhost imported under the name the suite's manifests give. Every
+// test run must pass.
 //
 // On a kernel without SCTP the suite runs with APIARY_CNP_NO_SCTP=1 (see
 // scripts/cnp-testbin): its SCTP servers and probes are left out, and a
@@ -70,20 +70,30 @@ func TestClusterNetworkPolicyConformance(t *testing.T) {
 	all := which == "all"
 	images := strings.Fields(string(readFile(t, filepath.Join(suiteDir, "images"))))
 
+	// The suite's host-network StatefulSet has two replicas with the same
+	// host ports, so they need two nodes.
+	count := nodeCount(t)
+	if count < 2 {
+		t.Fatalf("APIARY_NODES=%d: the suite needs 2 nodes or more (two host-network pods with the same ports)", count)
+	}
 	start := time.Now()
-	n := startNode(t)
-	t.Logf("cluster up in %s", time.Since(start).Round(time.Millisecond))
-	agnhost := n.importAgnhost(bins, images...)
-	n.pinDir = "/sys/fs/bpf/apiary-cnp-conformance-" + strings.ToLower(rand.Text()[:8])
-	n.install(agentDirs{pinDir: n.pinDir, stateDir: filepath.Join(n.dir, "agent-state")})
+	n, workers := startMultiNode(t, count)
+	t.Logf("%d nodes up in %s", count, time.Since(start).Round(time.Millisecond))
+	var agnhost []string
+	for _, w := range workers {
+		agnhost = w.importAgnhost(bins, images...)
+	}
+	pinDir := "/sys/fs/bpf/apiary"
+	n.install(agentDirs{pinDir: pinDir, stateDir: workers[0].stateDir})
 	// The experimental features need the experimental channel's schema
 	// (destinationNamedPort, nodes peers): it replaces the standard CRD
 	// deploy/ installs, as docs/policy.md tells users who want them.
 	n.replaceCRD(filepath.Join(suiteDir, "crd-experimental.yaml"))
-	n.waitAgentReady()
-	n.waitAgentHealthy()
-	n.waitCNIChained()
-	t.Logf("apiary installed; %s imported as %s", bins["agnhost"], agnhost)
+	n.waitAgentsReady(count)
+	for _, w := range workers {
+		w.waitChained(pinDir)
+	}
+	t.Logf("apiary installed on %d nodes; %s imported as %s", count, bins["agnhost"], agnhost)
 
 	run := "^" + cnpSuiteTest + "$"
 	switch {
@@ -343,7 +353,9 @@ SIG Network's conformance suite for ClusterNetworkPolicy
 entry point `+"`TestConformanceProfiles`"+`) with the `+"`ClusterNetworkPolicy`"+`
 profile and both experimental features (`+"`ClusterNetworkPolicyNamedPorts`"+`,
 `+"`ClusterNetworkPolicyEgressNodePeers`"+`), run against apiary on test/cluster's
-real single-node cluster (kubelet, containerd, runc). apiary is installed from
+multi-node cluster (2 nodes, each a kubelet, containerd and runc in namespaces
+of one machine; the suite's two host-network pods use the same ports, so they
+need a node each). apiary is installed from
 `+"`deploy/`"+` with its image, and the CRD replaced by the module's experimental
 channel, which the experimental features need. The suite's `+"`agnhost:2.45`"+`
 image is agnhost built from Kubernetes v1.36.4's sources, imported under that
