@@ -92,7 +92,7 @@ conformance-services: deps image
 ## against apiary on NODES nodes (default 2) of test/cluster's multi-node cluster; writes
 ## docs/conformance-clusternetpol.md (as root).
 conformance-clusternetpol: deps image
-	APIARY_CNP_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance-clusternetpol.md \
+	APIARY_CNP_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance-clusternetpol.md APIARY_CNP_CONFORMANCE_LOG=$(CURDIR)/bin/cnp-conformance.json \
 		APIARY_NODES=$(NODES) $(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestClusterNetworkPolicyConformance$$' $(TESTFLAGS) ./test/cluster
 
 bench:

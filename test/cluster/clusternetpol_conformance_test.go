@@ -82,7 +82,9 @@ func cnpRunPattern(subset map[string][]string) string {
 // any other value the suite's tests that -test.run=TestConformanceProfiles/
 // VALUE selects, and APIARY_CONFORMANCE_REPORT=FILE writes the results of a
 // whole run as a Markdown page (make conformance-clusternetpol writes
-// docs/conformance-clusternetpol.md).
+// docs/conformance-clusternetpol.md). APIARY_CNP_CONFORMANCE_LOG=FILE keeps
+// the suite's go test -json events (make conformance-clusternetpol keeps
+// them in bin/cnp-conformance.json).
 func TestClusterNetworkPolicyConformance(t *testing.T) {
 	testenv.RequireRoot(t)
 	bins := testenv.RequireKubeTestbin(t, repoRoot, "e2e.test", "agnhost")
@@ -135,6 +137,11 @@ func TestClusterNetworkPolicyConformance(t *testing.T) {
 	took := time.Since(start)
 	t.Logf("the suite ran in %s (go test -json log: %s)", took.Round(time.Second), logPath)
 
+	if keep := os.Getenv("APIARY_CNP_CONFORMANCE_LOG"); keep != "" {
+		if err := os.WriteFile(keep, readFile(t, logPath), 0o644); err != nil {
+			t.Error(err)
+		}
+	}
 	results, err := readTest2JSON(logPath)
 	if err != nil {
 		t.Fatalf("the suite: %v (exit: %v)", err, runErr)
