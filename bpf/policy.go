@@ -102,6 +102,16 @@ const (
 	// allowed when its address is inside the entry's prefix
 	// (PolicyPrefixesMap), a pod's too. NetworkPolicy ipBlock sets it.
 	PolicyFlagPodAddrs uint8 = 1 << 2
+	// PolicyFlagFinal, on an entry of a peer identity (not 0), makes it
+	// decide alone: the agent folded every layer into it (the
+	// ClusterNetworkPolicy tiers, NetworkPolicy and CNP, the identity-0
+	// entries), so the datapath does not look up identity 0.
+	PolicyFlagFinal uint8 = 1 << 3
+	// PolicyFlagPass, on an entry of a peer identity, makes it decide
+	// nothing: the lookup goes on by identity 0 and the default as if it
+	// had not matched (an Admin tier Pass with no lower rule matching).
+	// Its cookie names the Pass in a default deny's event.
+	PolicyFlagPass uint8 = 1 << 4
 )
 
 // PolicyValue is the value of the policy map (struct policy_value).

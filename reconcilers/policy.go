@@ -272,6 +272,12 @@ func PolicyKeyOf(e *tables.PolicyEntry) (bpf.PolicyKey, bpf.PolicyValue) {
 	case e.PodAddrs:
 		v.Flags |= bpf.PolicyFlagPodAddrs
 	}
+	if e.Final {
+		v.Flags |= bpf.PolicyFlagFinal
+	}
+	if e.Pass {
+		v.Flags |= bpf.PolicyFlagPass
+	}
 	return k, v
 }
 

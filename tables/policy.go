@@ -239,7 +239,26 @@ type PolicyRule struct {
 	// for a DNS rule with an empty list. Empty: the rule has no DNS rule.
 	// An endpoint with one has its DNS intercepted by the DNS proxy.
 	DNS []string `json:"dns,omitempty" yaml:"dns,omitempty"`
+	// Tier is "" for NetworkPolicy and CNP rules, TierAdmin or
+	// TierBaseline for a ClusterNetworkPolicy's; a tiered rule's Deny is
+	// false for Accept and Pass.
+	Tier string `json:"tier,omitempty" yaml:"tier,omitempty"`
+	// Pass: a tiered rule whose action is Pass.
+	Pass bool `json:"pass,omitempty" yaml:"pass,omitempty"`
+	// Priority is the tiered rule's policy's priority (0 first), Index
+	// the rule's place among the policy's rules of its direction.
+	Priority int32 `json:"priority,omitempty" yaml:"priority,omitempty"`
+	Index    int32 `json:"index,omitempty" yaml:"index,omitempty"`
+	// Label names a tiered rule in entries and verdicts:
+	// "clusternetpol/<policy>/<rule name or index>".
+	Label string `json:"label,omitempty" yaml:"label,omitempty"`
 }
+
+// Tiers of ClusterNetworkPolicy rules (PolicyRule.Tier).
+const (
+	TierAdmin    = "admin"
+	TierBaseline = "baseline"
+)
 
 // PortRule is one port (or range, or named port) of a rule.
 type PortRule struct {

@@ -45,6 +45,15 @@ type PolicyEntry struct {
 	// table). A NetworkPolicy ipBlock sets it (MatchesPodAddrs); a CNP's
 	// CIDR rule does not, as in the reference.
 	PodAddrs bool `json:"podAddrs,omitempty" yaml:"podAddrs,omitempty"`
+	// Final, on an entry of a peer identity, makes it decide alone: its
+	// decision folds in every layer (ClusterNetworkPolicy tiers,
+	// NetworkPolicy and CNP, the identity-0 entries), so the datapath
+	// does not look up identity 0 (see docs/policy.md, Tiers).
+	Final bool `json:"final,omitempty" yaml:"final,omitempty"`
+	// Pass, on an entry of a peer identity, makes it decide nothing: the
+	// datapath goes on by identity 0 and the default as if it had not
+	// matched. An Admin tier Pass that no rule below decides makes it.
+	Pass bool `json:"pass,omitempty" yaml:"pass,omitempty"`
 	// Policies are the policies that put the entry there.
 	Policies []string `json:"policies" yaml:"policies"`
 	// Cookie names the first of Policies in the datapath's verdicts.
@@ -124,6 +133,12 @@ func (e *PolicyEntry) TableRow() []string {
 		verdict = "deny (audit)"
 	case e.Deny:
 		verdict = "deny"
+	}
+	switch {
+	case e.Pass:
+		verdict = "pass (identity 0 and the default decide)"
+	case e.Final:
+		verdict += " (final)"
 	}
 	return []string{
 		e.Endpoint, id, e.Direction, PortPrefixString(e.Protocol, e.Port, e.PortBits), verdict,

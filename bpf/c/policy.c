@@ -60,7 +60,7 @@ struct policy_key {
 };
 
 struct policy_value {
-	__u8 flags;           /* POLICY_DENY, POLICY_AUDIT, POLICY_POD_ADDRS */
+	__u8 flags;           /* POLICY_DENY, POLICY_AUDIT, POLICY_POD_ADDRS, POLICY_FINAL, POLICY_PASS */
 	__u8 port_prefix_len; /* for people: the lookup does not return it */
 	__u16 pad;
 	__u32 cookie;
@@ -322,6 +322,16 @@ struct {
 /* An allow entry a NetworkPolicy ipBlock made: it matches the addresses
  * inside the block, a pod's too (by_address). */
 #define POLICY_POD_ADDRS 0x4
+/* An entry of the peer's own identity whose decision the agent computed
+ * from every layer (ClusterNetworkPolicy Admin tier, NetworkPolicy and
+ * CNP, Baseline tier, the identity-0 entries included): it decides alone,
+ * the identity-0 lookup is not made. */
+#define POLICY_FINAL 0x8
+/* An entry of the peer's own identity that decides nothing (an Admin tier
+ * Pass, then no rule below matched): the lookup goes on as if it had not
+ * matched, by identity 0, then the default; its cookie names the Pass in
+ * a default deny's event. */
+#define POLICY_PASS 0x10
 
 #define EP_ENFORCE_INGRESS 0x1
 #define EP_ENFORCE_EGRESS 0x2
@@ -570,7 +580,8 @@ static __always_inline struct decision by_entry(__u64 entry, enum verdict v)
  * for any peer (identity 0): a deny in either wins; else an audited deny
  * in either makes it audited; else an entry in either allows; else
  * nothing does (default deny). The entry that decided is the peer's own
- * when both could have.
+ * when both could have. A POLICY_FINAL entry of the peer's own decides
+ * alone (one lookup); a POLICY_PASS one counts as none.
  */
 static __always_inline struct decision lookup_verdict(__u32 endpoint_id, __u32 identity,
 						       enum direction dir, __u8 protocol,
@@ -586,7 +597,18 @@ static __always_inline struct decision lookup_verdict(__u32 endpoint_id, __u32 i
 	};
 	__u64 l3, l4;
 
+	__u32 passed = 0;
+
 	l3 = lookup_entry(&key);
+	if (l3 & POLICY_FINAL) {
+		if (ENFORCED_DENY(l3))
+			return by_entry(l3, VERDICT_DENIED);
+		return by_entry(l3, (l3 & POLICY_DENY) ? VERDICT_AUDITED : VERDICT_ALLOWED);
+	}
+	if (l3 & POLICY_PASS) {
+		passed = (__u32)(l3 >> 32);
+		l3 = 0;
+	}
 	if (ENFORCED_DENY(l3))
 		return by_entry(l3, VERDICT_DENIED);
 	key.identity = 0;
@@ -601,7 +623,7 @@ static __always_inline struct decision lookup_verdict(__u32 endpoint_id, __u32 i
 		return by_entry(l3, VERDICT_ALLOWED);
 	if (l4 & ENTRY_FOUND)
 		return by_entry(l4, VERDICT_ALLOWED);
-	return (struct decision){ .verdict = VERDICT_DENIED, .reason = REASON_DEFAULT_DENY };
+	return (struct decision){ .cookie = passed, .verdict = VERDICT_DENIED, .reason = REASON_DEFAULT_DENY };
 }
 
 static __always_inline void count_at(__u32 idx)

@@ -419,6 +419,62 @@ func TestAudit(t *testing.T) {
 	}
 }
 
+// TestTiers: the entries ClusterNetworkPolicy tiers make. A final entry of
+// the peer's identity decides alone, whatever identity 0's says; a pass
+// entry counts as none (identity 0, then the default deny decide), and a
+// default deny after it reports its cookie.
+func TestTiers(t *testing.T) {
+	servers(t, [2]string{"tcp", peerC + ":8080"})
+	const (
+		both  = bpf.PolicyEnforceIngress | bpf.PolicyEnforceEgress
+		entry = bpf.PolicyReasonEntry
+		dflt  = bpf.PolicyReasonDefaultDeny
+	)
+	own := rule{identity: 1002, dir: bpf.PolicyEgress, proto: tcp, port: 8080, portBits: 16}
+	anyPeer := rule{identity: 0, dir: bpf.PolicyEgress}
+	with := func(r rule, cookie uint32, deny, final, pass bool) rule {
+		r.cookie, r.deny, r.final, r.pass = cookie, deny, final, pass
+		return r
+	}
+	for _, tc := range []struct {
+		name    string
+		rules   []rule
+		want    string
+		verdict uint8
+		reason  uint8
+		cookie  uint32
+	}{
+		{"final allow beats any peer's deny", []rule{with(own, 61, false, true, false), with(anyPeer, 62, true, false, false)},
+			"ok", bpf.PolicyVerdictAllowed, entry, 61},
+		{"final deny beats any peer's allow", []rule{with(own, 63, true, true, false), with(anyPeer, 64, false, false, false)},
+			"EPERM", bpf.PolicyVerdictDenied, entry, 63},
+		{"final audited deny", []rule{{identity: 1002, dir: bpf.PolicyEgress, proto: tcp, port: 8080, portBits: 16, deny: true, audit: true, final: true, cookie: 65}},
+			"ok", bpf.PolicyVerdictAudited, entry, 65},
+		{"pass, any peer's allow", []rule{with(own, 66, false, false, true), with(anyPeer, 67, false, false, false)},
+			"ok", bpf.PolicyVerdictAllowed, entry, 67},
+		{"pass, any peer's deny", []rule{with(own, 68, false, false, true), with(anyPeer, 69, true, false, false)},
+			"EPERM", bpf.PolicyVerdictDenied, entry, 69},
+		{"pass, then the default deny names the pass", []rule{with(own, 70, false, false, true)},
+			"EPERM", bpf.PolicyVerdictDenied, dflt, 70},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := newDatapath(t)
+			d.peers()
+			d.rules(tc.rules...)
+			d.endpoint(both)
+			c := startChild(t, d.app)
+			if got := c.do("tcp", peerC+":8080"); got != tc.want && !(tc.want == "ok" && strings.HasPrefix(got, "ok")) {
+				t.Errorf("connect: %s, want %s", got, tc.want)
+			}
+			want := event{identity: 1002, verdict: tc.verdict, reason: tc.reason, cookie: tc.cookie, proto: tcp,
+				hook: bpf.PolicyHookConnect4, remote: peerC + ":8080"}
+			if tc.verdict != bpf.PolicyVerdictAllowed {
+				d.expectEvents(tc.name, want.policyEvent())
+			}
+		})
+	}
+}
+
 // TestNoPolicy: a direction that the endpoint does not enforce is
 // reported as allowed with reason "no policy": each connect(), each
 // sendmsg() flow once (sendmsg4 remembers it); cgroup_skb reports nothing

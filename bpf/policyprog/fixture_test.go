@@ -224,6 +224,8 @@ type rule struct {
 	deny     bool
 	audit    bool   // with deny: only audits
 	cookie   uint32 // 1 when 0
+	final    bool   // decides alone (bpf.PolicyFlagFinal)
+	pass     bool   // decides nothing (bpf.PolicyFlagPass)
 }
 
 func (d *datapath) rules(rules ...rule) {
@@ -240,7 +242,7 @@ func (d *datapath) rules(rules ...rule) {
 		k, v := reconcilers.PolicyKeyOf(&tables.PolicyEntry{
 			EndpointID: testEndpoint, Identity: r.identity, Direction: dir,
 			Protocol: r.proto, Port: r.port, PortBits: uint8(r.portBits),
-			Deny: r.deny, Audit: r.audit, Cookie: max(r.cookie, 1),
+			Deny: r.deny, Audit: r.audit, Cookie: max(r.cookie, 1), Final: r.final, Pass: r.pass,
 		})
 		if err := d.maps.Policy.Put(k, v); err != nil {
 			d.t.Fatalf("put %s: %s", k, err)

@@ -18,10 +18,12 @@ const (
 )
 
 // clusterNetpols returns the benchmark's ClusterNetworkPolicies: policy i
-// selects the namespaces of team t<i mod 10> (10 namespaces, so 10 local
-// endpoints); its rules, alternately ingress and egress, deny the pods
-// app=app-<r mod 5> of one namespace (2 identities: client and server) on
-// one TCP port each.
+// is of the Baseline tier when i mod 4 is 3, else of the Admin tier, of
+// priority i mod 50 (so policies share priorities), and selects the
+// namespaces of team t<i mod 10> (10 namespaces, so 10 local endpoints);
+// its rules, alternately ingress and egress, Accept, Deny or Pass (by
+// rule) the pods app=app-<r mod 5> of one namespace (2 identities: client
+// and server) on one TCP port each.
 func clusterNetpols() []*selectors.ClusterNetworkPolicy {
 	var out []*selectors.ClusterNetworkPolicy
 	for i := range cnPolicies {
@@ -29,12 +31,19 @@ func clusterNetpols() []*selectors.ClusterNetworkPolicy {
 			TypeMeta:   metav1.TypeMeta{APIVersion: "policy.networking.k8s.io/v1beta1", Kind: "ClusterNetworkPolicy"},
 			ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("cn-%d", i)},
 			Spec: selectors.ClusterNetworkPolicySpec{
-				Tier: "Admin", Priority: int32(i),
+				Tier: "Admin", Priority: int32(i % 50),
 				Subject: selectors.ClusterNetpolSubject{Namespaces: &metav1.LabelSelector{
 					MatchLabels: map[string]string{"team": fmt.Sprintf("t%d", i%10)}}},
 			},
 		}
+		if i%4 == 3 {
+			p.Spec.Tier = "Baseline"
+		}
 		for r := range cnRules {
+			action := []string{"Deny", "Accept", "Pass"}[r%3]
+			if p.Spec.Tier == "Baseline" && action == "Pass" {
+				action = "Deny"
+			}
 			peer := selectors.ClusterNetpolPeer{Pods: &selectors.NamespacedPod{
 				NamespaceSelector: metav1.LabelSelector{MatchLabels: map[string]string{
 					"kubernetes.io/metadata.name": fmt.Sprintf("ns-%d", (i*7+r)%npNamespaces)}},
@@ -44,10 +53,10 @@ func clusterNetpols() []*selectors.ClusterNetworkPolicy {
 				DestinationPort: &selectors.ClusterNetpolPort{Number: int32(1000 + r)}}}}
 			if r%2 == 0 {
 				p.Spec.Ingress = append(p.Spec.Ingress, selectors.ClusterNetpolIngress{
-					Name: fmt.Sprintf("r%d", r), Action: "Deny", From: []selectors.ClusterNetpolPeer{peer}, Protocols: proto})
+					Name: fmt.Sprintf("r%d", r), Action: action, From: []selectors.ClusterNetpolPeer{peer}, Protocols: proto})
 			} else {
 				p.Spec.Egress = append(p.Spec.Egress, selectors.ClusterNetpolEgressRule{
-					Name: fmt.Sprintf("r%d", r), Action: "Deny", To: []selectors.ClusterNetpolPeer{peer}, Protocols: proto})
+					Name: fmt.Sprintf("r%d", r), Action: action, To: []selectors.ClusterNetpolPeer{peer}, Protocols: proto})
 			}
 		}
 		out = append(out, p)
@@ -57,8 +66,8 @@ func clusterNetpols() []*selectors.ClusterNetworkPolicy {
 
 // BenchmarkAgentClusterNetworkPolicies: issue 38's case, beside
 // BenchmarkAgentNetworkPolicies and on its cluster (2,000 pods in 100
-// namespaces, 100 of them on this node): 100 Admin-tier
-// ClusterNetworkPolicies × 25 Deny rules handed to the selectors cell at
+// namespaces, 100 of them on this node): 100 ClusterNetworkPolicies of
+// both tiers × 25 Accept, Deny and Pass rules handed to the selectors cell at
 // once, timed until the 100 endpoints' entries are computed
 // (to-entries-ms) and in the pinned map (to-map-ms); they all go again,
 // untimed, after each run.

@@ -13,16 +13,18 @@ import (
 	"github.com/apiary-net/apiary/tables"
 )
 
-// clusterNetpolVerdict is the ClusterNetworkPolicy layer's decision, from
-// the API text: the Admin tier's rules in priority order (then rule
-// order), the first one whose subject selects the pod and whose peer and
-// protocol match decides: "deny" for Deny. "pass" when a policy selects
-// the pod with rules in dir but none matched (the next layer decides,
-// and the direction is enforced), "" when none selects it. Subjects and
-// peers are pods only: a namespace by its labels (with
-// kubernetes.io/metadata.name), a pod by its labels and its namespace's.
-// The generator only makes Admin Deny rules, all apiary implements.
-func (o *oracle) clusterNetpolVerdict(ep *testPod, dir string, peer peerRef, scope []tables.NamedPort, proto uint8, port uint16) string {
+// clusterNetpolVerdict is the decision of one tier of
+// ClusterNetworkPolicies ("Admin" or "Baseline"), from the API text: the
+// tier's policies in priority order (same priority: apiary's choice, by
+// name, which the API leaves open), their rules in the order written; the
+// first one whose subject selects the pod and whose peer and protocol
+// match decides: "allow" for Accept, "deny" for Deny, "pass" for Pass
+// (the next tier decides). "none" when a policy selects the pod with
+// rules in dir but none matched (the direction is enforced), "" when none
+// selects it. Subjects and peers are pods only: a namespace by its labels
+// (with kubernetes.io/metadata.name), a pod by its labels and its
+// namespace's.
+func (o *oracle) clusterNetpolVerdict(tier string, ep *testPod, dir string, peer peerRef, scope []tables.NamedPort, proto uint8, port uint16) string {
 	nsLabels := func(ns string) labels.Set {
 		l := labels.Set{"kubernetes.io/metadata.name": ns}
 		for k, v := range o.c.namespaces[ns] {
@@ -94,8 +96,18 @@ func (o *oracle) clusterNetpolVerdict(ep *testPod, dir string, peer peerRef, sco
 		}
 		return false
 	}
-	admin := slices.Clone(o.admin)
-	slices.SortStableFunc(admin, func(a, b *selectors.ClusterNetworkPolicy) int { return int(a.Spec.Priority - b.Spec.Priority) })
+	var admin []*selectors.ClusterNetworkPolicy
+	for _, p := range o.admin {
+		if p.Spec.Tier == tier {
+			admin = append(admin, p)
+		}
+	}
+	slices.SortStableFunc(admin, func(a, b *selectors.ClusterNetworkPolicy) int {
+		if a.Spec.Priority != b.Spec.Priority {
+			return int(a.Spec.Priority - b.Spec.Priority)
+		}
+		return strings.Compare(a.Name, b.Name)
+	})
 	selected := false
 	for _, p := range admin {
 		if !selectsPod(p.Spec.Subject.Namespaces, p.Spec.Subject.Pods, ep) {
@@ -123,17 +135,23 @@ func (o *oracle) clusterNetpolVerdict(ep *testPod, dir string, peer peerRef, sco
 			}) || !protoMatches(r.protocols) {
 				continue
 			}
-			return strings.ToLower(r.action)
+			switch r.action {
+			case "Accept":
+				return "allow"
+			case "Deny":
+				return "deny"
+			}
+			return "pass"
 		}
 	}
 	if selected {
-		return "pass"
+		return "none"
 	}
 	return ""
 }
 
-// clusterNetpol returns a random Admin-tier ClusterNetworkPolicy of Deny
-// rules.
+// clusterNetpol returns a random ClusterNetworkPolicy of either tier,
+// with Accept, Deny and Pass rules.
 func (g generator) clusterNetpol(i int) string {
 	nsSel := func() string {
 		switch g.rng.IntN(4) {
@@ -168,14 +186,20 @@ func (g generator) clusterNetpol(i int) string {
 		}
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "tier: Admin\npriority: %d\nsubject: %s\n", g.rng.IntN(3), pods())
+	fmt.Fprintf(&b, "tier: %s\npriority: %d\nsubject: %s\n", g.pick("Admin", "Admin", "Baseline"), g.rng.IntN(3), pods())
 	for _, dir := range []struct{ name, peer string }{{"ingress", "from"}, {"egress", "to"}} {
 		if g.rng.IntN(2) == 0 {
 			continue
 		}
 		var rules []string
 		for range 1 + g.rng.IntN(2) {
-			rules = append(rules, fmt.Sprintf("{action: Deny, %s: [%s, %s]%s}", dir.peer, pods(), pods(), protocols()))
+			peers := pods() + ", " + pods()
+			if g.rng.IntN(4) == 0 {
+				// Every pod: Passes and Baseline rules that meet the
+				// CNPs' rules often.
+				peers = "{namespaces: {}}"
+			}
+			rules = append(rules, fmt.Sprintf("{action: %s, %s: [%s]%s}", g.pick("Accept", "Deny", "Pass"), dir.peer, peers, protocols()))
 		}
 		fmt.Fprintf(&b, "%s: [%s]\n", dir.name, strings.Join(rules, ", "))
 	}
@@ -183,14 +207,27 @@ func (g generator) clusterNetpol(i int) string {
 }
 
 // TestClusterNetworkPolicyProperty is TestPolicyProperty with
-// ClusterNetworkPolicies among the CNPs: an Admin Deny wins over every
-// CNP allow, and a policy that matches nothing leaves the decision to the
-// CNPs (or allows, where none selects the pod).
+// ClusterNetworkPolicies of both tiers among the CNPs: the Admin tier's
+// first matching rule decides (Accept, Deny) or hands over (Pass), then
+// the CNPs, then the Baseline tier where no CNP decided, then the
+// default.
 func TestClusterNetworkPolicyProperty(t *testing.T) {
-	runPolicyProperty(t, 38, func(g generator, i int) string {
+	paths := runPolicyProperty(t, 38, 10, func(g generator, i int) string {
 		if g.rng.IntN(2) == 0 {
 			return g.clusterNetpol(i)
 		}
 		return g.policy(i)
 	})
+	t.Logf("paths: %v", paths)
+	// A run that never takes a path proves nothing of it. (A Pass then
+	// a Baseline Accept is rare in these clusters:
+	// TestSemanticsClusterNetworkPolicyTiers has it.)
+	for _, p := range []string{
+		"admin allow", "admin deny", "pass, rules allow", "pass, rules deny", "pass, default deny", "pass, default allow",
+		"pass, baseline deny", "baseline deny", "baseline allow", "rules deny", "rules allow",
+	} {
+		if min := 20; !testing.Short() && paths[p] < min {
+			t.Errorf("path %q taken %d times, fewer than %d", p, paths[p], min)
+		}
+	}
 }

@@ -80,7 +80,9 @@ func withPinned(path string, fn func(*ebpf.Map) error) error {
 //	egress identity=256 TCP/80-95 allow
 //
 // identity=any for identity 0, "allow pod-addrs" for an allow that matches
-// pods' addresses too (bpf.PolicyFlagPodAddrs). endpointID, when not 0,
+// pods' addresses too (bpf.PolicyFlagPodAddrs), " final" after the verdict
+// of an entry that decides alone (bpf.PolicyFlagFinal), "pass" for one that
+// decides nothing (bpf.PolicyFlagPass). endpointID, when not 0,
 // keeps one endpoint
 // (an error if the maps do not have it).
 // Entries of an endpoint without a policy_endpoints entry (not enforced
@@ -162,6 +164,12 @@ func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint3
 				verdict = "deny"
 			case e.Value.Flags&bpf.PolicyFlagPodAddrs != 0:
 				verdict = "allow pod-addrs"
+			}
+			switch {
+			case e.Value.Flags&bpf.PolicyFlagPass != 0:
+				verdict = "pass"
+			case e.Value.Flags&bpf.PolicyFlagFinal != 0:
+				verdict += " final"
 			}
 			if _, err := fmt.Fprintf(w, "  %s identity=%s %s %s\n", dir, peer,
 				tables.PortPrefixString(e.Key.Protocol, e.Key.Port.Uint16(), uint8(e.Key.PortBits())), verdict); err != nil {

@@ -29,6 +29,8 @@ endpoint 2 cgroup 1002 enforce=egress audit
   egress identity=16777217 TCP/8080 allow
 endpoint 3 (no cgroup)
   egress identity=any ANY allow
+  egress identity=258 TCP/80 deny final
+  egress identity=258 TCP/81 pass
 endpoint 4 cgroup 1004 enforce=none
 `
 
@@ -50,6 +52,11 @@ func TestPolicyList(t *testing.T) {
 		e.Value.Flags = bpf.PolicyFlagPodAddrs
 		return e
 	}
+	flagged := func(k bpf.PolicyKey, flags uint8) policy.Entry {
+		e := allow(k)
+		e.Value.Flags = flags
+		return e
+	}
 	// In no particular order: the output is sorted.
 	entries := []policy.Entry{
 		podAddrs(bpf.NewPolicyKey(2, 0x01000001, bpf.PolicyEgress, tcp, 443, 16)),
@@ -60,6 +67,8 @@ func TestPolicyList(t *testing.T) {
 		allow(bpf.NewPolicyKey(1, 0, bpf.PolicyEgress, tcp, 0, 0)),
 		allow(bpf.NewPolicyKey(1, 256, bpf.PolicyIngress, tcp, 8080, 16)),
 		allow(bpf.NewPolicyKey(3, 0, bpf.PolicyEgress, 0, 0, 0)),
+		flagged(bpf.NewPolicyKey(3, 258, bpf.PolicyEgress, tcp, 80, 16), bpf.PolicyFlagDeny|bpf.PolicyFlagFinal),
+		flagged(bpf.NewPolicyKey(3, 258, bpf.PolicyEgress, tcp, 81, 16), bpf.PolicyFlagPass),
 		allow(bpf.NewPolicyKey(1, 0, bpf.PolicyIngress, 0, 0, 0)),
 	}
 	endpoints := []policy.Endpoint{
@@ -99,7 +108,7 @@ func TestPolicyList(t *testing.T) {
 	}{
 		{"every endpoint", 0, listGolden, ""},
 		{"--endpoint 2", 2, "endpoint 2 cgroup 1002 enforce=egress audit\n  egress identity=16777217 TCP/443 allow pod-addrs\n  egress identity=16777217 TCP/8080 allow\n", ""},
-		{"--endpoint of no cgroup", 3, "endpoint 3 (no cgroup)\n  egress identity=any ANY allow\n", ""},
+		{"--endpoint of no cgroup", 3, "endpoint 3 (no cgroup)\n  egress identity=any ANY allow\n  egress identity=258 TCP/80 deny final\n  egress identity=258 TCP/81 pass\n", ""},
 		{"--endpoint without entries", 4, "endpoint 4 cgroup 1004 enforce=none\n", ""},
 		{"--endpoint unknown", 99, "", "endpoint 99 is not in the policy maps"},
 	}

@@ -61,6 +61,49 @@ type contrib struct {
 	policy   string
 	deny     bool
 	podAddrs bool
+	// tier is the layer of the rule (layerRules for NetworkPolicy and
+	// CNP rules); a tiered (ClusterNetworkPolicy) one has its pass,
+	// order (priority, then index) and label.
+	tier     uint8
+	pass     bool
+	priority int32
+	index    int32
+	label    string
+}
+
+// Layers of a contribution, in the order they decide (docs/policy.md,
+// Tiers): the Admin tier, NetworkPolicy and CNP rules, the Baseline
+// tier, then the default allow of a direction no policy puts into
+// default deny.
+const (
+	layerRules uint8 = iota
+	layerAdmin
+	layerBaseline
+	layerDefault
+)
+
+// tierLayer returns the layer of a rule's tier.
+func tierLayer(tier string) uint8 {
+	switch tier {
+	case tables.TierAdmin:
+		return layerAdmin
+	case tables.TierBaseline:
+		return layerBaseline
+	}
+	return layerRules
+}
+
+// before says whether tiered contribution a comes before b in its tier:
+// lower priority first; the API leaves policies of the same priority
+// unordered, apiary orders them by name; then the rules' order.
+func (a *contrib) before(b *contrib) bool {
+	switch {
+	case a.priority != b.priority:
+		return a.priority < b.priority
+	case a.policy != b.policy:
+		return a.policy < b.policy
+	}
+	return a.index < b.index
 }
 
 // contribCount is a contribution and how many rules make it. An entry has
@@ -75,6 +118,9 @@ type contribCount struct {
 // entryValue is what an entry decides, and who decided it.
 type entryValue struct {
 	deny bool
+	// final: decides alone (tables.PolicyEntry.Final); pass: decides
+	// nothing (tables.PolicyEntry.Pass).
+	final, pass bool
 	// audit: a deny that only audited policies make.
 	audit bool
 	// podAddrs: an allow that matches pods' addresses too
@@ -84,7 +130,7 @@ type entryValue struct {
 }
 
 func (v entryValue) equal(o entryValue) bool {
-	return v.deny == o.deny && v.audit == o.audit && v.podAddrs == o.podAddrs && slices.Equal(v.policies, o.policies)
+	return v.deny == o.deny && v.final == o.final && v.pass == o.pass && v.audit == o.audit && v.podAddrs == o.podAddrs && slices.Equal(v.policies, o.policies)
 }
 
 // rule is one rule of a policy as it applies to one endpoint: its ports
@@ -96,6 +142,13 @@ type rule struct {
 	deny   bool
 	peers  []string // selectors; tables.AnyPeer is identity 0
 	ports  []portKey
+	// tier, pass, priority, index, label: a ClusterNetworkPolicy rule's
+	// (see contrib).
+	tier     uint8
+	pass     bool
+	priority int32
+	index    int32
+	label    string
 }
 
 // endpoint is a local endpoint and its policy.
@@ -109,7 +162,11 @@ type endpoint struct {
 	// auditIngress, auditEgress: the direction's default deny comes only
 	// from audited policies.
 	auditIngress, auditEgress bool
-	usesNamedEgress           bool
+	// rulesDeny: a NetworkPolicy or CNP (not the mode) puts the
+	// direction (by map direction) into default deny, so that layer
+	// decides every connection there and the Baseline tier none.
+	rulesDeny       [2]bool
+	usesNamedEgress bool
 	// dns are the names the DNS rules of its egress policy allow to look
 	// up, by pattern; empty when it has no DNS rule.
 	dns []tables.DNSRule
@@ -454,6 +511,7 @@ func (e *engine) recompute(ep *endpoint) {
 	ep.failClosed, ep.failIngress, ep.failEgress = nil, nil, nil
 	ep.ingress, ep.egress = tables.EnforceOff, tables.EnforceOff
 	ep.auditIngress, ep.auditEgress = false, false
+	ep.rulesDeny = [2]bool{}
 	ep.reason = ""
 	if e.mode == ModeNever {
 		return
@@ -532,6 +590,7 @@ func (e *engine) recompute(ep *endpoint) {
 			inOn = true
 			if s.spec.DefaultDenyIngress {
 				inDeny = true
+				ep.rulesDeny[dirIngress] = true
 				inEnforced = inEnforced || !e.audited[s.policy]
 			} else {
 				allowIn = append(allowIn, s.policy)
@@ -541,6 +600,7 @@ func (e *engine) recompute(ep *endpoint) {
 			outOn = true
 			if s.spec.DefaultDenyEgress {
 				outDeny = true
+				ep.rulesDeny[dirEgress] = true
 				outEnforced = outEnforced || !e.audited[s.policy]
 			} else {
 				allowOut = append(allowOut, s.policy)
@@ -559,12 +619,12 @@ func (e *engine) recompute(ep *endpoint) {
 	}
 	if inOn && !inDeny {
 		for _, p := range allowIn {
-			ep.add(entryKey{dir: dirIngress, port: anyPort}, contrib{policy: p}, 1)
+			ep.add(entryKey{dir: dirIngress, port: anyPort}, contrib{policy: p, tier: layerDefault}, 1)
 		}
 	}
 	if outOn && !outDeny {
 		for _, p := range allowOut {
-			ep.add(entryKey{dir: dirEgress, port: anyPort}, contrib{policy: p}, 1)
+			ep.add(entryKey{dir: dirEgress, port: anyPort}, contrib{policy: p, tier: layerDefault}, 1)
 		}
 	}
 	for _, s := range selected {
@@ -585,7 +645,7 @@ func (e *engine) recompute(ep *endpoint) {
 				}
 				ep.ambiguous = append(ep.ambiguous, policyWarning{s.policy, where + ": " + a})
 			}
-			if dir == dirEgress && !pr.Deny {
+			if dir == dirEgress && !pr.Deny && !pr.Pass {
 				for _, n := range pr.DNS {
 					if !slices.ContainsFunc(ep.dns, func(r tables.DNSRule) bool { return r.Pattern == n }) {
 						ep.dns = append(ep.dns, tables.DNSRule{Pattern: n, Policy: s.policy})
@@ -593,10 +653,11 @@ func (e *engine) recompute(ep *endpoint) {
 				}
 			}
 			peers := pr.Peers
-			if dir == dirEgress && !pr.Deny {
+			if dir == dirEgress && !pr.Deny && !pr.Pass {
 				peers = withEndpointFQDN(peers, ep.row.Name)
 			}
-			r := &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: peers, ports: ports}
+			r := &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: peers, ports: ports,
+				tier: tierLayer(pr.Tier), pass: pr.Pass, priority: pr.Priority, index: pr.Index, label: pr.Label}
 			if len(r.ports) == 0 {
 				continue
 			}
@@ -682,7 +743,8 @@ func (e *engine) allocateID(ep *endpoint) uint32 {
 // for one remote identity, selected by a peer that matches pods' addresses
 // too (podAddrs) or not.
 func (ep *endpoint) addIdentity(r *rule, id uint32, n int, podAddrs bool) {
-	c := contrib{policy: r.policy, deny: r.deny, podAddrs: podAddrs && !r.deny}
+	c := contrib{policy: r.policy, deny: r.deny, podAddrs: podAddrs && !r.deny && r.tier == layerRules,
+		tier: r.tier, pass: r.pass, priority: r.priority, index: r.index, label: r.label}
 	for _, pk := range r.ports {
 		ep.add(entryKey{identity: id, dir: r.dir, port: pk}, c, n)
 	}
@@ -754,6 +816,9 @@ func (ep *endpoint) recomputeGroup(gk groupKey, audited func(policy string) bool
 	keys := ep.groups[gk]
 	if len(keys) == 0 {
 		return nil
+	}
+	if gk.identity != 0 && ep.hasTiered(gk, keys) {
+		return ep.recomputeTiered(gk, keys, audited)
 	}
 	var denies, pods []portKey
 	for _, pk := range keys {
@@ -977,6 +1042,153 @@ func (ep *endpoint) entry(name string, gk groupKey, pk portKey, v entryValue) *t
 	return &tables.PolicyEntry{
 		Endpoint: name, EndpointID: ep.id, Identity: gk.identity, Direction: dirName(gk.dir),
 		Protocol: pk.proto, Port: pk.port, PortBits: pk.bits, Deny: v.deny, Audit: v.audit,
-		PodAddrs: v.podAddrs, Policies: pol, Cookie: cookie,
+		PodAddrs: v.podAddrs, Final: v.final, Pass: v.pass, Policies: pol, Cookie: cookie,
 	}
+}
+
+// hasTiered says whether a group of a peer identity has contributions of
+// ClusterNetworkPolicy rules: its entries are then computed by
+// recomputeTiered.
+func (ep *endpoint) hasTiered(gk groupKey, keys []portKey) bool {
+	for _, pk := range keys {
+		for _, c := range ep.contribs[entryKey{gk.identity, gk.dir, pk}] {
+			if c.tier == layerAdmin || c.tier == layerBaseline {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// recomputeTiered returns the entries of a group of a peer identity that
+// ClusterNetworkPolicy rules contribute to, sorted by port. Each decides
+// alone (final), with every layer folded in: the group's own
+// contributions and those of identity 0 in the same direction, since the
+// datapath looks up identity 0 no more once a final entry matched. The
+// keys are the group's and those of identity 0 inside one of them, so
+// that the longest-prefix match finds, for any port, the key whose
+// covering contributions are exactly those that apply to the port; each
+// key's decision is then that of the layers in order (decideTiered).
+func (ep *endpoint) recomputeTiered(gk groupKey, keys []portKey, audited func(policy string) bool) []portEntry {
+	zero := ep.groups[groupKey{0, gk.dir}]
+	all := slices.Clone(keys)
+	for _, k0 := range zero {
+		if !slices.Contains(all, k0) && slices.ContainsFunc(keys, func(k portKey) bool { return k.covers(k0) }) {
+			all = append(all, k0)
+		}
+	}
+	out := make([]portEntry, 0, len(all))
+	var cs []contrib
+	for _, pk := range all {
+		cs = cs[:0]
+		for _, k := range keys {
+			if k.covers(pk) {
+				for _, c := range ep.contribs[entryKey{gk.identity, gk.dir, k}] {
+					cs = append(cs, c.contrib)
+				}
+			}
+		}
+		for _, k := range zero {
+			if k.covers(pk) {
+				for _, c := range ep.contribs[entryKey{0, gk.dir, k}] {
+					cs = append(cs, c.contrib)
+				}
+			}
+		}
+		out = append(out, portEntry{pk, ep.decideTiered(cs, gk.dir, audited)})
+	}
+	slices.SortFunc(out, func(a, b portEntry) int { return comparePorts(a.port, b.port) })
+	return out
+}
+
+// passArrow joins an Admin tier Pass rule's label and what decided after
+// it, in entries and verdicts.
+const passArrow = " → "
+
+// decideTiered is the decision of the contributions that apply to a
+// connection, layer by layer (the API's order): the first Admin tier rule
+// (lowest priority, then policy name, then rule index) decides if it is
+// Accept or Deny, and hands over if Pass; then NetworkPolicy and CNP
+// rules (deny wins over allow), and their default deny when one puts the
+// direction into it (the entry passes: the datapath's default deny, and
+// its allow by address, decide as they would without the tiers); then the
+// first Baseline tier rule; then the default (the entry passes too).
+// Where an invalid policy keeps the direction closed, Accept rules are
+// left out.
+func (ep *endpoint) decideTiered(cs []contrib, dir uint8, audited func(policy string) bool) entryValue {
+	var admin, base *contrib
+	var denies, allows []string
+	podAddrs := false
+	// A direction an invalid policy keeps closed takes no Accept of a
+	// tier: the API makes a broken Deny or Pass rule "deny all" at its
+	// priority, which the entries cannot place, so no Accept overrides
+	// the fail-closed default deny.
+	failClosed := (dir == dirIngress && len(ep.failIngress) > 0) || (dir == dirEgress && len(ep.failEgress) > 0)
+	for i := range cs {
+		c := &cs[i]
+		if failClosed && (c.tier == layerAdmin || c.tier == layerBaseline) && !c.deny && !c.pass {
+			continue
+		}
+		switch c.tier {
+		case layerAdmin:
+			if admin == nil || c.before(admin) {
+				admin = c
+			}
+		case layerBaseline:
+			if base == nil || c.before(base) {
+				base = c
+			}
+		case layerRules:
+			if c.deny {
+				if !slices.Contains(denies, c.policy) {
+					denies = append(denies, c.policy)
+				}
+			} else {
+				if !slices.Contains(allows, c.policy) {
+					allows = append(allows, c.policy)
+				}
+				podAddrs = podAddrs || c.podAddrs
+			}
+		}
+	}
+	passed := ""
+	if admin != nil {
+		switch {
+		case admin.pass:
+			passed = admin.label
+		case admin.deny:
+			return entryValue{final: true, deny: true, audit: audited(admin.policy), policies: []string{admin.label}}
+		default:
+			return entryValue{final: true, policies: []string{admin.label}}
+		}
+	}
+	// named prefixes the first of the deciding policies with the Pass
+	// that handed over to them.
+	named := func(ps []string) []string {
+		slices.Sort(ps)
+		if passed != "" {
+			ps[0] = passed + passArrow + ps[0]
+		}
+		return ps
+	}
+	switch {
+	case len(denies) > 0:
+		audit := true
+		for _, p := range denies {
+			audit = audit && audited(p)
+		}
+		return entryValue{final: true, deny: true, audit: audit, policies: named(denies)}
+	case len(allows) > 0:
+		return entryValue{final: true, podAddrs: podAddrs, policies: named(allows)}
+	case !ep.rulesDeny[dir] && base != nil && !base.pass:
+		if base.deny {
+			return entryValue{final: true, deny: true, audit: audited(base.policy), policies: named([]string{base.label})}
+		}
+		return entryValue{final: true, policies: named([]string{base.label})}
+	}
+	v := entryValue{pass: true}
+	if passed != "" {
+		v.policies = []string{passed}
+	}
+	return v
 }

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/cilium/ebpf/ringbuf"
@@ -47,6 +48,9 @@ type eventReader struct {
 	endpointRows map[uint32]*tables.EndpointPolicy
 	endpointsRev statedb.Revision
 	policyNames  map[uint32]string
+	// ruleOwners are the policies of the ClusterNetworkPolicy rules'
+	// labels, rebuilt with policyNames.
+	ruleOwners map[string]string
 	// monoToWall converts the events' CLOCK_MONOTONIC times.
 	monoToWall time.Duration
 }
@@ -105,7 +109,20 @@ func (r *eventReader) handle(ev bpf.PolicyEvent) {
 	default:
 		c.Audited = 1
 	}
-	r.counter.Add(v.Policy, c)
+	r.counter.Add(r.countedPolicy(v.Policy), c)
+}
+
+// countedPolicy returns the policy whose row counts a verdict that names
+// name: the policy of a ClusterNetworkPolicy rule's label, that of the
+// rule or policy that decided after a Pass ("<pass> → <decider>").
+func (r *eventReader) countedPolicy(name string) string {
+	if i := strings.LastIndex(name, passArrow); i >= 0 {
+		name = name[i+len(passArrow):]
+	}
+	if owner, ok := r.ruleOwners[name]; ok {
+		return owner
+	}
+	return name
 }
 
 // verdict decodes ev.
@@ -147,6 +164,8 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 	switch ev.Reason {
 	case bpf.PolicyReasonDefaultDeny:
 		v.Reason = ReasonDefaultDeny
+		// A default deny after an Admin tier Pass names the Pass.
+		v.Policy = r.policyName(ev.Cookie)
 		// The datapath cannot tell a default deny that an invalid policy
 		// keeps from another; the endpoint's row can.
 		if row != nil {
@@ -205,9 +224,41 @@ func (r *eventReader) policyName(cookie uint32) string {
 		return name
 	}
 	clear(r.policyNames)
+	if r.ruleOwners == nil {
+		r.ruleOwners = map[string]string{}
+	}
+	clear(r.ruleOwners)
 	r.policyNames[policyCookie(LocalhostEntryPolicy)] = LocalhostEntryPolicy
+	// The entries of ClusterNetworkPolicy rules name the rule, and those
+	// decided after an Admin tier Pass name the Pass and what decided:
+	// "<pass rule> → <policy or Baseline rule>" (see decideTiered).
+	var names, passes []string
 	for p := range r.policies.All(r.db.ReadTxn()) {
-		r.policyNames[policyCookie(p.Name)] = p.Name
+		names = append(names, p.Name)
+		for _, s := range p.Specs {
+			for _, rule := range s.Rules {
+				if rule.Label == "" {
+					continue
+				}
+				names = append(names, rule.Label)
+				r.ruleOwners[rule.Label] = p.Name
+				if rule.Pass && rule.Tier == tables.TierAdmin {
+					passes = append(passes, rule.Label)
+				}
+			}
+		}
+	}
+	for _, n := range names {
+		r.policyNames[policyCookie(n)] = n
+	}
+	if _, ok := r.policyNames[cookie]; !ok {
+		for _, p := range passes {
+			for _, n := range names {
+				if label := p + passArrow + n; policyCookie(label) == cookie {
+					r.policyNames[cookie] = label
+				}
+			}
+		}
 	}
 	return r.policyNames[cookie]
 }

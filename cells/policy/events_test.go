@@ -36,6 +36,12 @@ func TestVerdictReason(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	const tiered, pass, accept = "clusternetpol/t", "clusternetpol/t/pass-beta", "clusternetpol/t/ingress[1]"
+	if _, _, err := policies.Insert(wtxn, &tables.Policy{Name: tiered, Specs: []tables.PolicySpec{{Rules: []tables.PolicyRule{
+		{Tier: tables.TierAdmin, Pass: true, Label: pass}, {Tier: tables.TierAdmin, Index: 1, Label: accept},
+	}}}}); err != nil {
+		t.Fatal(err)
+	}
 	if _, _, err := policies.Insert(wtxn, &tables.Policy{Name: good}); err != nil {
 		t.Fatal(err)
 	}
@@ -58,6 +64,12 @@ func TestVerdictReason(t *testing.T) {
 			"default/db", ReasonDefaultDeny, ""},
 		{"an entry decided", bpf.PolicyEvent{EndpointID: 1, Direction: bpf.PolicyEgress, Cookie: policyCookie(good), Reason: bpf.PolicyReasonEntry},
 			"default/web", ReasonPolicy, good},
+		{"a ClusterNetworkPolicy rule", bpf.PolicyEvent{EndpointID: 2, Direction: bpf.PolicyIngress, Cookie: policyCookie(accept), Reason: bpf.PolicyReasonEntry},
+			"default/db", ReasonPolicy, accept},
+		{"a policy after a Pass", bpf.PolicyEvent{EndpointID: 2, Direction: bpf.PolicyIngress, Cookie: policyCookie(pass + passArrow + good), Reason: bpf.PolicyReasonEntry},
+			"default/db", ReasonPolicy, pass + passArrow + good},
+		{"a default deny after a Pass", bpf.PolicyEvent{EndpointID: 2, Direction: bpf.PolicyIngress, Verdict: bpf.PolicyVerdictDenied, Cookie: policyCookie(pass), Reason: bpf.PolicyReasonDefaultDeny},
+			"default/db", ReasonDefaultDeny, pass},
 		{"an unknown endpoint", bpf.PolicyEvent{EndpointID: 9, Direction: bpf.PolicyEgress, Verdict: bpf.PolicyVerdictDenied, Reason: bpf.PolicyReasonDefaultDeny},
 			"endpoint 9", ReasonDefaultDeny, ""},
 	} {
@@ -65,6 +77,14 @@ func TestVerdictReason(t *testing.T) {
 		if v.Endpoint != tc.wantEndpoint || v.Reason != tc.wantReason || v.Policy != tc.wantPolicy {
 			t.Errorf("%s: endpoint %q reason %q policy %q, want %q %q %q", tc.name, v.Endpoint, v.Reason, v.Policy,
 				tc.wantEndpoint, tc.wantReason, tc.wantPolicy)
+		}
+	}
+
+	// Verdicts of ClusterNetworkPolicy rules count for their policy; after
+	// a Pass, for the policy that decided.
+	for name, want := range map[string]string{accept: tiered, pass + passArrow + good: good, pass + passArrow + accept: tiered, good: good} {
+		if got := r.countedPolicy(name); got != want {
+			t.Errorf("verdict of %q counted for %q, want %q", name, got, want)
 		}
 	}
 

@@ -32,6 +32,9 @@ type oracle struct {
 	// admin are the ClusterNetworkPolicies (see clusterNetpolVerdict).
 	admin []*selectors.ClusterNetworkPolicy
 	cache map[peerRef]map[string]map[string]string
+	// path says which layer made the last verdict, for the tests to
+	// count how often each path was taken.
+	path string
 }
 
 type oraclePolicy struct {
@@ -270,10 +273,18 @@ func (o *oracle) verdict(ep *testPod, dir string, peer peerRef, proto uint8, por
 		}
 	}
 	enforced, defaultDeny, allowed, denied := false, false, false, false
-	switch o.clusterNetpolVerdict(ep, dir, peer, scope, proto, port) {
-	case "deny":
-		return "deny"
-	case "pass":
+	admin := o.clusterNetpolVerdict("Admin", ep, dir, peer, scope, proto, port)
+	switch admin {
+	case "deny", "allow":
+		o.path = "admin " + admin
+		return admin
+	}
+	o.path = ""
+	if admin == "pass" {
+		o.path = "pass, "
+	}
+	baseline := o.clusterNetpolVerdict("Baseline", ep, dir, peer, scope, proto, port)
+	if admin != "" || baseline != "" {
 		enforced = true
 	}
 	for _, pol := range o.policies {
@@ -353,14 +364,25 @@ func (o *oracle) verdict(ep *testPod, dir string, peer peerRef, proto uint8, por
 	}
 	switch {
 	case !enforced:
+		o.path += "not enforced"
 		return "allow"
 	case denied:
+		o.path += "rules deny"
 		return "deny"
-	case allowed || !defaultDeny:
+	case allowed:
+		o.path += "rules allow"
+		return "allow"
+	case !defaultDeny && (baseline == "allow" || baseline == "deny"):
+		// No NetworkPolicy or CNP decided: the Baseline tier does.
+		o.path += "baseline " + baseline
+		return baseline
+	case !defaultDeny:
+		o.path += "default allow"
 		return "allow"
 	case dir == tables.DirIngress && peer.pod == nil && peer.reserved == identity.IDHost && o.c.localhost != LocalhostPolicy:
 		return "allow"
 	}
+	o.path += "default deny"
 	return "deny"
 }
 
@@ -475,19 +497,21 @@ func (g generator) policy(i int) string {
 // the oracle's, and the engine, updated incrementally, holds exactly what
 // it computes from scratch.
 func TestPolicyProperty(t *testing.T) {
-	runPolicyProperty(t, 24, generator.policy)
+	runPolicyProperty(t, 24, 3, generator.policy)
 }
 
-// runPolicyProperty runs the property test with policies from newPolicy,
-// the random streams numbered stream.
-func runPolicyProperty(t *testing.T, stream uint64, newPolicy func(g generator, i int) string) {
+// runPolicyProperty runs the property test with up to maxPolicies
+// policies at first from newPolicy, the random streams numbered stream. It
+// returns how often the oracle took each path (oracle.path) where the
+// endpoint was enforced.
+func runPolicyProperty(t *testing.T, stream uint64, maxPolicies int, newPolicy func(g generator, i int) string) map[string]int {
 	seeds, steps := 20, 25
 	if testing.Short() {
 		seeds = 5
 	}
 	// How often each verdict came out where the endpoint was enforced:
 	// a run that never denies (or never allows) proves nothing.
-	verdicts := map[string]int{}
+	verdicts, paths := map[string]int{}, map[string]int{}
 	for seed := range seeds {
 		g := generator{rand.New(rand.NewPCG(uint64(seed), stream))}
 		c := cluster{namespaces: map[string]map[string]string{}}
@@ -497,7 +521,7 @@ func runPolicyProperty(t *testing.T, stream uint64, newPolicy func(g generator, 
 		for i := range 6 {
 			c.pods = append(c.pods, g.pod(i))
 		}
-		for i := range 1 + g.rng.IntN(3) {
+		for i := range 1 + g.rng.IntN(maxPolicies) {
 			c.policies = append(c.policies, newPolicy(g, i))
 		}
 		c.localhost = g.pick(LocalhostAlways, LocalhostPolicy)
@@ -578,6 +602,7 @@ func runPolicyProperty(t *testing.T, stream uint64, newPolicy func(g generator, 
 								if row := m.out.endpoints[ep.key()]; (dir == tables.DirIngress && row.Ingress != tables.EnforceOff) ||
 									(dir == tables.DirEgress && row.Egress != tables.EnforceOff) {
 									verdicts[want]++
+									paths[o.path]++
 								}
 								if got := m.verdict(ep.key(), dir, id, proto, port); got != want {
 									pname := fmt.Sprint(peer.reserved)
@@ -599,6 +624,7 @@ func runPolicyProperty(t *testing.T, stream uint64, newPolicy func(g generator, 
 	if verdicts["allow"] < 1000 || verdicts["deny"] < 1000 {
 		t.Errorf("verdicts of enforced directions %v: the generator hardly enforces anything", verdicts)
 	}
+	return paths
 }
 
 // sameAsFromScratch fails the test unless the incremental engine's output

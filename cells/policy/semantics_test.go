@@ -327,7 +327,8 @@ func (m *agentModel) verdictOf(p probe) string {
 // verdict looks up a connection as the datapath does: an endpoint not
 // enforced in the direction allows; otherwise the longest entry of the
 // peer's identity and the longest of identity 0, a deny in either wins,
-// else an entry in either allows, else default deny.
+// else an entry in either allows, else default deny. A final entry of the
+// peer's identity decides alone; a pass one counts as none.
 func (m *agentModel) verdict(ep, dir string, peer uint32, proto uint8, port uint16) string {
 	v, _ := m.judge(ep, dir, peer, proto, port)
 	return v
@@ -342,7 +343,16 @@ func (m *agentModel) judge(ep, dir string, peer uint32, proto uint8, port uint16
 	if state := row.Ingress; (dir == tables.DirEgress && row.Egress == tables.EnforceOff) || (dir == tables.DirIngress && state == tables.EnforceOff) {
 		return "allow", false
 	}
-	exact, wild := m.lookup(ep, dir, peer, proto, port), m.lookup(ep, dir, 0, proto, port)
+	exact := m.lookup(ep, dir, peer, proto, port)
+	switch {
+	case exact != nil && exact.Final && exact.Deny && !exact.Audit:
+		return "deny", true
+	case exact != nil && exact.Final:
+		return "allow", true
+	case exact != nil && exact.Pass:
+		exact = nil
+	}
+	wild := m.lookup(ep, dir, 0, proto, port)
 	switch {
 	case (exact != nil && exact.Deny) || (wild != nil && wild.Deny):
 		return "deny", true

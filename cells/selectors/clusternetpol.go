@@ -197,19 +197,20 @@ const (
 )
 
 // parseClusterNetpol turns a ClusterNetworkPolicy into the spec the other
-// kinds become. What apiary implements of the API so far is the part whose
-// meaning the existing entries express exactly: the Admin tier with Deny
-// rules. An Admin Deny wins over every NetworkPolicy and
-// CiliumNetworkPolicy rule, as a deny entry does, and does not put its
-// subject into default deny (enableDefaultDeny: false); the priorities of
-// Deny rules do not matter among themselves, since they all deny.
+// kinds become, its rules tiered (tables.PolicyRule.Tier): Admin and
+// Baseline, each rule with its policy's priority, its index among the
+// rules of its direction and its label for verdicts
+// ("clusternetpol/<name>/<rule name, or ingress[i], egress[i]>"). The
+// engine orders them (docs/policy.md, Tiers): the Admin tier first
+// (Accept and Deny final, Pass hands over to NetworkPolicy and CNP),
+// then NetworkPolicy and CNP, then the Baseline tier, then the default.
+// The policy does not put its subject into default deny
+// (enableDefaultDeny: false).
 //
-// Accept and Pass (which must win over lower layers' denies, or hand the
-// decision to them), the Baseline tier (which decides only where nothing
-// else does), and nodes and domainNames peers cannot be expressed by the
-// current entries: such a policy is invalid and fails closed, its subjects
-// denied in the directions it has rules in, so that a policy apiary cannot
-// enforce never leaves open what it meant to close.
+// nodes and domainNames peers are not implemented: such a policy is
+// invalid and fails closed, its subjects denied in the directions it has
+// rules in, so that a policy apiary cannot enforce never leaves open what
+// it meant to close.
 //
 // Subjects and peers select pods (never host-network ones, which have the
 // host's identity): namespaces by their labels, pods by theirs and their
@@ -225,10 +226,11 @@ func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 	if cnp.specErr != "" {
 		pp.errs = append(pp.errs, errors.New(cnp.specErr))
 	}
+	tier := tables.TierAdmin
 	switch spec.Tier {
 	case "Admin":
 	case "Baseline":
-		pp.errorf("spec.tier", "the Baseline tier is not implemented yet")
+		tier = tables.TierBaseline
 	default:
 		pp.errorf("spec.tier", "%q is neither Admin nor Baseline", spec.Tier)
 	}
@@ -243,13 +245,21 @@ func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 		ps.Subject = sel.String()
 	}
 	ps.Ingress, ps.Egress = len(spec.Ingress) > 0, len(spec.Egress) > 0
+	tiered := func(r tables.PolicyRule, i int, ruleName, dir string) tables.PolicyRule {
+		r.Tier, r.Priority, r.Index = tier, spec.Priority, int32(i)
+		if ruleName == "" {
+			ruleName = fmt.Sprintf("%s[%d]", dir, i)
+		}
+		r.Label = name + "/" + ruleName
+		return r
+	}
 	for i, r := range spec.Ingress {
 		path := fmt.Sprintf("spec.ingress[%d]", i)
-		ps.Rules = append(ps.Rules, pp.clusterNetpolRule(path, tables.DirIngress, "from", r.Action, r.From, r.Protocols))
+		ps.Rules = append(ps.Rules, tiered(pp.clusterNetpolRule(path, tables.DirIngress, "from", r.Action, r.From, r.Protocols), i, r.Name, tables.DirIngress))
 	}
 	for i, r := range spec.Egress {
 		path := fmt.Sprintf("spec.egress[%d]", i)
-		ps.Rules = append(ps.Rules, pp.clusterNetpolRule(path, tables.DirEgress, "to", r.Action, r.To, r.Protocols))
+		ps.Rules = append(ps.Rules, tiered(pp.clusterNetpolRule(path, tables.DirEgress, "to", r.Action, r.To, r.Protocols), i, r.Name, tables.DirEgress))
 	}
 	p.subjects = sortedSelectors(pp.subjects)
 	if len(pp.errs) > 0 {
@@ -286,11 +296,13 @@ func clusterNetpolPods(path string, namespaces *metav1.LabelSelector, pods *Name
 // clusterNetpolRule parses one rule: its action, its peers (field "from"
 // or "to") and its protocols.
 func (pp *policyParser) clusterNetpolRule(path, dir, field, action string, peers []ClusterNetpolPeer, protocols []ClusterNetpolProtocol) tables.PolicyRule {
-	out := tables.PolicyRule{Direction: dir, Deny: true, Peers: []string{}}
+	out := tables.PolicyRule{Direction: dir, Peers: []string{}}
 	switch action {
 	case clusterNetpolDeny:
-	case clusterNetpolAccept, clusterNetpolPass:
-		pp.errorf(path+".action", "%s is not implemented yet (only Deny in the Admin tier)", action)
+		out.Deny = true
+	case clusterNetpolAccept:
+	case clusterNetpolPass:
+		out.Pass = true
 	default:
 		pp.errorf(path+".action", "%q is not Accept, Deny or Pass", action)
 	}

@@ -77,6 +77,34 @@ egress:
 	}
 }
 
+// Accept, Pass and the Baseline tier become tiered rules with their
+// priority, index and label.
+func TestClusterNetworkPolicyTiers(t *testing.T) {
+	for _, tc := range []struct {
+		spec       string
+		tier       string
+		deny, pass bool
+		index      int32
+		label, dir string
+	}{
+		{"tier: Admin\npriority: 7\nsubject: {namespaces: {}}\ningress: [{action: Deny, from: [{namespaces: {}}]}, {name: ok, action: Accept, from: [{namespaces: {}}]}]",
+			tables.TierAdmin, false, false, 1, "clusternetpol/p/ok", tables.DirIngress},
+		{"tier: Admin\npriority: 7\nsubject: {namespaces: {}}\negress: [{action: Deny, to: [{namespaces: {}}]}, {action: Pass, to: [{namespaces: {}}]}]",
+			tables.TierAdmin, false, true, 1, "clusternetpol/p/egress[1]", tables.DirEgress},
+		{"tier: Baseline\npriority: 7\nsubject: {namespaces: {}}\ningress: [{action: Accept, from: [{namespaces: {}}]}, {action: Deny, from: [{namespaces: {}}]}]",
+			tables.TierBaseline, true, false, 1, "clusternetpol/p/ingress[1]", tables.DirIngress},
+	} {
+		p := parseClusterNetpol("clusternetpol/p", decodeClusterNetpol(t, tc.spec))
+		if p.err != nil {
+			t.Fatalf("%s: %v", tc.spec, p.err)
+		}
+		r := p.specs[0].Rules[1]
+		if r.Tier != tc.tier || r.Deny != tc.deny || r.Pass != tc.pass || r.Priority != 7 || r.Index != tc.index || r.Label != tc.label || r.Direction != tc.dir {
+			t.Errorf("%s: rule %+v", tc.spec, r)
+		}
+	}
+}
+
 // What apiary cannot enforce exactly, and what the API server would
 // refuse, is an invalid policy naming the field; it fails closed on its
 // subjects in the directions it has rules in.
@@ -86,14 +114,8 @@ func TestClusterNetworkPolicyInvalid(t *testing.T) {
 		name, spec, err string
 		ingress, egress bool
 	}{
-		{"accept", "tier: Admin\npriority: 1\n" + subject + "ingress: [{action: Accept, from: [{namespaces: {}}]}]",
-			"spec.ingress[0].action: Accept is not implemented yet", true, false},
-		{"pass", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Pass, to: [{namespaces: {}}]}]",
-			"spec.egress[0].action: Pass is not implemented yet", false, true},
 		{"bad action", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Drop, to: [{namespaces: {}}]}]",
 			`spec.egress[0].action: "Drop" is not Accept, Deny or Pass`, false, true},
-		{"baseline", "tier: Baseline\npriority: 1\n" + subject + "ingress: [{action: Deny, from: [{namespaces: {}}]}]",
-			"spec.tier: the Baseline tier is not implemented yet", true, false},
 		{"bad tier", "tier: Top\npriority: 1\n" + subject + "ingress: [{action: Deny, from: [{namespaces: {}}]}]",
 			`spec.tier: "Top" is neither Admin nor Baseline`, true, false},
 		{"priority", "tier: Admin\npriority: 1001\n" + subject + "ingress: [{action: Deny, from: [{namespaces: {}}]}]",

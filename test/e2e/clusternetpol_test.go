@@ -68,8 +68,11 @@ func clusterNetpolDoc(name, spec string) string {
 // over a NetworkPolicy that allows the same traffic and leave the rest of
 // the subject's traffic open (no default deny); ingress by namespace,
 // egress by network and port, a named port; verdicts name
-// clusternetpol/<name>; a policy apiary cannot enforce exactly (Accept)
-// fails closed; removing the policies restores traffic.
+// clusternetpol/<name>/<rule>; a policy apiary cannot enforce exactly (a
+// nodes peer) fails closed; removing the policies restores traffic. Then
+// the tiers: Baseline Deny where no NetworkPolicy selects, a
+// NetworkPolicy over it, Admin Accept over the NetworkPolicy's default
+// deny, Admin Pass back to the NetworkPolicy.
 func TestClusterNetworkPolicy(t *testing.T) {
 	t.Parallel()
 	testenv.RequireRoot(t)
@@ -176,7 +179,7 @@ spec:
 		expect(t, "tenant a denied on http (9090) only; tenant b allowed",
 			probe{"web", server("9090"), "timeout"}, probe{"web", server("9091"), "ok"},
 			probe{"client", server("9090"), "ok"})
-		monitorSays(t, "cn-beta/server", "denied", "clusternetpol/tenant-isolation", "")
+		monitorSays(t, "cn-beta/server", "denied", "clusternetpol/tenant-isolation/not-from-tenant-a", "")
 	})
 
 	t.Run("admin egress deny by network and port leaves the rest open", func(t *testing.T) {
@@ -192,14 +195,14 @@ spec:
 		expect(t, "client: outside:7000 denied, outside:7001 and the server open",
 			probe{"client", ipCNOutside + ":7000", "EPERM"}, probe{"client", ipCNOutside + ":7001", "ok"},
 			probe{"client", server("9090"), "ok"})
-		monitorSays(t, "cn-beta/client", "denied", "clusternetpol/no-outside-7000", "")
+		monitorSays(t, "cn-beta/client", "denied", "clusternetpol/no-outside-7000/egress[0]", "")
 	})
 
 	t.Run("a policy apiary cannot enforce exactly fails closed", func(t *testing.T) {
 		policy("accept", `  tier: Admin
   priority: 5
   subject: {pods: {namespaceSelector: {matchLabels: {tenant: b}}, podSelector: {matchLabels: {app: client}}}}
-  egress: [{action: Accept, to: [{namespaces: {}}]}]
+  egress: [{action: Accept, to: [{nodes: {}}]}]
 `)
 		expect(t, "client's egress closed",
 			probe{"client", server("9090"), "EPERM"}, probe{"client", ipCNOutside + ":7001", "EPERM"})
@@ -216,7 +219,7 @@ spec:
 				switch p.Name {
 				case "clusternetpol/accept":
 					n++
-					ok = ok && p.Status == "Error" && p.FailClosed && strings.Contains(p.Error, "spec.egress[0].action: Accept is not implemented yet")
+					ok = ok && p.Status == "Error" && p.FailClosed && strings.Contains(p.Error, "spec.egress[0].to[0].nodes: not supported")
 				case "clusternetpol/tenant-isolation", "clusternetpol/no-outside-7000":
 					n++
 					ok = ok && p.Status == "OK"
@@ -233,6 +236,58 @@ spec:
 		expect(t, "open again",
 			probe{"web", server("9090"), "ok"}, probe{"client", ipCNOutside + ":7000", "ok"})
 		a.waitHealthy(t)
+	})
+
+	// The tiers: the Baseline tier decides where no NetworkPolicy
+	// selects, a NetworkPolicy overrides it, an Admin Accept overrides
+	// the NetworkPolicy's default deny, an Admin Pass of higher
+	// precedence hands the decision back to the NetworkPolicy.
+	t.Run("baseline deny where no NetworkPolicy selects", func(t *testing.T) {
+		policy("baseline", `  tier: Baseline
+  priority: 10
+  subject: {pods: {namespaceSelector: {matchLabels: {tenant: b}}, podSelector: {matchLabels: {app: server}}}}
+  ingress: [{name: no-one, action: Deny, from: [{namespaces: {}}]}]
+`)
+		expect(t, "server closed to every pod",
+			probe{"web", server("9090"), "timeout"}, probe{"client", server("9090"), "timeout"},
+			probe{"client", ipCNOutside + ":7000", "ok"})
+		monitorSays(t, "cn-beta/server", "denied", "clusternetpol/baseline/no-one", "")
+	})
+
+	t.Run("a NetworkPolicy overrides the Baseline tier", func(t *testing.T) {
+		writeFile(t, filepath.Join(configDir, "np.yaml"), `apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: from-client, namespace: cn-beta}
+spec:
+  podSelector: {matchLabels: {app: server}}
+  ingress: [{from: [{podSelector: {matchLabels: {app: client}}}]}]
+`)
+		expect(t, "client allowed by the NetworkPolicy, web by nothing",
+			probe{"client", server("9090"), "ok"}, probe{"web", server("9090"), "timeout"})
+		monitorSays(t, "cn-beta/server", "denied", "", "default deny")
+	})
+
+	t.Run("admin accept wins over the NetworkPolicy's deny", func(t *testing.T) {
+		policy("accept-web", `  tier: Admin
+  priority: 50
+  subject: {namespaces: {matchLabels: {tenant: b}}}
+  ingress: [{name: from-tenant-a, action: Accept, from: [{namespaces: {matchLabels: {tenant: a}}}]}]
+`)
+		expect(t, "web and client allowed",
+			probe{"web", server("9090"), "ok"}, probe{"client", server("9090"), "ok"})
+	})
+
+	t.Run("admin pass hands over to the NetworkPolicy", func(t *testing.T) {
+		policy("pass-web", `  tier: Admin
+  priority: 40
+  subject: {namespaces: {matchLabels: {tenant: b}}}
+  ingress: [{name: tenant-a-decides-not, action: Pass, from: [{pods: {namespaceSelector: {matchLabels: {tenant: a}}, podSelector: {matchLabels: {app: web}}}}]}]
+`)
+		expect(t, "web denied by the NetworkPolicy again, client allowed",
+			probe{"web", server("9090"), "timeout"}, probe{"client", server("9090"), "ok"})
+		monitorSays(t, "cn-beta/server", "denied", "clusternetpol/pass-web/tenant-a-decides-not", "default deny")
+		remove("pass-web", "accept-web", "baseline", "np")
+		expect(t, "open again", probe{"web", server("9090"), "ok"})
 	})
 }
 
@@ -293,7 +348,7 @@ spec:
 // watched by a packet socket in cnb, which sees the one to an allowed
 // port first: the one cna's egress rule denies was dropped at cna's
 // interface, the one cnb's ingress rule denies at cnb's. The drops are
-// interface verdicts naming clusternetpol/pkt. IPv4 only: pod-to-pod
+// interface verdicts naming the rules of clusternetpol/pkt. IPv4 only: pod-to-pod
 // traffic goes through the host, which forwards IPv6 only where
 // net.ipv6.conf.all.forwarding is set, and the test does not change it.
 func TestClusterNetworkPolicyPacketLevel(t *testing.T) {
@@ -355,7 +410,10 @@ func TestClusterNetworkPolicyPacketLevel(t *testing.T) {
 		var out, in bool
 		for line := range strings.Lines(mon.log.String()) {
 			var v struct{ Endpoint, Direction, Dst, Verdict, Policy, Layer string }
-			if json.Unmarshal([]byte(line), &v) != nil || v.Layer != "interface" || v.Verdict != "denied" || v.Policy != "clusternetpol/pkt" {
+			if json.Unmarshal([]byte(line), &v) != nil || v.Layer != "interface" || v.Verdict != "denied" || !strings.HasPrefix(v.Policy, "clusternetpol/pkt/") {
+				continue
+			}
+			if v.Policy != "clusternetpol/pkt/no-7005-to-cnb" && v.Policy != "clusternetpol/pkt/no-7003-from-cna" {
 				continue
 			}
 			out = out || (v.Endpoint == "cn-pkt/cna" && v.Direction == "egress" && v.Dst == cnPktB4+":7005")
