@@ -32,8 +32,9 @@ const cnpSuiteTest = "TestConformanceProfiles"
 
 // cnpCISubset is the part of the suite TestClusterNetworkPolicyConformance
 // runs by default (CI, make test-cluster): subtests, by test, that pass on
-// main (Admin tier, Deny rules only), each independent of the subtests
-// before it, about a minute of the suite's time after its pods are up.
+// main (Admin tier, Deny rules only) and with Accept, Pass and the Baseline
+// tier, each independent of the subtests before it, about a minute of the
+// suite's time after its pods are up.
 // make conformance-clusternetpol runs them all.
 var cnpCISubset = map[string][]string{
 	"CNPAdminTierIngressTCP": {
