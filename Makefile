@@ -61,8 +61,9 @@ test-race: deps
 
 ## test-cluster: test/cluster, a real single-node cluster (kubelet, containerd,
 ## runc) with apiary installed from deploy/ and its image, and a part of
-## Kubernetes' NetworkPolicy e2e suite against it (as root; one per
-## machine; CI runs it after test-race). TestMultiNode brings up NODES
+## Kubernetes' NetworkPolicy e2e suite and of network-policy-api's
+## ClusterNetworkPolicy suite against it (as root; one per machine; CI runs
+## it after test-race). TestMultiNode brings up NODES
 ## nodes (default 2) in namespaces of this machine: make test-cluster NODES=3.
 NODES ?= 2
 test-cluster: deps image
