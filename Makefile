@@ -30,7 +30,7 @@ IMAGE_TAR ?= bin/apiary-image.tar
 # version (a '+', a '/') becomes '-'.
 IMAGE_TAG := $(shell printf '%s' '$(VERSION)' | tr -c 'A-Za-z0-9_.-' '-')
 
-.PHONY: all build image test test-race test-cluster conformance conformance-multinode conformance-services bench bench-lb-reference bench-kube-proxy run lint deps clean bpf demo
+.PHONY: all build image test test-race test-cluster conformance conformance-multinode conformance-services conformance-clusternetpol bench bench-lb-reference bench-kube-proxy run lint deps clean bpf demo
 
 all: build
 
@@ -61,8 +61,9 @@ test-race: deps
 
 ## test-cluster: test/cluster, a real single-node cluster (kubelet, containerd,
 ## runc) with apiary installed from deploy/ and its image, and a part of
-## Kubernetes' NetworkPolicy e2e suite against it (as root; one per
-## machine; CI runs it after test-race). TestMultiNode brings up NODES
+## Kubernetes' NetworkPolicy e2e suite and of network-policy-api's
+## ClusterNetworkPolicy suite against it (as root; one per machine; CI runs
+## it after test-race). TestMultiNode brings up NODES
 ## nodes (default 2) in namespaces of this machine: make test-cluster NODES=3.
 NODES ?= 2
 test-cluster: deps image
@@ -90,6 +91,14 @@ conformance-multinode: deps image
 conformance-services: deps image
 	APIARY_SERVICES_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance-services.md \
 		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestServicesConformance$$' $(TESTFLAGS) ./test/cluster
+
+## conformance-clusternetpol: network-policy-api v0.3.0's ClusterNetworkPolicy
+## conformance suite (profile ClusterNetworkPolicy, both experimental features)
+## against apiary on NODES nodes (default 2) of test/cluster's multi-node cluster; writes
+## docs/conformance-clusternetpol.md (as root).
+conformance-clusternetpol: deps image
+	APIARY_CNP_CONFORMANCE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance-clusternetpol.md APIARY_CNP_CONFORMANCE_LOG=$(CURDIR)/bin/cnp-conformance.json \
+		APIARY_NODES=$(NODES) $(GO) test -tags cluster -count=1 -timeout 120m -v -run '^TestClusterNetworkPolicyConformance$$' $(TESTFLAGS) ./test/cluster
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) $(PKGS)

@@ -48,3 +48,10 @@ if ! scripts/hubble-testbin/build.sh >/dev/null; then
 	[ "${APIARY_STRICT:-}" != 1 ] || exit 1
 	echo "install-deps: could not build the hubble CLI; TestHubble will skip" >&2
 fi
+
+# network-policy-api's ClusterNetworkPolicy conformance suite for test/
+# cluster, built the same way (about 2 minutes the first time).
+if ! scripts/cnp-testbin/build.sh >/dev/null; then
+	[ "${APIARY_STRICT:-}" != 1 ] || exit 1
+	echo "install-deps: could not build the ClusterNetworkPolicy conformance suite; TestClusterNetworkPolicyConformance will skip" >&2
+fi

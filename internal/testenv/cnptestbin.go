@@ -1,0 +1,59 @@
+package testenv
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// CNPTestbinEnv names a directory holding network-policy-api's conformance
+// suite as scripts/cnp-testbin/build.sh builds it; unset, it is where
+// build.sh puts it.
+const CNPTestbinEnv = "APIARY_CNP_TESTBIN"
+
+// CNPTestbinDir returns where scripts/cnp-testbin/build.sh puts the suite
+// for the repository at repoRoot: $APIARY_CNP_TESTBIN, or its cache
+// directory keyed as build.sh keys it (the first 16 hex digits of the
+// SHA-256 of go.sum, build.sh and nosctp/nosctp.go, in that order).
+func CNPTestbinDir(repoRoot string) (string, error) {
+	if dir := os.Getenv(CNPTestbinEnv); dir != "" {
+		return dir, nil
+	}
+	h := sha256.New()
+	for _, f := range []string{"go.sum", "build.sh", "nosctp/nosctp.go"} {
+		data, err := os.ReadFile(filepath.Join(repoRoot, "scripts/cnp-testbin", f))
+		if err != nil {
+			return "", fmt.Errorf("cnp-testbin key: %w", err)
+		}
+		h.Write(data)
+	}
+	cache := os.Getenv("XDG_CACHE_HOME")
+	if cache == "" {
+		home, err := os.UserHomeDir()
+		if err != nil {
+			return "", fmt.Errorf("cnp-testbin cache: %w", err)
+		}
+		cache = filepath.Join(home, ".cache")
+	}
+	return filepath.Join(cache, "apiary", "cnp-testbin", hex.EncodeToString(h.Sum(nil))[:16]), nil
+}
+
+// RequireCNPTestbin returns the directory scripts/cnp-testbin/build.sh
+// fills (the suite's test binary cnp-conformance.test, the experimental
+// ClusterNetworkPolicy CRD it needs, the images its manifests name),
+// skipping (or failing under APIARY_STRICT=1) when it has not been built.
+func RequireCNPTestbin(tb testing.TB, repoRoot string) string {
+	tb.Helper()
+	dir, err := CNPTestbinDir(repoRoot)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if st, err := os.Stat(filepath.Join(dir, "cnp-conformance.test")); err != nil || st.Mode()&0o111 == 0 {
+		Skip(tb, fmt.Sprintf("needs %s/cnp-conformance.test: build it with scripts/cnp-testbin/build.sh "+
+			"(make deps does), or point %s at a directory holding it", dir, CNPTestbinEnv))
+	}
+	return dir
+}
