@@ -151,6 +151,7 @@ func TestNetworkPolicyConformance(t *testing.T) {
 	if runErr != nil && failed == 0 {
 		t.Errorf("e2e.test failed outside the tests: %v\n%s", runErr, tail(logPath, 60))
 	}
+	checkSuiteFlows(t, n)
 	if report := os.Getenv("APIARY_CONFORMANCE_REPORT"); report != "" {
 		if !all {
 			t.Fatalf("APIARY_CONFORMANCE_REPORT needs APIARY_CONFORMANCE=all: the report lists the whole suite")

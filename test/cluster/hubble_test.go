@@ -44,28 +44,10 @@ type clusterFlowEndpoint struct {
 // of the Deployment, each with its namespace, pod and verdict, and the
 // socket LB's translation of that connection.
 func testHubble(t *testing.T, n *node, w *workloads) {
-	bin := testenv.RequireHubble(t, repoRoot)
-	server := "unix://" + filepath.Join(n.dir, "agent-state", "hubble.sock")
+	bin, server := hubbleOf(t, n)
 	observe := func(args ...string) []clusterFlow {
 		t.Helper()
-		cmd := exec.Command(bin, append([]string{"observe", "--server", server, "-o", "json"}, args...)...)
-		out, err := cmd.Output()
-		if err != nil {
-			var stderr []byte
-			if ee, ok := err.(*exec.ExitError); ok {
-				stderr = ee.Stderr
-			}
-			t.Fatalf("hubble observe %s: %v: %s%s", strings.Join(args, " "), err, out, stderr)
-		}
-		var flows []clusterFlow
-		for line := range strings.Lines(string(out)) {
-			var f clusterFlow
-			if err := json.Unmarshal([]byte(line), &f); err != nil {
-				t.Fatalf("hubble printed %q: %v", line, err)
-			}
-			flows = append(flows, f)
-		}
-		return flows
+		return observeHubble(t, bin, server, args...)
 	}
 	if out, err := exec.Command(bin, "status", "--server", server).CombinedOutput(); err != nil || !strings.Contains(string(out), "Ok") {
 		t.Fatalf("hubble status: %v: %s", err, out)
@@ -119,4 +101,58 @@ func testHubble(t *testing.T, n *node, w *workloads) {
 			t.Errorf("--namespace %s --verdict DROPPED: %+v", ns, f.Flow)
 		}
 	}
+}
+
+// hubbleOf returns the hubble CLI and the address of the DaemonSet agent's
+// Hubble socket on the node (a hostPath in the agent's state directory).
+func hubbleOf(t *testing.T, n *node) (bin, server string) {
+	return testenv.RequireHubble(t, repoRoot), "unix://" + filepath.Join(n.dir, "agent-state", "hubble.sock")
+}
+
+// observeHubble runs `hubble observe -o json ARGS` against server.
+func observeHubble(t *testing.T, bin, server string, args ...string) []clusterFlow {
+	t.Helper()
+	cmd := exec.Command(bin, append([]string{"observe", "--server", server, "-o", "json"}, args...)...)
+	out, err := cmd.Output()
+	if err != nil {
+		var stderr []byte
+		if ee, ok := err.(*exec.ExitError); ok {
+			stderr = ee.Stderr
+		}
+		t.Fatalf("hubble observe %s: %v: %s%s", strings.Join(args, " "), err, out, stderr)
+	}
+	var flows []clusterFlow
+	for line := range strings.Lines(string(out)) {
+		var f clusterFlow
+		if err := json.Unmarshal([]byte(line), &f); err != nil {
+			t.Fatalf("hubble printed %q: %v", line, err)
+		}
+		flows = append(flows, f)
+	}
+	return flows
+}
+
+// checkSuiteFlows: `hubble observe` through the DaemonSet shows the
+// traffic of the suite that just ran on the node: flows between pods of
+// the namespaces it made (neither the test's own nor kube-system), both
+// forwarded and dropped, as its policies allowed and denied them.
+func checkSuiteFlows(t *testing.T, n *node) {
+	t.Helper()
+	bin, server := hubbleOf(t, n)
+	verdicts := map[string]int{}
+	namespaces := map[string]bool{}
+	for _, f := range observeHubble(t, bin, server, "--last", "4000") {
+		for _, e := range []clusterFlowEndpoint{f.Flow.Source, f.Flow.Destination} {
+			if e.Namespace != "" && e.Namespace != ns && e.Namespace != "kube-system" && e.PodName != "" {
+				verdicts[f.Flow.Verdict]++
+				namespaces[e.Namespace] = true
+				break
+			}
+		}
+	}
+	if verdicts["FORWARDED"] == 0 || verdicts["DROPPED"] == 0 {
+		t.Errorf("hubble observe: flows of the suite's pods by verdict %v (namespaces %v), want forwarded and dropped ones", verdicts, namespaces)
+		return
+	}
+	t.Logf("hubble observe: the suite's flows by verdict %v, in %d namespaces", verdicts, len(namespaces))
 }
