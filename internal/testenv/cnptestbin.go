@@ -1,8 +1,6 @@
 package testenv
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -19,26 +17,7 @@ const CNPTestbinEnv = "APIARY_CNP_TESTBIN"
 // directory keyed as build.sh keys it (the first 16 hex digits of the
 // SHA-256 of go.sum, build.sh and nosctp/nosctp.go, in that order).
 func CNPTestbinDir(repoRoot string) (string, error) {
-	if dir := os.Getenv(CNPTestbinEnv); dir != "" {
-		return dir, nil
-	}
-	h := sha256.New()
-	for _, f := range []string{"go.sum", "build.sh", "nosctp/nosctp.go"} {
-		data, err := os.ReadFile(filepath.Join(repoRoot, "scripts/cnp-testbin", f))
-		if err != nil {
-			return "", fmt.Errorf("cnp-testbin key: %w", err)
-		}
-		h.Write(data)
-	}
-	cache := os.Getenv("XDG_CACHE_HOME")
-	if cache == "" {
-		home, err := os.UserHomeDir()
-		if err != nil {
-			return "", fmt.Errorf("cnp-testbin cache: %w", err)
-		}
-		cache = filepath.Join(home, ".cache")
-	}
-	return filepath.Join(cache, "apiary", "cnp-testbin", hex.EncodeToString(h.Sum(nil))[:16]), nil
+	return testbinDir(repoRoot, "cnp-testbin", CNPTestbinEnv, "go.sum", "build.sh", "nosctp/nosctp.go")
 }
 
 // RequireCNPTestbin returns the directory scripts/cnp-testbin/build.sh

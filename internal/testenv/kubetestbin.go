@@ -1,8 +1,6 @@
 package testenv
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -18,26 +16,7 @@ const KubeTestbinEnv = "APIARY_KUBE_TESTBIN"
 // cache directory keyed as build.sh keys it (the first 16 hex digits of the
 // SHA-256 of go.sum followed by build.sh).
 func KubeTestbinDir(repoRoot string) (string, error) {
-	if dir := os.Getenv(KubeTestbinEnv); dir != "" {
-		return dir, nil
-	}
-	h := sha256.New()
-	for _, f := range []string{"go.sum", "build.sh"} {
-		data, err := os.ReadFile(filepath.Join(repoRoot, "scripts/kube-testbin", f))
-		if err != nil {
-			return "", fmt.Errorf("kube-testbin key: %w", err)
-		}
-		h.Write(data)
-	}
-	cache := os.Getenv("XDG_CACHE_HOME")
-	if cache == "" {
-		home, err := os.UserHomeDir()
-		if err != nil {
-			return "", fmt.Errorf("kube-testbin cache: %w", err)
-		}
-		cache = filepath.Join(home, ".cache")
-	}
-	return filepath.Join(cache, "apiary", "kube-testbin", hex.EncodeToString(h.Sum(nil))[:16]), nil
+	return testbinDir(repoRoot, "kube-testbin", KubeTestbinEnv, "go.sum", "build.sh")
 }
 
 // RequireKubeTestbin returns the paths of the named binaries of
