@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/statedb"
@@ -218,6 +219,7 @@ func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin
 	if err != nil {
 		return fqdn.Origin{}, false
 	}
+	i.waitEndpoints()
 	name, isPod := i.podOf(client.Addr())
 	if !isPod {
 		return i.originOfHostSource(origin, protocol, client)
@@ -237,6 +239,28 @@ func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin
 		return i.originByAddr(client.Addr())
 	}
 	return fqdn.Origin{Resolver: v.ResolverAddr(), Endpoint: row.Name, Rules: row.DNS}, true
+}
+
+// originInitWait bounds how long a query waits for the first policy
+// computation after a start.
+const originInitWait = 5 * time.Second
+
+// waitEndpoints waits, at most originInitWait, until the endpoint-policy
+// table holds the first computation's rows. Just after a restart the
+// programs a previous run pinned already send pods' queries to the proxy;
+// without the rows, the origin they published cannot be found and the
+// query would go to --dns-upstream instead of the resolver the pod asked.
+func (i *interceptor) waitEndpoints() {
+	ok, initialized := i.endpoints.Initialized(i.db.ReadTxn())
+	if ok {
+		return
+	}
+	t := time.NewTimer(originInitWait)
+	defer t.Stop()
+	select {
+	case <-initialized:
+	case <-t.C:
+	}
 }
 
 // originOfHostSource is the origin of a query from an address of no pod:
