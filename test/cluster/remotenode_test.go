@@ -10,11 +10,13 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 
 	"github.com/apiary-net/apiary/internal/testenv"
@@ -123,10 +125,12 @@ spec:
 }
 
 // deleteGhostNode deletes the ghost Node and the DaemonSet pods bound to
-// it. The DaemonSet controller has no handler for a deleted Node: its
-// status counts the ghost until the pod garbage collector removes the
-// orphaned pod (40 s of quarantine and more), so later subtests that wait
-// for the DaemonSet to be ready would wait on that instead.
+// it, and has the DaemonSet counted again. The DaemonSet controller has no
+// handler for a deleted Node: its status counts the ghost until some other
+// event makes it sync (the pod garbage collector removing the orphaned
+// pod, after 40 s of quarantine and more, or never when no pod was made),
+// so later subtests that wait for the DaemonSet to be ready would wait on
+// that instead.
 func deleteGhostNode(t *testing.T, n *node) {
 	t.Helper()
 	ctx := context.Background()
@@ -150,6 +154,15 @@ func deleteGhostNode(t *testing.T, n *node) {
 			return false, err.Error()
 		}
 		st := ds.Status
+		if len(pods.Items) == 0 && st.DesiredNumberScheduled != 1 {
+			// No pod event left to make the controller count again:
+			// a change of the DaemonSet's own metadata (not its
+			// template, so no rollout) does.
+			patch := fmt.Sprintf(`{"metadata":{"annotations":{"apiary.test/recount":%q}}}`, time.Now().Format(time.RFC3339Nano))
+			if _, err := n.cs.AppsV1().DaemonSets("kube-system").Patch(ctx, "apiary-agent", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+				return false, err.Error()
+			}
+		}
 		return len(pods.Items) == 0 && st.DesiredNumberScheduled == 1 && st.CurrentNumberScheduled == 1,
 			fmt.Sprintf("%d pods on %s; DaemonSet status %+v", len(pods.Items), ghostNode, st)
 	})
