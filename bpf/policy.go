@@ -117,6 +117,12 @@ const (
 	// had not matched (an Admin tier Pass with no lower rule matching).
 	// Its cookie names the Pass in a default deny's event.
 	PolicyFlagPass uint8 = 1 << 4
+	// PolicyFlagDrop, on a deny entry, says a ClusterNetworkPolicy Deny
+	// rule (Admin or Baseline tier) decided it, which the API says drops:
+	// the socket hooks let it through where the endpoint's interface is
+	// enforced (PolicyPodIface) and the interface program drops it;
+	// elsewhere it is EPERM as any deny.
+	PolicyFlagDrop uint8 = 1 << 5
 )
 
 // PolicyValue is the value of the policy map (struct policy_value).
@@ -178,6 +184,13 @@ const (
 	// (port 53) goes to the DNS proxy, or is denied when it cannot (see
 	// DNSConfigMap).
 	PolicyDNS uint32 = 1 << 6
+	// PolicyPodIface: the endpoint's pod interface is enforced (the
+	// interface programs attached, its policy_ifaces entry naming the
+	// endpoint's cgroup), so a PolicyFlagDrop deny may pass the socket
+	// hooks to be dropped there. The agent clears it from every entry
+	// when it opens the map, and sets it again per endpoint once its
+	// interface is reconciled.
+	PolicyPodIface uint32 = 1 << 7
 )
 
 // PolicyFlowSlots is how many flows (peers) a socket remembers; a socket

@@ -152,6 +152,21 @@ func (p *Policy) OpenWith(opener bpf.Opener, pinDir string, maxEntries, maxEndpo
 		p.endpoints.Close()
 		return nil, err
 	}
+	// No endpoint's interface is known enforced until this run has
+	// reconciled it (an earlier run's may have been detached since, or
+	// this run may not enforce interfaces at all): a ClusterNetworkPolicy
+	// Deny is EPERM meanwhile, never let through for no interface to drop.
+	for cg, v := range p.endpoints.All() {
+		if v.Flags&bpf.PolicyPodIface != 0 {
+			v.Flags &^= bpf.PolicyPodIface
+			if err := p.endpoints.Put(cg, v); err != nil {
+				p.policy.Close()
+				p.endpoints.Close()
+				p.gen.Close()
+				return nil, fmt.Errorf("clear the interface flag of cgroup %d: %w", cg, err)
+			}
+		}
+	}
 	// Moved at once: programs of an earlier run may have cached what
 	// this one is about to change, and 0 means no counter to them.
 	if err := p.moveGenLocked(); err != nil {
@@ -291,6 +306,9 @@ func PolicyKeyOf(e *tables.PolicyEntry) (bpf.PolicyKey, bpf.PolicyValue) {
 	if e.Pass {
 		v.Flags |= bpf.PolicyFlagPass
 	}
+	if e.Drop && e.Deny {
+		v.Flags |= bpf.PolicyFlagDrop
+	}
 	return k, v
 }
 
@@ -381,6 +399,9 @@ func EndpointValue(e *tables.EndpointPolicy) bpf.PolicyEndpointValue {
 	}
 	if len(e.DNS) > 0 {
 		v.Flags |= bpf.PolicyDNS
+	}
+	if e.PodIface {
+		v.Flags |= bpf.PolicyPodIface
 	}
 	return v
 }

@@ -54,6 +54,11 @@ type PolicyEntry struct {
 	// datapath goes on by identity 0 and the default as if it had not
 	// matched. An Admin tier Pass that no rule below decides makes it.
 	Pass bool `json:"pass,omitempty" yaml:"pass,omitempty"`
+	// Drop, on a deny entry, says a ClusterNetworkPolicy Deny rule
+	// decided it: the API says it drops, so where the endpoint's
+	// interface is enforced (EndpointPolicy.PodIface) the socket hooks
+	// let it through and the interface drops it (bpf.PolicyFlagDrop).
+	Drop bool `json:"drop,omitempty" yaml:"drop,omitempty"`
 	// Policies are the policies that put the entry there.
 	Policies []string `json:"policies" yaml:"policies"`
 	// Cookie names the first of Policies in the datapath's verdicts.
@@ -131,6 +136,8 @@ func (e *PolicyEntry) TableRow() []string {
 		verdict = "allow (pod addresses too)"
 	case e.Deny && e.Audit:
 		verdict = "deny (audit)"
+	case e.Deny && e.Drop:
+		verdict = "drop"
 	case e.Deny:
 		verdict = "deny"
 	}
@@ -246,6 +253,11 @@ type EndpointPolicy struct {
 	// it look up, by pattern. Not empty: its DNS is intercepted by the
 	// DNS proxy, which refuses other names (bpf.PolicyDNS).
 	DNS []DNSRule `json:"dns,omitempty" yaml:"dns,omitempty"`
+	// PodIface: the endpoint's pod interface is enforced (its
+	// pod-interfaces row reconciled for the endpoint's cgroup), so a
+	// ClusterNetworkPolicy Deny is dropped there rather than refused
+	// with EPERM at the socket (bpf.PolicyPodIface).
+	PodIface bool `json:"podIface,omitempty" yaml:"podIface,omitempty"`
 	// Agent marks the row of the agent's own container cgroup (Name
 	// "agent:<cgroup>"): an endpoint that no policy enforces, written at
 	// start, before anything else, so that the pinned programs of an

@@ -60,7 +60,7 @@ struct policy_key {
 };
 
 struct policy_value {
-	__u8 flags;           /* POLICY_DENY, POLICY_AUDIT, POLICY_POD_ADDRS, POLICY_FINAL, POLICY_PASS */
+	__u8 flags;           /* POLICY_DENY, POLICY_AUDIT, POLICY_POD_ADDRS, POLICY_FINAL, POLICY_PASS, POLICY_DROP */
 	__u8 port_prefix_len; /* for people: the lookup does not return it */
 	__u16 pad;
 	__u32 cookie;
@@ -69,7 +69,7 @@ struct policy_value {
 /* policy_endpoints: cgroup id (u64) -> endpoint. */
 struct policy_endpoint {
 	__u32 endpoint_id;
-	__u32 flags; /* EP_ENFORCE_*, EP_AUDIT, EP_AUDIT_DEFAULT_*, EP_POD_TREE */
+	__u32 flags; /* EP_ENFORCE_*, EP_AUDIT, EP_AUDIT_DEFAULT_*, EP_POD_TREE, EP_DNS, EP_IFACE */
 };
 
 /* An address: IPv6, or IPv4 as ::ffff:a.b.c.d (network order). */
@@ -366,6 +366,12 @@ struct {
  * matched, by identity 0, then the default; its cookie names the Pass in
  * a default deny's event. */
 #define POLICY_PASS 0x10
+/* A deny entry a ClusterNetworkPolicy Deny rule decided (Admin or
+ * Baseline tier): the API says it drops. The socket hooks let it through
+ * where the endpoint's interface is enforced (EP_IFACE), and the
+ * interface program drops it (dropped_at_iface); elsewhere it is EPERM
+ * as any deny. */
+#define POLICY_DROP 0x20
 
 #define EP_ENFORCE_INGRESS 0x1
 #define EP_ENFORCE_EGRESS 0x2
@@ -380,6 +386,11 @@ struct {
 /* The endpoint's egress policy has a DNS rule: its DNS goes to the proxy
  * (dns_redirect.h). */
 #define EP_DNS 0x40
+/* The endpoint's pod interface is enforced: policy_from_pod and
+ * policy_to_pod are attached to its host side, and its policy_ifaces
+ * entry names the endpoint's cgroup. Only then may a POLICY_DROP deny
+ * pass the socket hooks, to be dropped there. */
+#define EP_IFACE 0x80
 /* Never in the map: what endpoint_of says of an unclassified process. */
 #define EP_UNCLASSIFIED 0x80000000
 
@@ -400,6 +411,8 @@ struct {
 #define MAX_CGROUP_LEVEL 16
 
 #define IPPROTO_ICMPV6_ 58
+/* lo's index, the same in every network namespace. */
+#define LOOPBACK_IFINDEX 1
 
 /* A read of a context field where the code says, by its own offset. */
 #define READ_CTX(field) (*(volatile typeof(field) *)&(field))
@@ -662,6 +675,7 @@ struct decision {
 	__u32 cookie;   /* of the entry that decided, 0 when none did */
 	__u8 verdict;   /* enum verdict */
 	__u8 reason;    /* enum reason */
+	__u8 drop;      /* the entry has POLICY_DROP */
 };
 
 static __always_inline struct decision by_entry(__u64 entry, enum verdict v)
@@ -670,7 +684,21 @@ static __always_inline struct decision by_entry(__u64 entry, enum verdict v)
 		.cookie = (__u32)(entry >> 32),
 		.verdict = v,
 		.reason = REASON_ENTRY,
+		.drop = !!(entry & POLICY_DROP),
 	};
+}
+
+/*
+ * dropped_at_iface tells whether a socket hook lets denial d of an
+ * endpoint's egress through, for the endpoint's interface to drop: a
+ * ClusterNetworkPolicy Deny drops (a peer sees no answer, as the API
+ * says), where every other denial is EPERM at once. Only where the
+ * interface is enforced (EP_IFACE): anywhere else it is EPERM too, so
+ * that nothing leaves because of it. No flow is remembered for it.
+ */
+static __always_inline int dropped_at_iface(const struct ep_ref *ep, const struct decision *d)
+{
+	return d->verdict == VERDICT_DENIED && d->drop && (ep->flags & EP_IFACE);
 }
 
 /* A deny entry that denies, not one that only audits. */
@@ -1045,10 +1073,17 @@ static __always_inline int sock_egress(struct bpf_sock_addr *ctx, struct conn *c
 	}
 	c->local_port = bpf_htons((__u16)sk->src_port);
 
-	if (ep.flags & EP_ENFORCE_EGRESS)
-		d = decide(&ep, c, DIR_EGRESS);
-	else
+	if (ep.flags & EP_ENFORCE_EGRESS) {
+		d = judge(&ep, c, DIR_EGRESS);
+		/* connect() succeeds and the packets are dropped at the
+		 * interface, which counts and reports them. DNS the proxy
+		 * should get stays EPERM. */
+		if (dns == DNS_PASS && dropped_at_iface(&ep, &d))
+			return 1;
+		count(DIR_EGRESS, d.verdict);
+	} else {
 		d = no_policy(c);
+	}
 	if (dns == DNS_DENY && d.verdict != VERDICT_DENIED) {
 		/* Fail closed: the DNS rule cannot be enforced. */
 		d.verdict = VERDICT_DENIED;
@@ -1518,6 +1553,17 @@ static __always_inline int opens_flow(struct __sk_buff *skb, struct bpf_sock *sk
 	return tcp_flags & TCP_FLAG_SYN;
 }
 
+/* tcp_syn tells whether a TCP packet has SYN (or its flags cannot be
+ * read). */
+static __always_inline int tcp_syn(struct __sk_buff *skb, const struct pkt *p)
+{
+	__u8 tcp_flags;
+
+	if (bpf_skb_load_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &tcp_flags, 1) < 0)
+		return 1;
+	return tcp_flags & TCP_FLAG_SYN;
+}
+
 /* to_dns_proxy tells whether c goes to the DNS proxy (dns_config). */
 static __always_inline int to_dns_proxy(const struct conn *c)
 {
@@ -1681,7 +1727,17 @@ int policy_egress(struct __sk_buff *skb)
 	} else if (flow_known(sk, &p.daddr, p.dport, p.protocol)) {
 		return 1;
 	}
-	d = decide(&ep, &c, DIR_EGRESS);
+	d = judge(&ep, &c, DIR_EGRESS);
+	/* A ClusterNetworkPolicy Deny is the interface's to drop (as at
+	 * connect), but not: what leaves through lo (the pod's own
+	 * addresses), which no interface sees; a TCP segment without SYN,
+	 * which no connect() the hooks let through can send (its SYN was
+	 * dropped): a socket made connected without one (TCP_REPAIR) is
+	 * refused here. Neither is remembered. */
+	if (dropped_at_iface(&ep, &d) && skb->ifindex != LOOPBACK_IFINDEX &&
+	    (p.protocol != IPPROTO_TCP || tcp_syn(skb, &p)))
+		return 1;
+	count(DIR_EGRESS, d.verdict);
 	report(&ep, &d, &c, DIR_EGRESS, HOOK_EGRESS);
 	if (d.verdict == VERDICT_DENIED)
 		return 0;
@@ -1745,15 +1801,6 @@ static __always_inline int iface_endpoint(const struct policy_iface *ifc, struct
 		return 1;
 	}
 	return unclassified(ifc->flags & IFACE_UNCLASSIFIED_DENY ? EP_POD_TREE : 0, out);
-}
-
-static __always_inline int tcp_syn(struct __sk_buff *skb, const struct pkt *p)
-{
-	__u8 tcp_flags;
-
-	if (bpf_skb_load_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &tcp_flags, 1) < 0)
-		return 1;
-	return tcp_flags & TCP_FLAG_SYN;
 }
 
 /*
@@ -1895,8 +1942,12 @@ static __always_inline int iface_decide(struct __sk_buff *skb, __u32 ifindex, co
 		goto remember;
 	if (ep->flags & enforce) {
 		d = judge(ep, c, dir);
+		/* Not for a ClusterNetworkPolicy Deny of the pod's egress:
+		 * the socket hooks let its connect() through for this
+		 * program to drop, so a socket the pod made connected
+		 * without a handshake (TCP_REPAIR) must not open it. */
 		if (d.verdict == VERDICT_DENIED && c->protocol == IPPROTO_TCP && !(ep->flags & EP_UNCLASSIFIED) &&
-		    !tcp_syn(skb, p) && pod_connection(skb, ifc, c))
+		    !(d.drop && dir == DIR_EGRESS) && !tcp_syn(skb, p) && pod_connection(skb, ifc, c))
 			d.verdict = VERDICT_ALLOWED;
 		count_iface((__u32)dir * VERDICTS + d.verdict);
 		if (d.verdict == VERDICT_DENIED) {

@@ -45,7 +45,7 @@ func TestSemanticsClusterNetworkPolicyTiers(t *testing.T) {
 			clusterNetpolDoc("b", "Admin", 0, betaServer+"ingress: [{action: Accept, from: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: client}}}}], protocols: [{tcp: {destinationPort: {range: {start: 80, end: 90}}}}]}]"),
 			denyAllNetpol), []probe{
 			in("beta/server", "beta/client", 80, "allow"),
-			in("beta/server", "beta/web", 80, "deny"),
+			in("beta/server", "beta/web", 80, "drop"),
 			in("beta/server", "beta/web", 81, "allow"),
 			in("beta/server", "alpha/web", 80, "allow"),
 		}},
@@ -54,14 +54,14 @@ func TestSemanticsClusterNetworkPolicyTiers(t *testing.T) {
 			clusterNetpolDoc("pass", "Admin", 1, betaServer+"ingress: [{action: Pass, "+fromBeta+"}, {action: Deny, "+fromAll+"}]")), []probe{
 			in("beta/server", "beta/client", 80, "allow"),
 			in("beta/server", "beta/web", 80, "deny"),
-			in("beta/server", "alpha/web", 80, "deny"),
+			in("beta/server", "alpha/web", 80, "drop"),
 		}},
 		{"Pass with no NetworkPolicy: the Baseline tier decides", baseCluster(
 			clusterNetpolDoc("pass", "Admin", 1, betaServer+"ingress: [{action: Pass, "+fromBeta+"}]"),
 			clusterNetpolDoc("base", "Baseline", 3, betaServer+"ingress: [{action: Accept, from: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: client}}}}]}, {action: Deny, "+fromAll+"}]")), []probe{
 			in("beta/server", "beta/client", 80, "allow"),
-			in("beta/server", "beta/web", 80, "deny"),
-			in("beta/server", "alpha/web", 80, "deny"),
+			in("beta/server", "beta/web", 80, "drop"),
+			in("beta/server", "alpha/web", 80, "drop"),
 			in("beta/web", "alpha/web", 80, "allow"),
 		}},
 		{"the Baseline tier decides nothing where a NetworkPolicy selects", baseCluster(denyAllNetpol,
@@ -74,14 +74,14 @@ func TestSemanticsClusterNetworkPolicyTiers(t *testing.T) {
 			cnp("beta", "open", "endpointSelector: {matchLabels: {app: server}}\ningress: [{fromEntities: [all], toPorts: [{ports: [{port: \"80\", protocol: TCP}]}]}]\nenableDefaultDeny: {ingress: false}"),
 			clusterNetpolDoc("base", "Baseline", 3, betaServer+"ingress: [{action: Deny, "+fromAll+"}]")), []probe{
 			in("beta/server", "beta/client", 80, "allow"),
-			in("beta/server", "beta/client", 81, "deny"),
+			in("beta/server", "beta/client", 81, "drop"),
 			in("beta/server", "host", 81, "allow"),
 		}},
 		{"Baseline Deny, same priority: by name", baseCluster(
 			clusterNetpolDoc("b", "Baseline", 3, betaServer+"ingress: [{action: Deny, "+fromAll+"}]"),
 			clusterNetpolDoc("a", "Baseline", 3, betaServer+"ingress: [{action: Accept, "+fromBeta+"}]")), []probe{
 			in("beta/server", "beta/client", 80, "allow"),
-			in("beta/server", "alpha/web", 80, "deny"),
+			in("beta/server", "alpha/web", 80, "drop"),
 		}},
 	})
 }
@@ -125,7 +125,7 @@ func TestSemanticsClusterNetworkPolicyFailClosed(t *testing.T) {
 	}
 	for _, p := range []probe{
 		in("beta/server", "beta/client", 80, "deny"),
-		in("beta/server", "beta/web", 80, "deny"),
+		in("beta/server", "beta/web", 80, "drop"),
 		in("beta/web", "beta/client", 80, "allow"),
 	} {
 		if got := m.verdictOf(p); got != p.want {
@@ -147,7 +147,7 @@ ingress: [{fromEntities: [all], toPorts: [{ports: [{port: "80", protocol: TCP}, 
 		want   int
 		probes []probe
 	}{
-		{"Deny", 1, []probe{in("beta/server", "beta/web", 80, "deny"), in("beta/server", "beta/client", 80, "allow")}},
+		{"Deny", 1, []probe{in("beta/server", "beta/web", 80, "drop"), in("beta/server", "beta/client", 80, "allow")}},
 		{"Pass", 4, []probe{in("beta/server", "beta/web", 80, "allow"), in("beta/server", "beta/web", 81, "deny")}},
 	} {
 		c := baseCluster(open, clusterNetpolDoc("admin", "Admin", 1, betaServer+"ingress: [{action: "+tc.action+", from: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: web}}}}]}]"))

@@ -122,6 +122,9 @@ func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint3
 		if ep.Value.Flags&bpf.PolicyAudit != 0 {
 			h += " audit"
 		}
+		if ep.Value.Flags&bpf.PolicyPodIface != 0 {
+			h += " interface"
+		}
 		heads[id] = h
 		if _, ok := byID[id]; !ok {
 			byID[id] = nil
@@ -160,6 +163,8 @@ func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint3
 			}
 			verdict := "allow"
 			switch {
+			case e.Value.Flags&(bpf.PolicyFlagDeny|bpf.PolicyFlagDrop) == bpf.PolicyFlagDeny|bpf.PolicyFlagDrop:
+				verdict = "drop"
 			case e.Value.Flags&bpf.PolicyFlagDeny != 0:
 				verdict = "deny"
 			case e.Value.Flags&bpf.PolicyFlagPodAddrs != 0:

@@ -123,6 +123,9 @@ type entryValue struct {
 	final, pass bool
 	// audit: a deny that only audited policies make.
 	audit bool
+	// drop: a deny a ClusterNetworkPolicy Deny rule decided
+	// (tables.PolicyEntry.Drop).
+	drop bool
 	// podAddrs: an allow that matches pods' addresses too
 	// (tables.PolicyEntry.PodAddrs).
 	podAddrs bool
@@ -130,7 +133,8 @@ type entryValue struct {
 }
 
 func (v entryValue) equal(o entryValue) bool {
-	return v.deny == o.deny && v.final == o.final && v.pass == o.pass && v.audit == o.audit && v.podAddrs == o.podAddrs && slices.Equal(v.policies, o.policies)
+	return v.deny == o.deny && v.final == o.final && v.pass == o.pass && v.audit == o.audit && v.drop == o.drop &&
+		v.podAddrs == o.podAddrs && slices.Equal(v.policies, o.policies)
 }
 
 // rule is one rule of a policy as it applies to one endpoint: its ports
@@ -231,6 +235,10 @@ type engine struct {
 	// noIface are the endpoints whose interface cannot be found (the
 	// pod-interfaces rows failing closed), with why: denied both ways.
 	noIface map[string]string
+	// ifaceDone is the cgroup each endpoint's interface is enforced for
+	// (its pod-interfaces row reconciled: programs attached, entry
+	// written), by endpoint name: its row gets PodIface.
+	ifaceDone map[string]uint64
 }
 
 func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
@@ -242,7 +250,7 @@ func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
 		byIdentity: map[uint32]map[*endpoint]struct{}{}, peerUsers: map[string]map[*rule]struct{}{},
 		restored: restored, usedIDs: map[uint32]*endpoint{}, nextID: 1,
 		dirty: map[*endpoint]struct{}{}, gone: map[string]*endpoint{},
-		noIface: map[string]string{},
+		noIface: map[string]string{}, ifaceDone: map[string]uint64{},
 	}
 	for _, id := range restored {
 		if id >= e.nextID {
@@ -416,6 +424,22 @@ func (e *engine) setNoInterface(name, why string) {
 		delete(e.noIface, name)
 	} else {
 		e.noIface[name] = why
+	}
+	if ep := e.endpoints[name]; ep != nil {
+		e.dirty[ep] = struct{}{}
+	}
+}
+
+// setInterfaceDone says for which cgroup the interface of endpoint name
+// is enforced (0: none): only then does its row get PodIface.
+func (e *engine) setInterfaceDone(name string, cgroupID uint64) {
+	if e.ifaceDone[name] == cgroupID {
+		return
+	}
+	if cgroupID == 0 {
+		delete(e.ifaceDone, name)
+	} else {
+		e.ifaceDone[name] = cgroupID
 	}
 	if ep := e.endpoints[name]; ep != nil {
 		e.dirty[ep] = struct{}{}
@@ -969,6 +993,7 @@ func (e *engine) flush(out output) {
 			Entries: ep.emittedCount, Policies: ep.policies,
 			FailClosedIngress: ep.failIngress, FailClosedEgress: ep.failEgress,
 			Reason: e.reason(ep), DNS: ep.dns,
+			PodIface: ep.id != 0 && ep.row.CgroupID != 0 && e.ifaceDone[name] == ep.row.CgroupID,
 		}
 		if row.Policies == nil {
 			row.Policies = []string{}
@@ -1019,7 +1044,7 @@ func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
 		a.AuditDefaultIngress == b.AuditDefaultIngress && a.AuditDefaultEgress == b.AuditDefaultEgress &&
 		slices.Equal(a.Policies, b.Policies) && a.Reason == b.Reason &&
 		slices.Equal(a.FailClosedIngress, b.FailClosedIngress) && slices.Equal(a.FailClosedEgress, b.FailClosedEgress) &&
-		slices.Equal(a.DNS, b.DNS)
+		slices.Equal(a.DNS, b.DNS) && a.PodIface == b.PodIface
 }
 
 // Reasons of endpoint rows not enforced as their policies say.
@@ -1042,7 +1067,7 @@ func (ep *endpoint) entry(name string, gk groupKey, pk portKey, v entryValue) *t
 	return &tables.PolicyEntry{
 		Endpoint: name, EndpointID: ep.id, Identity: gk.identity, Direction: dirName(gk.dir),
 		Protocol: pk.proto, Port: pk.port, PortBits: pk.bits, Deny: v.deny, Audit: v.audit,
-		PodAddrs: v.podAddrs, Final: v.final, Pass: v.pass, Policies: pol, Cookie: cookie,
+		PodAddrs: v.podAddrs, Final: v.final, Pass: v.pass, Drop: v.drop, Policies: pol, Cookie: cookie,
 	}
 }
 
@@ -1181,7 +1206,7 @@ func (ep *endpoint) decideTiered(cs []contrib, dir uint8, audited func(policy st
 		case admin.pass:
 			passed = admin.label
 		case admin.deny:
-			return entryValue{final: true, deny: true, audit: audited(admin.policy), policies: []string{admin.label}}
+			return entryValue{final: true, deny: true, drop: true, audit: audited(admin.policy), policies: []string{admin.label}}
 		default:
 			return entryValue{final: true, policies: []string{admin.label}}
 		}
@@ -1206,7 +1231,7 @@ func (ep *endpoint) decideTiered(cs []contrib, dir uint8, audited func(policy st
 		return entryValue{final: true, podAddrs: podAddrs, policies: named(allows)}
 	case !ep.rulesDeny[dir] && base != nil && !base.pass:
 		if base.deny {
-			return entryValue{final: true, deny: true, audit: audited(base.policy), policies: named([]string{base.label})}
+			return entryValue{final: true, deny: true, drop: true, audit: audited(base.policy), policies: named([]string{base.label})}
 		}
 		return entryValue{final: true, policies: named([]string{base.label})}
 	}

@@ -275,7 +275,11 @@ func (o *oracle) verdict(ep *testPod, dir string, peer peerRef, proto uint8, por
 	enforced, defaultDeny, allowed, denied := false, false, false, false
 	admin := o.clusterNetpolVerdict("Admin", ep, dir, peer, scope, proto, port)
 	switch admin {
-	case "deny", "allow":
+	case "deny":
+		// The API: "Deny: Drops the selected traffic" (no EPERM).
+		o.path = "admin deny"
+		return "drop"
+	case "allow":
 		o.path = "admin " + admin
 		return admin
 	}
@@ -373,8 +377,12 @@ func (o *oracle) verdict(ep *testPod, dir string, peer peerRef, proto uint8, por
 		o.path += "rules allow"
 		return "allow"
 	case !defaultDeny && (baseline == "allow" || baseline == "deny"):
-		// No NetworkPolicy or CNP decided: the Baseline tier does.
+		// No NetworkPolicy or CNP decided: the Baseline tier does; its
+		// Deny drops as the Admin tier's.
 		o.path += "baseline " + baseline
+		if baseline == "deny" {
+			return "drop"
+		}
 		return baseline
 	case !defaultDeny:
 		o.path += "default allow"
@@ -601,7 +609,8 @@ func runPolicyProperty(t *testing.T, stream uint64, maxPolicies int, newPolicy f
 								want := o.verdict(ep, dir, peer, proto, port)
 								if row := m.out.endpoints[ep.key()]; (dir == tables.DirIngress && row.Ingress != tables.EnforceOff) ||
 									(dir == tables.DirEgress && row.Egress != tables.EnforceOff) {
-									verdicts[want]++
+									// A drop is a denial, as the count goes.
+									verdicts[strings.Replace(want, "drop", "deny", 1)]++
 									paths[o.path]++
 								}
 								if got := m.verdict(ep.key(), dir, id, proto, port); got != want {

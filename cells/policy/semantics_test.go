@@ -345,6 +345,10 @@ func (m *agentModel) judge(ep, dir string, peer uint32, proto uint8, port uint16
 	}
 	exact := m.lookup(ep, dir, peer, proto, port)
 	switch {
+	case exact != nil && exact.Final && exact.Deny && !exact.Audit && exact.Drop:
+		// A ClusterNetworkPolicy Deny: dropped (at the interface, where
+		// the socket hooks let it through), not refused.
+		return "drop", true
 	case exact != nil && exact.Final && exact.Deny && !exact.Audit:
 		return "deny", true
 	case exact != nil && exact.Final:
