@@ -51,6 +51,9 @@ func runHelper() (int, bool) {
 	if code, ok := runIfaceHelper(); ok {
 		return code, true
 	}
+	if code, ok := runCNDropHelper(); ok {
+		return code, true
+	}
 	if code, ok := runNodePortHelper(); ok {
 		return code, true
 	}
