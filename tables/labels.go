@@ -18,6 +18,11 @@ const (
 	SourceReserved = "reserved"
 	SourceCIDR     = "cidr"
 	SourceFQDN     = "fqdn"
+	// SourcePodNet labels a pod whose address lies inside a prefix a
+	// ClusterNetworkPolicy networks peer names ("podnet:10.0.0.0/8"):
+	// the API matches cluster traffic against networks too, so those pods
+	// are told apart from their workload's others by identity.
+	SourcePodNet = "podnet"
 )
 
 // Reserved labels.
@@ -106,6 +111,25 @@ func CIDRLabel(p netip.Prefix) string {
 // ParseCIDRLabel returns the prefix of a "cidr:<prefix>" label.
 func ParseCIDRLabel(label string) (netip.Prefix, bool) {
 	rest, ok := strings.CutPrefix(label, SourceCIDR+":")
+	if !ok {
+		return netip.Prefix{}, false
+	}
+	p, err := netip.ParsePrefix(rest)
+	if err != nil {
+		return netip.Prefix{}, false
+	}
+	return p, true
+}
+
+// PodNetLabel returns the label "podnet:<prefix>" of prefix (see
+// SourcePodNet), canonicalised.
+func PodNetLabel(p netip.Prefix) string {
+	return SourcePodNet + ":" + CanonicalPrefix(p).String()
+}
+
+// ParsePodNetLabel returns the prefix of a "podnet:<prefix>" label.
+func ParsePodNetLabel(label string) (netip.Prefix, bool) {
+	rest, ok := strings.CutPrefix(label, SourcePodNet+":")
 	if !ok {
 		return netip.Prefix{}, false
 	}

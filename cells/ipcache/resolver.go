@@ -498,21 +498,32 @@ var inClusterLabels = []string{
 // normalize makes the label set of prefix p from all the labels its owners
 // and ancestors give: only the longest cidr: label stays (a selector of a
 // shorter CIDR matches it anyway); in-cluster addresses lose cidr:, fqdn:
-// and world labels; others get the world label of their family.
+// and world labels; others get the world label of their family. A pod's
+// address (a k8s: label) keeps the longest podnet: label, which a
+// ClusterNetworkPolicy networks peer selects it by; every other address
+// loses them (outside the cluster, its cidr: label is what the peer
+// selects; the node and other nodes keep their reserved identities).
 func normalize(p netip.Prefix, all []string, dualStack bool) tables.Labels {
-	inCluster := false
+	inCluster, pod := false, false
 	var (
-		longest     netip.Prefix
-		longestText string
+		longest, longestNet         netip.Prefix
+		longestText, longestNetText string
 	)
 	out := make([]string, 0, len(all)+1)
 	for _, l := range all {
 		if slices.Contains(inClusterLabels, l) || strings.HasPrefix(l, tables.SourceK8s+":") {
 			inCluster = true
 		}
+		pod = pod || strings.HasPrefix(l, tables.SourceK8s+":")
 		if c, ok := tables.ParseCIDRLabel(l); ok {
 			if !longest.IsValid() || c.Bits() > longest.Bits() {
 				longest, longestText = c, l
+			}
+			continue
+		}
+		if c, ok := tables.ParsePodNetLabel(l); ok {
+			if !longestNet.IsValid() || c.Bits() > longestNet.Bits() {
+				longestNet, longestNetText = c, l
 			}
 			continue
 		}
@@ -524,6 +535,9 @@ func normalize(p netip.Prefix, all []string, dualStack bool) tables.Labels {
 	}
 	if inCluster {
 		out = slices.DeleteFunc(out, func(l string) bool { return strings.HasPrefix(l, tables.SourceFQDN+":") })
+		if pod && longestNetText != "" && !slices.ContainsFunc(out, func(l string) bool { return slices.Contains(inClusterLabels, l) }) {
+			out = append(out, longestNetText)
+		}
 		return tables.NewLabels(out...)
 	}
 	if longestText != "" {

@@ -30,6 +30,16 @@ func TestNormalize(t *testing.T) {
 			[]string{"cidr:2001:db8::/32", "reserved:world-ipv6"}},
 		{"world added", "203.0.113.9/32", []string{"fqdn:a.example.com"}, false,
 			[]string{"fqdn:a.example.com", "reserved:world"}},
+		// ClusterNetworkPolicy networks: a pod keeps the longest podnet:
+		// label; nothing else keeps any.
+		{"pod in a networks CIDR", "10.0.1.5/32", []string{"k8s:app=web", "cidr:10.0.0.0/8", "podnet:10.0.0.0/8", "cidr:10.0.1.0/24", "podnet:10.0.1.0/24", "reserved:world"}, false,
+			[]string{"k8s:app=web", "podnet:10.0.1.0/24"}},
+		{"outside address in a networks CIDR", "10.9.0.0/16", []string{"cidr:10.0.0.0/8", "podnet:10.0.0.0/8", "reserved:world"}, false,
+			[]string{"cidr:10.0.0.0/8", "reserved:world"}},
+		{"host in a networks CIDR", "10.0.0.1/32", []string{"reserved:host", "cidr:10.0.0.0/8", "podnet:10.0.0.0/8"}, false,
+			[]string{"reserved:host"}},
+		{"another node in a networks CIDR", "10.0.0.2/32", []string{"reserved:remote-node", "cidr:10.0.0.0/8", "podnet:10.0.0.0/8"}, false,
+			[]string{"reserved:remote-node"}},
 	} {
 		got := normalize(netip.MustParsePrefix(tc.prefix), tc.labels, tc.dualStack)
 		if !slices.Equal(got, tables.NewLabels(tc.want...)) {

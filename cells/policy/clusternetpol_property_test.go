@@ -2,6 +2,7 @@ package policy
 
 import (
 	"fmt"
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
@@ -130,11 +131,26 @@ func (o *oracle) clusterNetpolVerdict(tier string, ep *testPod, dir string, peer
 		}
 		selected = selected || len(rules) > 0
 		for _, r := range rules {
+			byNetworks := false
 			if !slices.ContainsFunc(r.peers, func(pe selectors.ClusterNetpolPeer) bool {
+				if pe.Networks != nil {
+					byNetworks = true
+					// "cluster-internal traffic will be checked against
+					// the rule as well": a pod inside a CIDR (none of
+					// the generator's holds the world or the node).
+					return peer.pod != nil && peer.pod.addr != "" && slices.ContainsFunc(pe.Networks, func(n string) bool {
+						return netip.MustParsePrefix(n).Contains(netip.MustParseAddr(peer.pod.addr))
+					})
+				}
 				return selectsPod(pe.Namespaces, pe.Pods, peer.pod)
 			}) || !protoMatches(r.protocols) {
 				continue
 			}
+			// By networks unless a pods or namespaces peer of the rule
+			// matches as well.
+			o.byNetworks[tier] = byNetworks && !slices.ContainsFunc(r.peers, func(pe selectors.ClusterNetpolPeer) bool {
+				return pe.Networks == nil && selectsPod(pe.Namespaces, pe.Pods, peer.pod)
+			})
 			switch r.action {
 			case "Accept":
 				return "allow"
@@ -194,6 +210,15 @@ func (g generator) clusterNetpol(i int) string {
 		var rules []string
 		for range 1 + g.rng.IntN(2) {
 			peers := pods() + ", " + pods()
+			if g.networks && dir.name == "egress" && g.rng.IntN(3) == 0 {
+				// Pods by address: each /24 holds pods of both
+				// namespaces and labels, /32 one pod, 10.0.0.0/16
+				// all, 192.0.2.0/24 none.
+				peers = fmt.Sprintf("{networks: [%s]}", g.pick("10.0.0.0/24", "10.0.1.0/24", "10.0.0.12/32", "10.0.0.0/16", "192.0.2.0/24"))
+				if g.rng.IntN(3) == 0 {
+					peers += ", " + pods()
+				}
+			}
 			if g.rng.IntN(4) == 0 {
 				// Every pod: Passes and Baseline rules that meet the
 				// CNPs' rules often.
@@ -212,7 +237,25 @@ func (g generator) clusterNetpol(i int) string {
 // the CNPs, then the Baseline tier where no CNP decided, then the
 // default.
 func TestClusterNetworkPolicyProperty(t *testing.T) {
-	paths := runPolicyProperty(t, 38, 10, func(g generator, i int) string {
+	testClusterNetworkPolicyProperty(t, 38, false)
+}
+
+// TestClusterNetworkPolicyNetworksProperty is TestClusterNetworkPolicyProperty
+// with networks peers among the egress rules' peers: a pod whose address
+// is inside one of their CIDRs is matched, another pod of the same labels
+// is not (the generator's pods of even and odd numbers are in two /24s).
+func TestClusterNetworkPolicyNetworksProperty(t *testing.T) {
+	paths := testClusterNetworkPolicyProperty(t, 39, true)
+	for _, p := range []string{"admin allow by networks", "admin deny by networks", "baseline deny by networks"} {
+		if min := 20; !testing.Short() && paths[p] < min {
+			t.Errorf("path %q taken %d times, fewer than %d", p, paths[p], min)
+		}
+	}
+}
+
+func testClusterNetworkPolicyProperty(t *testing.T, stream uint64, networks bool) map[string]int {
+	paths := runPolicyProperty(t, stream, 10, func(g generator, i int) string {
+		g.networks = networks
 		if g.rng.IntN(2) == 0 {
 			return g.clusterNetpol(i)
 		}
@@ -226,8 +269,12 @@ func TestClusterNetworkPolicyProperty(t *testing.T) {
 		"admin allow", "admin deny", "pass, rules allow", "pass, rules deny", "pass, default deny", "pass, default allow",
 		"pass, baseline deny", "baseline deny", "baseline allow", "rules deny", "rules allow",
 	} {
+		if networks {
+			break // the caller checks its own paths
+		}
 		if min := 20; !testing.Short() && paths[p] < min {
 			t.Errorf("path %q taken %d times, fewer than %d", p, paths[p], min)
 		}
 	}
+	return paths
 }

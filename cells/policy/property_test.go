@@ -35,6 +35,9 @@ type oracle struct {
 	// path says which layer made the last verdict, for the tests to
 	// count how often each path was taken.
 	path string
+	// byNetworks: the tier rule of the last verdict matched the peer by
+	// a networks peer (its address), which path then says.
+	byNetworks map[string]bool
 }
 
 type oraclePolicy struct {
@@ -273,14 +276,15 @@ func (o *oracle) verdict(ep *testPod, dir string, peer peerRef, proto uint8, por
 		}
 	}
 	enforced, defaultDeny, allowed, denied := false, false, false, false
+	o.byNetworks = map[string]bool{}
 	admin := o.clusterNetpolVerdict("Admin", ep, dir, peer, scope, proto, port)
 	switch admin {
 	case "deny":
 		// The API: "Deny: Drops the selected traffic" (no EPERM).
-		o.path = "admin deny"
+		o.path = "admin deny" + o.networksNote("Admin")
 		return "drop"
 	case "allow":
-		o.path = "admin " + admin
+		o.path = "admin " + admin + o.networksNote("Admin")
 		return admin
 	}
 	o.path = ""
@@ -379,7 +383,7 @@ func (o *oracle) verdict(ep *testPod, dir string, peer peerRef, proto uint8, por
 	case !defaultDeny && (baseline == "allow" || baseline == "deny"):
 		// No NetworkPolicy or CNP decided: the Baseline tier does; its
 		// Deny drops as the Admin tier's.
-		o.path += "baseline " + baseline
+		o.path += "baseline " + baseline + o.networksNote("Baseline")
 		if baseline == "deny" {
 			return "drop"
 		}
@@ -394,13 +398,28 @@ func (o *oracle) verdict(ep *testPod, dir string, peer peerRef, proto uint8, por
 	return "deny"
 }
 
+// networksNote is what o.path adds when tier's rule matched by networks.
+func (o *oracle) networksNote(tier string) string {
+	if o.byNetworks[tier] {
+		return " by networks"
+	}
+	return ""
+}
+
 // randomCluster makes a cluster of a few namespaces, pods and policies.
-type generator struct{ rng *rand.Rand }
+type generator struct {
+	rng *rand.Rand
+	// networks: clusterNetpol writes networks peers too.
+	networks bool
+}
 
 func (g generator) pick(s ...string) string { return s[g.rng.IntN(len(s))] }
 
 func (g generator) pod(i int) testPod {
-	p := testPod{ns: g.pick("alpha", "beta", "gamma"), name: fmt.Sprintf("pod-%d", i), labels: map[string]string{}}
+	// Addresses without the generator, so that other streams stay: pods
+	// of even and odd numbers in two /24s (clusterNetpol's networks).
+	p := testPod{ns: g.pick("alpha", "beta", "gamma"), name: fmt.Sprintf("pod-%d", i), labels: map[string]string{},
+		addr: fmt.Sprintf("10.0.%d.%d", i%2, 10+i%200)}
 	p.labels["app"] = g.pick("web", "api", "db")
 	if g.rng.IntN(2) == 0 {
 		p.labels["tier"] = g.pick("front", "back")
@@ -521,7 +540,7 @@ func runPolicyProperty(t *testing.T, stream uint64, maxPolicies int, newPolicy f
 	// a run that never denies (or never allows) proves nothing.
 	verdicts, paths := map[string]int{}, map[string]int{}
 	for seed := range seeds {
-		g := generator{rand.New(rand.NewPCG(uint64(seed), stream))}
+		g := generator{rng: rand.New(rand.NewPCG(uint64(seed), stream))}
 		c := cluster{namespaces: map[string]map[string]string{}}
 		for _, ns := range []string{"alpha", "beta", "gamma"} {
 			c.namespaces[ns] = map[string]string{"env": g.pick("dev", "prod")}
@@ -544,9 +563,9 @@ func runPolicyProperty(t *testing.T, stream uint64, maxPolicies int, newPolicy f
 				what = "start"
 			case op == 0:
 				i := g.rng.IntN(len(c.pods))
-				name := c.pods[i].name
+				name, addr := c.pods[i].name, c.pods[i].addr
 				c.pods[i] = g.pod(0)
-				c.pods[i].name = name
+				c.pods[i].name, c.pods[i].addr = name, addr
 				what = "replace pod " + c.pods[i].key()
 			case op == 1:
 				i := g.rng.IntN(len(c.pods))

@@ -158,22 +158,7 @@ func (m *agentModel) apply(c cluster) {
 	if err != nil {
 		m.t.Fatal(err)
 	}
-	// Identities of the pods' label sets; unused ones stay (harmless).
 	live := map[uint32]bool{1: true, 2: true, 4: true}
-	m.podIDs = map[string]uint32{}
-	m.podAddrs = map[string]netip.Addr{}
-	for _, p := range c.pods {
-		if p.addr != "" {
-			m.podAddrs[p.key()] = netip.MustParseAddr(p.addr)
-		}
-		var nsLabels map[string]string
-		if labels, ok := c.namespaces[p.ns]; ok {
-			nsLabels = endpoints.NamespaceLabels(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: p.ns, Labels: labels}})
-		}
-		l := endpoints.SecurityLabels(podObject(p), nsLabels, filter)
-		live[m.identity(l)] = true
-		m.podIDs[p.key()] = m.identity(l)
-	}
 	m.cidrIDs = map[string]uint32{}
 	addCIDR := func(c string) {
 		l := tables.NewLabels(tables.CIDRLabel(netip.MustParsePrefix(c)), tables.LabelWorld)
@@ -213,6 +198,40 @@ func (m *agentModel) apply(c cluster) {
 		}
 	}
 	m.policies = seen
+	// Identities of the pods' label sets; unused ones stay (harmless). A
+	// pod whose address is inside a prefix a ClusterNetworkPolicy
+	// networks peer names gets the longest such prefix's podnet: label,
+	// as the ipcache gives it.
+	var podNets []netip.Prefix
+	for _, s := range sels {
+		if cs, ok := s.(*selectors.CIDRSelector); ok {
+			podNets = append(podNets, cs.PodNets()...)
+		}
+	}
+	m.podIDs = map[string]uint32{}
+	m.podAddrs = map[string]netip.Addr{}
+	for _, p := range c.pods {
+		var podNet netip.Prefix
+		if p.addr != "" {
+			addr := netip.MustParseAddr(p.addr)
+			m.podAddrs[p.key()] = addr
+			for _, n := range podNets {
+				if n.Contains(addr) && (!podNet.IsValid() || n.Bits() > podNet.Bits()) {
+					podNet = n
+				}
+			}
+		}
+		var nsLabels map[string]string
+		if labels, ok := c.namespaces[p.ns]; ok {
+			nsLabels = endpoints.NamespaceLabels(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: p.ns, Labels: labels}})
+		}
+		l := endpoints.SecurityLabels(podObject(p), nsLabels, filter)
+		if podNet.IsValid() {
+			l = tables.NewLabels(append(slices.Clone(l), tables.PodNetLabel(podNet))...)
+		}
+		live[m.identity(l)] = true
+		m.podIDs[p.key()] = m.identity(l)
+	}
 	for text, s := range sels {
 		ids := []uint32{}
 		for id, l := range m.labels {

@@ -94,6 +94,9 @@ type controller struct {
 	invalid map[string]struct{}
 	// cidrRefs counts the policies naming each prefix.
 	cidrRefs map[netip.Prefix]int
+	// podNetRefs counts the policies naming each prefix as a
+	// ClusterNetworkPolicy networks peer (each also in cidrRefs).
+	podNetRefs map[netip.Prefix]int
 	// dirtyPolicies and dirtyCIDRs changed since the last flush.
 	dirtyPolicies map[string]struct{}
 	dirtyCIDRs    map[netip.Prefix]struct{}
@@ -110,6 +113,7 @@ func registerController(p controllerParams) error {
 		policies:         map[string]*parsedPolicy{},
 		invalid:          map[string]struct{}{},
 		cidrRefs:         map[netip.Prefix]int{},
+		podNetRefs:       map[netip.Prefix]int{},
 		dirtyPolicies:    map[string]struct{}{},
 		dirtyCIDRs:       map[netip.Prefix]struct{}{},
 	}
@@ -251,6 +255,11 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 			c.cidrRefs[pfx]--
 			c.dirtyCIDRs[pfx] = struct{}{}
 		}
+		for _, pfx := range old.podNets {
+			if c.podNetRefs[pfx]--; c.podNetRefs[pfx] <= 0 {
+				delete(c.podNetRefs, pfx)
+			}
+		}
 		delete(c.policies, name)
 		delete(c.invalid, name)
 	}
@@ -280,6 +289,9 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 		c.cidrRefs[pfx]++
 		c.dirtyCIDRs[pfx] = struct{}{}
 	}
+	for _, pfx := range p.podNets {
+		c.podNetRefs[pfx]++
+	}
 }
 
 // cidrLabels are the labels a policy prefix gets.
@@ -290,6 +302,10 @@ func (c *controller) cidrLabels(p netip.Prefix) []string {
 		if p.Addr().Is6() {
 			world = tables.LabelWorldIPv6
 		}
+	}
+	if c.podNetRefs[p] > 0 {
+		// Pods inside it take it down (ipcache normalize).
+		return []string{tables.CIDRLabel(p), tables.PodNetLabel(p), world}
 	}
 	return []string{tables.CIDRLabel(p), world}
 }

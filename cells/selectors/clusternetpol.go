@@ -213,6 +213,7 @@ func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 		subjects: map[string]Selector{},
 		peers:    map[string]Selector{},
 		cidrs:    map[netip.Prefix]struct{}{},
+		podNets:  map[netip.Prefix]struct{}{},
 	}
 	spec := &cnp.Spec
 	if cnp.specErr != "" {
@@ -266,6 +267,9 @@ func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 	}) {
 		p.cidrs = append(p.cidrs, pfx)
 	}
+	p.podNets = slices.SortedFunc(maps.Keys(pp.podNets), func(a, b netip.Prefix) int {
+		return strings.Compare(a.String(), b.String())
+	})
 	return p
 }
 
@@ -335,10 +339,16 @@ func (pp *policyParser) clusterNetpolRule(path, dir, field, action string, peers
 					pp.fail(fmt.Sprintf("%s.networks[%d]", where, j), err)
 					continue
 				}
+				// Cluster traffic too, as the API says: the pods
+				// inside the prefix, by address.
+				sel.networks()
 				pp.peers[sel.String()] = sel
 				set[sel.String()] = struct{}{}
 				for _, pfx := range sel.Prefixes() {
 					pp.cidrs[pfx] = struct{}{}
+				}
+				for _, pfx := range sel.PodNets() {
+					pp.podNets[pfx] = struct{}{}
 				}
 			}
 		default:

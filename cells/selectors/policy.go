@@ -23,7 +23,10 @@ type parsedPolicy struct {
 	subjects []Selector
 	peers    []Selector // every peer selector of every rule (not AnyPeer)
 	cidrs    []netip.Prefix
-	specs    []tables.PolicySpec
+	// podNets are the prefixes of cidrs whose pods the policy selects by
+	// address (ClusterNetworkPolicy networks): they get podnet: labels.
+	podNets []netip.Prefix
+	specs   []tables.PolicySpec
 	// failClosed are the specs an invalid policy leaves (see
 	// failClosedSpecs).
 	failClosed []tables.PolicySpec
@@ -65,7 +68,7 @@ func (p *parsedPolicy) withAudit(annotations map[string]string) *parsedPolicy {
 // whole or not).
 func (p *parsedPolicy) invalidate(specs []tables.PolicySpec) {
 	p.failClosed = failClosedSpecs(specs)
-	p.specs, p.peers, p.cidrs = nil, nil, nil
+	p.specs, p.peers, p.cidrs, p.podNets = nil, nil, nil, nil
 }
 
 // failClosedSpecs returns what is left of an invalid policy's specs: each
@@ -169,6 +172,7 @@ type policyParser struct {
 	subjects  map[string]Selector
 	peers     map[string]Selector
 	cidrs     map[netip.Prefix]struct{}
+	podNets   map[netip.Prefix]struct{}
 	errs      []error
 }
 

@@ -292,7 +292,11 @@ func newLabelSelector(reqs []requirement) *LabelSelector {
 type CIDRSelector struct {
 	Prefix netip.Prefix
 	Except []netip.Prefix
-	text   string
+	// Pods: it selects the pods whose addresses are inside Prefix too
+	// (their podnet: labels), as a ClusterNetworkPolicy networks peer
+	// does (see networks).
+	Pods bool
+	text string
 }
 
 // ParseCIDR returns the selector of cidr minus except. Every prefix of
@@ -333,6 +337,26 @@ func (s *CIDRSelector) ipBlock() {
 	}
 }
 
+// networks makes s a ClusterNetworkPolicy networks peer's selector: the
+// addresses outside the cluster inside its prefix (their cidr: labels, as
+// a CIDR rule's) and the pods whose addresses are inside it (the podnet:
+// label the ipcache gives a pod's address inside a prefix that PodNets
+// lists, tables.SourcePodNet), under its own text, so that a CNP CIDR
+// rule of the same prefix still never selects a pod.
+func (s *CIDRSelector) networks() {
+	s.Pods = true
+	s.text = "networks:" + s.Prefix.String()
+}
+
+// PodNets returns the prefixes whose pods the selector selects by
+// address: each needs its podnet: label in the ipcache.
+func (s *CIDRSelector) PodNets() []netip.Prefix {
+	if !s.Pods {
+		return nil
+	}
+	return []netip.Prefix{s.Prefix}
+}
+
 // parsePrefix parses a CIDR or a bare address (a host prefix).
 func parsePrefix(s string) (netip.Prefix, error) {
 	if p, err := netip.ParsePrefix(s); err == nil {
@@ -360,6 +384,13 @@ func (s *CIDRSelector) Matches(l tables.Labels) bool {
 	}
 	for _, label := range l {
 		q, ok := tables.ParseCIDRLabel(label)
+		if !ok && s.Pods {
+			// A pod inside the prefix (networks has no except).
+			if q, ok := tables.ParsePodNetLabel(label); ok && inside(s.Prefix, q) {
+				return true
+			}
+			continue
+		}
 		if !ok || !inside(s.Prefix, q) {
 			continue
 		}

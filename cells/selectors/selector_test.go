@@ -41,6 +41,42 @@ func TestCIDRSelector(t *testing.T) {
 	}
 }
 
+// A ClusterNetworkPolicy networks peer selects what the CIDR rule of its
+// prefix does, and the pods whose addresses are inside it (podnet:); a
+// CIDR rule never selects a pod.
+func TestNetworksSelector(t *testing.T) {
+	l := tables.NewLabels
+	pod := func(net string) tables.Labels { return l("k8s:app=web", "podnet:"+net) }
+	for _, tc := range []struct {
+		prefix           string
+		labels           tables.Labels
+		networks, asCIDR bool
+	}{
+		{"10.0.0.0/8", l("cidr:10.0.0.0/8", "reserved:world"), true, true},
+		{"10.0.0.0/8", pod("10.0.1.0/24"), true, false},
+		{"10.0.0.0/8", pod("10.0.0.0/8"), true, false},
+		{"10.0.1.0/24", pod("10.0.0.0/8"), false, false},
+		{"10.0.2.0/24", pod("10.0.1.0/24"), false, false},
+		{"fd00::/16", pod("10.0.1.0/24"), false, false},
+		{"10.0.0.0/8", l("k8s:app=web"), false, false},
+	} {
+		s, err := ParseCIDR(tc.prefix, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := s.Matches(tc.labels); got != tc.asCIDR {
+			t.Errorf("%s matches %s: %v, want %v", s, tc.labels, got, tc.asCIDR)
+		}
+		s.networks()
+		if got := s.Matches(tc.labels); got != tc.networks {
+			t.Errorf("%s matches %s: %v, want %v", s, tc.labels, got, tc.networks)
+		}
+		if s.String() != "networks:"+tc.prefix {
+			t.Errorf("text %q", s.String())
+		}
+	}
+}
+
 func TestEndpointSelector(t *testing.T) {
 	web := tables.NewLabels("k8s:app=web", "k8s:tier=front", "k8s:io.kubernetes.pod.namespace=default")
 	for _, tc := range []struct {
