@@ -85,7 +85,7 @@ type selectorState struct {
 // identityState is an identity with its labels sorted out for the indexes.
 type identityState struct {
 	labels    tables.Labels
-	cidrs     []netip.Prefix // of its cidr: labels
+	cidrs     []netip.Prefix // of its cidr: and podnet: labels
 	fqdns     []string       // its fqdn: labels
 	world     bool           // has reserved:world, world-ipv4 or world-ipv6
 	host      bool           // has reserved:host
@@ -156,6 +156,12 @@ func newIdentityState(labels tables.Labels) *identityState {
 			e.fqdns = append(e.fqdns, l)
 		default:
 			if p, ok := tables.ParseCIDRLabel(l); ok {
+				e.cidrs = append(e.cidrs, p)
+			}
+			// A pod's podnet: label (ClusterNetworkPolicy networks)
+			// is a candidate of the CIDR selectors around it, which
+			// Matches sorts out (only networks ones select it).
+			if p, ok := tables.ParsePodNetLabel(l); ok {
 				e.cidrs = append(e.cidrs, p)
 			}
 		}

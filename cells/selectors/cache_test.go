@@ -93,6 +93,10 @@ func TestSelectorCacheMatchesBruteForce(t *testing.T) {
 			l = append(l, reservedLabels[uint32(1+rng.IntN(len(reservedLabels)))]...)
 		case 2: // a workload inside a CIDR (not normalised: labels as they come)
 			l = append(l, pick(k8s), tables.CIDRLabel(prefix()))
+			if rng.IntN(2) == 0 {
+				// A pod inside a ClusterNetworkPolicy's networks.
+				l = append(l, tables.PodNetLabel(prefix()))
+			}
 		case 3: // a mapped IPv4 CIDR label, as no resolver writes it
 			l = append(l, "cidr:::ffff:10.0.0.0/104", pick(worlds))
 		default: // CIDR and FQDN identities, sometimes several cidr: labels
@@ -120,6 +124,9 @@ func TestSelectorCacheMatchesBruteForce(t *testing.T) {
 			s, err := ParseCIDR(p.String(), except)
 			if err != nil {
 				t.Fatal(err)
+			}
+			if len(except) == 0 && rng.IntN(2) == 0 {
+				s.networks()
 			}
 			return s
 		case 4:

@@ -91,7 +91,9 @@ status: {phase: Running, podIP: ` + cnDropB4 + `, podIPs: [{ip: ` + cnDropB4 + `
 // clusterNetpolDropPolicies: cda may not reach cdb on TCP 7010 and UDP
 // 7011 (Admin Deny), nor TCP 7016 (Baseline Deny), nor itself on TCP
 // 7014 (Admin Deny: the pod's own address, through lo, which no
-// interface sees); a CNP denies it TCP 7013 to cdb (EPERM, as before).
+// interface sees), nor TCP 7017 to a network holding cdb's address (a
+// networks peer matches pods by address); a CNP denies it TCP 7013 to
+// cdb (EPERM, as before).
 const clusterNetpolDropPolicies = `apiVersion: policy.networking.k8s.io/v1beta1
 kind: ClusterNetworkPolicy
 metadata: {name: drop}
@@ -108,6 +110,14 @@ spec:
     action: Deny
     to: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: cdb}}}}]
     protocols: [{udp: {destinationPort: {number: 7011}}}]
+  - name: drop-by-address
+    action: Deny
+    to: [{networks: ["10.239.0.12/32"]}]
+    protocols: [{tcp: {destinationPort: {number: 7017}}}]
+  - name: no-pod-there
+    action: Deny
+    to: [{networks: [10.239.0.200/32]}]
+    protocols: [{tcp: {destinationPort: {number: 7012}}}]
   - name: drop-self
     action: Deny
     to: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: cda}}}}]
@@ -182,7 +192,7 @@ func TestClusterNetworkPolicyDrop(t *testing.T) {
 	})
 	mon := startProcess(t, "apiary monitor", nil, apiaryBin, "monitor", "-o", "json", "--server", "http://"+a.addr)
 
-	for _, port := range []string{"7010", "7012", "7013", "7016"} {
+	for _, port := range []string{"7010", "7012", "7013", "7016", "7017"} {
 		startHelper(t, "server in cdb on "+port, podB.command(t, true, []string{serveEnv + "=" + cnDropB4 + ":" + port}), "listening")
 	}
 	startHelper(t, "server in cda on 7014", podA.command(t, true, []string{serveEnv + "=" + cnDropA4 + ":7014"}), "listening")
@@ -196,14 +206,19 @@ func TestClusterNetworkPolicyDrop(t *testing.T) {
 	}
 	t.Run("TCP", func(t *testing.T) {
 		for _, c := range []struct{ addr, want, why string }{
-			{cnDropB4 + ":7012", "ok: hello from " + cnDropB4 + ":7012", "allowed"},
+			{cnDropB4 + ":7012", "ok: hello from " + cnDropB4 + ":7012", "allowed (a networks Deny of an address no pod has)"},
 			{cnDropB4 + ":7010", "timeout", "Admin Deny: dropped"},
 			{cnDropB4 + ":7016", "timeout", "Baseline Deny: dropped"},
 			{cnDropB4 + ":7013", "EPERM", "a CNP's deny: refused"},
+			{cnDropB4 + ":7017", "timeout", "Admin Deny of networks holding cdb's address: dropped"},
 			{cnDropA4 + ":7014", "timeout", "Admin Deny of the pod's own address: dropped through lo"},
 		} {
 			if got := connect(c.addr); got != c.want {
 				t.Errorf("cda -> %s (%s): %s, want %s", c.addr, c.why, got, c.want)
+				for _, tbl := range []string{"ipcache", "selectors", "policy-entries"} {
+					out, _ := a.db("show", tbl)
+					t.Logf("%s:\n%s", tbl, out)
+				}
 			}
 		}
 	})
