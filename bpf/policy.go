@@ -191,6 +191,13 @@ const (
 	// when it opens the map, and sets it again per endpoint once its
 	// interface is reconciled.
 	PolicyPodIface uint32 = 1 << 7
+	// PolicyPodIfindexShift and PolicyPodIfindexMask place, with
+	// PolicyPodIface, the index of the pod side of the enforced interface
+	// in the pod's network namespace (1 to 32767) in the flags: a packet
+	// that leaves by another device is not let through to be dropped
+	// there (cgroup_skb/egress).
+	PolicyPodIfindexShift        = 16
+	PolicyPodIfindexMask  uint32 = 0x7fff << PolicyPodIfindexShift
 )
 
 // PolicyFlowSlots is how many flows (peers) a socket remembers; a socket

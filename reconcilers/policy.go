@@ -157,8 +157,8 @@ func (p *Policy) OpenWith(opener bpf.Opener, pinDir string, maxEntries, maxEndpo
 	// this run may not enforce interfaces at all): a ClusterNetworkPolicy
 	// Deny is EPERM meanwhile, never let through for no interface to drop.
 	for cg, v := range p.endpoints.All() {
-		if v.Flags&bpf.PolicyPodIface != 0 {
-			v.Flags &^= bpf.PolicyPodIface
+		if v.Flags&(bpf.PolicyPodIface|bpf.PolicyPodIfindexMask) != 0 {
+			v.Flags &^= bpf.PolicyPodIface | bpf.PolicyPodIfindexMask
 			if err := p.endpoints.Put(cg, v); err != nil {
 				p.policy.Close()
 				p.endpoints.Close()
@@ -400,8 +400,10 @@ func EndpointValue(e *tables.EndpointPolicy) bpf.PolicyEndpointValue {
 	if len(e.DNS) > 0 {
 		v.Flags |= bpf.PolicyDNS
 	}
-	if e.PodIface {
-		v.Flags |= bpf.PolicyPodIface
+	// Only with the pod side's index, which must fit: without it the
+	// drop stays EPERM (fail closed).
+	if e.PodIface && e.PodIfindex > 0 && uint32(e.PodIfindex) <= bpf.PolicyPodIfindexMask>>bpf.PolicyPodIfindexShift {
+		v.Flags |= bpf.PolicyPodIface | uint32(e.PodIfindex)<<bpf.PolicyPodIfindexShift
 	}
 	return v
 }

@@ -27,6 +27,11 @@ type PodInterface struct {
 	// 0 while it is not found (Error says why).
 	Interface string `json:"interface,omitempty" yaml:"interface,omitempty"`
 	Ifindex   int    `json:"ifindex,omitempty" yaml:"ifindex,omitempty"`
+	// PeerIfindex is the veth's pod side's index in the pod's network
+	// namespace, as the host said when the interface was found: the
+	// device a packet must leave by for the socket hooks to leave its
+	// ClusterNetworkPolicy drop to the interface (bpf.PolicyPodIface).
+	PeerIfindex int `json:"peerIfindex,omitempty" yaml:"peerIfindex,omitempty"`
 	// Netns is the inode of the pod's network namespace.
 	Netns uint64 `json:"netns,omitempty" yaml:"netns,omitempty"`
 	// Addrs are the pod's addresses: the only sources its packets may

@@ -258,6 +258,11 @@ type EndpointPolicy struct {
 	// ClusterNetworkPolicy Deny is dropped there rather than refused
 	// with EPERM at the socket (bpf.PolicyPodIface).
 	PodIface bool `json:"podIface,omitempty" yaml:"podIface,omitempty"`
+	// PodIfindex is the pod side's index of that interface in the pod's
+	// network namespace: only a packet leaving by it is let through for
+	// the interface to drop (any other device of the pod's is no path
+	// through the interface).
+	PodIfindex int `json:"podIfindex,omitempty" yaml:"podIfindex,omitempty"`
 	// Agent marks the row of the agent's own container cgroup (Name
 	// "agent:<cgroup>"): an endpoint that no policy enforces, written at
 	// start, before anything else, so that the pinned programs of an

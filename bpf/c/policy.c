@@ -391,6 +391,11 @@ struct {
  * entry names the endpoint's cgroup. Only then may a POLICY_DROP deny
  * pass the socket hooks, to be dropped there. */
 #define EP_IFACE 0x80
+/* With EP_IFACE, the index of the interface's pod side in the pod's
+ * network namespace (bits 16-30): only a packet leaving by it crosses the
+ * interface. */
+#define EP_IFINDEX_SHIFT 16
+#define EP_IFINDEX_MASK 0x7fff
 /* Never in the map: what endpoint_of says of an unclassified process. */
 #define EP_UNCLASSIFIED 0x80000000
 
@@ -411,8 +416,6 @@ struct {
 #define MAX_CGROUP_LEVEL 16
 
 #define IPPROTO_ICMPV6_ 58
-/* lo's index, the same in every network namespace. */
-#define LOOPBACK_IFINDEX 1
 
 /* A read of a context field where the code says, by its own offset. */
 #define READ_CTX(field) (*(volatile typeof(field) *)&(field))
@@ -1729,12 +1732,14 @@ int policy_egress(struct __sk_buff *skb)
 	}
 	d = judge(&ep, &c, DIR_EGRESS);
 	/* A ClusterNetworkPolicy Deny is the interface's to drop (as at
-	 * connect), but not: what leaves through lo (the pod's own
-	 * addresses), which no interface sees; a TCP segment without SYN,
-	 * which no connect() the hooks let through can send (its SYN was
-	 * dropped): a socket made connected without one (TCP_REPAIR) is
-	 * refused here. Neither is remembered. */
-	if (dropped_at_iface(&ep, &d) && skb->ifindex != LOOPBACK_IFINDEX &&
+	 * connect), but only what leaves by the interface's pod side: not
+	 * what goes through lo (the pod's own addresses) or another device
+	 * of the pod's (a second interface, a tunnel), which the interface
+	 * never sees; and not a TCP segment without SYN, which no connect()
+	 * the hooks let through can send (its SYN was dropped): a socket
+	 * made connected without one (TCP_REPAIR) is refused here. Nothing
+	 * of it is remembered. */
+	if (dropped_at_iface(&ep, &d) && skb->ifindex == ((ep.flags >> EP_IFINDEX_SHIFT) & EP_IFINDEX_MASK) &&
 	    (p.protocol != IPPROTO_TCP || tcp_syn(skb, &p)))
 		return 1;
 	count(DIR_EGRESS, d.verdict);

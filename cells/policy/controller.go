@@ -142,11 +142,11 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 				why = ch.Object.Error
 			}
 			eng.setNoInterface(ch.Object.Name, why)
-			done := uint64(0)
+			done, peer := uint64(0), 0
 			if !ch.Deleted && ch.Object.Ifindex != 0 && ch.Object.Status.Kind == reconciler.StatusKindDone {
-				done = ch.Object.CgroupID
+				done, peer = ch.Object.CgroupID, ch.Object.PeerIfindex
 			}
-			eng.setInterfaceDone(ch.Object.Name, done)
+			eng.setInterfaceDone(ch.Object.Name, done, peer)
 		}
 		// Nothing is written until the inputs have been read whole
 		// (prefixes resolved into identities, the selectors and endpoints

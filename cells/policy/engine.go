@@ -238,7 +238,14 @@ type engine struct {
 	// ifaceDone is the cgroup each endpoint's interface is enforced for
 	// (its pod-interfaces row reconciled: programs attached, entry
 	// written), by endpoint name: its row gets PodIface.
-	ifaceDone map[string]uint64
+	ifaceDone map[string]ifaceDone
+}
+
+// ifaceDone is an enforced interface: for which cgroup, and the index of
+// its pod side in the pod's network namespace.
+type ifaceDone struct {
+	cgroupID    uint64
+	peerIfindex int
 }
 
 func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
@@ -250,7 +257,7 @@ func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
 		byIdentity: map[uint32]map[*endpoint]struct{}{}, peerUsers: map[string]map[*rule]struct{}{},
 		restored: restored, usedIDs: map[uint32]*endpoint{}, nextID: 1,
 		dirty: map[*endpoint]struct{}{}, gone: map[string]*endpoint{},
-		noIface: map[string]string{}, ifaceDone: map[string]uint64{},
+		noIface: map[string]string{}, ifaceDone: map[string]ifaceDone{},
 	}
 	for _, id := range restored {
 		if id >= e.nextID {
@@ -431,15 +438,17 @@ func (e *engine) setNoInterface(name, why string) {
 }
 
 // setInterfaceDone says for which cgroup the interface of endpoint name
-// is enforced (0: none): only then does its row get PodIface.
-func (e *engine) setInterfaceDone(name string, cgroupID uint64) {
-	if e.ifaceDone[name] == cgroupID {
+// is enforced (0: none), and its pod side's index: only then does its row
+// get PodIface.
+func (e *engine) setInterfaceDone(name string, cgroupID uint64, peerIfindex int) {
+	done := ifaceDone{cgroupID, peerIfindex}
+	if e.ifaceDone[name] == done {
 		return
 	}
 	if cgroupID == 0 {
 		delete(e.ifaceDone, name)
 	} else {
-		e.ifaceDone[name] = cgroupID
+		e.ifaceDone[name] = done
 	}
 	if ep := e.endpoints[name]; ep != nil {
 		e.dirty[ep] = struct{}{}
@@ -993,7 +1002,9 @@ func (e *engine) flush(out output) {
 			Entries: ep.emittedCount, Policies: ep.policies,
 			FailClosedIngress: ep.failIngress, FailClosedEgress: ep.failEgress,
 			Reason: e.reason(ep), DNS: ep.dns,
-			PodIface: ep.id != 0 && ep.row.CgroupID != 0 && e.ifaceDone[name] == ep.row.CgroupID,
+		}
+		if done := e.ifaceDone[name]; ep.id != 0 && ep.row.CgroupID != 0 && done.cgroupID == ep.row.CgroupID && done.peerIfindex > 0 {
+			row.PodIface, row.PodIfindex = true, done.peerIfindex
 		}
 		if row.Policies == nil {
 			row.Policies = []string{}
@@ -1044,7 +1055,7 @@ func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
 		a.AuditDefaultIngress == b.AuditDefaultIngress && a.AuditDefaultEgress == b.AuditDefaultEgress &&
 		slices.Equal(a.Policies, b.Policies) && a.Reason == b.Reason &&
 		slices.Equal(a.FailClosedIngress, b.FailClosedIngress) && slices.Equal(a.FailClosedEgress, b.FailClosedEgress) &&
-		slices.Equal(a.DNS, b.DNS) && a.PodIface == b.PodIface
+		slices.Equal(a.DNS, b.DNS) && a.PodIface == b.PodIface && a.PodIfindex == b.PodIfindex
 }
 
 // Reasons of endpoint rows not enforced as their policies say.

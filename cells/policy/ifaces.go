@@ -180,7 +180,7 @@ func (d *ifaceDiscovery) scan(full bool) ifaceScan {
 	for row := range d.interfaces.All(rtxn) {
 		if row.Ifindex != 0 {
 			d.held[row.Name] = heldIface{cgroupID: row.CgroupID,
-				veth: podnet.HostVeth{Name: row.Interface, Ifindex: row.Ifindex, Netns: row.Netns}}
+				veth: podnet.HostVeth{Name: row.Interface, Ifindex: row.Ifindex, Netns: row.Netns, PeerIfindex: row.PeerIfindex}}
 		}
 	}
 	type pod struct {
@@ -249,7 +249,7 @@ func (d *ifaceDiscovery) scan(full bool) ifaceScan {
 		}
 		if h, ok := d.held[ep.Name]; ok {
 			d.noteDisagreement(ep.Name, h, p.f, p.failErr)
-			row.Interface, row.Ifindex, row.Netns = h.veth.Name, h.veth.Ifindex, h.veth.Netns
+			row.Interface, row.Ifindex, row.Netns, row.PeerIfindex = h.veth.Name, h.veth.Ifindex, h.veth.Netns, h.veth.PeerIfindex
 			res.found++
 			want[row.Name] = row
 			continue
@@ -325,7 +325,7 @@ func (d *ifaceDiscovery) give(row *tables.PodInterface, veths []podnet.HostVeth,
 		}
 		d.held[row.Name] = heldIface{cgroupID: row.CgroupID, veth: v}
 		owner[v.Ifindex] = row.Name
-		row.Interface, row.Ifindex, row.Netns = v.Name, v.Ifindex, v.Netns
+		row.Interface, row.Ifindex, row.Netns, row.PeerIfindex = v.Name, v.Ifindex, v.Netns, v.PeerIfindex
 		return ""
 	}
 	return "interface conflict: " + strings.Join(taken, ", ") + ", which had it first"
@@ -388,5 +388,5 @@ func (d *ifaceDiscovery) write(want map[string]*tables.PodInterface) {
 // sameInterface tells whether a and b say the same, status aside.
 func sameInterface(a, b *tables.PodInterface) bool {
 	return a.CgroupID == b.CgroupID && a.Interface == b.Interface && a.Ifindex == b.Ifindex &&
-		a.Netns == b.Netns && slices.Equal(a.Addrs, b.Addrs) && a.Error == b.Error && a.FailClosed == b.FailClosed
+		a.PeerIfindex == b.PeerIfindex && a.Netns == b.Netns && slices.Equal(a.Addrs, b.Addrs) && a.Error == b.Error && a.FailClosed == b.FailClosed
 }

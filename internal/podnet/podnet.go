@@ -46,6 +46,10 @@ type HostVeth struct {
 	Ifindex int
 	// Netns is the inode of the pod's network namespace its peer is in.
 	Netns uint64
+	// PeerIfindex is the peer's index in that namespace, as the host
+	// says (the host side's IFLA_LINK): the device the pod's packets
+	// leave by when they go through this veth.
+	PeerIfindex int
 	// CarriesAddr: the host routes one of the pod's addresses through
 	// this interface (or through the bridge it is a port of).
 	CarriesAddr bool
@@ -182,7 +186,7 @@ func vethsInto(links []netlink.Link, ns podNetns) ([]HostVeth, error) {
 		if l.Type() != "veth" || a.NetNsID != nsid {
 			continue
 		}
-		out = append(out, HostVeth{Name: a.Name, Ifindex: a.Index, Netns: ns.ino})
+		out = append(out, HostVeth{Name: a.Name, Ifindex: a.Index, Netns: ns.ino, PeerIfindex: a.ParentIndex})
 	}
 	if len(out) > 1 {
 		markEth0(out, links, ns)

@@ -175,17 +175,25 @@ func TestClusterNetworkPolicyDrop(t *testing.T) {
 	}})
 	a.waitPodInterfaces(t, map[string]string{"cn-drop/cda": podA.hostIf, "cn-drop/cdb": podB.hostIf})
 	a.waitEndpointPolicy(t, map[string]string{"cn-drop/cda": "off default-allow"})
-	testenv.Eventually(t, waitTimeout, "cda's row says its interface is enforced", func() (bool, string) {
+	// The pod side of cda's veth, whose index the socket hooks compare a
+	// packet's device with.
+	out, err := podA.command(t, false, nil, "cat", "/sys/class/net/eth0/ifindex").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	eth0 := strings.TrimSpace(string(out))
+	testenv.Eventually(t, waitTimeout, "cda's row says its interface is enforced, by eth0's index "+eth0, func() (bool, string) {
 		var rows []struct {
-			Name     string
-			PodIface bool
+			Name       string
+			PodIface   bool
+			PodIfindex int
 		}
 		if err := a.dump("endpoint-policy", &rows); err != nil {
 			return false, err.Error()
 		}
 		for _, r := range rows {
 			if r.Name == "cn-drop/cda" {
-				return r.PodIface, fmt.Sprintf("%+v", r)
+				return r.PodIface && fmt.Sprint(r.PodIfindex) == eth0, fmt.Sprintf("%+v", r)
 			}
 		}
 		return false, fmt.Sprintf("%+v", rows)
@@ -306,8 +314,8 @@ func TestClusterNetworkPolicyDrop(t *testing.T) {
 		return true, ""
 	})
 
-	out, err := a.db("show", "policy-entries")
-	if err != nil || !strings.Contains(out, "drop (final)") {
-		t.Errorf("policy-entries shows no drop (final) entry: %v\n%s", err, out)
+	entries, err := a.db("show", "policy-entries")
+	if err != nil || !strings.Contains(entries, "drop (final)") {
+		t.Errorf("policy-entries shows no drop (final) entry: %v\n%s", err, entries)
 	}
 }
