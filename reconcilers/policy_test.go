@@ -672,6 +672,40 @@ func TestPolicyEndpointFlags(t *testing.T) {
 	}
 }
 
+// TestPolicyEndpointPodIface: an endpoint whose interface is enforced
+// carries the flag and its pod side's index (which must fit, else
+// neither: the drop stays EPERM); a restarted agent's Open clears both
+// from every entry until the rows say so again.
+func TestPolicyEndpointPodIface(t *testing.T) {
+	f := newPolicyFixture(t, 1024)
+	rows := map[string]int{"a": 2, "b": 0, "c": 40000}
+	var names []string
+	for i, name := range []string{"a", "b", "c"} {
+		ep := polEndpoint(uint32(i+1), uint64(3001+i), tables.EnforceOff, tables.EnforceDefaultAllow)
+		ep.PodIface, ep.PodIfindex = true, rows[name]
+		f.insert(t, ep)
+		names = append(names, ep.Name)
+	}
+	for _, n := range names {
+		if err := f.updateEndpoint(t, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := map[uint64]bpf.PolicyEndpointValue{
+		3001: {EndpointID: 1, Flags: bpf.PolicyEnforceEgress | bpf.PolicyPodIface | 2<<bpf.PolicyPodIfindexShift},
+		3002: {EndpointID: 2, Flags: bpf.PolicyEnforceEgress},
+		3003: {EndpointID: 3, Flags: bpf.PolicyEnforceEgress},
+	}
+	if got := f.endpointsMap(t); !maps.Equal(got, want) {
+		t.Fatalf("policy_endpoints %v, want %v", got, want)
+	}
+	f.open(t, 1024)
+	want[3001] = bpf.PolicyEndpointValue{EndpointID: 1, Flags: bpf.PolicyEnforceEgress}
+	if got := f.endpointsMap(t); !maps.Equal(got, want) {
+		t.Fatalf("after Open: policy_endpoints %v, want %v", got, want)
+	}
+}
+
 // TestPolicyEndpointCgroup follows an endpoint's cgroup: a new cgroup ID
 // moves its policy_endpoints entry (the old key goes), a cgroup gone
 // removes it, Delete removes it, a row without an endpoint ID writes
@@ -854,6 +888,9 @@ func TestPolicyKeyOfFlags(t *testing.T) {
 		{"audited deny", tables.PolicyEntry{Deny: true, Audit: true}, bpf.PolicyFlagDeny | bpf.PolicyFlagAudit},
 		{"allow of pods' addresses", tables.PolicyEntry{PodAddrs: true}, bpf.PolicyFlagPodAddrs},
 		{"deny with PodAddrs", tables.PolicyEntry{Deny: true, PodAddrs: true}, bpf.PolicyFlagDeny},
+		{"ClusterNetworkPolicy deny (drop)", tables.PolicyEntry{Deny: true, Final: true, Drop: true},
+			bpf.PolicyFlagDeny | bpf.PolicyFlagFinal | bpf.PolicyFlagDrop},
+		{"drop on an allow: none", tables.PolicyEntry{Final: true, Drop: true}, bpf.PolicyFlagFinal},
 	} {
 		e := tc.e
 		e.Direction = tables.DirEgress
