@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"log/slog"
 
+	"github.com/cilium/ebpf"
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
@@ -21,6 +22,7 @@ import (
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/bpf/iflink"
+	"github.com/apiary-net/apiary/bpf/policyprog"
 	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/fqdn"
@@ -207,7 +209,7 @@ type reconcilerParams struct {
 	Ops       *reconcilers.Policy
 	Resync    bpffs.Resync
 	Config    Config
-	DNSMaps   *dnsMaps
+	DNSMaps   *reconcilers.DNSMaps
 	Registry  prometheus.Registerer
 }
 
@@ -216,11 +218,11 @@ func registerReconcilers(p reconcilerParams) error {
 	p.Ops.ResyncWith(p.Resync.DriftReport())
 	if p.Config.EnablePolicy != ModeNever {
 		// Each endpoint with DNS rules gets its map in dns_origin.
-		p.Ops.SetEndpointMaps(&dnsOrigins{maps: p.DNSMaps})
+		p.Ops.SetEndpointMaps(p.DNSMaps)
 		lost := prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Namespace: metrics.Namespace, Subsystem: "dns", Name: "origins_lost_total",
 			Help: "Intercepted DNS queries whose resolver the programs could not tell the DNS proxy (the endpoint has no map in dns_origin yet, or the write failed): the proxy asks its upstream for them",
-		}, func() float64 { n, _ := p.DNSMaps.lostOrigins(); return float64(n) })
+		}, func() float64 { n, _ := p.DNSMaps.LostOrigins(); return float64(n) })
 		if err := p.Registry.Register(lost); err != nil {
 			return err
 		}
@@ -293,9 +295,15 @@ func newGate(p gateParams) fqdn.Gate {
 }
 
 // newDNSMaps returns the maps of DNS interception, opened on first use.
-func newDNSMaps(log *slog.Logger, pinDir bpffs.PinDir, lc cell.Lifecycle) *dnsMaps {
-	d := &dnsMaps{log: log, pinDir: string(pinDir)}
-	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { d.close(); return nil }})
+func newDNSMaps(log *slog.Logger, pinDir bpffs.PinDir, maps bpffs.Maps, lc cell.Lifecycle) *reconcilers.DNSMaps {
+	d := reconcilers.NewDNSMaps(log, maps, string(pinDir), func() (*ebpf.MapSpec, error) {
+		spec, err := policyprog.Spec()
+		if err != nil {
+			return nil, err
+		}
+		return bpf.DNSSockMapSpec(spec)
+	})
+	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { d.Close(); return nil }})
 	return d
 }
 
@@ -304,7 +312,7 @@ type interceptorParams struct {
 
 	Config    Config
 	DB        *statedb.DB
-	Maps      *dnsMaps
+	Maps      *reconcilers.DNSMaps
 	Endpoints statedb.RWTable[*tables.EndpointPolicy]
 	Pods      statedb.Table[*tables.Endpoint]
 	Ifaces    statedb.Table[*tables.PodInterface]
@@ -326,6 +334,7 @@ type attacherParams struct {
 	Log        *slog.Logger
 	Config     Config
 	PinDir     bpffs.PinDir
+	Maps       bpffs.Maps
 	Root       cgroups.Root
 	Jobs       job.Group
 	Lifecycle  cell.Lifecycle
@@ -343,12 +352,12 @@ type attacherParams struct {
 	ReconcilerParams reconciler.Params
 	PodEndpoints     statedb.Table[*tables.Endpoint]
 	Interfaces       statedb.RWTable[*tables.PodInterface]
-	DNSMaps          *dnsMaps
+	DNSMaps          *reconcilers.DNSMaps
 }
 
 func registerAttacher(p attacherParams) error {
 	a := &attacher{
-		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), root: p.Root, ops: p.Ops,
+		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), maps: p.Maps, root: p.Root, ops: p.Ops,
 		ipcache: p.IPCache, opened: p.Opened, attached: make(chan struct{}),
 		dns: p.DNSMaps,
 	}
@@ -403,7 +412,7 @@ func registerPodInterfaces(p attacherParams, a *attacher) error {
 		return nil // the attacher detaches everything
 	case !p.Config.PolicyPodInterfaces:
 		p.Jobs.Add(job.OneShot("pod-interfaces-off", func(context.Context, cell.Health) error {
-			gone, err := detachIfaces(string(p.PinDir))
+			gone, err := detachIfaces(p.Maps, string(p.PinDir))
 			if len(gone) > 0 {
 				p.Log.Info("Packet-level enforcement off (--"+PodInterfacesFlag+"=false): detached", "links", gone)
 			}
@@ -422,6 +431,7 @@ func registerPodInterfaces(p attacherParams, a *attacher) error {
 	ops := &ifaceOps{
 		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), mode: iflink.Mode(p.Config.PolicyInterfaceAttach),
 		a: a, policy: p.Ops, ipcache: p.IPCache,
+		maps:     reconcilers.NewPolicyIfaces(p.Log, p.Maps, string(p.PinDir), endpointsMax, p.Config.PolicyInterfaceFlows),
 		attached: map[string]int{},
 	}
 	p.Jobs.Add(job.OneShot("pod-interface-programs", ops.publish, job.WithRetry(-1, attachRetry())))
@@ -430,7 +440,7 @@ func registerPodInterfaces(p attacherParams, a *attacher) error {
 	}
 	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { ops.close(); return nil }})
 	return p.Registry.Register(&decisionsCollector{
-		read: func() ([]uint64, error) { c, err := ops.stats(); return c[:], err },
+		read: func() ([]uint64, error) { c, err := ops.maps.Stats(); return c[:], err },
 		decisions: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "interface_decisions_total"),
 			"Decisions of the programs on pods' interfaces (packets of flows they do not know yet), by direction and verdict; counted in the datapath",
 			[]string{"direction", "verdict"}, nil),
