@@ -20,6 +20,7 @@ import (
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/bpf/cgrouplink"
 	"github.com/apiary-net/apiary/bpf/policyprog"
+	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/reconcilers"
@@ -60,6 +61,45 @@ type attacher struct {
 	// attached is closed once the programs are attached (the event
 	// reader starts then).
 	attached chan struct{}
+}
+
+type attachParams struct {
+	cell.In
+
+	Log       *slog.Logger
+	Config    Config
+	PinDir    bpffs.PinDir
+	Maps      bpffs.Maps
+	Root      cgroups.Root
+	Jobs      job.Group
+	Lifecycle cell.Lifecycle
+	Ops       *reconcilers.Policy
+	Opened    mapsOpened
+	IPCache   ipcache.Map
+	DNSMaps   *reconcilers.DNSMaps
+}
+
+// newAttacher returns the attacher, whose job attaches the programs (or,
+// with --enable-policy=never, detaches them) and keeps them in order.
+func newAttacher(p attachParams) *attacher {
+	a := &attacher{
+		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), maps: p.Maps, root: p.Root, ops: p.Ops,
+		ipcache: p.IPCache, opened: p.Opened, attached: make(chan struct{}),
+		dns: p.DNSMaps,
+	}
+	p.Jobs.Add(job.OneShot("attach", a.run, job.WithRetry(-1, attachRetry())))
+	// The socket LB attached after the policy programs: back behind it at
+	// once, before its first connection can be judged on a service
+	// address.
+	p.Root.OnAttach(func() {
+		if err := a.keepLast(); err != nil {
+			a.log.Error("Policy programs may run before the socket load balancer", "error", err)
+		}
+	})
+	// The links stay pinned (and attached); only this process's handles
+	// go.
+	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
+	return a
 }
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }

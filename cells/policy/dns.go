@@ -1,17 +1,56 @@
 package policy
 
 import (
+	"log/slog"
 	"net/netip"
 	"sync"
 	"time"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/bpf/policyprog"
+	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
+
+// newDNSMaps returns the maps of DNS interception, opened on first use.
+func newDNSMaps(log *slog.Logger, pinDir bpffs.PinDir, maps bpffs.Maps, lc cell.Lifecycle) *reconcilers.DNSMaps {
+	d := reconcilers.NewDNSMaps(log, maps, string(pinDir), func() (*ebpf.MapSpec, error) {
+		spec, err := policyprog.Spec()
+		if err != nil {
+			return nil, err
+		}
+		return bpf.DNSSockMapSpec(spec)
+	})
+	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { d.Close(); return nil }})
+	return d
+}
+
+type interceptorParams struct {
+	cell.In
+
+	Config    Config
+	DB        *statedb.DB
+	Maps      *reconcilers.DNSMaps
+	Endpoints statedb.RWTable[*tables.EndpointPolicy]
+	Pods      statedb.Table[*tables.Endpoint]
+	Ifaces    statedb.Table[*tables.PodInterface]
+	Monitor   *Monitor
+}
+
+// newInterceptor returns the DNS proxy's side of DNS interception; none
+// with --enable-policy=never, where no program runs.
+func newInterceptor(p interceptorParams) fqdn.Interceptor {
+	if p.Config.EnablePolicy == ModeNever {
+		return nil
+	}
+	return &interceptor{maps: p.Maps, db: p.DB, endpoints: p.Endpoints, pods: p.Pods, ifaces: p.Ifaces, monitor: p.Monitor}
+}
 
 // interceptor implements fqdn.Interceptor on the DNS maps, the
 // endpoint-policy table and the verdict monitor.

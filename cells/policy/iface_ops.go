@@ -14,8 +14,10 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vishvananda/netlink"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -23,6 +25,8 @@ import (
 	"github.com/apiary-net/apiary/bpf/podiface"
 	"github.com/apiary-net/apiary/bpf/policyprog"
 	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/cells/policy/podifaces"
+	"github.com/apiary-net/apiary/internal/podnet"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -115,84 +119,6 @@ func (o *ifaceOps) load() error {
 	}
 	o.progs = progs
 	return nil
-}
-
-// publish pins the interface programs under podiface.ProgramsDir, once
-// the socket-level programs (whose maps they share) are attached, so that
-// apiary-cni can attach them to a pod's interface the moment it is made,
-// while this agent is away or before it has found the pod. Each run of the
-// agent pins its own programs over the last run's.
-func (o *ifaceOps) publish(ctx context.Context, health cell.Health) error {
-	select {
-	case <-o.a.attached:
-	case <-ctx.Done():
-		return nil
-	}
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	err := o.load()
-	if err == nil {
-		err = pinPrograms(o.pinDir, o.progs)
-	}
-	if err != nil {
-		health.Degraded("Pinning the interface programs for apiary-cni failed; retrying", err)
-		return fmt.Errorf("pin the interface programs: %w", err)
-	}
-	dir := filepath.Join(o.pinDir, podiface.ProgramsDir)
-	health.OK("Interface programs pinned in " + dir + " for apiary-cni")
-	o.log.Info("Pinned the interface programs for apiary-cni", "dir", dir)
-	return nil
-}
-
-// pinPrograms pins each interface program as NAME_new and renames it over
-// NAME, so that the plugin always finds a whole program at NAME.
-func pinPrograms(pinDir string, progs map[string]*ebpf.Program) error {
-	if err := os.MkdirAll(filepath.Join(pinDir, podiface.ProgramsDir), 0o750); err != nil {
-		return fmt.Errorf("programs directory: %w", err)
-	}
-	for _, name := range podiface.Programs {
-		prog, ok := progs[name]
-		if !ok {
-			return fmt.Errorf("no program %s", name)
-		}
-		// A clone, whose pin path the rename makes stale, not the
-		// program the links get.
-		clone, err := prog.Clone()
-		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
-		}
-		pin := podiface.ProgramPin(pinDir, name)
-		tmp := pin + "_new"
-		_ = os.Remove(tmp)
-		err = clone.Pin(tmp)
-		clone.Close()
-		if err != nil {
-			return fmt.Errorf("pin %s: %w", tmp, err)
-		}
-		if err := os.Rename(tmp, pin); err != nil {
-			os.Remove(tmp)
-			return fmt.Errorf("rename %s to %s: %w", tmp, pin, err)
-		}
-	}
-	return nil
-}
-
-// unpinPrograms removes the pins of the interface programs: without them
-// apiary-cni refuses new pods (unless its netconf says failOpen).
-func unpinPrograms(pinDir string) error {
-	var errs []error
-	for _, name := range podiface.Programs {
-		pin := podiface.ProgramPin(pinDir, name)
-		for _, p := range []string{pin, pin + "_new"} {
-			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-				errs = append(errs, err)
-			}
-		}
-	}
-	if err := os.Remove(filepath.Join(pinDir, podiface.ProgramsDir)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, err)
-	}
-	return errors.Join(errs...)
 }
 
 // Update implements reconciler.Operations.
@@ -456,12 +382,74 @@ func (o *ifaceOps) close() {
 	o.maps.Close()
 }
 
+type podIfaceParams struct {
+	cell.In
+
+	Jobs             job.Group
+	Lifecycle        cell.Lifecycle
+	Registry         prometheus.Registerer
+	DB               *statedb.DB
+	ReconcilerParams reconciler.Params
+	PodEndpoints     statedb.Table[*tables.Endpoint]
+	Interfaces       statedb.RWTable[*tables.PodInterface]
+	Attacher         *attacher
+}
+
+// registerPodInterfaces starts packet-level enforcement on pods'
+// interfaces (--policy-pod-interfaces): the discovery of their interfaces
+// (podifaces), the reconciler that attaches the interface programs and
+// writes their maps, and the programs pinned for apiary-cni; or removes
+// what an earlier run attached when it is off.
+func registerPodInterfaces(p podIfaceParams) error {
+	a := p.Attacher
+	switch {
+	case a.cfg.EnablePolicy == ModeNever:
+		return nil // the attacher detaches everything
+	case !a.cfg.PolicyPodInterfaces:
+		p.Jobs.Add(job.OneShot("pod-interfaces-off", func(context.Context, cell.Health) error {
+			gone, err := detachIfaces(a.maps, a.pinDir)
+			if len(gone) > 0 {
+				a.log.Info("Packet-level enforcement off (--"+PodInterfacesFlag+"=false): detached", "links", gone)
+			}
+			return err
+		}))
+		return nil
+	}
+	finder, err := podnet.NewFinder()
+	if err != nil {
+		return fmt.Errorf("pod interfaces: %w", err)
+	}
+	d := podifaces.NewDiscovery(a.log, p.DB, a.root, p.PodEndpoints, p.Interfaces, finder)
+	p.Jobs.Add(job.OneShot("pod-interfaces", d.Run))
+	ops := &ifaceOps{
+		log: a.log, cfg: a.cfg, pinDir: a.pinDir, mode: iflink.Mode(a.cfg.PolicyInterfaceAttach),
+		a: a, policy: a.ops, ipcache: a.ipcache,
+		maps:     reconcilers.NewPolicyIfaces(a.log, a.maps, a.pinDir, endpointsMax, a.cfg.PolicyInterfaceFlows),
+		attached: map[string]int{},
+	}
+	p.Jobs.Add(job.OneShot("pod-interface-programs", ops.publish, job.WithRetry(-1, attachRetry())))
+	if err := registerIfaceReconciler(p.ReconcilerParams, ops, p.Interfaces); err != nil {
+		return err
+	}
+	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { ops.close(); return nil }})
+	return p.Registry.Register(newDecisionsCollector("interface_",
+		"Decisions of the programs on pods' interfaces (packets of flows they do not know yet), by direction and verdict; counted in the datapath",
+		func() ([]uint64, error) { c, err := ops.maps.Stats(); return c[:], err },
+		&dropsDesc{
+			help: "Packets dropped on pods' interfaces whatever the policy: reason spoofed (a source not the pod's own), not-ip (neither IP nor ARP), unparsable (IP whose headers cannot be read to the ports) or fragment-unknown (a later fragment whose first one the interface does not know: denied, or pushed out by the pod's newer ones)",
+			reasons: map[int]string{
+				bpf.PolicyIfaceStatsSpoofed: "spoofed", bpf.PolicyIfaceStatsNotIP: "not-ip",
+				bpf.PolicyIfaceStatsUnparsable: "unparsable", bpf.PolicyIfaceStatsFragUnknown: "fragment-unknown",
+			},
+		}))
+}
+
 // registerIfaceReconciler registers the reconciler of the pod-interfaces
 // table.
 func registerIfaceReconciler(params reconciler.Params, ops *ifaceOps, table statedb.RWTable[*tables.PodInterface]) error {
 	_, err := reconciler.Register(params, table,
 		(*tables.PodInterface).Clone, (*tables.PodInterface).SetStatus, (*tables.PodInterface).GetStatus,
-		ops, nil, reconciler.WithRefreshing(0, nil), reconciler.WithPruning(ifaceRescanInterval))
+		ops, nil, reconciler.WithRefreshing(0, nil), reconciler.WithPruning(podifaces.RescanInterval))
 	if err != nil {
 		return fmt.Errorf("register %s reconciler: %w", tables.PodInterfacesTableName, err)
 	}
