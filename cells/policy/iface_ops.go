@@ -356,8 +356,9 @@ func detachIfaces(opener bpf.Opener, pinDir string) ([]string, error) {
 			detach(ifindex)
 		}
 	}
-	listed, err := reconcilers.PinnedPolicyInterfaces(opener, pinDir)
-	errs = append(errs, err)
+	// What can be read: an unreadable map must not keep its pin (and
+	// the other pins) from going.
+	listed, _ := reconcilers.PinnedPolicyInterfaces(opener, pinDir)
 	for _, ifindex := range listed {
 		detach(ifindex)
 	}
