@@ -221,6 +221,7 @@ func (l *LB) UpdateBatch(_ context.Context, txn statedb.ReadTxn, batch []reconci
 		return
 	}
 	run := newLBRun()
+	defer run.release()
 	plans := make([]*lbPlan, len(batch))
 	for i := range batch {
 		plans[i] = l.planUpdate(run, txn, batch[i].Object)
@@ -253,6 +254,7 @@ func (l *LB) DeleteBatch(_ context.Context, _ statedb.ReadTxn, batch []reconcile
 		return
 	}
 	run := newLBRun()
+	defer run.release()
 	plans := make([]*lbPlan, 0, len(batch))
 	for i := range batch {
 		if fe := l.frontend(batch[i].Object.Address); fe != nil {
@@ -308,6 +310,7 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 	}
 
 	run := newLBRun()
+	defer run.release()
 	var plans []*lbPlan
 	for fe := range l.allFrontends() {
 		if _, ok := want[fe.addr]; ok {
