@@ -327,12 +327,27 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 	}
 	// Frontends the service no longer asks for go, unless another
 	// service holds the address. Unchanged, it asks for the same ones.
+	// Only their addresses are needed: a deleted service's frontends are
+	// not made again to be thrown away.
 	if before != nil && before != svc {
-		for _, fe := range desiredFrontends(before, w.nodeIPs) {
-			if slices.ContainsFunc(want, func(w *tables.Frontend) bool { return w.Address == fe.Address }) {
+		// A set for a service with many frontends, where the search is
+		// quadratic (10,000 ports: seconds).
+		var wanted map[tables.L4Addr]struct{}
+		if len(want) > 64 {
+			wanted = make(map[tables.L4Addr]struct{}, len(want))
+			for _, fe := range want {
+				wanted[fe.Address] = struct{}{}
+			}
+		}
+		for addr := range frontendAddrs(before, w.nodeIPs) {
+			if wanted != nil {
+				if _, ok := wanted[addr]; ok {
+					continue
+				}
+			} else if slices.ContainsFunc(want, func(w *tables.Frontend) bool { return w.Address == addr }) {
 				continue
 			}
-			if old, _, ok := w.frontends.Get(txn, tables.FrontendAddressIndex.Query(fe.Address)); ok && old.Service == name {
+			if old, _, ok := w.frontends.Get(txn, tables.FrontendAddressIndex.Query(addr)); ok && old.Service == name {
 				// Cannot fail: apply's open txn locks all three tables (see writer).
 				w.frontends.Delete(txn, old)
 				deleted = true
