@@ -94,21 +94,26 @@ func (c *change) remember(name tables.ServiceName, old *tables.Service) {
 }
 
 func (w *writer) upsertService(txn statedb.WriteTxn, svc *tables.Service, c *change) {
-	old, _, ok := w.services.Get(txn, tables.ServiceNameIndex.Query(svc.Name))
-	if ok {
-		svc.Conflicts = old.Conflicts
-	}
+	// One lookup rather than a Get and an Insert. Cannot fail: apply's
+	// open txn locks all three tables (see writer).
+	old, _, _ := w.services.Modify(txn, svc, keepConflicts)
 	c.remember(svc.Name, old)
-	// Cannot fail: apply's open txn locks all three tables (see writer).
-	w.services.Insert(txn, svc)
 	c.dirty[svc.Name] = struct{}{}
 }
 
+// keepConflicts merges a service's new row with its old one: the
+// conflicts are the writer's, not the object's, and stay until refresh
+// recomputes them.
+func keepConflicts(old, new *tables.Service) *tables.Service {
+	new.Conflicts = old.Conflicts
+	return new
+}
+
 func (w *writer) deleteService(txn statedb.WriteTxn, name tables.ServiceName, c *change) {
-	if old, _, ok := w.services.Get(txn, tables.ServiceNameIndex.Query(name)); ok {
+	// Deleted by its key, without a lookup first. Cannot fail: apply's
+	// open txn locks all three tables (see writer).
+	if old, ok, _ := w.services.Delete(txn, &tables.Service{Name: name}); ok {
 		c.remember(name, old)
-		// Cannot fail: apply's open txn locks all three tables (see writer).
-		w.services.Delete(txn, old)
 		c.dirty[name] = struct{}{}
 	}
 }
@@ -210,25 +215,35 @@ type instanceEdit struct {
 // instance is left. It merges them into the backend's sorted instances in
 // one pass.
 func (w *writer) setInstances(txn statedb.WriteTxn, addr tables.L4Addr, edits []instanceEdit) {
-	be, _, _ := w.backends.Get(txn, tables.BackendAddressIndex.Query(addr))
-	var old []tables.BackendInstance
-	if be != nil {
-		old = be.Services
-	}
-	insts := mergeInstances(old, edits)
-	if len(insts) == 0 {
-		if be != nil {
-			// Cannot fail: apply's open txn locks all three tables (see writer).
-			w.backends.Delete(txn, be)
-		}
+	// Cannot fail, here and below: apply's open txn locks all three
+	// tables (see writer).
+	if slices.ContainsFunc(edits, func(e instanceEdit) bool { return e.set }) {
+		// Something is set, so the backend stays: one lookup, where a
+		// new backend (the common case) gets what edits set.
+		w.backends.Modify(txn, newBackend(addr, mergeInstances(nil, edits)), func(old, _ *tables.Backend) *tables.Backend {
+			return newBackend(addr, mergeInstances(old.Services, edits))
+		})
 		return
 	}
+	be, _, ok := w.backends.Get(txn, tables.BackendAddressIndex.Query(addr))
+	if !ok {
+		return
+	}
+	if insts := mergeInstances(be.Services, edits); len(insts) > 0 {
+		w.backends.Insert(txn, newBackend(addr, insts))
+	} else {
+		w.backends.Delete(txn, be)
+	}
+}
+
+// newBackend returns the backend at addr with insts, in the best of their
+// states.
+func newBackend(addr tables.L4Addr, insts []tables.BackendInstance) *tables.Backend {
 	state := tables.BackendNotServing
 	for _, in := range insts {
 		state = min(state, in.State)
 	}
-	// Cannot fail: apply's open txn locks all three tables (see writer).
-	w.backends.Insert(txn, &tables.Backend{Address: addr, State: state, Services: insts})
+	return &tables.Backend{Address: addr, State: state, Services: insts}
 }
 
 // mergeInstances returns old, sorted by compareInstances, with edits
