@@ -68,6 +68,8 @@ type change struct {
 	// prev are the services as they were before the batch (nil if new):
 	// their frontends are the ones that may have to go.
 	prev map[tables.ServiceName]*tables.Service
+	// names is refresh's list of the dirty services, reused.
+	names []tables.ServiceName
 }
 
 func newChange() *change {
@@ -110,10 +112,10 @@ func keepConflicts(old, new *tables.Service) *tables.Service {
 }
 
 func (w *writer) deleteService(txn statedb.WriteTxn, name tables.ServiceName, c *change) {
-	// Deleted by its key, without a lookup first. Cannot fail: apply's
-	// open txn locks all three tables (see writer).
-	if old, ok, _ := w.services.Delete(txn, &tables.Service{Name: name}); ok {
+	if old, _, ok := w.services.Get(txn, tables.ServiceNameIndex.Query(name)); ok {
 		c.remember(name, old)
+		// Cannot fail: apply's open txn locks all three tables (see writer).
+		w.services.Delete(txn, old)
 		c.dirty[name] = struct{}{}
 	}
 }
@@ -291,9 +293,15 @@ func compareInstances(a, b tables.BackendInstance) int {
 func (w *writer) refresh(txn statedb.WriteTxn, c *change) {
 	freed := false
 	// In name order, so that IDs do not depend on map iteration order.
-	for _, name := range slices.SortedFunc(maps.Keys(c.dirty), tables.ServiceName.Compare) {
+	c.names = c.names[:0]
+	for name := range c.dirty {
+		c.names = append(c.names, name)
+	}
+	slices.SortFunc(c.names, tables.ServiceName.Compare)
+	for _, name := range c.names {
 		freed = w.refreshService(txn, name, c) || freed
 	}
+	clear(c.names)
 	if !freed {
 		return
 	}
