@@ -236,7 +236,7 @@ func (r *lbRun) wantBuf(n int) []uint32 {
 	}
 	start := len(r.ids)
 	r.ids = r.ids[:start+n]
-	return r.ids[start:start:start+n]
+	return r.ids[start : start : start+n]
 }
 
 // slabChunk is the number of values a slab allocates at a time.
