@@ -206,19 +206,15 @@ func newLBRun() *lbRun { return runPool.Get().(*lbRun) }
 // and pools it. No operation or plan of r may be used after.
 func (r *lbRun) release() {
 	for i := range r.steps {
-		clear(r.steps[i])
-		r.steps[i] = r.steps[i][:0]
+		r.steps[i] = reuse(r.steps[i])
 	}
-	clear(r.releases)
-	r.releases = r.releases[:0]
+	r.releases = reuse(r.releases)
 	clear(r.wildcardWrites)
-	clear(r.wildcardReleases)
-	r.wildcardReleases = r.wildcardReleases[:0]
+	r.wildcardReleases = reuse(r.wildcardReleases)
 	r.ops.reset()
 	r.plans.reset()
-	r.ids = r.ids[:0]
-	clear(r.group)
-	r.group = r.group[:0]
+	r.ids = reuse(r.ids)
+	r.group = reuse(r.group)
 	runPool.Put(r)
 }
 
@@ -232,7 +228,7 @@ func (r *lbRun) newPlan() *lbPlan { return r.plans.get() }
 // run's: appending beyond n allocates rather than overwrites.
 func (r *lbRun) wantBuf(n int) []uint32 {
 	if cap(r.ids)-len(r.ids) < n {
-		r.ids = make([]uint32, 0, max(4096, n))
+		r.ids = make([]uint32, 0, max(keepLen/2, n))
 	}
 	start := len(r.ids)
 	r.ids = r.ids[:start+n]
@@ -241,6 +237,24 @@ func (r *lbRun) wantBuf(n int) []uint32 {
 
 // slabChunk is the number of values a slab allocates at a time.
 const slabChunk = 256
+
+// keepChunks and keepLen bound what a pooled run keeps: a round of a few
+// thousand frontends reuses everything, the buffers of a bigger burst are
+// left to the garbage collector rather than held by the pool.
+const (
+	keepChunks = 32
+	keepLen    = keepChunks * slabChunk
+)
+
+// reuse returns s emptied for the next run, or nil if it grew past
+// keepLen. Emptied, it keeps nothing alive.
+func reuse[T any](s []T) []T {
+	clear(s)
+	if cap(s) > keepLen {
+		return nil
+	}
+	return s[:0]
+}
 
 // slab hands out pointers to zero values carved from chunks, one
 // allocation for many; reset makes them all available again.
@@ -268,6 +282,10 @@ func (s *slab[T]) reset() {
 	}
 	if s.cur < len(s.chunks) {
 		clear(s.chunks[s.cur][:s.used])
+	}
+	if len(s.chunks) > keepChunks {
+		clear(s.chunks[keepChunks:])
+		s.chunks = s.chunks[:keepChunks]
 	}
 	s.cur, s.used = 0, 0
 }
