@@ -175,7 +175,7 @@ type lbPlan struct {
 }
 
 // lbRun collects the operations of one batch of plans. Runs are pooled
-// with their buffers (see newLBRun): the operations, plans and lists of a
+// with their buffers (see LB.newRun): the operations, plans and lists of a
 // round of thousands of frontends were a third of what the load balancer
 // allocated, and the garbage collector's work grows with that.
 type lbRun struct {
@@ -192,15 +192,20 @@ type lbRun struct {
 	ids []uint32
 	// group is execute's list of one map's operations of one kind.
 	group []*lbOp
+	// pool is where release puts the run: its LB's.
+	pool *sync.Pool
 }
 
-// runPool holds idle runs. A pool rather than a field of LB: what a burst
-// made grow is given back to the garbage collector once the load balancer
-// has been idle for a couple of collections, not kept for good.
-var runPool = sync.Pool{New: func() any { return &lbRun{} }}
-
-// newLBRun returns an empty run; release hands it back.
-func newLBRun() *lbRun { return runPool.Get().(*lbRun) }
+// newRun returns an empty run from l's pool; release hands it back. A
+// pool rather than one run kept in l: what a burst made grow goes back to
+// the garbage collector once the load balancer has been idle for a couple
+// of collections.
+func (l *LB) newRun() *lbRun {
+	if r, ok := l.runs.Get().(*lbRun); ok {
+		return r
+	}
+	return &lbRun{pool: &l.runs}
+}
 
 // release empties r, so that the pool keeps nothing of the mirror alive,
 // and pools it. No operation or plan of r may be used after.
@@ -215,7 +220,7 @@ func (r *lbRun) release() {
 	r.plans.reset()
 	r.ids = reuse(r.ids)
 	r.group = reuse(r.group)
-	runPool.Put(r)
+	r.pool.Put(r)
 }
 
 // newOp returns a zero operation that lives as long as the run.

@@ -39,7 +39,7 @@ func TestSlab(t *testing.T) {
 // TestWantBuf: the plans' want lists carved from one run never overlap,
 // and appending past what was asked for leaves the neighbour alone.
 func TestWantBuf(t *testing.T) {
-	r := newLBRun()
+	r := (&LB{}).newRun()
 	defer r.release()
 	a := r.wantBuf(2)
 	b := r.wantBuf(3)
