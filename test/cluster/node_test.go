@@ -111,6 +111,9 @@ type node struct {
 	// agentEnv is set on the agent's container by install, replacing a
 	// variable of the same name (see withAgentEnv).
 	agentEnv []corev1.EnvVar
+	// agentConfig are keys of deploy/'s apiary-config ConfigMap that
+	// install sets, as a user of this cluster sets them.
+	agentConfig map[string]string
 }
 
 // nodeOption changes how startNode brings the node up.
