@@ -174,6 +174,19 @@ func TestNodePortAcrossNodes(t *testing.T) {
 	t.Run("TCP from the other node's pod", func(t *testing.T) {
 		both(otherPod, nnOtherPod4, connectEnv, "hello CLIENT", "hello "+nnNode4)
 	})
+	t.Run("without the programs the other node gets no backend", func(t *testing.T) {
+		// What the multi-node cluster saw with enable-nodeport off
+		// (deploy/'s default then): a NodePort reached from another node
+		// is not translated, only this node's own processes and pods
+		// (the socket LB) get a backend; the datagram meets the node's
+		// closed port.
+		a.restart(t, "--enable-nodeport=false")
+		testenv.Eventually(t, waitTimeout, "UDP from the other node's host refused", func() (bool, string) {
+			got := other.run(t, npUDPEnv+"="+nnNode4+":30091")
+			return got == "ECONNREFUSED", got
+		})
+		a.restart(t)
+	})
 	t.Run("externalTrafficPolicy Local falls back to the terminating local backend", func(t *testing.T) {
 		for _, c := range []struct {
 			client *npNetns
