@@ -116,6 +116,25 @@ func NewPrefixesTable(db *statedb.DB) (statedb.RWTable[*PrefixLabels], error) {
 	return statedb.NewTable(db, PrefixesTableName, PrefixLabelsIndex, PrefixOwnerIndex)
 }
 
+// PodOwner returns the owner of a pod's addresses in the prefixes table,
+// "pod/<namespace>/<name>".
+func PodOwner(namespace, name string) string {
+	return podOwnerPrefix + namespace + "/" + name
+}
+
+// PodOfOwner is the inverse of PodOwner: the namespace and name of the pod
+// owner stands for, ok false for an owner that is no pod. Whoever has the
+// ipcache table can so name the pod behind an address on any node.
+func PodOfOwner(owner string) (namespace, name string, ok bool) {
+	rest, ok := strings.CutPrefix(owner, podOwnerPrefix)
+	if !ok {
+		return "", "", false
+	}
+	return strings.Cut(rest, "/") // namespaces have no '/'
+}
+
+const podOwnerPrefix = "pod/"
+
 // IPCacheEntry is a prefix with its resolved labels and identity: what the
 // ipcache map holds for it.
 type IPCacheEntry struct {

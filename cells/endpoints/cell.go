@@ -220,21 +220,15 @@ func newController(p controllerParams) *controller {
 
 // owner returns the prefixes owner of a pod.
 func owner(key k8s.Key) string {
-	return ownerPrefix + key.Namespace + "/" + key.Name
+	return tables.PodOwner(key.Namespace, key.Name)
 }
-
-const ownerPrefix = "pod/"
 
 // hostIdentity is reserved:host's, the identity of a host-network pod.
 const hostIdentity = 1
 
 // ownerKey is the inverse of owner.
 func ownerKey(o string) (k8s.Key, bool) {
-	rest, ok := strings.CutPrefix(o, ownerPrefix)
-	if !ok {
-		return k8s.Key{}, false
-	}
-	ns, name, ok := strings.Cut(rest, "/") // namespaces have no '/'
+	ns, name, ok := tables.PodOfOwner(o)
 	return k8s.Key{Namespace: ns, Name: name}, ok
 }
 

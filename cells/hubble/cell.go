@@ -127,7 +127,9 @@ type params struct {
 	FQDNNames statedb.Table[*tables.FQDNName]
 	Frontends statedb.Table[*tables.Frontend]
 	Backends  statedb.Table[*tables.Backend]
-	Monitor   *policy.Monitor
+	// IPCache names the pods of other nodes in flows.
+	IPCache statedb.Table[*tables.IPCacheEntry] `optional:"true"`
+	Monitor *policy.Monitor
 	// Translations are the socket LB's, for the trace-sock flows.
 	Translations *socketlb.Translations
 	CgroupRoot   cgroups.Root
@@ -148,6 +150,7 @@ func register(p params) error {
 	r := newRing(p.Config.HubbleEventBufferCapacity)
 	conv := newConverter(p.Node.NodeName, p.DB, p.Endpoints, p.FQDNNames, lbTables{p.Frontends, p.Backends})
 	conv.cgroupRoot = p.CgroupRoot.Path()
+	conv.ipcache = p.IPCache
 	var (
 		ch      <-chan policy.Verdict
 		dropped func() uint64

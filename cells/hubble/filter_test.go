@@ -238,6 +238,50 @@ func TestServiceFlows(t *testing.T) {
 	}
 }
 
+// TestRemotePodNamed: a peer that is a pod of another node is named by
+// its address's owner in the ipcache, so that `hubble observe --pod`
+// finds both ends of a cross-node flow; an address no pod owns keeps the
+// identity the datapath saw and no pod name.
+func TestRemotePodNamed(t *testing.T) {
+	db, eps := endpointsWith(t, &tables.Endpoint{Name: "shop/web-1", IPs: []netip.Addr{netip.MustParseAddr("10.0.0.5")}, Identity: 1000})
+	ipc, err := tables.NewIPCacheTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wtxn := db.WriteTxn(ipc)
+	for _, e := range []*tables.IPCacheEntry{
+		{Prefix: netip.MustParsePrefix("10.0.1.7/32"), Identity: 300, Labels: tables.Labels{"k8s:app=db"}, Owners: []string{tables.PodOwner("data", "db-0")}},
+		{Prefix: netip.MustParsePrefix("192.168.1.11/32"), Identity: 6, Labels: tables.Labels{"reserved:remote-node"}, Owners: []string{"node"}},
+	} {
+		if _, _, err := ipc.Insert(wtxn, e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wtxn.Commit()
+	c := newConverter("node-1", db, eps, nil, lbTables{})
+	c.ipcache = ipc
+	for _, tc := range []struct {
+		name, dst       string
+		id              uint32
+		wantNS, wantPod string
+		wantIdentity    uint32
+	}{
+		{"a pod of another node", "10.0.1.7:5432", 300, "data", "db-0", 300},
+		{"its identity unknown to the datapath", "10.0.1.7:5432", 0, "data", "db-0", 300},
+		{"another node", "192.168.1.11:10250", 6, "", "", 6},
+		{"no entry", "203.0.113.1:443", 2, "", "", 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fs := c.flows(policy.Verdict{Time: time.Now(), Type: policy.VerdictTypePolicy, Endpoint: "shop/web-1", Direction: "egress",
+				Src: "10.0.0.5:40000", Dst: tc.dst, Proto: "TCP", RemoteIdentity: tc.id, Verdict: policy.VerdictAllowed, Layer: policy.LayerSocket})
+			d := fs[0].GetDestination()
+			if d.GetNamespace() != tc.wantNS || d.GetPodName() != tc.wantPod || d.GetIdentity() != tc.wantIdentity {
+				t.Errorf("destination %v, want %s/%s identity %d", d, tc.wantNS, tc.wantPod, tc.wantIdentity)
+			}
+		})
+	}
+}
+
 // TestXlateFlows: a socket LB translation of a pod's socket is the
 // reference's two trace-sock flows, to the frontend (TRACED) and to the
 // backend (TRANSLATED), each naming the Service; one of a socket in no

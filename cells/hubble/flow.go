@@ -46,6 +46,9 @@ type converter struct {
 	fqdnNames statedb.Table[*tables.FQDNName]
 	frontends statedb.Table[*tables.Frontend]
 	backends  statedb.Table[*tables.Backend]
+	// ipcache names the pods of other nodes by their addresses' owners;
+	// nil names none.
+	ipcache statedb.Table[*tables.IPCacheEntry]
 
 	// Caches of the endpoints and fqdn-names tables, rebuilt when their
 	// revision changes.
@@ -375,8 +378,9 @@ func (c *converter) local(name string) *flowpb.Endpoint {
 	return ep
 }
 
-// remote returns the peer at addr: a pod of this node by its row, anything
-// else by the identity the datapath saw.
+// remote returns the peer at addr: a pod of this node by its row, a pod
+// of another node by its name in the ipcache, anything else by the
+// identity the datapath saw.
 func (c *converter) remote(addr netip.Addr, id uint32, labels []string) *flowpb.Endpoint {
 	if row := c.byIP[addr.Unmap()]; row != nil && addr.IsValid() {
 		return c.local(row.Name)
@@ -385,6 +389,19 @@ func (c *converter) remote(addr netip.Addr, id uint32, labels []string) *flowpb.
 	for _, l := range labels {
 		if v, ok := strings.CutPrefix(l, namespaceLabel+"="); ok {
 			ep.Namespace = v
+		}
+	}
+	if c.ipcache != nil && addr.IsValid() {
+		if e, _, ok := c.ipcache.Get(c.db.ReadTxn(), tables.IPCachePrefixIndex.Query(tables.HostPrefix(addr.Unmap()))); ok {
+			for _, o := range e.Owners {
+				if ns, pod, ok := tables.PodOfOwner(o); ok {
+					ep.Namespace, ep.PodName = ns, pod
+					if ep.Identity == 0 {
+						ep.Identity, ep.Labels = e.Identity, sortedLabels(e.Labels)
+					}
+					break
+				}
+			}
 		}
 	}
 	return ep

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -112,14 +113,29 @@ func hubbleOf(t *testing.T, n *node) (bin, server string) {
 // observeHubble runs `hubble observe -o json ARGS` against server.
 func observeHubble(t *testing.T, bin, server string, args ...string) []clusterFlow {
 	t.Helper()
-	cmd := exec.Command(bin, append([]string{"observe", "--server", server, "-o", "json"}, args...)...)
+	return runObserve(t, exec.Command(bin, append([]string{"observe", "--server", server, "-o", "json"}, args...)...))
+}
+
+// observeHubble runs `hubble observe -o json ARGS` in the node's mount
+// namespace, against its agent's Hubble socket in the node's own state
+// directory (a tmpfs only the node sees).
+func (w *workerNode) observeHubble(t *testing.T, args ...string) []clusterFlow {
+	t.Helper()
+	bin := testenv.RequireHubble(t, repoRoot)
+	ns := []string{"-t", strconv.Itoa(w.holder.cmd.Process.Pid), "-m", "--", bin,
+		"observe", "--server", "unix://" + filepath.Join(w.stateDir, "hubble.sock"), "-o", "json"}
+	return runObserve(t, exec.Command("nsenter", append(ns, args...)...))
+}
+
+func runObserve(t *testing.T, cmd *exec.Cmd) []clusterFlow {
+	t.Helper()
 	out, err := cmd.Output()
 	if err != nil {
 		var stderr []byte
 		if ee, ok := err.(*exec.ExitError); ok {
 			stderr = ee.Stderr
 		}
-		t.Fatalf("hubble observe %s: %v: %s%s", strings.Join(args, " "), err, out, stderr)
+		t.Fatalf("%s: %v: %s%s", strings.Join(cmd.Args, " "), err, out, stderr)
 	}
 	var flows []clusterFlow
 	for line := range strings.Lines(string(out)) {

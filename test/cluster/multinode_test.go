@@ -84,6 +84,7 @@ func TestMultiNode(t *testing.T) {
 		{"NodePortFromOtherNodes", testNodePortFromOtherNodes},
 		{"IngressCNPByRemoteIdentity", testIngressAcrossNodes},
 		{"EgressNetworkPolicyAcrossNodes", testEgressNetpolAcrossNodes},
+		{"HubbleNamesPodsOfOtherNodes", testHubbleAcrossNodes},
 		{"IngressNetworkPolicyNamedPort", testIngressNetpolAcrossNodes},
 		{"EgressCNPAcrossNodes", testEgressCNPAcrossNodes},
 		{"RemoteNodeEntity", testRemoteNodeEntity},
@@ -233,6 +234,37 @@ spec:
 	across(len(p.server), func(i, j int) {
 		p.wantConnect(t, p.other[i], p.server[j].Status.PodIP+":8080", "EPERM")
 		p.wantConnect(t, p.other[i], p.client[j].Status.PodIP+":8080", "ok: hello from "+p.client[j].Name)
+	})
+}
+
+// testHubbleAcrossNodes: the real hubble CLI names the pod of another
+// node at the far end of a flow, from the address's owner in the agent's
+// ipcache, so that `--to-pod`/`--from-pod` find cross-node traffic on both
+// sides: the sender's node shows the other pod's denied connection to a
+// server of another node (the egress NetworkPolicy), the server's node the
+// denied connections it received from it (the ingress CNP of the step
+// before).
+func testHubbleAcrossNodes(t *testing.T, n *node, p *mnPods) {
+	across(len(p.server), func(i, j int) {
+		from, to := ns+"/"+p.other[i].Name, ns+"/"+p.server[j].Name
+		testenv.Eventually(t, waitTimeout, fmt.Sprintf("%s shows %s denied to %s", p.workers[i].name, from, to), func() (bool, string) {
+			p.connect(t, p.other[i], p.server[j].Status.PodIP+":8080")
+			flows := p.workers[i].observeHubble(t, "--last", "2000", "--from-pod", from, "--to-pod", to, "--verdict", "DROPPED")
+			for _, f := range flows {
+				if f.Flow.Destination.PodName == p.server[j].Name && f.Flow.Destination.Namespace == ns && f.Flow.TrafficDirection == "EGRESS" {
+					return true, ""
+				}
+			}
+			return false, fmt.Sprintf("%d flows: %+v", len(flows), flows)
+		})
+		flows := p.workers[j].observeHubble(t, "--last", "4000", "--from-pod", from, "--to-pod", to, "--verdict", "DROPPED")
+		var ingress bool
+		for _, f := range flows {
+			ingress = ingress || (f.Flow.Source.PodName == p.other[i].Name && f.Flow.TrafficDirection == "INGRESS")
+		}
+		if !ingress {
+			t.Errorf("%s shows no ingress drop from %s to %s: %+v", p.workers[j].name, from, to, flows)
+		}
 	})
 }
 
