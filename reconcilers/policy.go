@@ -405,14 +405,28 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 	// failClosedLocked) and its flags are written all the same, so that
 	// a new default deny is enforced whatever other endpoints fill.
 	want := map[bpf.PolicyKey]bpf.PolicyValue{}
+	var setErr error
 	for entry := range tables.PolicyEntriesOf(txn, o.Entries, e.Name) {
 		if entry.EndpointID != e.ID {
 			continue // written with the row that replaces this one
+		}
+		if entry.Identity == tables.PolicySetRef && len(entry.Policies) > 0 {
+			// 0. The allows of the policy set it refers to, before the
+			// reference: it never runs without them.
+			if err := o.ensureSetLocked(txn, entry.Policies[0], entry.Cookie); err != nil {
+				if !errors.Is(err, errPolicyMapFull) {
+					return fmt.Errorf("endpoint %s not enforced until its policy is in the map: %w", e.Name, err)
+				}
+				setErr = errors.Join(setErr, err)
+			}
 		}
 		k, v := PolicyKeyOf(entry)
 		want[k] = v
 	}
 	var closed error
+	if setErr != nil {
+		closed = fmt.Errorf("endpoint %s fails closed, %w", e.Name, setErr)
+	}
 	err := o.putEntriesLocked(o.missingLocked(want, isDenyValue))
 	if err == nil {
 		err = o.putEntriesLocked(o.missingLocked(want, isAllowValue))
@@ -424,7 +438,7 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 		if closed, err = o.failClosedLocked(e.ID, want); err != nil {
 			return fmt.Errorf("endpoint %s: %w", e.Name, err)
 		}
-		closed = fmt.Errorf("endpoint %s fails closed, %w", e.Name, closed)
+		closed = errors.Join(fmt.Errorf("endpoint %s fails closed, %w", e.Name, closed), setErr)
 	}
 	o.applied[e.Name] = appliedEndpoint{id: e.ID, cgroup: e.CgroupID}
 	o.idOwner[e.ID] = e.Name
@@ -475,6 +489,40 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 	// The row keeps the error while it fails closed: its status and the
 	// reconciler's health say so, and the reconciler retries it.
 	return errors.Join(closed, stateErr)
+}
+
+// ensureSetLocked writes the entries of policy set name (ID id) that the
+// map does not hold as its rows say: what an endpoint that refers to it
+// needs before its reference entry. A set holds allows only, so a full
+// map leaves it lacking allows, which only deny (the error says how
+// many); the set's own row is applied the same way.
+func (o PolicyOps) ensureSetLocked(txn statedb.ReadTxn, name string, id uint32) error {
+	p := o.Policy
+	want := map[bpf.PolicyKey]bpf.PolicyValue{}
+	for entry := range tables.PolicyEntriesOf(txn, o.Entries, name) {
+		if entry.EndpointID == id && !entry.Deny {
+			k, v := PolicyKeyOf(entry)
+			want[k] = v
+		}
+	}
+	err := p.putEntriesLocked(p.missingLocked(want, isAllowValue))
+	if err == nil || !errors.Is(err, errPolicyMapFull) {
+		return err
+	}
+	keys, _ := p.missingLocked(want, isAllowValue)
+	return fmt.Errorf("%w (%d entries): raise --%s; its policy set %s lacks %d allows (what they allow is denied)",
+		errPolicyMapFull, p.maxCount, p.maxFlag, name, len(keys))
+}
+
+// setReferencedLocked says whether a reference entry in the map names
+// policy set id: its entries stay until none does (Prune deletes them).
+func (p *Policy) setReferencedLocked(id uint32) bool {
+	for k, v := range p.policy.All() {
+		if k.Identity == bpf.PolicySetRef && v.Cookie == id {
+			return true
+		}
+	}
+	return false
 }
 
 func isDenyValue(v bpf.PolicyValue) bool  { return v.Flags&bpf.PolicyFlagDeny != 0 }
@@ -636,6 +684,12 @@ func (p *Policy) putTreeLocked(e *tables.EndpointPolicy) error {
 func (o PolicyOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.EndpointPolicy) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	if e.Set && o.setReferencedLocked(e.ID) {
+		// An endpoint's row that no longer names it is not applied yet:
+		// its entries stay for it meanwhile, and Prune deletes them.
+		delete(o.applied, e.Name)
+		return nil
+	}
 	return o.withdrawLocked(e)
 }
 
@@ -750,6 +804,14 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 				k, _ := PolicyKeyOf(entry)
 				wantEntries[k] = struct{}{}
 			}
+		}
+	}
+	// The policy sets that reference entries in the map name keep their
+	// entries: an endpoint's row that no longer names one may not be
+	// applied yet.
+	for k, v := range o.policy.All() {
+		if k.Identity == bpf.PolicySetRef {
+			keepIDs[v.Cookie] = struct{}{}
 		}
 	}
 	var errs []error

@@ -346,6 +346,7 @@ type attacherParams struct {
 	Identities statedb.Table[*tables.Identity]
 	Endpoints  statedb.RWTable[*tables.EndpointPolicy]
 	Policies   statedb.Table[*tables.Policy]
+	Selectors  statedb.Table[*tables.Selector]
 	Monitor    *Monitor
 	Counter    *verdictCounter
 
@@ -378,7 +379,7 @@ func registerAttacher(p attacherParams) error {
 		return err
 	}
 	r := &eventReader{
-		log: p.Log, db: p.DB, identities: p.Identities, endpoints: p.Endpoints, policies: p.Policies,
+		log: p.Log, db: p.DB, identities: p.Identities, endpoints: p.Endpoints, policies: p.Policies, selectors: p.Selectors,
 		monitor: p.Monitor, counter: p.Counter, verdicts: verdicts, lost: a.lost,
 	}
 	p.Jobs.Add(job.OneShot("events", func(ctx context.Context, _ cell.Health) error {
