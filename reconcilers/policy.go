@@ -71,6 +71,12 @@ type Policy struct {
 
 	// endpointMaps, if set, keeps per-endpoint state beside the maps.
 	endpointMaps EndpointMaps
+	// orphanSets are the policy sets (ID → name) whose rows went while a
+	// reference entry in the map still named them: their entries go
+	// once none does.
+	orphanSets map[uint32]string
+	// refKeys are the reference entries' keys in the map, kept with byID.
+	refKeys map[bpf.PolicyKey]struct{}
 }
 
 // EndpointMaps is state the programs keep per endpoint ID beside the
@@ -113,7 +119,7 @@ func NewPolicy(log *slog.Logger, maxFlag string) *Policy {
 		policy:    NewMirror[bpf.PolicyKey, bpf.PolicyValue](bpf.PolicyMap),
 		endpoints: NewMirror[uint64, bpf.PolicyEndpointValue](bpf.PolicyEndpointsMap),
 		gen:       NewMirror[uint32, uint64](bpf.PolicyEndpointsGenMap),
-		byID:      map[uint32]map[bpf.PolicyKey]struct{}{}, applied: map[string]appliedEndpoint{},
+		byID:      map[uint32]map[bpf.PolicyKey]struct{}{}, refKeys: map[bpf.PolicyKey]struct{}{}, applied: map[string]appliedEndpoint{},
 		idOwner: map[uint32]string{}, cgroupOwner: map[uint64]string{},
 	}
 	p.policy.Track(p.addKey, p.removeKey)
@@ -332,9 +338,13 @@ func (p *Policy) addKey(k bpf.PolicyKey) {
 		p.byID[k.EndpointID] = map[bpf.PolicyKey]struct{}{}
 	}
 	p.byID[k.EndpointID][k] = struct{}{}
+	if k.Identity == bpf.PolicySetRef {
+		p.refKeys[k] = struct{}{}
+	}
 }
 
 func (p *Policy) removeKey(k bpf.PolicyKey) {
+	delete(p.refKeys, k)
 	if keys := p.byID[k.EndpointID]; keys != nil {
 		delete(keys, k)
 		if len(keys) == 0 {
@@ -399,6 +409,7 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 		return o.withdrawLocked(e)
 	}
 	prev, hadPrev := o.applied[e.Name]
+	delete(o.orphanSets, e.ID)
 
 	// 1. Every entry of the endpoint first, its denies before its allows.
 	// A full map does not stop here: the endpoint fails closed (see
@@ -486,6 +497,9 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 			return err
 		}
 	}
+	if err := o.dropOrphanSetsLocked(); err != nil {
+		return err
+	}
 	// The row keeps the error while it fails closed: its status and the
 	// reconciler's health say so, and the reconciler retries it.
 	return errors.Join(closed, stateErr)
@@ -517,8 +531,8 @@ func (o PolicyOps) ensureSetLocked(txn statedb.ReadTxn, name string, id uint32) 
 // setReferencedLocked says whether a reference entry in the map names
 // policy set id: its entries stay until none does (Prune deletes them).
 func (p *Policy) setReferencedLocked(id uint32) bool {
-	for k, v := range p.policy.All() {
-		if k.Identity == bpf.PolicySetRef && v.Cookie == id {
+	for k := range p.refKeys {
+		if v, ok := p.policy.Get(k); ok && v.Cookie == id {
 			return true
 		}
 	}
@@ -686,11 +700,31 @@ func (o PolicyOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revisi
 	defer o.mu.Unlock()
 	if e.Set && o.setReferencedLocked(e.ID) {
 		// An endpoint's row that no longer names it is not applied yet:
-		// its entries stay for it meanwhile, and Prune deletes them.
+		// its entries stay for it meanwhile, and go once no reference
+		// does (or with Prune).
 		delete(o.applied, e.Name)
+		if o.orphanSets == nil {
+			o.orphanSets = map[uint32]string{}
+		}
+		o.orphanSets[e.ID] = e.Name
 		return nil
 	}
-	return o.withdrawLocked(e)
+	return errors.Join(o.withdrawLocked(e), o.dropOrphanSetsLocked())
+}
+
+// dropOrphanSetsLocked deletes the entries of the orphan sets that no
+// reference entry in the map names any more.
+func (p *Policy) dropOrphanSetsLocked() error {
+	for id, name := range p.orphanSets {
+		if p.setReferencedLocked(id) {
+			continue
+		}
+		if err := p.deleteEndpointEntriesLocked(id, name); err != nil {
+			return err
+		}
+		delete(p.orphanSets, id)
+	}
+	return nil
 }
 
 // withdrawLocked deletes the policy_endpoints entry and the entries that
@@ -809,8 +843,8 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 	// The policy sets that reference entries in the map name keep their
 	// entries: an endpoint's row that no longer names one may not be
 	// applied yet.
-	for k, v := range o.policy.All() {
-		if k.Identity == bpf.PolicySetRef {
+	for k := range o.refKeys {
+		if v, ok := o.policy.Get(k); ok {
 			keepIDs[v.Cookie] = struct{}{}
 		}
 	}
