@@ -173,12 +173,29 @@ func (p *Policy) OpenWith(opener bpf.Opener, pinDir string, maxEntries, maxEndpo
 			restored[cg] = v.EndpointID
 		}
 	}
+	// The IDs of entries no cgroup names (an earlier run's policy sets)
+	// are reserved too, under keys no cgroup has: a reference entry of
+	// that run may still name one until its endpoint's row is applied,
+	// so no new set may take its number.
+	named := map[uint32]bool{}
+	for _, id := range restored {
+		named[id] = true
+	}
+	for id := range p.byID {
+		if !named[id] {
+			restored[StaleIDKey(id)] = id
+		}
+	}
 	p.maxCount = maxEntries
 	clear(p.applied)
 	clear(p.idOwner)
 	clear(p.cgroupOwner)
 	return restored, nil
 }
+
+// StaleIDKey is the key, in the IDs OpenWith restores, of an ID whose
+// entries are in the policy map without a cgroup: above every cgroup ID.
+func StaleIDKey(id uint32) uint64 { return 1<<63 | uint64(id) }
 
 // copyPolicy is the migration of a resized policy map: every entry moves
 // while there is room. A smaller map than the entries needs keeps what
@@ -518,6 +535,18 @@ func (o PolicyOps) ensureSetLocked(txn statedb.ReadTxn, name string, id uint32) 
 			k, v := PolicyKeyOf(entry)
 			want[k] = v
 		}
+	}
+	// What the set no longer holds goes first (an earlier run's set of
+	// the same number, or entries its row has not deleted yet): nothing
+	// of it may allow more than its rows say.
+	var stale []bpf.PolicyKey
+	for k := range p.byID[id] {
+		if _, ok := want[k]; !ok {
+			stale = append(stale, k)
+		}
+	}
+	if err := p.deleteEntriesLocked(stale); err != nil {
+		return err
 	}
 	err := p.putEntriesLocked(p.missingLocked(want, isAllowValue))
 	if err == nil || !errors.Is(err, errPolicyMapFull) {

@@ -125,6 +125,9 @@ func (e *PolicyEntry) TableRow() []string {
 	if e.Identity != 0 {
 		id = formatUint(e.Identity)
 	}
+	if e.Identity == PolicySetRef {
+		return []string{e.Endpoint, "any", e.Direction, "ANY", "shares " + strings.Join(e.Policies, ", "), ""}
+	}
 	verdict := "allow"
 	switch {
 	case e.PodAddrs && !e.Deny:
@@ -356,6 +359,9 @@ func (e *EndpointPolicy) TableRow() []string {
 	status := StatusText(e.Status)
 	if e.ID == 0 && !e.PodTree && e.Reason != "" {
 		status = "Not enforced"
+	}
+	if e.Set {
+		ingress, egress = "-", "-"
 	}
 	return []string{
 		e.Name, formatUint(e.ID), e.Cgroup, ingress, egress, strconv.Itoa(e.Entries),
