@@ -507,6 +507,11 @@ func BenchmarkAgentStart(b *testing.B) {
 		for range b.N {
 			b.StopTimer()
 			a := newPolicyAgent(b, false)
+			// The cells register the custom kinds with the fake clients as
+			// the hive is populated: before the first policy is created.
+			if err := a.hive.Populate(a.log); err != nil {
+				b.Fatal(err)
+			}
 			pols, counts := manyPolicies(policies, subjects, peers)
 			for _, p := range pols {
 				a.addPolicy(b, p)
