@@ -465,6 +465,24 @@ func indent(s string) string {
 	return strings.Join(lines, "\n") + "\n"
 }
 
+// sharedCases returns the cases with --policy-share-min-identities=1.
+func sharedCases(cases []struct {
+	name    string
+	cluster cluster
+	probes  []probe
+}) []struct {
+	name    string
+	cluster cluster
+	probes  []probe
+} {
+	out := slices.Clone(cases)
+	for i := range out {
+		out[i].name += ",shared"
+		out[i].cluster.shareMin = 1
+	}
+	return out
+}
+
 // runCases checks each case's probes against the verdicts computed.
 func runCases(t *testing.T, cases []struct {
 	name    string
@@ -472,7 +490,9 @@ func runCases(t *testing.T, cases []struct {
 	probes  []probe
 }) {
 	t.Helper()
-	for _, tc := range cases {
+	// Each case without policy sets and with every shareable allow in one:
+	// the verdicts are the same.
+	for _, tc := range slices.Concat(cases, sharedCases(cases)) {
 		t.Run(tc.name, func(t *testing.T) {
 			m := newAgentModel(t, tc.cluster.localhost)
 			m.apply(tc.cluster)
