@@ -965,6 +965,20 @@ func TestPolicySet(t *testing.T) {
 		t.Fatalf("%d entries, want 101", n)
 	}
 
+	// A restart reserves the set's number (no cgroup names it, a
+	// reference does): no new set may take it while the reference is in
+	// the map.
+	restored := f.open(t, size)
+	if want := map[uint64]uint32{2001: 1, reconcilers.StaleIDKey(9): 9}; !maps.Equal(restored, want) {
+		t.Fatalf("restored %v, want %v", restored, want)
+	}
+	if err := f.updateEndpoint(t, ep.Name); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.updateEndpoint(t, set.Name); err != nil {
+		t.Fatal(err)
+	}
+
 	// The set's row goes before the endpoint's new row (no reference) is
 	// applied: its entries stay (a prune meanwhile keeps them too), and
 	// go when the endpoint's update takes the last reference away.
