@@ -85,11 +85,14 @@ const (
 	PodInterfacesFlag   = "policy-pod-interfaces"
 	InterfaceFlowsFlag  = "policy-interface-flows"
 	InterfaceAttachFlag = "policy-interface-attach"
-	minInterfaceFlows   = 64
-	maxInterfaceFlows   = 1 << 20
-	minPolicyMap        = 256
-	maxPolicyMap        = 16 << 20
-	endpointsMax        = 65536
+	// ShareMinFlag is how many identities a peer selector selects from
+	// which its allows go into policy sets shared by endpoints.
+	ShareMinFlag      = "policy-share-min-identities"
+	minInterfaceFlows = 64
+	maxInterfaceFlows = 1 << 20
+	minPolicyMap      = 256
+	maxPolicyMap      = 16 << 20
+	endpointsMax      = 65536
 )
 
 // Config is the policy cell's configuration.
@@ -113,6 +116,10 @@ type Config struct {
 	// PolicyInterfaceAttach is how the interface programs are attached:
 	// auto, tcx or tc (an iflink.Mode).
 	PolicyInterfaceAttach string
+	// PolicyShareMinIdentities is how many identities a peer selector
+	// selects from which its allows are kept in policy sets that the
+	// endpoints with the same such rules share (0: never).
+	PolicyShareMinIdentities uint32
 }
 
 // --unclassified-pods values.
@@ -140,7 +147,7 @@ const (
 var defaultConfig = Config{
 	EnablePolicy: ModeDefault, BPFPolicyMapMax: bpf.DefaultPolicyMapMaxEntries, UnclassifiedPods: UnclassifiedDeny,
 	AllowLocalhost: LocalhostAlways, PolicyPodInterfaces: true, PolicyInterfaceFlows: bpf.DefaultPolicyIfaceFlows,
-	PolicyInterfaceAttach: string(iflink.ModeAuto),
+	PolicyInterfaceAttach: string(iflink.ModeAuto), PolicyShareMinIdentities: 16,
 }
 
 // Flags implements cell.Flagger.
@@ -161,6 +168,8 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 		"Flows each pod interface remembers (an LRU of its own), so that replies of allowed flows pass; a pod with more forgets its oldest, whose next packets are judged again")
 	fs.String(InterfaceAttachFlag, def.PolicyInterfaceAttach,
 		"How the programs go on pods' interfaces: auto (tcx links, pinned; tc filters on kernels without tcx), tcx or tc")
+	fs.Uint32(ShareMinFlag, def.PolicyShareMinIdentities,
+		"A peer selector that selects at least this many identities has its allows kept once in a policy set shared by the endpoints with the same such rules, instead of an entry per identity on each endpoint (0: never)")
 }
 
 func (c Config) validate() error {

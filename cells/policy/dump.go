@@ -167,6 +167,12 @@ func WriteEntries(w io.Writer, eps []Endpoint, entries []Entry, endpointID uint3
 			if e.Key.Egress == bpf.PolicyEgress {
 				dir = "egress"
 			}
+			if e.Key.Identity == bpf.PolicySetRef {
+				if _, err := fmt.Fprintf(w, "  %s shares policy set %d (its allows: --endpoint %d)\n", dir, e.Value.Cookie, e.Value.Cookie); err != nil {
+					return err
+				}
+				continue
+			}
 			peer := "any"
 			if e.Key.Identity != 0 {
 				peer = fmt.Sprint(e.Key.Identity)
