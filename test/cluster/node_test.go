@@ -803,7 +803,7 @@ podLogsDir: %q
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%%", imagefs.available: "1%%"}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
-localStorageCapacityIsolation: false
+localStorageCapacityIsolation: true
 serializeImagePulls: false
 maxPods: 60
 `, n.ctrSock, nodeIP, freePort(t), n.podLogs)+dnsConfig)
