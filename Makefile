@@ -79,10 +79,10 @@ conformance: deps image
 ## (TestMultiNodeLifecycle: a rollout, operator mode, a node joining and
 ## leaving), all of Kubernetes' NetworkPolicy e2e suite and the Services
 ## specs that need 2 nodes against apiary on NODES nodes (default 2) of
-## test/cluster's multi-node cluster; writes bin/conformance-multinode.md
-## and bin/conformance-services-multinode.md (as root).
+## test/cluster's multi-node cluster; writes the "NODES nodes" section of
+## docs/conformance.md and bin/conformance-services-multinode.md (as root).
 conformance-multinode: deps image
-	APIARY_NODES=$(NODES) APIARY_MULTINODE_LIFECYCLE=1 APIARY_CONFORMANCE_MULTINODE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/bin/conformance-multinode.md \
+	APIARY_NODES=$(NODES) APIARY_MULTINODE_LIFECYCLE=1 APIARY_CONFORMANCE_MULTINODE=all APIARY_CONFORMANCE_REPORT=$(CURDIR)/docs/conformance.md \
 		APIARY_SERVICES_CONFORMANCE_MULTINODE=1 APIARY_CONFORMANCE_REPORT_SERVICES=$(CURDIR)/bin/conformance-services-multinode.md \
 		$(GO) test -tags cluster -count=1 -timeout 120m -v -run '^(TestMultiNodeLifecycle|TestNetworkPolicyConformanceMultiNode|TestServicesConformanceMultiNode)$$' $(TESTFLAGS) ./test/cluster
 ## conformance-services: Kubernetes' [sig-network] Services e2e suite against

@@ -125,6 +125,14 @@ const (
 	PolicyFlagDrop uint8 = 1 << 5
 )
 
+// PolicySetRef is the identity of an endpoint's reference entry (any
+// protocol and port, one per direction): its cookie is the ID of the
+// policy set, a pseudo-endpoint whose allows the endpoint shares with
+// others. The datapath looks it up, then the set's entry of the peer's
+// identity, only where the endpoint's own entries leave a default deny
+// (POLICY_SET_REF). No identity is this number.
+const PolicySetRef uint32 = 0xffffffff
+
 // PolicyValue is the value of the policy map (struct policy_value).
 type PolicyValue struct {
 	// Flags are PolicyFlag* bits.

@@ -86,6 +86,8 @@ type LB struct {
 	// prunedOnce is set once a prune has deleted the strays of the maps
 	// as they were opened.
 	prunedOnce bool
+	// runs are idle runs with their buffers (see newRun).
+	runs sync.Pool
 }
 
 // feState is what the maps hold for one frontend.
@@ -220,7 +222,8 @@ func (l *LB) UpdateBatch(_ context.Context, txn statedb.ReadTxn, batch []reconci
 		}
 		return
 	}
-	run := newLBRun()
+	run := l.newRun()
+	defer run.release()
 	plans := make([]*lbPlan, len(batch))
 	for i := range batch {
 		plans[i] = l.planUpdate(run, txn, batch[i].Object)
@@ -252,7 +255,8 @@ func (l *LB) DeleteBatch(_ context.Context, _ statedb.ReadTxn, batch []reconcile
 		}
 		return
 	}
-	run := newLBRun()
+	run := l.newRun()
+	defer run.release()
 	plans := make([]*lbPlan, 0, len(batch))
 	for i := range batch {
 		if fe := l.frontend(batch[i].Object.Address); fe != nil {
@@ -307,7 +311,8 @@ func (l *LB) Prune(_ context.Context, _ statedb.ReadTxn, desired iter.Seq2[*tabl
 		}
 	}
 
-	run := newLBRun()
+	run := l.newRun()
+	defer run.release()
 	var plans []*lbPlan
 	for fe := range l.allFrontends() {
 		if _, ok := want[fe.addr]; ok {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/statedb"
@@ -98,6 +99,9 @@ type lbOp struct {
 	// writes, which may serve several plans: those are owners.
 	owner  *lbPlan
 	owners []*lbPlan
+	// owner1 backs owners while there is one: most shared writes serve
+	// one plan, and need no list of their own.
+	owner1 [1]*lbPlan
 	// fe is the frontend whose entry a services, rev-NAT or affinity
 	// match operation writes (for a wildcard, not its owner's); be the
 	// backend of a backends operation.
@@ -170,7 +174,10 @@ type lbPlan struct {
 	err  error
 }
 
-// lbRun collects the operations of one batch of plans.
+// lbRun collects the operations of one batch of plans. Runs are pooled
+// with their buffers (see LB.newRun): the operations, plans and lists of a
+// round of thousands of frontends were a third of what the load balancer
+// allocated, and the garbage collector's work grows with that.
 type lbRun struct {
 	steps    [numSteps][]*lbOp
 	releases []*beState
@@ -178,21 +185,115 @@ type lbRun struct {
 	// wildcardReleases those that may have lost their last reference.
 	wildcardWrites   map[*feState]*lbOp
 	wildcardReleases []*feState
-	// slab is where new operations are carved from: one allocation for
-	// many, as a run plans several per frontend.
-	slab []lbOp
+	// ops and plans are carved from chunks, kept for the next run.
+	ops   slab[lbOp]
+	plans slab[lbPlan]
+	// ids backs the plans' want lists.
+	ids []uint32
+	// group is execute's list of one map's operations of one kind.
+	group []*lbOp
+	// pool is where release puts the run: its LB's.
+	pool *sync.Pool
+}
+
+// newRun returns an empty run from l's pool; release hands it back. A
+// pool rather than one run kept in l: what a burst made grow goes back to
+// the garbage collector once the load balancer has been idle for a couple
+// of collections.
+func (l *LB) newRun() *lbRun {
+	if r, ok := l.runs.Get().(*lbRun); ok {
+		return r
+	}
+	return &lbRun{pool: &l.runs}
+}
+
+// release empties r, so that the pool keeps nothing of the mirror alive,
+// and pools it. No operation or plan of r may be used after.
+func (r *lbRun) release() {
+	for i := range r.steps {
+		r.steps[i] = reuse(r.steps[i])
+	}
+	r.releases = reuse(r.releases)
+	clear(r.wildcardWrites)
+	r.wildcardReleases = reuse(r.wildcardReleases)
+	r.ops.reset()
+	r.plans.reset()
+	r.ids = reuse(r.ids)
+	r.group = reuse(r.group)
+	r.pool.Put(r)
 }
 
 // newOp returns a zero operation that lives as long as the run.
-func (r *lbRun) newOp() *lbOp {
-	if len(r.slab) == cap(r.slab) {
-		r.slab = make([]lbOp, 0, 256)
+func (r *lbRun) newOp() *lbOp { return r.ops.get() }
+
+// newPlan returns a zero plan that lives as long as the run.
+func (r *lbRun) newPlan() *lbPlan { return r.plans.get() }
+
+// wantBuf returns an empty list with room for n IDs, carved from the
+// run's: appending beyond n allocates rather than overwrites.
+func (r *lbRun) wantBuf(n int) []uint32 {
+	if cap(r.ids)-len(r.ids) < n {
+		r.ids = make([]uint32, 0, max(keepLen/2, n))
 	}
-	r.slab = r.slab[:len(r.slab)+1]
-	return &r.slab[len(r.slab)-1]
+	start := len(r.ids)
+	r.ids = r.ids[:start+n]
+	return r.ids[start : start : start+n]
 }
 
-func newLBRun() *lbRun { return &lbRun{} }
+// slabChunk is the number of values a slab allocates at a time.
+const slabChunk = 256
+
+// keepChunks and keepLen bound what a pooled run keeps: a round of a few
+// thousand frontends reuses everything, the buffers of a bigger burst are
+// left to the garbage collector rather than held by the pool.
+const (
+	keepChunks = 32
+	keepLen    = keepChunks * slabChunk
+)
+
+// reuse returns s emptied for the next run, or nil if it grew past
+// keepLen. Emptied, it keeps nothing alive.
+func reuse[T any](s []T) []T {
+	clear(s)
+	if cap(s) > keepLen {
+		return nil
+	}
+	return s[:0]
+}
+
+// slab hands out pointers to zero values carved from chunks, one
+// allocation for many; reset makes them all available again.
+type slab[T any] struct {
+	chunks [][]T
+	// cur is the chunk being carved, used how much of it is.
+	cur, used int
+}
+
+func (s *slab[T]) get() *T {
+	if s.cur == len(s.chunks) {
+		s.chunks = append(s.chunks, make([]T, slabChunk))
+	}
+	v := &s.chunks[s.cur][s.used]
+	if s.used++; s.used == slabChunk {
+		s.cur, s.used = s.cur+1, 0
+	}
+	return v
+}
+
+// reset zeroes what was handed out, so that the slab keeps nothing alive.
+func (s *slab[T]) reset() {
+	for i := 0; i < s.cur; i++ {
+		clear(s.chunks[i])
+	}
+	if s.cur < len(s.chunks) {
+		clear(s.chunks[s.cur][:s.used])
+	}
+	if len(s.chunks) > keepChunks {
+		clear(s.chunks[keepChunks:])
+		s.chunks = s.chunks[:keepChunks]
+	}
+	s.cur, s.used = 0, 0
+}
 
 func (r *lbRun) add(step int, op *lbOp) { r.steps[step] = append(r.steps[step], op) }
 
@@ -205,14 +306,16 @@ func (r *lbRun) writeBackend(be *beState, state bpf.BackendState, p *lbPlan) {
 		return
 	}
 	op := r.newOp()
-	*op = lbOp{m: lbMapFor(roleBackends, be.addr), be: be, addr: be.addr, id: be.id, state: state, owners: []*lbPlan{p}}
+	*op = lbOp{m: lbMapFor(roleBackends, be.addr), be: be, addr: be.addr, id: be.id, state: state, owner1: [1]*lbPlan{p}}
+	op.owners = op.owner1[:1:1]
 	be.pending = op
 	r.add(stepBackends, op)
 }
 
 // planUpdate schedules what it takes to make the maps match f.
 func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lbPlan {
-	p := &lbPlan{flags: frontendFlags(f), affinity: affinityTimeout(f)}
+	p := run.newPlan()
+	p.flags, p.affinity = frontendFlags(f), affinityTimeout(f)
 	if isWildcard(f.Address) {
 		p.err = fmt.Errorf("frontend %s: port 0 is the address's wildcard entry, which the load balancer writes itself", f.Address)
 		p.fe = &feState{addr: f.Address}
@@ -243,7 +346,7 @@ func (l *LB) planUpdate(run *lbRun, txn statedb.ReadTxn, f *tables.Frontend) *lb
 			return p
 		}
 	}
-	p.want = make([]uint32, 0, len(f.Backends))
+	p.want = run.wantBuf(len(f.Backends))
 	for _, b := range f.Backends {
 		be, err := l.backendFor(b.Address)
 		if err != nil {
@@ -353,8 +456,9 @@ func (l *LB) holdWildcard(run *lbRun, p *lbPlan) {
 	}
 	op := run.newOp()
 	// No service ID (nothing translates back to it), no backends.
-	*op = lbOp{m: lbMapFor(roleServices, wc.addr), fe: wc, addr: wc.addr, owners: []*lbPlan{p},
+	*op = lbOp{m: lbMapFor(roleServices, wc.addr), fe: wc, addr: wc.addr, owner1: [1]*lbPlan{p},
 		svc: masterValue(0, 0, 0, 0, 0)}
+	op.owners = op.owner1[:1:1]
 	if run.wildcardWrites == nil {
 		run.wildcardWrites = map[*feState]*lbOp{}
 	}
@@ -459,7 +563,8 @@ func (l *LB) finishUpdate(run *lbRun, p *lbPlan) {
 // first, so that the datapath stops choosing the frontend's backends, then
 // the slots and the reverse NAT entry.
 func (l *LB) planDelete(run *lbRun, fe *feState) *lbPlan {
-	p := &lbPlan{fe: fe}
+	p := run.newPlan()
+	p.fe = fe
 	if fe.master {
 		op := run.newOp()
 		*op = lbOp{m: lbMapFor(roleServices, fe.addr), del: true, owner: p, fe: fe, addr: fe.addr}
@@ -511,14 +616,15 @@ func (l *LB) execute(run *lbRun) {
 		// Within a step, the operations on one map and of one kind go out
 		// together, in the order they were planned.
 		for m := range numLBMaps {
-			for _, del := range []bool{false, true} {
-				var group []*lbOp
+			for _, del := range [...]bool{false, true} {
+				group := run.group[:0]
 				for _, op := range ops {
 					if op.m == m && op.del == del {
 						group = append(group, op)
 					}
 				}
 				l.execGroup(run, group)
+				run.group = group
 			}
 		}
 	}
@@ -566,7 +672,8 @@ func (l *LB) executeReleases(run *lbRun) {
 // plans' later operations are skipped. It returns the failed operations.
 func (l *LB) execGroup(run *lbRun, ops []*lbOp) (failed []*lbOp) {
 	for len(ops) > 0 {
-		live := ops[:0:0]
+		// Filtered in place: the caller's list is scratch.
+		live := ops[:0]
 		for _, op := range ops {
 			if op.owner == nil || op.owner.err == nil {
 				live = append(live, op)

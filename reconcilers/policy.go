@@ -71,6 +71,12 @@ type Policy struct {
 
 	// endpointMaps, if set, keeps per-endpoint state beside the maps.
 	endpointMaps EndpointMaps
+	// orphanSets are the policy sets (ID → name) whose rows went while a
+	// reference entry in the map still named them: their entries go
+	// once none does.
+	orphanSets map[uint32]string
+	// refKeys are the reference entries' keys in the map, kept with byID.
+	refKeys map[bpf.PolicyKey]struct{}
 }
 
 // EndpointMaps is state the programs keep per endpoint ID beside the
@@ -113,7 +119,7 @@ func NewPolicy(log *slog.Logger, maxFlag string) *Policy {
 		policy:    NewMirror[bpf.PolicyKey, bpf.PolicyValue](bpf.PolicyMap),
 		endpoints: NewMirror[uint64, bpf.PolicyEndpointValue](bpf.PolicyEndpointsMap),
 		gen:       NewMirror[uint32, uint64](bpf.PolicyEndpointsGenMap),
-		byID:      map[uint32]map[bpf.PolicyKey]struct{}{}, applied: map[string]appliedEndpoint{},
+		byID:      map[uint32]map[bpf.PolicyKey]struct{}{}, refKeys: map[bpf.PolicyKey]struct{}{}, applied: map[string]appliedEndpoint{},
 		idOwner: map[uint32]string{}, cgroupOwner: map[uint64]string{},
 	}
 	p.policy.Track(p.addKey, p.removeKey)
@@ -182,12 +188,29 @@ func (p *Policy) OpenWith(opener bpf.Opener, pinDir string, maxEntries, maxEndpo
 			restored[cg] = v.EndpointID
 		}
 	}
+	// The IDs of entries no cgroup names (an earlier run's policy sets)
+	// are reserved too, under keys no cgroup has: a reference entry of
+	// that run may still name one until its endpoint's row is applied,
+	// so no new set may take its number.
+	named := map[uint32]bool{}
+	for _, id := range restored {
+		named[id] = true
+	}
+	for id := range p.byID {
+		if !named[id] {
+			restored[StaleIDKey(id)] = id
+		}
+	}
 	p.maxCount = maxEntries
 	clear(p.applied)
 	clear(p.idOwner)
 	clear(p.cgroupOwner)
 	return restored, nil
 }
+
+// StaleIDKey is the key, in the IDs OpenWith restores, of an ID whose
+// entries are in the policy map without a cgroup: above every cgroup ID.
+func StaleIDKey(id uint32) uint64 { return 1<<63 | uint64(id) }
 
 // copyPolicy is the migration of a resized policy map: every entry moves
 // while there is room. A smaller map than the entries needs keeps what
@@ -350,9 +373,13 @@ func (p *Policy) addKey(k bpf.PolicyKey) {
 		p.byID[k.EndpointID] = map[bpf.PolicyKey]struct{}{}
 	}
 	p.byID[k.EndpointID][k] = struct{}{}
+	if k.Identity == bpf.PolicySetRef {
+		p.refKeys[k] = struct{}{}
+	}
 }
 
 func (p *Policy) removeKey(k bpf.PolicyKey) {
+	delete(p.refKeys, k)
 	if keys := p.byID[k.EndpointID]; keys != nil {
 		delete(keys, k)
 		if len(keys) == 0 {
@@ -422,20 +449,35 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 		return o.withdrawLocked(e)
 	}
 	prev, hadPrev := o.applied[e.Name]
+	delete(o.orphanSets, e.ID)
 
 	// 1. Every entry of the endpoint first, its denies before its allows.
 	// A full map does not stop here: the endpoint fails closed (see
 	// failClosedLocked) and its flags are written all the same, so that
 	// a new default deny is enforced whatever other endpoints fill.
 	want := map[bpf.PolicyKey]bpf.PolicyValue{}
+	var setErr error
 	for entry := range tables.PolicyEntriesOf(txn, o.Entries, e.Name) {
 		if entry.EndpointID != e.ID {
 			continue // written with the row that replaces this one
+		}
+		if entry.Identity == tables.PolicySetRef && len(entry.Policies) > 0 {
+			// 0. The allows of the policy set it refers to, before the
+			// reference: it never runs without them.
+			if err := o.ensureSetLocked(txn, entry.Policies[0], entry.Cookie); err != nil {
+				if !errors.Is(err, errPolicyMapFull) {
+					return fmt.Errorf("endpoint %s not enforced until its policy is in the map: %w", e.Name, err)
+				}
+				setErr = errors.Join(setErr, err)
+			}
 		}
 		k, v := PolicyKeyOf(entry)
 		want[k] = v
 	}
 	var closed error
+	if setErr != nil {
+		closed = fmt.Errorf("endpoint %s fails closed, %w", e.Name, setErr)
+	}
 	err := o.putEntriesLocked(o.missingLocked(want, isDenyValue))
 	if err == nil {
 		err = o.putEntriesLocked(o.missingLocked(want, isAllowValue))
@@ -447,7 +489,7 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 		if closed, err = o.failClosedLocked(e.ID, want); err != nil {
 			return fmt.Errorf("endpoint %s: %w", e.Name, err)
 		}
-		closed = fmt.Errorf("endpoint %s fails closed, %w", e.Name, closed)
+		closed = errors.Join(fmt.Errorf("endpoint %s fails closed, %w", e.Name, closed), setErr)
 	}
 	o.applied[e.Name] = appliedEndpoint{id: e.ID, cgroup: e.CgroupID}
 	o.idOwner[e.ID] = e.Name
@@ -495,9 +537,58 @@ func (o PolicyOps) Update(_ context.Context, txn statedb.ReadTxn, _ statedb.Revi
 			return err
 		}
 	}
+	if err := o.dropOrphanSetsLocked(); err != nil {
+		return err
+	}
 	// The row keeps the error while it fails closed: its status and the
 	// reconciler's health say so, and the reconciler retries it.
 	return errors.Join(closed, stateErr)
+}
+
+// ensureSetLocked writes the entries of policy set name (ID id) that the
+// map does not hold as its rows say: what an endpoint that refers to it
+// needs before its reference entry. A set holds allows only, so a full
+// map leaves it lacking allows, which only deny (the error says how
+// many); the set's own row is applied the same way.
+func (o PolicyOps) ensureSetLocked(txn statedb.ReadTxn, name string, id uint32) error {
+	p := o.Policy
+	want := map[bpf.PolicyKey]bpf.PolicyValue{}
+	for entry := range tables.PolicyEntriesOf(txn, o.Entries, name) {
+		if entry.EndpointID == id && !entry.Deny {
+			k, v := PolicyKeyOf(entry)
+			want[k] = v
+		}
+	}
+	// What the set no longer holds goes first (an earlier run's set of
+	// the same number, or entries its row has not deleted yet): nothing
+	// of it may allow more than its rows say.
+	var stale []bpf.PolicyKey
+	for k := range p.byID[id] {
+		if _, ok := want[k]; !ok {
+			stale = append(stale, k)
+		}
+	}
+	if err := p.deleteEntriesLocked(stale); err != nil {
+		return err
+	}
+	err := p.putEntriesLocked(p.missingLocked(want, isAllowValue))
+	if err == nil || !errors.Is(err, errPolicyMapFull) {
+		return err
+	}
+	keys, _ := p.missingLocked(want, isAllowValue)
+	return fmt.Errorf("%w (%d entries): raise --%s; its policy set %s lacks %d allows (what they allow is denied)",
+		errPolicyMapFull, p.maxCount, p.maxFlag, name, len(keys))
+}
+
+// setReferencedLocked says whether a reference entry in the map names
+// policy set id: its entries stay until none does (Prune deletes them).
+func (p *Policy) setReferencedLocked(id uint32) bool {
+	for k := range p.refKeys {
+		if v, ok := p.policy.Get(k); ok && v.Cookie == id {
+			return true
+		}
+	}
+	return false
 }
 
 func isDenyValue(v bpf.PolicyValue) bool  { return v.Flags&bpf.PolicyFlagDeny != 0 }
@@ -659,7 +750,33 @@ func (p *Policy) putTreeLocked(e *tables.EndpointPolicy) error {
 func (o PolicyOps) Delete(_ context.Context, _ statedb.ReadTxn, _ statedb.Revision, e *tables.EndpointPolicy) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	return o.withdrawLocked(e)
+	if e.Set && o.setReferencedLocked(e.ID) {
+		// An endpoint's row that no longer names it is not applied yet:
+		// its entries stay for it meanwhile, and go once no reference
+		// does (or with Prune).
+		delete(o.applied, e.Name)
+		if o.orphanSets == nil {
+			o.orphanSets = map[uint32]string{}
+		}
+		o.orphanSets[e.ID] = e.Name
+		return nil
+	}
+	return errors.Join(o.withdrawLocked(e), o.dropOrphanSetsLocked())
+}
+
+// dropOrphanSetsLocked deletes the entries of the orphan sets that no
+// reference entry in the map names any more.
+func (p *Policy) dropOrphanSetsLocked() error {
+	for id, name := range p.orphanSets {
+		if p.setReferencedLocked(id) {
+			continue
+		}
+		if err := p.deleteEndpointEntriesLocked(id, name); err != nil {
+			return err
+		}
+		delete(p.orphanSets, id)
+	}
+	return nil
 }
 
 // withdrawLocked deletes the policy_endpoints entry and the entries that
@@ -773,6 +890,14 @@ func (o PolicyOps) Prune(_ context.Context, txn statedb.ReadTxn, rows iter.Seq2[
 				k, _ := PolicyKeyOf(entry)
 				wantEntries[k] = struct{}{}
 			}
+		}
+	}
+	// The policy sets that reference entries in the map name keep their
+	// entries: an endpoint's row that no longer names one may not be
+	// applied yet.
+	for k := range o.refKeys {
+		if v, ok := o.policy.Get(k); ok {
+			keepIDs[v.Cookie] = struct{}{}
 		}
 	}
 	var errs []error

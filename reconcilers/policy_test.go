@@ -963,3 +963,98 @@ func TestPolicyFaults(t *testing.T) {
 		})
 	}
 }
+
+// TestPolicySet: an endpoint's update writes the entries of the policy set
+// its reference entry names before its own (the set's row may come later);
+// a set's row deleted while a reference in the map still names it keeps
+// its entries until Prune finds none; a set that does not fit fails its
+// endpoints closed, with the error on their rows.
+func TestPolicySet(t *testing.T) {
+	const size = 256
+	f := newPolicyFixture(t, size)
+	set := &tables.EndpointPolicy{Name: tables.PolicySetName(9), ID: 9, Set: true,
+		Ingress: tables.EnforceOff, Egress: tables.EnforceOff, Policies: []string{}}
+	ep := polEndpoint(1, 2001, tables.EnforceOff, tables.EnforceDefaultDeny)
+	ref := &tables.PolicyEntry{Endpoint: ep.Name, EndpointID: 1, Identity: tables.PolicySetRef, Direction: tables.DirEgress,
+		Policies: []string{set.Name}, Cookie: 9}
+	rows := []any{set, ep, ref}
+	var setEntries []*tables.PolicyEntry
+	for i := range 100 {
+		e := polEntry(9, uint32(1000+i), tables.DirEgress, 53)
+		e.Endpoint, e.Policies = set.Name, []string{set.Name}
+		setEntries = append(setEntries, e)
+		rows = append(rows, e)
+	}
+	f.insert(t, rows...)
+	if err := f.updateEndpoint(t, ep.Name); err != nil {
+		t.Fatalf("endpoint %s: %v", ep.Name, err)
+	}
+	got := f.policyMap(t)
+	for _, e := range append(slices.Clone(setEntries), ref) {
+		if k, _ := reconcilers.PolicyKeyOf(e); !mapHas(got, k) {
+			t.Fatalf("entry %s is not in the map after the endpoint's update", k)
+		}
+	}
+	if err := f.updateEndpoint(t, set.Name); err != nil {
+		t.Fatalf("set %s: %v", set.Name, err)
+	}
+	if n := len(f.policyMap(t)); n != 101 {
+		t.Fatalf("%d entries, want 101", n)
+	}
+
+	// A restart reserves the set's number (no cgroup names it, a
+	// reference does): no new set may take it while the reference is in
+	// the map.
+	restored := f.open(t, size)
+	if want := map[uint64]uint32{2001: 1, reconcilers.StaleIDKey(9): 9}; !maps.Equal(restored, want) {
+		t.Fatalf("restored %v, want %v", restored, want)
+	}
+	if err := f.updateEndpoint(t, ep.Name); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.updateEndpoint(t, set.Name); err != nil {
+		t.Fatal(err)
+	}
+
+	// The set's row goes before the endpoint's new row (no reference) is
+	// applied: its entries stay (a prune meanwhile keeps them too), and
+	// go when the endpoint's update takes the last reference away.
+	if err := f.ops.Ops(f.entries).Delete(context.Background(), f.db.ReadTxn(), 0, set); err != nil {
+		t.Fatal(err)
+	}
+	f.remove(t, set)
+	f.prune(t)
+	if n := len(f.policyMap(t)); n != 101 {
+		t.Fatalf("%d entries after the set's delete while referenced, want 101", n)
+	}
+	f.remove(t, ref)
+	f.insert(t, ep)
+	if err := f.updateEndpoint(t, ep.Name); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(f.policyMap(t)); n != 0 {
+		t.Fatalf("%d entries once no reference names the set, want 0", n)
+	}
+
+	// A set larger than the map: the endpoint fails closed, saying so.
+	big := &tables.EndpointPolicy{Name: tables.PolicySetName(10), ID: 10, Set: true,
+		Ingress: tables.EnforceOff, Egress: tables.EnforceOff, Policies: []string{}}
+	ref2 := &tables.PolicyEntry{Endpoint: ep.Name, EndpointID: 1, Identity: tables.PolicySetRef, Direction: tables.DirEgress,
+		Policies: []string{big.Name}, Cookie: 10}
+	rows = []any{big, ref2}
+	for i := range 300 {
+		e := polEntry(10, uint32(1000+i), tables.DirEgress, 53)
+		e.Endpoint, e.Policies = big.Name, []string{big.Name}
+		rows = append(rows, e)
+	}
+	f.insert(t, rows...)
+	err := f.updateEndpoint(t, ep.Name)
+	for _, want := range []string{"endpoint " + ep.Name + " fails closed", "policy map is full", "policy set " + big.Name + " lacks"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Fatalf("endpoint %s: %v; want an error saying %q", ep.Name, err, want)
+		}
+	}
+	if got := f.endpointsMap(t); got[2001].EndpointID != 1 || got[2001].Flags != bpf.PolicyEnforceEgress {
+		t.Fatalf("policy_endpoints %v: the endpoint's default deny is not enforced", got)
+	}
+}

@@ -130,6 +130,9 @@ func (e *PolicyEntry) TableRow() []string {
 	if e.Identity != 0 {
 		id = formatUint(e.Identity)
 	}
+	if e.Identity == PolicySetRef {
+		return []string{e.Endpoint, "any", e.Direction, "ANY", "shares " + strings.Join(e.Policies, ", "), ""}
+	}
 	verdict := "allow"
 	switch {
 	case e.PodAddrs && !e.Deny:
@@ -269,9 +272,59 @@ type EndpointPolicy struct {
 	// earlier agent never deny the agent's own pod as unclassified while
 	// it cannot reach the API server yet to learn of that pod.
 	Agent bool `json:"agent,omitempty" yaml:"agent,omitempty"`
+	// Set marks the row of a policy set (Name "policy-set:<ID>"): no
+	// endpoint, but the allows that the endpoints whose rows name it in
+	// SharedRules share (docs/policy.md, Shared policy sets). Its entries
+	// are rows of policy-entries under its name; an endpoint's reference
+	// entry (identity PolicySetRef) points at it.
+	Set bool `json:"set,omitempty" yaml:"set,omitempty"`
+	// SharedRules are the endpoint's allows kept in its policy sets, one
+	// per peer selector, port prefix and policy: what names, in a
+	// verdict, the policy behind an allow of a set.
+	SharedRules []SharedRule `json:"sharedRules,omitempty" yaml:"sharedRules,omitempty"`
 	// Status is the reconciliation status of the endpoint's map entry,
 	// which is written once all its policy entries are in the map.
 	Status reconciler.Status `json:"status" yaml:"status"`
+}
+
+// SharedRule is an allow of an endpoint kept in its policy set: the
+// policy, the direction, the peer selector and the port prefix (as in
+// PolicyEntry).
+type SharedRule struct {
+	Policy    string `json:"policy" yaml:"policy"`
+	Direction string `json:"direction" yaml:"direction"`
+	Peer      string `json:"peer" yaml:"peer"`
+	Protocol  uint8  `json:"protocol" yaml:"protocol"`
+	Port      uint16 `json:"port" yaml:"port"`
+	PortBits  uint8  `json:"portBits" yaml:"portBits"`
+}
+
+// Covers says whether the rule's port prefix holds the protocol and port.
+func (r SharedRule) Covers(proto uint8, port uint16) bool {
+	if r.Protocol == 0 {
+		return true
+	}
+	if r.Protocol != proto {
+		return false
+	}
+	if r.PortBits == 0 {
+		return true
+	}
+	mask := ^uint16(0) << (16 - uint(r.PortBits))
+	return port&mask == r.Port&mask
+}
+
+// PolicySetRef is the identity of an endpoint's reference entry to its
+// policy set in a direction (any protocol and port; Cookie is the set's
+// ID, Policies its name). No identity is this number (bpf.PolicySetRef).
+const PolicySetRef uint32 = 0xffffffff
+
+// PolicySetPrefix begins the name of a policy set's row and entries.
+const PolicySetPrefix = "policy-set:"
+
+// PolicySetName is the name of the policy set of ID id.
+func PolicySetName(id uint32) string {
+	return PolicySetPrefix + strconv.FormatUint(uint64(id), 10)
 }
 
 // DNSRule is a name an endpoint may look up, and the policy that says so.
@@ -323,6 +376,9 @@ func (e *EndpointPolicy) TableRow() []string {
 	status := StatusText(e.Status)
 	if e.ID == 0 && !e.PodTree && e.Reason != "" {
 		status = "Not enforced"
+	}
+	if e.Set {
+		ingress, egress = "-", "-"
 	}
 	return []string{
 		e.Name, formatUint(e.ID), e.Cgroup, ingress, egress, strconv.Itoa(e.Entries),

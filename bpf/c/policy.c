@@ -373,6 +373,11 @@ struct {
  * as any deny. */
 #define POLICY_DROP 0x20
 
+/* The identity of an endpoint's reference entry: its cookie is the ID of
+ * the policy set (a pseudo-endpoint) whose allows it shares in that
+ * direction. No identity is this number. */
+#define POLICY_SET_REF 0xffffffff
+
 #define EP_ENFORCE_INGRESS 0x1
 #define EP_ENFORCE_EGRESS 0x2
 /* Nothing is denied: what would be is allowed, as audited. */
@@ -714,7 +719,8 @@ static __always_inline int dropped_at_iface(const struct ep_ref *ep, const struc
  * in either makes it audited; else an entry in either allows; else
  * nothing does (default deny). The entry that decided is the peer's own
  * when both could have. A POLICY_FINAL entry of the peer's own decides
- * alone (one lookup); a POLICY_PASS one counts as none.
+ * alone (one lookup); a POLICY_PASS one counts as none. Before a default
+ * deny, the endpoint's shared set may allow (two lookups more at most).
  */
 static __always_inline struct decision lookup_verdict(__u32 endpoint_id, __u32 identity,
 						       enum direction dir, __u8 protocol,
@@ -756,6 +762,23 @@ static __always_inline struct decision lookup_verdict(__u32 endpoint_id, __u32 i
 		return by_entry(l3, VERDICT_ALLOWED);
 	if (l4 & ENTRY_FOUND)
 		return by_entry(l4, VERDICT_ALLOWED);
+	/* The allows of the endpoint's shared policy set, if it has one
+	 * (the reference entry's cookie is the set's ID): only where its own
+	 * entries leave a default deny, so a decided verdict costs what it
+	 * did. A set holds no deny, and none of a tiered direction. */
+	if (identity) {
+		__u64 ref, shared;
+
+		key.identity = POLICY_SET_REF;
+		ref = lookup_entry(&key);
+		if (ref & ENTRY_FOUND) {
+			key.endpoint_id = (__u32)(ref >> 32);
+			key.identity = identity;
+			shared = lookup_entry(&key);
+			if ((shared & (ENTRY_FOUND | POLICY_DENY)) == ENTRY_FOUND)
+				return by_entry(shared, VERDICT_ALLOWED);
+		}
+	}
 	return (struct decision){ .cookie = passed, .verdict = VERDICT_DENIED, .reason = REASON_DEFAULT_DENY };
 }
 

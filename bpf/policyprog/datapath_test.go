@@ -625,3 +625,61 @@ func TestOutside(t *testing.T) {
 		t.Errorf("egress denied %d times, want 4 (the pod's); stats %v", got, s)
 	}
 }
+
+// TestSharedSet: an endpoint's reference entry sends a lookup its own
+// entries leave at default deny to its policy set's entry of the peer's
+// identity, which allows; the endpoint's own denies (of the peer or of any
+// peer) still win, its own allows decide first, a deny entry in a set
+// allows nothing, and a final entry of its own decides alone.
+func TestSharedSet(t *testing.T) {
+	servers(t, [2]string{"tcp", peerC + ":8080"})
+	const (
+		both  = bpf.PolicyEnforceIngress | bpf.PolicyEnforceEgress
+		set   = 77
+		entry = bpf.PolicyReasonEntry
+		dflt  = bpf.PolicyReasonDefaultDeny
+	)
+	ref := rule{identity: bpf.PolicySetRef, dir: bpf.PolicyEgress, cookie: set}
+	shared := rule{endpoint: set, identity: 1002, dir: bpf.PolicyEgress, proto: tcp, port: 8080, portBits: 16, cookie: 81}
+	for _, tc := range []struct {
+		name    string
+		rules   []rule
+		want    string
+		verdict uint8
+		reason  uint8
+		cookie  uint32
+	}{
+		{"the set allows", []rule{ref, shared}, "ok", bpf.PolicyVerdictAllowed, entry, 81},
+		{"no reference: default deny", []rule{shared}, "EPERM", bpf.PolicyVerdictDenied, dflt, 0},
+		{"reference, the set has no entry of the peer", []rule{ref, {endpoint: set, identity: 1003, dir: bpf.PolicyEgress, cookie: 82}},
+			"EPERM", bpf.PolicyVerdictDenied, dflt, 0},
+		{"reference in the other direction", []rule{{identity: bpf.PolicySetRef, dir: bpf.PolicyIngress, cookie: set}, shared},
+			"EPERM", bpf.PolicyVerdictDenied, dflt, 0},
+		{"own deny of the peer wins", []rule{ref, shared, {identity: 1002, dir: bpf.PolicyEgress, proto: tcp, deny: true, cookie: 83}},
+			"EPERM", bpf.PolicyVerdictDenied, entry, 83},
+		{"own deny of any peer wins", []rule{ref, shared, {identity: 0, dir: bpf.PolicyEgress, proto: tcp, port: 8080, portBits: 16, deny: true, cookie: 84}},
+			"EPERM", bpf.PolicyVerdictDenied, entry, 84},
+		{"own audited deny: audited", []rule{ref, shared, {identity: 1002, dir: bpf.PolicyEgress, deny: true, audit: true, cookie: 85}},
+			"ok", bpf.PolicyVerdictAudited, entry, 85},
+		{"own allow decides first", []rule{ref, shared, {identity: 0, dir: bpf.PolicyEgress, cookie: 86}},
+			"ok", bpf.PolicyVerdictAllowed, entry, 86},
+		{"a deny in a set allows nothing", []rule{ref, {endpoint: set, identity: 1002, dir: bpf.PolicyEgress, deny: true, cookie: 87}},
+			"EPERM", bpf.PolicyVerdictDenied, dflt, 0},
+		{"own final deny decides alone", []rule{ref, shared, {identity: 1002, dir: bpf.PolicyEgress, deny: true, final: true, cookie: 88}},
+			"EPERM", bpf.PolicyVerdictDenied, entry, 88},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := newDatapath(t)
+			d.peers()
+			d.rules(tc.rules...)
+			d.endpoint(both)
+			c := startChild(t, d.app)
+			if got := c.do("tcp", peerC+":8080"); got != tc.want && !(tc.want == "ok" && strings.HasPrefix(got, "ok")) {
+				t.Errorf("connect: %s, want %s", got, tc.want)
+			}
+			want := event{identity: 1002, verdict: tc.verdict, reason: tc.reason, cookie: tc.cookie, proto: tcp,
+				hook: bpf.PolicyHookConnect4, remote: peerC + ":8080"}
+			d.expectEvents(tc.name, want.policyEvent())
+		})
+	}
+}

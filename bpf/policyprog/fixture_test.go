@@ -1,6 +1,7 @@
 package policyprog
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -245,6 +246,7 @@ type rule struct {
 	cookie   uint32 // 1 when 0
 	final    bool   // decides alone (bpf.PolicyFlagFinal)
 	pass     bool   // decides nothing (bpf.PolicyFlagPass)
+	endpoint uint32 // the entry's endpoint (or policy set) ID; testEndpoint when 0
 }
 
 func (d *datapath) rules(rules ...rule) {
@@ -259,7 +261,7 @@ func (d *datapath) rules(rules ...rule) {
 		}
 		// The key and value the agent writes for the table entry.
 		k, v := reconcilers.PolicyKeyOf(&tables.PolicyEntry{
-			EndpointID: testEndpoint, Identity: r.identity, Direction: dir,
+			EndpointID: cmp.Or(r.endpoint, testEndpoint), Identity: r.identity, Direction: dir,
 			Protocol: r.proto, Port: r.port, PortBits: uint8(r.portBits),
 			Deny: r.deny, Audit: r.audit, Cookie: max(r.cookie, 1), Final: r.final, Pass: r.pass,
 		})

@@ -15,7 +15,9 @@
 // cannot make this node's host or pods the remote-node entity. Such a
 // conflict, and another Node's pod CIDR overlapping this node's, is
 // logged and shown in the nodes table (Conflicts) and the module's health
-// message until it is gone.
+// message until it is gone. Nor does a Node speak for a pod: where a pod
+// owns an address a Node claims, the ipcache resolver keeps the pod's
+// labels and drops the remote-node one (cells/ipcache, normalize).
 package clusternodes
 
 import (

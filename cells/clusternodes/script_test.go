@@ -5,10 +5,12 @@ import (
 
 	"github.com/apiary-net/apiary/apiarytest"
 	"github.com/apiary-net/apiary/cells/clusternodes"
+	"github.com/apiary-net/apiary/cells/endpoints"
 	"github.com/apiary-net/apiary/cells/identity"
 	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/cells/selectors"
 )
 
 func TestScript(t *testing.T) {
-	apiarytest.RunCellsInMemory(t, "testdata/*.txtar", identity.Cell, ipcache.Cell, clusternodes.Cell)
+	apiarytest.RunCellsInMemory(t, "testdata/*.txtar", identity.Cell, ipcache.Cell, selectors.Cell, endpoints.Cell, clusternodes.Cell)
 }

@@ -535,6 +535,14 @@ func normalize(p netip.Prefix, all []string, dualStack bool) tables.Labels {
 	}
 	if inCluster {
 		out = slices.DeleteFunc(out, func(l string) bool { return strings.HasPrefix(l, tables.SourceFQDN+":") })
+		// reserved:remote-node comes from Node objects, which speak
+		// for no pod and not for this node: where a pod (k8s: labels)
+		// or this node's host has the address, a Node claiming it
+		// does not relabel it (identity.ReservedFor would let
+		// remote-node decide a pod's identity).
+		if slices.ContainsFunc(out, func(l string) bool { return l == tables.LabelHost || strings.HasPrefix(l, tables.SourceK8s+":") }) {
+			out = slices.DeleteFunc(out, func(l string) bool { return l == tables.LabelRemoteNode })
+		}
 		if pod && longestNetText != "" && !slices.ContainsFunc(out, func(l string) bool { return slices.Contains(inClusterLabels, l) }) {
 			out = append(out, longestNetText)
 		}

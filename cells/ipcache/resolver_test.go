@@ -40,6 +40,14 @@ func TestNormalize(t *testing.T) {
 			[]string{"reserved:host"}},
 		{"another node in a networks CIDR", "10.0.0.2/32", []string{"reserved:remote-node", "cidr:10.0.0.0/8", "podnet:10.0.0.0/8"}, false,
 			[]string{"reserved:remote-node"}},
+		{"a Node claiming a pod's address", "10.0.2.7/32", []string{"k8s:app=web", "reserved:remote-node"}, false,
+			[]string{"k8s:app=web"}},
+		{"a Node claiming the host's address", "192.168.1.10/32", []string{"reserved:host", "reserved:remote-node"}, false,
+			[]string{"reserved:host"}},
+		{"a remote node's address", "192.168.1.11/32", []string{"reserved:remote-node", "cidr:192.168.0.0/16"}, false,
+			[]string{"reserved:remote-node"}},
+		{"the API server on a remote node", "192.168.1.12/32", []string{"reserved:kube-apiserver", "reserved:remote-node"}, false,
+			[]string{"reserved:kube-apiserver", "reserved:remote-node"}},
 	} {
 		got := normalize(netip.MustParsePrefix(tc.prefix), tc.labels, tc.dualStack)
 		if !slices.Equal(got, tables.NewLabels(tc.want...)) {

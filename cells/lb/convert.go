@@ -2,6 +2,7 @@ package lb
 
 import (
 	"fmt"
+	"iter"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -287,36 +288,56 @@ func desiredFrontends(svc *tables.Service, nodeIPs []netip.Addr) []*tables.Front
 		}
 		return slices.ContainsFunc(out, func(f *tables.Frontend) bool { return f.Address == addr })
 	}
-	has4 := slices.ContainsFunc(svc.ClusterIPs, netip.Addr.Is4)
-	has6 := slices.ContainsFunc(svc.ClusterIPs, netip.Addr.Is6)
-	add := func(t tables.FrontendType, ips []netip.Addr) {
-		for _, ip := range ips {
-			if t == tables.FrontendNodePort && !(ip.Is4() && has4 || ip.Is6() && has6) {
-				continue
-			}
-			for _, p := range svc.Ports {
-				port := p.Port
-				if t == tables.FrontendNodePort {
-					if port = p.NodePort; port == 0 {
-						continue
-					}
-				}
-				addr := tables.L4Addr{Addr: ip, Port: port, Proto: p.Protocol}
-				if listed(addr) {
-					continue
-				}
-				out = append(out, &tables.Frontend{Address: addr, Service: svc.Name, Type: t, PortName: p.Name,
-					SessionAffinity: svc.SessionAffinityTimeout})
-			}
+	for addr, of := range frontendAddrs(svc, nodeIPs) {
+		if listed(addr) {
+			continue
 		}
-	}
-	add(tables.FrontendClusterIP, svc.ClusterIPs)
-	add(tables.FrontendExternalIP, svc.ExternalIPs)
-	add(tables.FrontendLoadBalancer, svc.LoadBalancerIPs)
-	if nodePorts > 0 {
-		add(tables.FrontendNodePort, nodeIPs)
+		out = append(out, &tables.Frontend{Address: addr, Service: svc.Name, Type: of.typ, PortName: of.portName,
+			SessionAffinity: svc.SessionAffinityTimeout})
 	}
 	return out
+}
+
+// frontendOf is what makes a frontend besides its address.
+type frontendOf struct {
+	typ      tables.FrontendType
+	portName string
+}
+
+// frontendAddrs yields the address, type and port name of each frontend
+// desiredFrontends makes of svc, in the same order, and also those an
+// address listed twice repeats (it makes one frontend, of the first).
+func frontendAddrs(svc *tables.Service, nodeIPs []netip.Addr) iter.Seq2[tables.L4Addr, frontendOf] {
+	return func(yield func(tables.L4Addr, frontendOf) bool) {
+		if svc == nil || svc.Headless {
+			return
+		}
+		has4 := slices.ContainsFunc(svc.ClusterIPs, netip.Addr.Is4)
+		has6 := slices.ContainsFunc(svc.ClusterIPs, netip.Addr.Is6)
+		add := func(t tables.FrontendType, ips []netip.Addr) bool {
+			for _, ip := range ips {
+				if t == tables.FrontendNodePort && !(ip.Is4() && has4 || ip.Is6() && has6) {
+					continue
+				}
+				for _, p := range svc.Ports {
+					port := p.Port
+					if t == tables.FrontendNodePort {
+						if port = p.NodePort; port == 0 {
+							continue
+						}
+					}
+					if !yield(tables.L4Addr{Addr: ip, Port: port, Proto: p.Protocol}, frontendOf{t, p.Name}) {
+						return false
+					}
+				}
+			}
+			return true
+		}
+		_ = add(tables.FrontendClusterIP, svc.ClusterIPs) &&
+			add(tables.FrontendExternalIP, svc.ExternalIPs) &&
+			add(tables.FrontendLoadBalancer, svc.LoadBalancerIPs) &&
+			add(tables.FrontendNodePort, nodeIPs)
+	}
 }
 
 // localOnly says whether a frontend of the service may use only the

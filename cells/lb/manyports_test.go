@@ -11,6 +11,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/cilium/statedb"
+	"github.com/cilium/statedb/reconciler"
+
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/internal/testenv"
 	"github.com/apiary-net/apiary/tables"
@@ -72,14 +75,37 @@ func BenchmarkManyPortsHive(b *testing.B) {
 	}
 	svcs.ch <- k8s.Event[*corev1.Service]{Kind: k8s.Sync}
 	slices.ch <- k8s.Event[*discoveryv1.EndpointSlice]{Kind: k8s.Sync}
+	// changed is svc with its last port moved: an update of the Service,
+	// which replaces two of its 20,000 frontends.
+	changed := svc.DeepCopy()
+	changed.Spec.Ports[n-1].Port = 9999
+	var update time.Duration
 	for b.Loop() {
 		slices.ch <- k8s.Event[*discoveryv1.EndpointSlice]{Kind: k8s.Upsert, Key: k8s.KeyOf(slice), Object: slice}
 		svcs.ch <- k8s.Event[*corev1.Service]{Kind: k8s.Upsert, Key: k8s.KeyOf(svc), Object: svc}
 		waitFrontends(b, db, frontends, 2*n, true)
 		b.StopTimer()
+		t0 := time.Now()
+		svcs.ch <- k8s.Event[*corev1.Service]{Kind: k8s.Upsert, Key: k8s.KeyOf(changed), Object: changed}
+		waitFrontendAt(b, db, frontends, tables.L4Addr{Addr: netip.MustParseAddr("10.96.0.96"), Port: 9999, Proto: tables.TCP})
+		waitFrontends(b, db, frontends, 2*n, true)
+		update += time.Since(t0)
 		svcs.ch <- k8s.Event[*corev1.Service]{Kind: k8s.Delete, Key: k8s.KeyOf(svc), Object: svc}
 		slices.ch <- k8s.Event[*discoveryv1.EndpointSlice]{Kind: k8s.Delete, Key: k8s.KeyOf(slice), Object: slice}
 		waitFrontends(b, db, frontends, 0, false)
 		b.StartTimer()
 	}
+	b.ReportMetric(float64(update.Milliseconds())/float64(b.N), "update-ms")
+}
+
+// waitFrontendAt waits until the frontend at addr exists and is Done.
+func waitFrontendAt(b testing.TB, db *statedb.DB, frontends statedb.Table[*tables.Frontend], addr tables.L4Addr) {
+	deadline := time.Now().Add(2 * time.Minute)
+	for time.Now().Before(deadline) {
+		if fe, _, ok := frontends.Get(db.ReadTxn(), tables.FrontendAddressIndex.Query(addr)); ok && fe.Status.Kind == reconciler.StatusKindDone {
+			return
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	b.Fatalf("frontend %s not done in time", addr)
 }

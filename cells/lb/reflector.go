@@ -59,6 +59,27 @@ type event struct {
 	svc     k8s.Event[*corev1.Service]
 	slice   k8s.Event[*discoveryv1.EndpointSlice]
 	isSlice bool
+	// row and parsed are what parse made of an upsert, before the
+	// write transaction (parsedOK is sliceFromK8s's ok).
+	row      *tables.Service
+	parsed   parsedSlice
+	parsedOK bool
+}
+
+// parse converts the objects of the batch's upserts into what the writer
+// takes. It runs before the write transaction, which then holds the
+// tables (and keeps the reconciler from writing its status back) for
+// less time.
+func (r *reflector) parse(batch []event) {
+	for i := range batch {
+		ev := &batch[i]
+		switch {
+		case ev.isSlice && ev.slice.Kind == k8s.Upsert:
+			ev.parsed, ev.parsedOK = sliceFromK8s(ev.slice.Object)
+		case !ev.isSlice && ev.svc.Kind == k8s.Upsert && servedBy(ev.svc.Object.Labels, r.proxyName):
+			ev.row = serviceFromK8s(ev.svc.Object, r.nodePorts)
+		}
+	}
 }
 
 func (r *reflector) run(ctx context.Context, health cell.Health) error {
@@ -121,15 +142,16 @@ func (r *reflector) run(ctx context.Context, health cell.Health) error {
 
 // apply writes a batch of events in one write transaction.
 func (r *reflector) apply(batch []event, finishInit bool) {
+	r.parse(batch)
 	txn := r.db.WriteTxn(r.w.services, r.w.frontends, r.w.backends)
 	defer txn.Abort()
 	c := r.change
 	c.reset()
-	for _, ev := range batch {
-		if ev.isSlice {
-			r.applySlice(txn, ev.slice, c)
+	for i := range batch {
+		if ev := &batch[i]; ev.isSlice {
+			r.applySlice(txn, ev, c)
 		} else {
-			r.applyService(txn, ev.svc, c)
+			r.applyService(txn, ev, c)
 		}
 	}
 	r.w.refresh(txn, c)
@@ -144,17 +166,18 @@ func (r *reflector) apply(batch []event, finishInit bool) {
 	txn.Commit()
 }
 
-func (r *reflector) applyService(txn statedb.WriteTxn, ev k8s.Event[*corev1.Service], c *change) {
+func (r *reflector) applyService(txn statedb.WriteTxn, e *event, c *change) {
+	ev := e.svc
 	name := tables.ServiceName{Namespace: ev.Key.Namespace, Name: ev.Key.Name}
 	switch ev.Kind {
 	case k8s.Upsert:
-		if !servedBy(ev.Object.Labels, r.proxyName) {
-			// Another proxy's: as if deleted, so that labelling a
-			// served service hands it over at once.
+		if e.row == nil {
+			// Another proxy's (parse left it out): as if deleted, so
+			// that labelling a served service hands it over at once.
 			r.w.deleteService(txn, name, c)
 			return
 		}
-		r.w.upsertService(txn, serviceFromK8s(ev.Object, r.nodePorts), c)
+		r.w.upsertService(txn, e.row, c)
 	case k8s.Delete:
 		r.w.deleteService(txn, name, c)
 	}
@@ -172,11 +195,12 @@ func servedBy(labels map[string]string, proxyName string) bool {
 	return proxyName != "" && v == proxyName
 }
 
-func (r *reflector) applySlice(txn statedb.WriteTxn, ev k8s.Event[*discoveryv1.EndpointSlice], c *change) {
+func (r *reflector) applySlice(txn statedb.WriteTxn, e *event, c *change) {
+	ev := e.slice
 	prev, hadPrev := r.sliceService[ev.Key]
 	switch ev.Kind {
 	case k8s.Upsert:
-		p, ok := sliceFromK8s(ev.Object)
+		p, ok := e.parsed, e.parsedOK
 		if _, headless := ev.Object.Labels[headlessLabel]; headless || !servedBy(ev.Object.Labels, r.proxyName) {
 			// kube-proxy ignores such a slice, whatever its service
 			// says: as if deleted.

@@ -38,6 +38,9 @@ type writer struct {
 	// insert together.
 	sliceRecords map[tables.ServiceName][]sliceRecord
 
+	// edits is upsertSlice's buffer, reused between calls.
+	edits []instanceEdit
+
 	// nodeName is this node's name: Local traffic policies keep the
 	// backends whose endpoint names it.
 	nodeName string
@@ -65,6 +68,8 @@ type change struct {
 	// prev are the services as they were before the batch (nil if new):
 	// their frontends are the ones that may have to go.
 	prev map[tables.ServiceName]*tables.Service
+	// names is refresh's list of the dirty services, reused.
+	names []tables.ServiceName
 }
 
 func newChange() *change {
@@ -91,14 +96,19 @@ func (c *change) remember(name tables.ServiceName, old *tables.Service) {
 }
 
 func (w *writer) upsertService(txn statedb.WriteTxn, svc *tables.Service, c *change) {
-	old, _, ok := w.services.Get(txn, tables.ServiceNameIndex.Query(svc.Name))
-	if ok {
-		svc.Conflicts = old.Conflicts
-	}
+	// One lookup rather than a Get and an Insert. Cannot fail: apply's
+	// open txn locks all three tables (see writer).
+	old, _, _ := w.services.Modify(txn, svc, keepConflicts)
 	c.remember(svc.Name, old)
-	// Cannot fail: apply's open txn locks all three tables (see writer).
-	w.services.Insert(txn, svc)
 	c.dirty[svc.Name] = struct{}{}
+}
+
+// keepConflicts merges a service's new row with its old one: the
+// conflicts are the writer's, not the object's, and stay until refresh
+// recomputes them.
+func keepConflicts(old, new *tables.Service) *tables.Service {
+	new.Conflicts = old.Conflicts
+	return new
 }
 
 func (w *writer) deleteService(txn statedb.WriteTxn, name tables.ServiceName, c *change) {
@@ -120,14 +130,16 @@ func (w *writer) upsertSlice(txn statedb.WriteTxn, s parsedSlice, c *change) {
 		prev = recs[i].backends
 	}
 	// Both lists are sorted the same way: one walk finds what went, what
-	// came and what changed.
-	changed := false
+	// came and what changed. The edits come out sorted by address, then
+	// port name, so those of one backend are adjacent and applied to it
+	// together: one at a time, a backend serving 10,000 ports of a service
+	// had its instance list copied 10,000 times (seconds).
+	edits := w.edits[:0]
 	for p, n := 0, 0; p < len(prev) || n < len(next); {
 		switch {
 		case n == len(next) || p < len(prev) && compareUse(prev[p], next[n]) < 0:
-			w.setInstance(txn, prev[p].addr, tables.BackendInstance{Service: s.service, Slice: s.name, PortName: prev[p].portName}, false)
+			edits = append(edits, instanceEdit{addr: prev[p].addr, inst: tables.BackendInstance{Service: s.service, Slice: s.name, PortName: prev[p].portName}})
 			p++
-			changed = true
 			continue
 		case p < len(prev) && compareUse(prev[p], next[n]) == 0:
 			same := prev[p] == next[n]
@@ -138,10 +150,20 @@ func (w *writer) upsertSlice(txn statedb.WriteTxn, s parsedSlice, c *change) {
 			}
 		}
 		b := next[n]
-		w.setInstance(txn, b.addr, tables.BackendInstance{Service: s.service, Slice: s.name, PortName: b.portName, State: b.state}, true)
+		edits = append(edits, instanceEdit{addr: b.addr, inst: tables.BackendInstance{Service: s.service, Slice: s.name, PortName: b.portName, State: b.state}, set: true})
 		n++
-		changed = true
 	}
+	for start := 0; start < len(edits); {
+		end := start + 1
+		for end < len(edits) && edits[end].addr == edits[start].addr {
+			end++
+		}
+		w.setInstances(txn, edits[start].addr, edits[start:end])
+		start = end
+	}
+	changed := len(edits) > 0
+	clear(edits) // no strings kept alive by the reused buffer
+	w.edits = edits[:0]
 	switch {
 	case len(next) == 0 && i >= 0:
 		recs = slices.Delete(recs, i, i+1)
@@ -182,38 +204,82 @@ func (w *writer) deleteSlice(txn statedb.WriteTxn, svc tables.ServiceName, slice
 	w.upsertSlice(txn, parsedSlice{service: svc, name: slice}, c)
 }
 
-// setInstance sets (with set) or removes the instance of inst's service,
-// slice and port name on the backend at addr, deleting the backend when no
-// instance is left.
-func (w *writer) setInstance(txn statedb.WriteTxn, addr tables.L4Addr, inst tables.BackendInstance, set bool) {
-	be, _, _ := w.backends.Get(txn, tables.BackendAddressIndex.Query(addr))
-	var insts []tables.BackendInstance
-	if be != nil {
-		insts = make([]tables.BackendInstance, len(be.Services), len(be.Services)+1)
-		copy(insts, be.Services)
-	}
-	i, found := slices.BinarySearchFunc(insts, inst, compareInstances)
-	switch {
-	case found && set:
-		insts[i] = inst
-	case found:
-		insts = slices.Delete(insts, i, i+1)
-	case set:
-		insts = slices.Insert(insts, i, inst)
-	}
-	if len(insts) == 0 {
-		if be != nil {
-			// Cannot fail: apply's open txn locks all three tables (see writer).
-			w.backends.Delete(txn, be)
-		}
+// instanceEdit sets (with set) or removes one instance of the backend at
+// addr.
+type instanceEdit struct {
+	addr tables.L4Addr
+	inst tables.BackendInstance
+	set  bool
+}
+
+// setInstances applies edits, all of one slice of one service and sorted
+// by port name, to the backend at addr, deleting the backend when no
+// instance is left. It merges them into the backend's sorted instances in
+// one pass.
+func (w *writer) setInstances(txn statedb.WriteTxn, addr tables.L4Addr, edits []instanceEdit) {
+	// Cannot fail, here and below: apply's open txn locks all three
+	// tables (see writer).
+	if slices.ContainsFunc(edits, func(e instanceEdit) bool { return e.set }) {
+		// Something is set, so the backend stays: one lookup, where a
+		// new backend (the common case) gets what edits set.
+		w.backends.Modify(txn, newBackend(addr, mergeInstances(nil, edits)), func(old, _ *tables.Backend) *tables.Backend {
+			return newBackend(addr, mergeInstances(old.Services, edits))
+		})
 		return
 	}
+	be, _, ok := w.backends.Get(txn, tables.BackendAddressIndex.Query(addr))
+	if !ok {
+		return
+	}
+	if insts := mergeInstances(be.Services, edits); len(insts) > 0 {
+		w.backends.Insert(txn, newBackend(addr, insts))
+	} else {
+		w.backends.Delete(txn, be)
+	}
+}
+
+// newBackend returns the backend at addr with insts, in the best of their
+// states.
+func newBackend(addr tables.L4Addr, insts []tables.BackendInstance) *tables.Backend {
 	state := tables.BackendNotServing
 	for _, in := range insts {
 		state = min(state, in.State)
 	}
-	// Cannot fail: apply's open txn locks all three tables (see writer).
-	w.backends.Insert(txn, &tables.Backend{Address: addr, State: state, Services: insts})
+	return &tables.Backend{Address: addr, State: state, Services: insts}
+}
+
+// mergeInstances returns old, sorted by compareInstances, with edits
+// (sorted the same way) applied: an instance set replaces the one it
+// compares equal to or is inserted, one removed is left out. The result is
+// counted first: backends live long, and an exact slice holds no spare
+// capacity. old is not modified.
+func mergeInstances(old []tables.BackendInstance, edits []instanceEdit) []tables.BackendInstance {
+	walk := func(emit func(tables.BackendInstance)) {
+		i := 0
+		for _, e := range edits {
+			for i < len(old) && compareInstances(old[i], e.inst) < 0 {
+				emit(old[i])
+				i++
+			}
+			if i < len(old) && compareInstances(old[i], e.inst) == 0 {
+				i++
+			}
+			if e.set {
+				emit(e.inst)
+			}
+		}
+		for ; i < len(old); i++ {
+			emit(old[i])
+		}
+	}
+	n := 0
+	walk(func(tables.BackendInstance) { n++ })
+	if n == 0 {
+		return nil
+	}
+	out := make([]tables.BackendInstance, 0, n)
+	walk(func(in tables.BackendInstance) { out = append(out, in) })
+	return out
 }
 
 // compareInstances orders a backend's instances by service, slice and
@@ -227,9 +293,15 @@ func compareInstances(a, b tables.BackendInstance) int {
 func (w *writer) refresh(txn statedb.WriteTxn, c *change) {
 	freed := false
 	// In name order, so that IDs do not depend on map iteration order.
-	for _, name := range slices.SortedFunc(maps.Keys(c.dirty), tables.ServiceName.Compare) {
+	c.names = c.names[:0]
+	for name := range c.dirty {
+		c.names = append(c.names, name)
+	}
+	slices.SortFunc(c.names, tables.ServiceName.Compare)
+	for _, name := range c.names {
 		freed = w.refreshService(txn, name, c) || freed
 	}
+	clear(c.names)
 	if !freed {
 		return
 	}
@@ -278,12 +350,27 @@ func (w *writer) refreshService(txn statedb.WriteTxn, name tables.ServiceName, c
 	}
 	// Frontends the service no longer asks for go, unless another
 	// service holds the address. Unchanged, it asks for the same ones.
+	// Only their addresses are needed: a deleted service's frontends are
+	// not made again to be thrown away.
 	if before != nil && before != svc {
-		for _, fe := range desiredFrontends(before, w.nodeIPs) {
-			if slices.ContainsFunc(want, func(w *tables.Frontend) bool { return w.Address == fe.Address }) {
+		// A set for a service with many frontends, where the search is
+		// quadratic (10,000 ports: seconds).
+		var wanted map[tables.L4Addr]struct{}
+		if len(want) > 64 {
+			wanted = make(map[tables.L4Addr]struct{}, len(want))
+			for _, fe := range want {
+				wanted[fe.Address] = struct{}{}
+			}
+		}
+		for addr := range frontendAddrs(before, w.nodeIPs) {
+			if wanted != nil {
+				if _, ok := wanted[addr]; ok {
+					continue
+				}
+			} else if slices.ContainsFunc(want, func(w *tables.Frontend) bool { return w.Address == addr }) {
 				continue
 			}
-			if old, _, ok := w.frontends.Get(txn, tables.FrontendAddressIndex.Query(fe.Address)); ok && old.Service == name {
+			if old, _, ok := w.frontends.Get(txn, tables.FrontendAddressIndex.Query(addr)); ok && old.Service == name {
 				// Cannot fail: apply's open txn locks all three tables (see writer).
 				w.frontends.Delete(txn, old)
 				deleted = true

@@ -72,6 +72,7 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 		c.Log.Info("Read the old policy maps", "endpoints", len(restored), "entries", c.Ops.Entries())
 	}
 	eng := newEngine(c.Config.EnablePolicy, c.Config.PolicyAuditMode, restored)
+	eng.shareMin = int(c.Config.PolicyShareMinIdentities)
 	eng.denyPending = c.Config.UnclassifiedPods == UnclassifiedDeny
 	trees := newPodTrees(c)
 	eng.allowLocalhost = c.Config.AllowLocalhost == LocalhostAlways

@@ -16,7 +16,7 @@ import (
 // TestPolicyList pins: endpoints by ID, each with its cgroup and enforced
 // directions, then its entries by direction, identity, protocol, port and
 // prefix length; an endpoint with entries but no cgroup, and one with a
-// cgroup but no entries.
+// cgroup but no entries; endpoint 2's reference to policy set 3.
 const listGolden = `endpoint 1 cgroup 1001 enforce=ingress,egress
   ingress identity=any ANY allow
   ingress identity=256 TCP/8080 allow
@@ -27,6 +27,7 @@ const listGolden = `endpoint 1 cgroup 1001 enforce=ingress,egress
 endpoint 2 cgroup 1002 enforce=egress audit
   egress identity=16777217 TCP/443 allow pod-addrs
   egress identity=16777217 TCP/8080 allow
+  egress shares policy set 3 (its allows: --endpoint 3)
 endpoint 3 (no cgroup)
   egress identity=any ANY allow
   egress identity=258 TCP/80 deny final
@@ -70,6 +71,7 @@ func TestPolicyList(t *testing.T) {
 		flagged(bpf.NewPolicyKey(3, 258, bpf.PolicyEgress, tcp, 80, 16), bpf.PolicyFlagDeny|bpf.PolicyFlagFinal),
 		flagged(bpf.NewPolicyKey(3, 258, bpf.PolicyEgress, tcp, 81, 16), bpf.PolicyFlagPass),
 		allow(bpf.NewPolicyKey(1, 0, bpf.PolicyIngress, 0, 0, 0)),
+		{Key: bpf.NewPolicyKey(2, bpf.PolicySetRef, bpf.PolicyEgress, 0, 0, 0), Value: bpf.PolicyValue{Cookie: 3}},
 	}
 	endpoints := []policy.Endpoint{
 		{CgroupID: 1002, Value: bpf.PolicyEndpointValue{EndpointID: 2, Flags: bpf.PolicyEnforceEgress | bpf.PolicyAudit}},
@@ -107,7 +109,7 @@ func TestPolicyList(t *testing.T) {
 		wantErr  string
 	}{
 		{"every endpoint", 0, listGolden, ""},
-		{"--endpoint 2", 2, "endpoint 2 cgroup 1002 enforce=egress audit\n  egress identity=16777217 TCP/443 allow pod-addrs\n  egress identity=16777217 TCP/8080 allow\n", ""},
+		{"--endpoint 2", 2, "endpoint 2 cgroup 1002 enforce=egress audit\n  egress identity=16777217 TCP/443 allow pod-addrs\n  egress identity=16777217 TCP/8080 allow\n  egress shares policy set 3 (its allows: --endpoint 3)\n", ""},
 		{"--endpoint of no cgroup", 3, "endpoint 3 (no cgroup)\n  egress identity=any ANY allow\n  egress identity=258 TCP/80 deny final\n  egress identity=258 TCP/81 pass\n", ""},
 		{"--endpoint without entries", 4, "endpoint 4 cgroup 1004 enforce=none\n", ""},
 		{"--endpoint unknown", 99, "", "endpoint 99 is not in the policy maps"},

@@ -4,6 +4,7 @@ import (
 	"maps"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/apiary-net/apiary/cells/identity"
@@ -191,6 +192,33 @@ type endpoint struct {
 	emitted                 map[groupKey][]portEntry // each sorted by port
 	emittedCount            int
 	lastRow                 *tables.EndpointPolicy
+	// sets are the policy sets whose allows the endpoint shares, by map
+	// direction; sharedRules what it put there (for verdicts' names).
+	sets        [2]*policySet
+	sharedRules []tables.SharedRule
+	// set is the policy set this pseudo-endpoint holds the entries of
+	// (nil for an endpoint).
+	set *policySet
+}
+
+// policySet is a set of allows that endpoints share: those of the rules
+// whose peer selects many identities (engine.shareMin), which the
+// endpoints of a direction with the same such rules (peer and ports,
+// whichever policy) would each have had an entry of, for every identity.
+// A pseudo-endpoint with an ID of its own holds its entries; each of its
+// endpoints has one reference entry to it (docs/policy.md, Shared policy
+// sets).
+type policySet struct {
+	key   string
+	name  string
+	ep    *endpoint
+	users map[*endpoint]struct{}
+}
+
+// sharedPeer is an allow rule's peer and ports kept in a policy set.
+type sharedPeer struct {
+	peer  string
+	ports []portKey
 }
 
 // engine computes the policy entries of every local endpoint from the
@@ -239,6 +267,12 @@ type engine struct {
 	// (its pod-interfaces row reconciled: programs attached, entry
 	// written), by endpoint name: its row gets PodIface.
 	ifaceDone map[string]ifaceDone
+
+	// shareMin is how many identities a peer selector selects from which
+	// its allows go into policy sets (0: never; --policy-share-min-identities).
+	shareMin int
+	// sets are the policy sets, by key (setKey).
+	sets map[string]*policySet
 }
 
 // ifaceDone is an enforced interface: for which cgroup, and the index of
@@ -258,6 +292,7 @@ func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
 		restored: restored, usedIDs: map[uint32]*endpoint{}, nextID: 1,
 		dirty: map[*endpoint]struct{}{}, gone: map[string]*endpoint{},
 		noIface: map[string]string{}, ifaceDone: map[string]ifaceDone{},
+		sets: map[string]*policySet{},
 	}
 	for _, id := range restored {
 		if id >= e.nextID {
@@ -342,6 +377,19 @@ func (e *engine) setSelector(name string, ids []uint32) {
 	} else {
 		e.selectors[name] = next
 	}
+	// Crossing the sharing threshold moves the rules naming it between
+	// endpoints' own entries and policy sets.
+	if e.shareMin > 0 && (len(old) >= e.shareMin) != (len(next) >= e.shareMin) {
+		for r := range e.peerUsers[name] {
+			if r.ep.set != nil {
+				for u := range r.ep.set.users {
+					e.dirty[u] = struct{}{}
+				}
+			} else {
+				e.dirty[r.ep] = struct{}{}
+			}
+		}
+	}
 	// As a subject: the endpoints of the identities it gained or lost now
 	// have other policies.
 	if e.subjects[name] > 0 {
@@ -381,6 +429,9 @@ func (e *engine) setEndpoint(name string, row *tables.Endpoint) {
 	}
 	if row == nil {
 		if ep != nil {
+			old := ep.sets
+			ep.sets = [2]*policySet{}
+			e.releaseSets(ep, old)
 			delete(e.endpoints, name)
 			delete(e.dirty, ep)
 			if ep.id != 0 {
@@ -530,6 +581,9 @@ func (e *engine) warnings() map[string][]string {
 // recompute rebuilds the rules and contributions of ep.
 func (e *engine) recompute(ep *endpoint) {
 	e.unindex(ep)
+	oldSets := ep.sets
+	ep.sets, ep.sharedRules = [2]*policySet{}, nil
+	defer func() { e.releaseSets(ep, oldSets) }()
 	// Cleared rather than made anew: a recompute usually gives about as
 	// many entries as the last one, and the maps keep their room.
 	if ep.contribs == nil {
@@ -660,6 +714,21 @@ func (e *engine) recompute(ep *endpoint) {
 			ep.add(entryKey{dir: dirEgress, port: anyPort}, contrib{policy: p, tier: layerDefault}, 1)
 		}
 	}
+	// A direction with ClusterNetworkPolicy rules shares nothing: its
+	// tiered groups fold every rule of the peer (decideTiered).
+	var tiered [2]bool
+	for _, s := range selected {
+		for i := range s.spec.Rules {
+			if pr := &s.spec.Rules[i]; tierLayer(pr.Tier) != layerRules {
+				if pr.Direction == tables.DirEgress {
+					tiered[dirEgress] = true
+				} else {
+					tiered[dirIngress] = true
+				}
+			}
+		}
+	}
+	var shared [2][]sharedPeer
 	for _, s := range selected {
 		for i := range s.spec.Rules {
 			pr := &s.spec.Rules[i]
@@ -689,11 +758,29 @@ func (e *engine) recompute(ep *endpoint) {
 			if dir == dirEgress && !pr.Deny && !pr.Pass {
 				peers = withEndpointFQDN(peers, ep.row.Name)
 			}
-			r := &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: peers, ports: ports,
-				tier: tierLayer(pr.Tier), pass: pr.Pass, priority: pr.Priority, index: pr.Index, label: pr.Label}
-			if len(r.ports) == 0 {
+			if len(ports) == 0 {
 				continue
 			}
+			if e.shareMin > 0 && !pr.Deny && !pr.Pass && tierLayer(pr.Tier) == layerRules && !tiered[dir] {
+				var own []string
+				for _, p := range peers {
+					if !e.shareable(p) {
+						own = append(own, p)
+						continue
+					}
+					shared[dir] = append(shared[dir], sharedPeer{p, ports})
+					for _, pk := range ports {
+						ep.sharedRules = append(ep.sharedRules, tables.SharedRule{Policy: s.policy, Direction: dirName(dir),
+							Peer: p, Protocol: pk.proto, Port: pk.port, PortBits: pk.bits})
+					}
+				}
+				if len(own) == 0 {
+					continue
+				}
+				peers = own
+			}
+			r := &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: peers, ports: ports,
+				tier: tierLayer(pr.Tier), pass: pr.Pass, priority: pr.Priority, index: pr.Index, label: pr.Label}
 			ep.rules = append(ep.rules, r)
 			for _, p := range r.peers {
 				if p == tables.AnyPeer {
@@ -712,6 +799,96 @@ func (e *engine) recompute(ep *endpoint) {
 		}
 	}
 	slices.SortFunc(ep.dns, func(a, b tables.DNSRule) int { return strings.Compare(a.Pattern, b.Pattern) })
+	for dir, peers := range shared {
+		if len(peers) == 0 {
+			continue
+		}
+		set := e.acquireSet(uint8(dir), peers, ep)
+		ep.sets[dir] = set
+		ep.add(entryKey{identity: tables.PolicySetRef, dir: uint8(dir), port: anyPort}, contrib{policy: set.name}, 1)
+	}
+}
+
+// shareable says whether a peer selector's allows go into policy sets:
+// one that selects at least shareMin identities, unless it is any peer
+// (identity 0), matches pods' addresses (ipBlock, by_address reads the
+// endpoint's own entries) or names DNS answers (the FQDN selectors, one
+// of which is the endpoint's own).
+func (e *engine) shareable(peer string) bool {
+	return peer != tables.AnyPeer && !tables.MatchesPodAddrs(peer) &&
+		!strings.HasPrefix(peer, tables.SourceFQDN+":") && len(e.selectors[peer]) >= e.shareMin
+}
+
+// acquireSet returns the policy set of the shared peers of a direction,
+// made if no endpoint has it yet, with ep among its users.
+func (e *engine) acquireSet(dir uint8, peers []sharedPeer, ep *endpoint) *policySet {
+	slices.SortFunc(peers, func(a, b sharedPeer) int {
+		if c := strings.Compare(a.peer, b.peer); c != 0 {
+			return c
+		}
+		return slices.CompareFunc(a.ports, b.ports, comparePorts)
+	})
+	peers = slices.CompactFunc(peers, func(a, b sharedPeer) bool {
+		return a.peer == b.peer && slices.Equal(a.ports, b.ports)
+	})
+	var b strings.Builder
+	b.WriteString(dirName(dir))
+	for _, p := range peers {
+		b.WriteString("|")
+		b.WriteString(p.peer)
+		for _, pk := range p.ports {
+			b.WriteString(" " + strconv.Itoa(int(pk.proto)) + "/" + strconv.Itoa(int(pk.port)) + "/" + strconv.Itoa(int(pk.bits)))
+		}
+	}
+	key := b.String()
+	if s := e.sets[key]; s != nil {
+		s.users[ep] = struct{}{}
+		return s
+	}
+	s := &policySet{key: key, users: map[*endpoint]struct{}{ep: {}}}
+	s.ep = &endpoint{emitted: map[groupKey][]portEntry{}, set: s,
+		contribs: map[entryKey][]contribCount{}, groups: map[groupKey][]portKey{}, dirtyGroups: map[groupKey]struct{}{}}
+	s.ep.id = e.allocateSetID(s.ep)
+	s.name = tables.PolicySetName(s.ep.id)
+	e.sets[key] = s
+	for _, p := range peers {
+		r := &rule{ep: s.ep, policy: s.name, dir: dir, peers: []string{p.peer}, ports: p.ports}
+		s.ep.rules = append(s.ep.rules, r)
+		if e.peerUsers[p.peer] == nil {
+			e.peerUsers[p.peer] = map[*rule]struct{}{}
+		}
+		e.peerUsers[p.peer][r] = struct{}{}
+		for id := range e.selectors[p.peer] {
+			s.ep.addIdentity(r, id, 1, false)
+		}
+	}
+	return s
+}
+
+// releaseSets takes ep out of the users of the sets in old it no longer
+// has; a set without users goes at the next flush.
+func (e *engine) releaseSets(ep *endpoint, old [2]*policySet) {
+	for _, s := range old {
+		if s != nil && s != ep.sets[0] && s != ep.sets[1] {
+			delete(s.users, ep)
+		}
+	}
+}
+
+// allocateSetID returns a free ID for a policy set's pseudo-endpoint.
+func (e *engine) allocateSetID(ep *endpoint) uint32 {
+	for {
+		id := e.nextID
+		e.nextID++
+		if e.nextID == 0 {
+			e.nextID = 1
+		}
+		if id == 0 || e.usedIDs[id] != nil || slices.Contains(slices.Collect(maps.Values(e.restored)), id) {
+			continue
+		}
+		e.usedIDs[id] = ep
+		return id
+	}
 }
 
 // withEndpointFQDN returns peers with, for every FQDN selector
@@ -954,54 +1131,49 @@ func (e *engine) flush(out output) {
 		}
 		return l
 	}
+	// Sets no endpoint uses any more go, their rows and entries with
+	// them; an endpoint's row names its set before the set's row goes.
+	for key, set := range e.sets {
+		if len(set.users) > 0 {
+			continue
+		}
+		delete(e.sets, key)
+		e.unindex(set.ep)
+		delete(e.usedIDs, set.ep.id)
+		for gk, entries := range set.ep.emitted {
+			for _, pe := range entries {
+				out.deleteEntry(set.ep.entry(set.name, gk, pe.port, entryValue{}))
+			}
+		}
+		out.deleteEndpoint(set.name)
+	}
+	setNames := make([]string, 0, len(e.sets))
+	byName := make(map[string]*policySet, len(e.sets))
+	for _, set := range e.sets {
+		setNames = append(setNames, set.name)
+		byName[set.name] = set
+	}
+	slices.Sort(setNames)
+	for _, name := range setNames {
+		set := byName[name]
+		e.emitGroups(out, name, set.ep, audited, single)
+		row := &tables.EndpointPolicy{Name: name, ID: set.ep.id, Set: true,
+			Ingress: tables.EnforceOff, Egress: tables.EnforceOff, Entries: set.ep.emittedCount, Policies: []string{}}
+		if set.ep.lastRow == nil || !sameEndpointRow(set.ep.lastRow, row) {
+			set.ep.lastRow = row
+			out.upsertEndpoint(row)
+		}
+	}
 	for _, name := range names {
 		ep := e.endpoints[name]
-		if len(ep.dirtyGroups) > 0 {
-			for gk := range ep.dirtyGroups {
-				next := ep.recomputeGroup(gk, audited, single)
-				old := ep.emitted[gk]
-				// Both sorted by port: one pass finds what changed.
-				i, j := 0, 0
-				for i < len(next) || j < len(old) {
-					c := 0
-					switch {
-					case i == len(next):
-						c = 1
-					case j == len(old):
-						c = -1
-					default:
-						c = comparePorts(next[i].port, old[j].port)
-					}
-					switch {
-					case c < 0:
-						out.upsertEntry(ep.entry(name, gk, next[i].port, next[i].v))
-						i++
-					case c > 0:
-						out.deleteEntry(ep.entry(name, gk, old[j].port, entryValue{}))
-						j++
-					default:
-						if !old[j].v.equal(next[i].v) {
-							out.upsertEntry(ep.entry(name, gk, next[i].port, next[i].v))
-						}
-						i, j = i+1, j+1
-					}
-				}
-				ep.emittedCount += len(next) - len(old)
-				if len(next) == 0 {
-					delete(ep.emitted, gk)
-				} else {
-					ep.emitted[gk] = next
-				}
-			}
-			clear(ep.dirtyGroups)
-		}
+		e.emitGroups(out, name, ep, audited, single)
 		row := &tables.EndpointPolicy{
 			Name: name, ID: ep.id, Cgroup: ep.row.Cgroup, CgroupID: ep.row.CgroupID,
 			Ingress: ep.ingress, Egress: ep.egress, Audit: e.audit && ep.id != 0,
 			AuditDefaultIngress: ep.auditIngress, AuditDefaultEgress: ep.auditEgress,
 			Entries: ep.emittedCount, Policies: ep.policies,
 			FailClosedIngress: ep.failIngress, FailClosedEgress: ep.failEgress,
-			Reason: e.reason(ep), DNS: ep.dns,
+			Reason: e.reason(ep), DNS: ep.dns, SharedRules: ep.sharedRules,
 		}
 		if done := e.ifaceDone[name]; ep.id != 0 && ep.row.CgroupID != 0 && done.cgroupID == ep.row.CgroupID && done.peerIfindex > 0 {
 			row.PodIface, row.PodIfindex = true, done.peerIfindex
@@ -1013,6 +1185,50 @@ func (e *engine) flush(out output) {
 			ep.lastRow = row
 			out.upsertEndpoint(row)
 		}
+	}
+}
+
+// emitGroups hands out the entries of ep's groups that changed since the
+// last flush.
+func (e *engine) emitGroups(out output, name string, ep *endpoint, audited func(string) bool, single func(string) []string) {
+	if len(ep.dirtyGroups) > 0 {
+		for gk := range ep.dirtyGroups {
+			next := ep.recomputeGroup(gk, audited, single)
+			old := ep.emitted[gk]
+			// Both sorted by port: one pass finds what changed.
+			i, j := 0, 0
+			for i < len(next) || j < len(old) {
+				c := 0
+				switch {
+				case i == len(next):
+					c = 1
+				case j == len(old):
+					c = -1
+				default:
+					c = comparePorts(next[i].port, old[j].port)
+				}
+				switch {
+				case c < 0:
+					out.upsertEntry(ep.entry(name, gk, next[i].port, next[i].v))
+					i++
+				case c > 0:
+					out.deleteEntry(ep.entry(name, gk, old[j].port, entryValue{}))
+					j++
+				default:
+					if !old[j].v.equal(next[i].v) {
+						out.upsertEntry(ep.entry(name, gk, next[i].port, next[i].v))
+					}
+					i, j = i+1, j+1
+				}
+			}
+			ep.emittedCount += len(next) - len(old)
+			if len(next) == 0 {
+				delete(ep.emitted, gk)
+			} else {
+				ep.emitted[gk] = next
+			}
+		}
+		clear(ep.dirtyGroups)
 	}
 }
 
@@ -1055,7 +1271,8 @@ func sameEndpointRow(a, b *tables.EndpointPolicy) bool {
 		a.AuditDefaultIngress == b.AuditDefaultIngress && a.AuditDefaultEgress == b.AuditDefaultEgress &&
 		slices.Equal(a.Policies, b.Policies) && a.Reason == b.Reason &&
 		slices.Equal(a.FailClosedIngress, b.FailClosedIngress) && slices.Equal(a.FailClosedEgress, b.FailClosedEgress) &&
-		slices.Equal(a.DNS, b.DNS) && a.PodIface == b.PodIface && a.PodIfindex == b.PodIfindex
+		slices.Equal(a.DNS, b.DNS) && a.Set == b.Set && slices.Equal(a.SharedRules, b.SharedRules) &&
+		a.PodIface == b.PodIface && a.PodIfindex == b.PodIfindex
 }
 
 // Reasons of endpoint rows not enforced as their policies say.
@@ -1072,7 +1289,13 @@ func (ep *endpoint) entry(name string, gk groupKey, pk portKey, v entryValue) *t
 		pol = []string{}
 	}
 	cookie := uint32(0)
-	if len(pol) > 0 {
+	switch {
+	case gk.identity == tables.PolicySetRef && len(pol) > 0:
+		// The set's ID, its name's number.
+		if n, err := strconv.ParseUint(strings.TrimPrefix(pol[0], tables.PolicySetPrefix), 10, 32); err == nil {
+			cookie = uint32(n)
+		}
+	case len(pol) > 0:
 		cookie = policyCookie(pol[0])
 	}
 	return &tables.PolicyEntry{

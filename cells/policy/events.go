@@ -6,22 +6,75 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/cilium/ebpf/ringbuf"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/tables"
 )
 
 // eventsPoll is how often the reader looks for events the programs did
 // not wake it for: the latency of `apiary monitor` on a quiet node.
 const eventsPoll = 250 * time.Millisecond
+
+type eventsParams struct {
+	cell.In
+
+	Log        *slog.Logger
+	Config     Config
+	Jobs       job.Group
+	Registry   prometheus.Registerer
+	DB         *statedb.DB
+	Identities statedb.Table[*tables.Identity]
+	Endpoints  statedb.RWTable[*tables.EndpointPolicy]
+	Policies   statedb.Table[*tables.Policy]
+	Selectors  statedb.Table[*tables.Selector]
+	Monitor    *Monitor
+	Counter    *verdictCounter
+	Attacher   *attacher
+}
+
+// registerEvents starts the reader of policy_events once the programs are
+// attached: verdicts to the monitor, the verdict counters and the
+// policies' counts.
+func registerEvents(p eventsParams) error {
+	verdicts := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: metrics.Namespace, Subsystem: "policy", Name: "verdicts_total",
+		Help: "Connections and flows the policy programs decided, by direction, verdict (audited: would have been denied) and the policy whose entry decided (empty: default deny or no policy); from the verdict events, so events lost are not counted",
+	}, []string{"direction", "verdict", "policy"})
+	if err := p.Registry.Register(verdicts); err != nil {
+		return err
+	}
+	a := p.Attacher
+	r := &eventReader{
+		log: p.Log, db: p.DB, identities: p.Identities, endpoints: p.Endpoints, policies: p.Policies, selectors: p.Selectors,
+		monitor: p.Monitor, counter: p.Counter, verdicts: verdicts, lost: a.lost,
+	}
+	p.Jobs.Add(job.OneShot("events", func(ctx context.Context, _ cell.Health) error {
+		if p.Config.EnablePolicy == ModeNever {
+			return nil
+		}
+		rd, err := a.eventsReader(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		return r.run(ctx, rd)
+	}))
+	return nil
+}
 
 // eventReader turns the datapath's verdict events into Verdicts for the
 // monitor, the per-policy counts of the policies table and the
@@ -32,6 +85,7 @@ type eventReader struct {
 	identities statedb.Table[*tables.Identity]
 	endpoints  statedb.Table[*tables.EndpointPolicy]
 	policies   statedb.Table[*tables.Policy]
+	selectors  statedb.Table[*tables.Selector]
 	monitor    *Monitor
 	counter    *verdictCounter
 	verdicts   *prometheus.CounterVec
@@ -192,6 +246,9 @@ func (r *eventReader) verdict(ev bpf.PolicyEvent) Verdict {
 		v.Reason = ReasonNotRouter
 	default:
 		v.Policy = r.policyName(ev.Cookie)
+		if v.Policy == "" && row != nil && len(row.SharedRules) > 0 {
+			v.Policy = r.sharedPolicy(row, v.Direction, ev)
+		}
 	}
 	if id, _, found := r.identities.Get(r.db.ReadTxn(), tables.IdentityIDIndex.Query(ev.RemoteIdentity)); found {
 		v.RemoteLabels = id.Labels
@@ -259,7 +316,42 @@ func (r *eventReader) policyName(cookie uint32) string {
 			}
 		}
 	}
+	// A cookie of no policy (a policy set's, whose entries every event
+	// of its endpoints may name) is remembered as such until the next
+	// rebuild, so that it does not rebuild the names each time.
+	if _, ok := r.policyNames[cookie]; !ok {
+		r.policyNames[cookie] = ""
+	}
 	return r.policyNames[cookie]
+}
+
+// sharedPolicy names the policy behind an allow of the endpoint's policy
+// set, whose entry carries the set's cookie (shared by every endpoint of
+// the set): the first, by name, of the endpoint's own policies whose
+// shared rule covers the port and whose peer selects the identity, as the
+// entry of an endpoint of its own would have named it.
+func (r *eventReader) sharedPolicy(row *tables.EndpointPolicy, dir string, ev bpf.PolicyEvent) string {
+	port := ev.LocalPort.Uint16()
+	if ev.Direction == bpf.PolicyEgress {
+		port = ev.RemotePort.Uint16()
+	}
+	txn := r.db.ReadTxn()
+	name := ""
+	for _, sr := range row.SharedRules {
+		if sr.Direction != dir || !sr.Covers(ev.Protocol, port) || (name != "" && sr.Policy >= name) {
+			continue
+		}
+		if r.selectors == nil {
+			name = sr.Policy
+			continue
+		}
+		if sel, _, ok := r.selectors.Get(txn, tables.SelectorIndex.Query(sr.Peer)); ok {
+			if _, found := slices.BinarySearch(sel.Identities, ev.RemoteIdentity); found {
+				name = sr.Policy
+			}
+		}
+	}
+	return name
 }
 
 // protoName names the protocols policy knows, and ICMP.

@@ -26,11 +26,29 @@ func TestVerdictReason(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	sels, err := tables.NewSelectorsTable(db)
+	if err != nil {
+		t.Fatal(err)
+	}
 	const bad, good = "cnp/default/bad", "cnp/default/good"
-	wtxn := db.WriteTxn(endpoints, policies)
+	// Endpoint 3 shares two allows of policy set 7: UDP 53 to every pod
+	// (by two policies) and TCP 8000-8255 to the web pods (by a third).
+	const dnsA, dnsB, webAll = "netpol/ns/dns-b", "netpol/ns/dns-a", "netpol/ns/web"
+	shared := []tables.SharedRule{
+		{Policy: dnsA, Direction: tables.DirEgress, Peer: "every-pod", Protocol: 17, Port: 53, PortBits: 16},
+		{Policy: dnsB, Direction: tables.DirEgress, Peer: "every-pod", Protocol: 17, Port: 53, PortBits: 16},
+		{Policy: webAll, Direction: tables.DirEgress, Peer: "web", Protocol: 6, Port: 8000, PortBits: 8},
+	}
+	wtxn := db.WriteTxn(endpoints, policies, sels)
+	for _, sel := range []*tables.Selector{{Selector: "every-pod", Identities: []uint32{1000, 1001}}, {Selector: "web", Identities: []uint32{1001}}} {
+		if _, _, err := sels.Insert(wtxn, sel); err != nil {
+			t.Fatal(err)
+		}
+	}
 	for _, row := range []*tables.EndpointPolicy{
 		{Name: "default/web", ID: 1, FailClosedEgress: []string{bad}},
 		{Name: "default/db", ID: 2},
+		{Name: "ns/client", ID: 3, SharedRules: shared},
 	} {
 		if _, _, err := endpoints.Insert(wtxn, row); err != nil {
 			t.Fatal(err)
@@ -47,7 +65,7 @@ func TestVerdictReason(t *testing.T) {
 	}
 	wtxn.Commit()
 	r := &eventReader{
-		db: db, identities: identities, endpoints: endpoints, policies: policies,
+		db: db, identities: identities, endpoints: endpoints, policies: policies, selectors: sels,
 		endpointRows: map[uint32]*tables.EndpointPolicy{}, policyNames: map[uint32]string{},
 	}
 	for _, tc := range []struct {
@@ -70,6 +88,15 @@ func TestVerdictReason(t *testing.T) {
 			"default/db", ReasonPolicy, pass + passArrow + good},
 		{"a default deny after a Pass", bpf.PolicyEvent{EndpointID: 2, Direction: bpf.PolicyIngress, Verdict: bpf.PolicyVerdictDenied, Cookie: policyCookie(pass), Reason: bpf.PolicyReasonDefaultDeny},
 			"default/db", ReasonDefaultDeny, pass},
+		{"a policy set's allow: the endpoint's first policy of the rule", bpf.PolicyEvent{EndpointID: 3, Direction: bpf.PolicyEgress,
+			Cookie: policyCookie(tables.PolicySetName(7)), Reason: bpf.PolicyReasonEntry, Protocol: 17, RemotePort: bpf.NewBe16(53), RemoteIdentity: 1000},
+			"ns/client", ReasonPolicy, dnsB},
+		{"a policy set's allow of another port and peer", bpf.PolicyEvent{EndpointID: 3, Direction: bpf.PolicyEgress,
+			Cookie: policyCookie(tables.PolicySetName(7)), Reason: bpf.PolicyReasonEntry, Protocol: 6, RemotePort: bpf.NewBe16(8080), RemoteIdentity: 1001},
+			"ns/client", ReasonPolicy, webAll},
+		{"a policy set's allow, a peer the rule does not select", bpf.PolicyEvent{EndpointID: 3, Direction: bpf.PolicyEgress,
+			Cookie: policyCookie(tables.PolicySetName(7)), Reason: bpf.PolicyReasonEntry, Protocol: 6, RemotePort: bpf.NewBe16(8080), RemoteIdentity: 1000},
+			"ns/client", ReasonPolicy, ""},
 		{"an unknown endpoint", bpf.PolicyEvent{EndpointID: 9, Direction: bpf.PolicyEgress, Verdict: bpf.PolicyVerdictDenied, Reason: bpf.PolicyReasonDefaultDeny},
 			"endpoint 9", ReasonDefaultDeny, ""},
 	} {

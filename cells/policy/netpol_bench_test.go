@@ -362,6 +362,7 @@ func BenchmarkAgentNetworkPolicies(b *testing.B) {
 			for _, n := range want {
 				total += n
 			}
+			sets, setEntries := a.policySets()
 			send(netpols, cnps, k8s.Delete)
 			a.waitEndpoints(b, time.Minute, none, true)
 			var toEntries, toMap, cpu, compute, write time.Duration
@@ -388,6 +389,8 @@ func BenchmarkAgentNetworkPolicies(b *testing.B) {
 			b.ReportMetric(ms(compute, b.N), "compute-ms")
 			b.ReportMetric(ms(write, b.N), "table-write-ms")
 			b.ReportMetric(float64(total), "entries")
+			b.ReportMetric(float64(sets), "sets")
+			b.ReportMetric(float64(setEntries), "set-entries")
 		})
 		b.Run(fmt.Sprintf("label-change,kind=%s,udp53=%s,pods=%d,namespaces=%d,policies=%d", kind, bench.dns, len(c.pods), npNamespaces, len(c.netpols)), func(b *testing.B) {
 			bigBurst(b, 4*len(c.pods))

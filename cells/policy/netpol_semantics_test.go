@@ -75,16 +75,24 @@ func runNetpolCases(t *testing.T, cases []semanticsCase) {
 	for _, path := range []string{pathK8s, pathConfigDir} {
 		t.Run(path, func(t *testing.T) {
 			for _, tc := range cases {
-				t.Run(tc.name, func(t *testing.T) {
-					m := newAgentModel(t, tc.cluster.localhost)
-					m.netpolPath = path
-					m.apply(tc.cluster)
-					for _, p := range tc.probes {
-						if got := m.verdictOf(p); got != p.want {
-							t.Errorf("%s: %s, want %s (upstream's)\nentries of %s: %v", p, got, p.want, p.ep, m.out.list(p.ep))
-						}
+				for _, shareMin := range []int{0, 1} {
+					name := tc.name
+					if shareMin > 0 {
+						name += ",shared"
 					}
-				})
+					t.Run(name, func(t *testing.T) {
+						m := newAgentModel(t, tc.cluster.localhost)
+						m.netpolPath = path
+						c := tc.cluster
+						c.shareMin = shareMin
+						m.apply(c)
+						for _, p := range tc.probes {
+							if got := m.verdictOf(p); got != p.want {
+								t.Errorf("%s: %s, want %s (upstream's)\nentries of %s: %v", p, got, p.want, p.ep, m.out.list(p.ep))
+							}
+						}
+					})
+				}
 			}
 		})
 	}

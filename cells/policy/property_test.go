@@ -12,7 +12,9 @@ import (
 	"fmt"
 	"maps"
 	"math/rand/v2"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -536,12 +538,21 @@ func runPolicyProperty(t *testing.T, stream uint64, maxPolicies int, newPolicy f
 	if testing.Short() {
 		seeds = 5
 	}
+	// APIARY_PROPERTY_SEEDS runs more (or fewer) random clusters.
+	if n, err := strconv.Atoi(os.Getenv("APIARY_PROPERTY_SEEDS")); err == nil && n > 0 {
+		seeds = n
+	}
 	// How often each verdict came out where the endpoint was enforced:
 	// a run that never denies (or never allows) proves nothing.
 	verdicts, paths := map[string]int{}, map[string]int{}
+	// How many policy-set references the runs with sets made: a run
+	// that never shares proves nothing of the sets.
+	shared := 0
 	for seed := range seeds {
 		g := generator{rng: rand.New(rand.NewPCG(uint64(seed), stream))}
-		c := cluster{namespaces: map[string]map[string]string{}}
+		// Without policy sets, with every shareable allow in one, and with
+		// a threshold that selectors cross as pods come and go.
+		c := cluster{namespaces: map[string]map[string]string{}, shareMin: []int{0, 1, 3}[seed%3]}
 		for _, ns := range []string{"alpha", "beta", "gamma"} {
 			c.namespaces[ns] = map[string]string{"env": g.pick("dev", "prod")}
 		}
@@ -604,6 +615,11 @@ func runPolicyProperty(t *testing.T, stream uint64, maxPolicies int, newPolicy f
 			c.pods = slices.Clone(c.pods)
 			m.apply(c)
 			m.sameAsFromScratch(c, fmt.Sprintf("seed %d step %d (%s)", seed, step, what))
+			for _, e := range m.out.entries {
+				if e.Identity == tables.PolicySetRef {
+					shared++
+				}
+			}
 			o := newOracle(t, c)
 			var peers []peerRef
 			for _, id := range []uint32{identity.IDHost, identity.IDWorld, 4} {
@@ -648,7 +664,10 @@ func runPolicyProperty(t *testing.T, stream uint64, maxPolicies int, newPolicy f
 			}
 		}
 	}
-	t.Logf("verdicts of enforced directions: %v", verdicts)
+	t.Logf("verdicts of enforced directions: %v; policy-set references: %d", verdicts, shared)
+	if seeds >= 3 && shared == 0 {
+		t.Errorf("no endpoint shared a policy set")
+	}
 	if verdicts["allow"] < 1000 || verdicts["deny"] < 1000 {
 		t.Errorf("verdicts of enforced directions %v: the generator hardly enforces anything", verdicts)
 	}
@@ -664,22 +683,50 @@ func runPolicyProperty(t *testing.T, stream uint64, maxPolicies int, newPolicy f
 func (m *agentModel) sameAsFromScratch(c cluster, when string) {
 	m.t.Helper()
 	fresh := newAgentModel(m.t, c.localhost)
+	fresh.eng.shareMin = c.shareMin
 	fresh.ids, fresh.labels, fresh.next = maps.Clone(m.ids), maps.Clone(m.labels), m.next
 	fresh.cgroups = maps.Clone(m.cgroups)
 	fresh.apply(c)
 	describe := func(o *tableOutput) []string {
 		var out []string
+		// Policy sets are named by their IDs, which differ: each is
+		// named by the endpoints that refer to it instead.
+		sets := map[string][]string{}
+		for _, e := range o.entries {
+			if e.Identity == tables.PolicySetRef {
+				sets[e.Policies[0]] = append(sets[e.Policies[0]], e.Endpoint+" "+e.Direction)
+			}
+		}
+		rename := func(name string) string {
+			if users, ok := sets[name]; ok {
+				slices.Sort(users)
+				return "set of " + strings.Join(users, ",")
+			}
+			return name
+		}
 		// Endpoint IDs are handed out in the order endpoints come, which
 		// differs; the names say which endpoint.
-		for k, e := range o.entries {
+		for _, e := range o.entries {
 			e := *e
 			e.EndpointID = 0
-			out = append(out, fmt.Sprintf("entry %s: %+v", k, e))
+			e.Endpoint = rename(e.Endpoint)
+			if e.Identity == tables.PolicySetRef {
+				e.Cookie = 0
+			}
+			e.Policies = slices.Clone(e.Policies)
+			for i, p := range e.Policies {
+				e.Policies[i] = rename(p)
+			}
+			if strings.HasPrefix(e.Endpoint, "set of") {
+				e.Cookie = 0
+			}
+			out = append(out, fmt.Sprintf("entry %s: %+v", e.Key(), e))
 		}
 		for name, e := range o.endpoints {
 			e := *e
 			e.ID = 0
-			out = append(out, fmt.Sprintf("endpoint %s: %+v", name, e))
+			e.Name = rename(e.Name)
+			out = append(out, fmt.Sprintf("endpoint %s: %+v", rename(name), e))
 		}
 		slices.Sort(out)
 		return out

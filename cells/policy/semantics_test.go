@@ -54,6 +54,8 @@ type cluster struct {
 	// identityLabels is --identity-labels; policyMode --allow-localhost.
 	identityLabels []string
 	localhost      string
+	// shareMin is --policy-share-min-identities (0: no policy sets).
+	shareMin int
 }
 
 // Reserved identities of the test cluster.
@@ -154,6 +156,7 @@ func podObject(p testPod) *corev1.Pod {
 // apply brings the engine to cluster c and flushes it.
 func (m *agentModel) apply(c cluster) {
 	m.t.Helper()
+	m.eng.shareMin = c.shareMin
 	filter, err := endpoints.NewLabelFilter(c.identityLabels)
 	if err != nil {
 		m.t.Fatal(err)
@@ -382,6 +385,20 @@ func (m *agentModel) judge(ep, dir string, peer uint32, proto uint8, port uint16
 	case exact != nil || wild != nil:
 		return "allow", true
 	}
+	// The endpoint's policy set: its reference entry, then the set's
+	// entry of the peer, an allow.
+	if ref := m.lookup(ep, dir, tables.PolicySetRef, proto, port); ref != nil && peer != 0 {
+		set := m.out.endpoints[ref.Policies[0]]
+		if set == nil || !set.Set || set.ID != ref.Cookie {
+			m.t.Fatalf("%s: reference entry %+v names no policy set row (%+v)", ep, ref, set)
+		}
+		if e := m.lookup(set.Name, dir, peer, proto, port); e != nil {
+			if e.Deny || e.EndpointID != set.ID {
+				m.t.Fatalf("policy set %s: entry %+v", set.Name, e)
+			}
+			return "allow", true
+		}
+	}
 	return "deny", false
 }
 
@@ -471,6 +488,24 @@ func indent(s string) string {
 	return strings.Join(lines, "\n") + "\n"
 }
 
+// sharedCases returns the cases with --policy-share-min-identities=1.
+func sharedCases(cases []struct {
+	name    string
+	cluster cluster
+	probes  []probe
+}) []struct {
+	name    string
+	cluster cluster
+	probes  []probe
+} {
+	out := slices.Clone(cases)
+	for i := range out {
+		out[i].name += ",shared"
+		out[i].cluster.shareMin = 1
+	}
+	return out
+}
+
 // runCases checks each case's probes against the verdicts computed.
 func runCases(t *testing.T, cases []struct {
 	name    string
@@ -478,7 +513,9 @@ func runCases(t *testing.T, cases []struct {
 	probes  []probe
 }) {
 	t.Helper()
-	for _, tc := range cases {
+	// Each case without policy sets and with every shareable allow in one:
+	// the verdicts are the same.
+	for _, tc := range slices.Concat(cases, sharedCases(cases)) {
 		t.Run(tc.name, func(t *testing.T) {
 			m := newAgentModel(t, tc.cluster.localhost)
 			m.apply(tc.cluster)

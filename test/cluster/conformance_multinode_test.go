@@ -3,12 +3,19 @@
 package cluster
 
 import (
+	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
+	"sort"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/apiary-net/apiary/internal/testenv"
 )
@@ -51,7 +58,10 @@ func TestNetworkPolicyConformanceMultiNode(t *testing.T) {
 	reportDir := filepath.Join(n.dir, "e2e-report")
 	logPath := filepath.Join(n.dir, "e2e.log")
 	start = time.Now()
+	placed := n.watchPlacement("netpol-")
 	runErr := n.runE2E(bins["e2e.test"], reportDir, logPath, focus, strings.Join(skip, "|"))
+	where := placed.stop()
+	t.Logf("the suite's pods ran on: %s", where)
 	took := time.Since(start)
 	t.Logf("e2e.test ran in %s", took.Round(time.Second))
 	results, err := readJUnit(filepath.Join(reportDir, "junit_01.xml"), netpolSuite, lacking)
@@ -77,9 +87,71 @@ func TestNetworkPolicyConformanceMultiNode(t *testing.T) {
 		t.Fatalf("no test of the suite ran (exit: %v)\n%s", runErr, tail(logPath, 60))
 	}
 	if report := os.Getenv("APIARY_CONFORMANCE_REPORT"); report != "" && which == "all" {
-		if err := os.WriteFile(report, conformanceTable(results, took), 0o644); err != nil {
+		about := fmt.Sprintf("On test/cluster's multi-node cluster of %d nodes; the scheduler spread the suite's pods over them, so its probes cross nodes (pods of the suite per node: %s).", count, where)
+		if err := writeShapeSection(report, fmt.Sprintf("%d nodes", count), about, results, took); err != nil {
 			t.Fatal(err)
 		}
 		t.Logf("wrote %s", report)
 	}
+}
+
+// placement records on which node each pod of some namespaces ran, while
+// a suite runs.
+type placement struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+	mu     sync.Mutex
+	node   map[string]string // "<namespace>/<pod>" -> node
+}
+
+// watchPlacement records the nodes of the pods of the namespaces whose
+// names start with prefix until stop.
+func (n *node) watchPlacement(prefix string) *placement {
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &placement{cancel: cancel, done: make(chan struct{}), node: map[string]string{}}
+	go func() {
+		defer close(p.done)
+		for ctx.Err() == nil {
+			w, err := n.cs.CoreV1().Pods("").Watch(ctx, metav1.ListOptions{})
+			if err != nil {
+				select {
+				case <-ctx.Done():
+				case <-time.After(time.Second):
+				}
+				continue
+			}
+			for ev := range w.ResultChan() {
+				pod, ok := ev.Object.(*corev1.Pod)
+				if !ok || !strings.HasPrefix(pod.Namespace, prefix) || pod.Spec.NodeName == "" {
+					continue
+				}
+				p.mu.Lock()
+				p.node[pod.Namespace+"/"+pod.Name] = pod.Spec.NodeName
+				p.mu.Unlock()
+			}
+		}
+	}()
+	return p
+}
+
+// stop ends the watch and returns the count of pods per node, "node-1: 40,
+// node-2: 38".
+func (p *placement) stop() string {
+	p.cancel()
+	<-p.done
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	count := map[string]int{}
+	for _, node := range p.node {
+		count[node]++
+	}
+	var out []string
+	for node, c := range count {
+		out = append(out, fmt.Sprintf("%s: %d", node, c))
+	}
+	sort.Strings(out)
+	if len(out) == 0 {
+		return "none seen"
+	}
+	return strings.Join(out, ", ")
 }

@@ -149,6 +149,11 @@ func (n *node) install(dirs agentDirs) {
 			if err := unstructured.SetNestedField(o.Object, n.server, "data", "k8s-api-server"); err != nil {
 				n.t.Fatal(err)
 			}
+			for k, v := range n.agentConfig {
+				if err := unstructured.SetNestedField(o.Object, v, "data", k); err != nil {
+					n.t.Fatal(err)
+				}
+			}
 		case "DaemonSet":
 			var ds appsv1.DaemonSet
 			n.convert(o, &ds)

@@ -262,3 +262,46 @@ spec:
 	})
 	p.wantConnect(t, client, "192.0.2.20:8080", "EPERM")
 }
+
+// testNodePortFromOtherNodes: a NodePort Service with a backend per node
+// is reached at every node's address from every other node's host and
+// client pod (traffic from off the node: the north-south programs on the
+// receiving node's eth0, enable-nodeport in the config map), and every
+// backend answers, the receiving node's own (client address kept) and
+// the others' (SNAT to the receiving node's address).
+func testNodePortFromOtherNodes(t *testing.T, n *node, p *mnPods) {
+	ctx := context.Background()
+	svc, err := n.cs.CoreV1().Services(ns).Create(ctx, &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "server-nodeport", Namespace: ns},
+		Spec: corev1.ServiceSpec{
+			Type:     corev1.ServiceTypeNodePort,
+			Selector: map[string]string{"app": "server"},
+			Ports:    []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080), Protocol: corev1.ProtocolTCP}},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.cs.CoreV1().Services(ns).Delete(context.Background(), svc.Name, metav1.DeleteOptions{}) })
+	port := strconv.Itoa(int(svc.Spec.Ports[0].NodePort))
+	across(len(p.workers), func(i, j int) {
+		from, to := p.workers[i], p.workers[j]
+		addr := to.ip + ":" + port
+		for _, c := range []struct {
+			name string
+			ask  func() string
+		}{
+			{"the host of " + from.name, func() string { return from.hostCurl("http://"+addr+"/", 5) }},
+			{p.client[i].Name + " on " + from.name, func() string { return p.connect(t, p.client[i], addr) }},
+		} {
+			seen := map[string]bool{}
+			testenv.Eventually(t, waitTimeout, c.name+" to every server through "+to.name+"'s node port "+addr, func() (bool, string) {
+				got := c.ask()
+				if name, ok := strings.CutPrefix(got, "ok: hello from "); ok && name != "" {
+					seen[strings.Fields(name)[0]] = true
+				}
+				return len(seen) == len(p.server), fmt.Sprintf("last %q, seen %v", got, seen)
+			})
+		}
+	})
+}

@@ -87,6 +87,11 @@ func startMultiNode(t *testing.T, count int) (*node, []*workerNode) {
 		testenv.RequireProgram(t, p, "/usr/bin", "/bin")
 	}
 	n := &node{t: t, dir: t.TempDir(), apiaryBin: bins["bin/image/apiary"]}
+	// deploy/'s enable-nodeport ("true"): apiary serves NodePorts to
+	// clients off the node too (another node's host and pods), as no
+	// kube-proxy runs here. Each node's device is its own eth0 on the
+	// node network, so the north-south programs touch nothing of this
+	// machine's (the single node, startNode, turns them off).
 	n.podLogs = filepath.Join(n.dir, "pod-logs")
 	lock, err := os.OpenFile("/run/apiary-test-cluster.lock", os.O_CREATE|os.O_RDWR, 0o600)
 	if err != nil {

@@ -81,6 +81,7 @@ func TestMultiNode(t *testing.T) {
 		{"PodToPodAcrossNodes", testAcrossNodes},
 		{"ServiceWithABackendPerNode", testServiceAcrossNodes},
 		{"ServiceFromEachNodesHost", testServiceFromHosts},
+		{"NodePortFromOtherNodes", testNodePortFromOtherNodes},
 		{"IngressCNPByRemoteIdentity", testIngressAcrossNodes},
 		{"EgressNetworkPolicyAcrossNodes", testEgressNetpolAcrossNodes},
 		{"HubbleNamesPodsOfOtherNodes", testHubbleAcrossNodes},

@@ -111,6 +111,9 @@ type node struct {
 	// agentEnv is set on the agent's container by install, replacing a
 	// variable of the same name (see withAgentEnv).
 	agentEnv []corev1.EnvVar
+	// agentConfig are keys of deploy/'s apiary-config ConfigMap that
+	// install sets, as a user of this cluster sets them.
+	agentConfig map[string]string
 }
 
 // nodeOption changes how startNode brings the node up.
@@ -167,6 +170,12 @@ func requirements(t *testing.T) map[string]string {
 func startNode(t *testing.T, opts ...nodeOption) *node {
 	bins := requirements(t)
 	n := &node{t: t, dir: t.TempDir(), apiaryBin: bins["bin/image/apiary"], serviceRange: serviceCIDR}
+	// This node is the machine itself: the devices of its default routes
+	// are the machine's own uplink, which the north-south programs must
+	// not touch (other work shares the machine). The multi-node cluster's
+	// nodes, whose eth0 is their own, keep deploy/'s "true"; the
+	// kube-proxy comparison sets --devices to a device of its own.
+	n.agentConfig = map[string]string{"enable-nodeport": "false"}
 	for _, o := range opts {
 		o(n)
 	}
@@ -794,7 +803,7 @@ podLogsDir: %q
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%%", imagefs.available: "1%%"}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
-localStorageCapacityIsolation: false
+localStorageCapacityIsolation: true
 serializeImagePulls: false
 maxPods: 60
 `, n.ctrSock, nodeIP, freePort(t), n.podLogs)+dnsConfig)
