@@ -44,6 +44,14 @@ var cnpCISubset = map[string][]string{
 	"CNPAdminTierIngressUDP": {
 		"Should support an 'deny-ingress' policy for UDP protocol; ensure rule ordering is respected",
 	},
+	// An egress Deny is a drop (a timeout to the client), not EPERM, and
+	// a networks peer holds pod addresses.
+	"CNPAdminTierEgressTCP": {
+		"Should support a 'deny-egress' policy for TCP protocol at the specified port",
+	},
+	"CNPAdminTierEgressInlineCIDRPeers": {
+		"Should support a 'deny-egress' rule policy for egress-cidr-peer",
+	},
 	"CNPAdminTierIntegration": {
 		"Should Deny traffic from slytherin to gryffindor respecting admin CNP",
 	},
