@@ -34,6 +34,8 @@
 #ifndef DNS_REDIRECT_H
 #define DNS_REDIRECT_H
 
+#include "addr.h"
+
 /* dns_sk: where a socket's DNS was sent (socket storage). Addresses are
  * IPv6 or IPv4-mapped, ports in network order. */
 struct dns_sock {
@@ -56,11 +58,6 @@ static __always_inline int dns_same(const __be32 *a, const __be32 *b)
 	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
 }
 
-static __always_inline int dns_v4mapped(const __be32 *a)
-{
-	return a[0] == 0 && a[1] == 0 && a[2] == bpf_htonl(0xffff);
-}
-
 /* dns_restore4 gives an AF_INET socket's recvmsg()/getpeername() its
  * resolver back where the proxy answered. */
 static __always_inline void dns_restore4(struct bpf_sock_addr *ctx)
@@ -71,7 +68,7 @@ static __always_inline void dns_restore4(struct bpf_sock_addr *ctx)
 	if (!sk)
 		return;
 	st = bpf_sk_storage_get(&dns_sk, sk, 0, 0);
-	if (!st || !dns_v4mapped(st->proxy) || !dns_v4mapped(st->resolver))
+	if (!st || !v4mapped_words(st->proxy) || !v4mapped_words(st->resolver))
 		return;
 	if (ctx->user_ip4 != st->proxy[3] || (__be16)ctx->user_port != st->proxy_port)
 		return;
@@ -186,14 +183,6 @@ struct dns_target {
 	__be16 port;
 };
 
-static __always_inline void dns_set_v4(__be32 *a, __be32 v4)
-{
-	a[0] = 0;
-	a[1] = 0;
-	a[2] = bpf_htonl(0xffff);
-	a[3] = v4;
-}
-
 /*
  * dns_plan_for decides for a destination (addr, IPv6 or mapped; port in
  * network order) of protocol, seen by a connect or sendmsg hook of family
@@ -218,7 +207,7 @@ static __always_inline enum dns_plan dns_plan_for(int v6ctx, __u8 protocol, cons
 	/* Asking the proxy directly, on any port: it goes there as it is,
 	 * but as intercepted, so that the endpoint's DNS rules apply (the
 	 * proxy then forwards to its upstream). */
-	if ((dns_v4mapped(addr) && has4 && addr[3] == cfg->proxy4 && port == cfg->port4) ||
+	if ((v4mapped_words(addr) && has4 && addr[3] == cfg->proxy4 && port == cfg->port4) ||
 	    (has6 && dns_same(addr, cfg->proxy6) && port == cfg->port6)) {
 		__builtin_memcpy(out->addr, addr, sizeof(out->addr));
 		out->port = port;
@@ -229,8 +218,8 @@ static __always_inline enum dns_plan dns_plan_for(int v6ctx, __u8 protocol, cons
 	if (!(cfg->flags & DNS_CONFIG_INTERCEPT))
 		return DNS_DENY;
 	/* Of the two families, the destination's first. */
-	if (has4 && (!v6ctx || dns_v4mapped(addr) || !has6)) {
-		dns_set_v4(out->addr, cfg->proxy4);
+	if (has4 && (!v6ctx || v4mapped_words(addr) || !has6)) {
+		set_v4mapped_words(out->addr, cfg->proxy4);
 		out->port = cfg->port4;
 		return DNS_REDIRECT;
 	}

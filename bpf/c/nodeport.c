@@ -56,6 +56,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
+#include "addr.h"
 #include "lb_select.h"
 
 /* The load balancer's maps: see socklb.c and bpf/lb.go. */
@@ -102,11 +103,6 @@ struct {
 	__uint(max_entries, 65536);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } lb4_backends SEC(".maps");
-
-union v6addr {
-	__u8 addr[16];
-	__be32 p[4];
-};
 
 struct lb6_key {
 	union v6addr address;

@@ -43,6 +43,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
+#include "addr.h"
 #include "dns_redirect.h"
 
 /*
@@ -72,15 +73,9 @@ struct policy_endpoint {
 	__u32 flags; /* EP_ENFORCE_*, EP_AUDIT, EP_AUDIT_DEFAULT_*, EP_POD_TREE, EP_DNS, EP_IFACE */
 };
 
-/* An address: IPv6, or IPv4 as ::ffff:a.b.c.d (network order). */
-union addr {
-	__u8 b[16];
-	__be32 p[4];
-};
-
 /* policy_sk: a flow the socket may carry, seen from the endpoint. */
 struct flow_slot {
-	union addr peer;
+	union v6addr peer;
 	__be16 peer_port;
 	__u8 protocol;
 	__u8 used;
@@ -106,8 +101,8 @@ struct policy_event {
 	__u32 endpoint_id;
 	__u32 remote_identity;
 	__u32 cookie; /* of the entry that decided, 0 when none did */
-	union addr local_addr;
-	union addr remote_addr;
+	union v6addr local_addr;
+	union v6addr remote_addr;
 	__be16 local_port;
 	__be16 remote_port;
 	__u8 protocol;
@@ -264,7 +259,7 @@ struct policy_iface {
 	__u32 flags;     /* IFACE_* */
 	__u8 naddrs;     /* how many of addrs are the pod's */
 	__u8 pad[3];
-	union addr addrs[IFACE_ADDRS]; /* the only sources the pod may use */
+	union v6addr addrs[IFACE_ADDRS]; /* the only sources the pod may use */
 	/* The pod's network namespace, by its id in the host's (the host
 	 * side's IFLA_LINK_NETNSID), when flags has IFACE_NETNS: where the
 	 * kernel is asked for the pod's TCP connections (pod_connection). */
@@ -281,7 +276,7 @@ struct policy_iface {
 /* policy_iface_flows (one map per interface): a flow of the pod that was
  * allowed one way, so that its packets the other way pass. */
 struct iface_flow {
-	union addr peer;
+	union v6addr peer;
 	__be16 peer_port;
 	__be16 local_port;
 	__u8 protocol;
@@ -293,8 +288,8 @@ struct iface_flow {
  * interface, so that no pod's fragments can push out another pod's. */
 struct iface_frag {
 	__u32 id; /* the IPv4 identification or the IPv6 fragment id */
-	union addr saddr;
-	union addr daddr;
+	union v6addr saddr;
+	union v6addr daddr;
 	__u8 protocol;
 	__u8 pad[3];
 };
@@ -623,24 +618,11 @@ static __always_inline int endpoint_of_skb(struct __sk_buff *skb, struct ep_ref 
 	return cache_endpoint(cg, gen, walk_skb(skb, out), out);
 }
 
-static __always_inline int is_v4mapped(const union addr *a)
-{
-	return a->p[0] == 0 && a->p[1] == 0 && a->p[2] == bpf_htonl(0xffff);
-}
-
-static __always_inline void set_v4(union addr *a, __be32 v4)
-{
-	a->p[0] = 0;
-	a->p[1] = 0;
-	a->p[2] = bpf_htonl(0xffff);
-	a->p[3] = v4;
-}
-
 /* prefix_identity returns the identity an LPM map keyed like the ipcache
  * (ipcache, policy_prefixes) gives an address, or none when it has no
  * prefix holding it: IPv4 (mapped) is looked up in the IPv4 family,
  * anything else in the IPv6 family. */
-static __always_inline __u32 prefix_identity(void *map, const union addr *a, __u32 none)
+static __always_inline __u32 prefix_identity(void *map, const union v6addr *a, __u32 none)
 {
 	struct ipcache_key key = {};
 	struct remote_endpoint_info *info;
@@ -652,14 +634,14 @@ static __always_inline __u32 prefix_identity(void *map, const union addr *a, __u
 	} else {
 		key.prefixlen = IPCACHE_STATIC_BITS + 128;
 		key.family = IPCACHE_FAMILY_IPV6;
-		__builtin_memcpy(key.addr, a->b, 16);
+		__builtin_memcpy(key.addr, a->addr, 16);
 	}
 	info = bpf_map_lookup_elem(map, &key);
 	return info ? info->sec_identity : none;
 }
 
 /* identity_of returns the identity of a peer's address. */
-static __always_inline __u32 identity_of(const union addr *a)
+static __always_inline __u32 identity_of(const union v6addr *a)
 {
 	return prefix_identity(&ipcache, a, IDENTITY_WORLD);
 }
@@ -809,7 +791,7 @@ static __always_inline void count(enum direction dir, enum verdict v)
  * other nodes) keep the reference's semantics, and an address outside
  * the cluster had its prefix's identity already.
  */
-static __always_inline void by_address(struct decision *d, __u32 endpoint_id, const union addr *a,
+static __always_inline void by_address(struct decision *d, __u32 endpoint_id, const union v6addr *a,
 				       enum direction dir, __u8 protocol, __be16 dport)
 {
 	struct policy_key key = {
@@ -835,8 +817,8 @@ static __always_inline void by_address(struct decision *d, __u32 endpoint_id, co
 
 /* A connection or packet, seen from the endpoint. */
 struct conn {
-	union addr local_addr;
-	union addr remote_addr;
+	union v6addr local_addr;
+	union v6addr remote_addr;
 	__be16 local_port;
 	__be16 remote_port;
 	__u8 protocol;
@@ -993,7 +975,7 @@ static __always_inline void report(const struct ep_ref *ep, const struct decisio
 	emit(&ev);
 }
 
-static __always_inline int slot_matches(const struct flow_slot *s, const union addr *peer,
+static __always_inline int slot_matches(const struct flow_slot *s, const union v6addr *peer,
 					__be16 port, __u8 protocol)
 {
 	return s->used && s->peer_port == port && s->protocol == protocol && s->peer.p[0] == peer->p[0] &&
@@ -1002,7 +984,7 @@ static __always_inline int slot_matches(const struct flow_slot *s, const union a
 
 /* flow_known tells whether the socket sk (a full socket, or NULL) carries
  * an allowed flow with the peer. */
-static __always_inline int flow_known(struct bpf_sock *sk, const union addr *peer, __be16 port,
+static __always_inline int flow_known(struct bpf_sock *sk, const union v6addr *peer, __be16 port,
 				      __u8 protocol)
 {
 	struct policy_sk *st;
@@ -1031,7 +1013,7 @@ static __always_inline int flow_known(struct bpf_sock *sk, const union addr *pee
  * same policy. Without memory for the storage, the flow is not
  * remembered, with the same effect.
  */
-static __always_inline void remember_flow(struct bpf_sock *sk, const union addr *peer, __be16 port,
+static __always_inline void remember_flow(struct bpf_sock *sk, const union v6addr *peer, __be16 port,
 					  __u8 protocol)
 {
 	struct policy_sk *st;
@@ -1094,7 +1076,7 @@ static __always_inline int sock_egress(struct bpf_sock_addr *ctx, struct conn *c
 		if (!dns_apply(ctx, is_v6_hook(hook), ep.id, c->remote_addr.p, c->remote_port, &proxy))
 			return 0;
 		/* Again: the socket may have forgotten it meanwhile. */
-		remember_flow(sk, (const union addr *)proxy.addr, proxy.port, c->protocol);
+		remember_flow(sk, (const union v6addr *)proxy.addr, proxy.port, c->protocol);
 		return 1;
 	}
 	c->local_port = bpf_htons((__u16)sk->src_port);
@@ -1147,8 +1129,8 @@ static __always_inline int sock4_egress(struct bpf_sock_addr *ctx, enum hook hoo
 		.protocol = (__u8)ctx->protocol,
 	};
 
-	set_v4(&c.remote_addr, ctx->user_ip4);
-	set_v4(&c.local_addr, src ? src : ctx->sk->src_ip4);
+	set_v4mapped(&c.remote_addr, ctx->user_ip4);
+	set_v4mapped(&c.local_addr, src ? src : ctx->sk->src_ip4);
 	return sock_egress(ctx, &c, hook);
 }
 
@@ -1238,8 +1220,8 @@ int policy_getpeername6(struct bpf_sock_addr *ctx)
 
 /* What the skb programs need of a packet. */
 struct pkt {
-	union addr saddr;
-	union addr daddr;
+	union v6addr saddr;
+	union v6addr daddr;
 	__be16 sport;
 	__be16 dport;
 	__u8 protocol;
@@ -1297,8 +1279,8 @@ static __always_inline int parse4(struct __sk_buff *skb, __u32 nh, struct pkt *p
 
 	if (bpf_skb_load_bytes(skb, nh, &iph, sizeof(iph)) < 0 || iph.ihl < 5)
 		return PARSE_BAD;
-	set_v4(&p->saddr, iph.saddr);
-	set_v4(&p->daddr, iph.daddr);
+	set_v4mapped(&p->saddr, iph.saddr);
+	set_v4mapped(&p->daddr, iph.daddr);
 	p->protocol = iph.protocol;
 	p->l4_off = (__u16)(nh + iph.ihl * 4);
 	p->frag_id = iph.id;
@@ -1342,8 +1324,8 @@ static __always_inline int parse6(struct __sk_buff *skb, __u32 nh, struct pkt *p
 
 	if (bpf_skb_load_bytes(skb, nh, &ip6, sizeof(ip6)) < 0)
 		return PARSE_BAD;
-	__builtin_memcpy(p->saddr.b, &ip6.saddr, 16);
-	__builtin_memcpy(p->daddr.b, &ip6.daddr, 16);
+	__builtin_memcpy(p->saddr.addr, &ip6.saddr, 16);
+	__builtin_memcpy(p->daddr.addr, &ip6.daddr, 16);
 	p->hop_limit = ip6.hop_limit;
 	nexthdr = ip6.nexthdr;
 	for (int i = 0; i < IPV6_MAX_EXT; i++) {
@@ -1443,24 +1425,24 @@ enum link_verdict {
 /* reserved:host, the node's own addresses. */
 #define IDENTITY_HOST 1
 
-static __always_inline int addr_unspecified(const union addr *a)
+static __always_inline int addr_unspecified(const union v6addr *a)
 {
 	return !(a->p[0] | a->p[1] | a->p[2] | a->p[3]);
 }
 
 /* fe80::/10 */
-static __always_inline int addr_link_local(const union addr *a)
+static __always_inline int addr_link_local(const union v6addr *a)
 {
-	return a->b[0] == 0xfe && (a->b[1] & 0xc0) == 0x80;
+	return a->addr[0] == 0xfe && (a->addr[1] & 0xc0) == 0x80;
 }
 
 /* Multicast of link scope (ff02::/16, and its transient variants). */
-static __always_inline int addr_link_multicast(const union addr *a)
+static __always_inline int addr_link_multicast(const union v6addr *a)
 {
-	return a->b[0] == 0xff && (a->b[1] & 0x0f) == 0x02;
+	return a->addr[0] == 0xff && (a->addr[1] & 0x0f) == 0x02;
 }
 
-static __always_inline int own_addr(const struct policy_iface *ifc, const union addr *a);
+static __always_inline int own_addr(const struct policy_iface *ifc, const union v6addr *a);
 
 /*
  * link_dest tells whether a pod's neighbour discovery to a stays on the
@@ -1468,7 +1450,7 @@ static __always_inline int own_addr(const struct policy_iface *ifc, const union 
  * host side of the pod's interface is its only neighbour; the node
  * delivers what goes there, it routes nothing of it on).
  */
-static __always_inline int link_dest(const union addr *a)
+static __always_inline int link_dest(const union v6addr *a)
 {
 	return addr_link_local(a) || addr_link_multicast(a) || identity_of(a) == IDENTITY_HOST;
 }
@@ -1480,7 +1462,7 @@ static __always_inline int link_dest(const union addr *a)
 static __always_inline int nd_target_ok(struct __sk_buff *skb, const struct pkt *p,
 					const struct policy_iface *ifc)
 {
-	union addr target;
+	union v6addr target;
 
 	if (bpf_skb_load_bytes(skb, p->l4_off + ND_TARGET_OFF, &target, sizeof(target)) < 0)
 		return 0;
@@ -1791,13 +1773,13 @@ int policy_egress(struct __sk_buff *skb)
 /* Where an ARP packet for IPv4 over Ethernet keeps its sender's address. */
 #define ARP_SPA_OFF (ETH_HLEN_ + 14)
 
-static __always_inline int addr_eq(const union addr *a, const union addr *b)
+static __always_inline int addr_eq(const union v6addr *a, const union v6addr *b)
 {
 	return a->p[0] == b->p[0] && a->p[1] == b->p[1] && a->p[2] == b->p[2] && a->p[3] == b->p[3];
 }
 
 /* own_addr tells whether a is one of the pod's addresses. */
-static __always_inline int own_addr(const struct policy_iface *ifc, const union addr *a)
+static __always_inline int own_addr(const struct policy_iface *ifc, const union v6addr *a)
 {
 	for (int i = 0; i < IFACE_ADDRS; i++) {
 		if (i >= ifc->naddrs)
@@ -2042,14 +2024,14 @@ static __always_inline int iface_unjudged(const struct policy_iface *ifc, const 
  * own IPv4 address (or none: a probe has sender 0.0.0.0). */
 static __always_inline int arp_ok(struct __sk_buff *skb, const struct policy_iface *ifc)
 {
-	union addr sender;
+	union v6addr sender;
 	__be32 spa;
 
 	if (bpf_skb_load_bytes(skb, ARP_SPA_OFF, &spa, sizeof(spa)) < 0)
 		return 0;
 	if (spa == 0)
 		return 1;
-	set_v4(&sender, spa);
+	set_v4mapped(&sender, spa);
 	return own_addr(ifc, &sender);
 }
 
@@ -2142,7 +2124,7 @@ SEC("sockops")
 int policy_sockops(struct bpf_sock_ops *ctx)
 {
 	struct bpf_sock *sk;
-	union addr peer;
+	union v6addr peer;
 
 	__u32 family, v4;
 
@@ -2159,7 +2141,7 @@ int policy_sockops(struct bpf_sock_ops *ctx)
 	peer.p[3] = READ_CTX(ctx->remote_ip6[3]);
 	switch (family) {
 	case AF_INET:
-		set_v4(&peer, v4);
+		set_v4mapped(&peer, v4);
 		break;
 	case AF_INET6:
 		/* An IPv4 client of a dual-stack listener has a mapped

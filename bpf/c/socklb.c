@@ -32,14 +32,9 @@
 
 /* Only the restore of intercepted DNS: see dns_redirect.h. */
 #define DNS_REDIRECT_RESTORE_ONLY
+#include "addr.h"
 #include "dns_redirect.h"
 #include "lb_select.h"
-
-/* Word access for comparisons and for ctx->user_ip6, bytes for the layout. */
-union v6addr {
-	__u8 addr[16];
-	__be32 p[4];
-};
 
 /* lb4_services: key (frontend, slot), slot 0 the service, 1.. the backends. */
 struct lb4_key {
@@ -353,11 +348,6 @@ static __always_inline int affinity_fresh(__u64 last_used, __u32 backend_id,
 	if ((__s64)(now - last_used) > (__s64)((__u64)timeout * NSEC_PER_SEC))
 		return 0;
 	return bpf_map_lookup_elem(&lb_affinity_match, &match) != NULL;
-}
-
-static __always_inline int is_v4mapped(const union v6addr *a)
-{
-	return a->p[0] == 0 && a->p[1] == 0 && a->p[2] == bpf_htonl(0xffff);
 }
 
 /*
@@ -706,14 +696,6 @@ static __always_inline void set_user_ip6(struct bpf_sock_addr *ctx, const union 
 	ctx->user_ip6[3] = a->p[3];
 }
 
-static __always_inline void v4mapped(union v6addr *a, __be32 v4)
-{
-	a->p[0] = 0;
-	a->p[1] = 0;
-	a->p[2] = bpf_htonl(0xffff);
-	a->p[3] = v4;
-}
-
 /* Out of line, so that struct xlate_event is in the object's BTF, where a
  * test compares it with the agent's Go type. */
 static __noinline void trace(struct bpf_sock_addr *ctx, struct xlate_event *ev)
@@ -752,8 +734,8 @@ static __always_inline int sock4_xlate(struct bpf_sock_addr *ctx)
 				.frontend_port = (__be16)ctx->user_port,
 				.backend_port = be->port,
 			};
-			v4mapped(&ev.frontend, ctx->user_ip4);
-			v4mapped(&ev.backend, be->address);
+			set_v4mapped(&ev.frontend, ctx->user_ip4);
+			set_v4mapped(&ev.backend, be->address);
 			trace(ctx, &ev);
 		}
 		ctx->user_ip4 = be->address;
@@ -793,7 +775,7 @@ static __always_inline int sock6_xlate(struct bpf_sock_addr *ctx)
 					.frontend_port = port,
 					.backend_port = be4->port,
 				};
-				v4mapped(&ev.backend, be4->address);
+				set_v4mapped(&ev.backend, be4->address);
 				trace(ctx, &ev);
 			}
 			ctx->user_ip6[3] = be4->address;
