@@ -77,6 +77,10 @@ type controllerParams struct {
 	NetPols    k8s.Resource[*networkingv1.NetworkPolicy]
 	// ClusterNetpols are policy.networking.k8s.io ClusterNetworkPolicies.
 	ClusterNetpols k8s.Resource[*ClusterNetworkPolicy]
+	// NodesTable are the cluster's nodes with their labels
+	// (cells/clusternodes), which ClusterNetworkPolicy nodes peers
+	// select; absent, nodes peers select nothing.
+	NodesTable statedb.Table[*tables.Node] `optional:"true"`
 }
 
 type controller struct {
@@ -86,6 +90,9 @@ type controller struct {
 	markPolicies, markSelectors func(statedb.WriteTxn)
 
 	cache *selectorCache
+	// nodePeers are the ClusterNetworkPolicy nodes peers and what they
+	// labelled.
+	nodePeers *nodePeers
 	// endpointFQDN keeps the selectors of one endpoint's FQDN labels.
 	endpointFQDN *endpointFQDN
 	policies     map[string]*parsedPolicy
@@ -94,6 +101,8 @@ type controller struct {
 	invalid map[string]struct{}
 	// cidrRefs counts the policies naming each prefix.
 	cidrRefs map[netip.Prefix]int
+	// nodesRev is the nodes table's revision nodePeers last saw.
+	nodesRev uint64
 	// dirtyPolicies and dirtyCIDRs changed since the last flush.
 	dirtyPolicies map[string]struct{}
 	dirtyCIDRs    map[netip.Prefix]struct{}
@@ -106,6 +115,7 @@ func registerController(p controllerParams) error {
 	c := &controller{
 		controllerParams: p,
 		cache:            newSelectorCache(),
+		nodePeers:        newNodePeers(),
 		endpointFQDN:     newEndpointFQDN(),
 		policies:         map[string]*parsedPolicy{},
 		invalid:          map[string]struct{}{},
@@ -191,12 +201,34 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		seq, idWatch := idChanges.Next(rtxn)
 		for change := range seq {
 			if change.Deleted {
+				if change.Object.ID == hostIdentity {
+					c.nodePeers.hostBase = nil
+				}
 				c.cache.deleteIdentity(change.Object.ID)
 				c.endpointFQDN.update(c.cache, change.Object.ID, nil)
 			} else {
-				c.cache.upsertIdentity(change.Object.ID, change.Object.Labels)
+				labels := change.Object.Labels
+				if change.Object.ID == hostIdentity {
+					// The host carries the nodes: labels of the nodes
+					// peers selecting this node (see flushNodes).
+					c.nodePeers.hostBase = labels
+					labels = c.nodePeers.hostIdentityLabels()
+				}
+				c.cache.upsertIdentity(change.Object.ID, labels)
 				c.endpointFQDN.update(c.cache, change.Object.ID, change.Object.Labels)
 			}
+		}
+		var nodesWatch <-chan struct{}
+		if c.NodesTable != nil {
+			var nodesRev uint64
+			nodesRev = c.NodesTable.Revision(rtxn)
+			if nodesRev != c.nodesRev || c.nodePeers.dirty {
+				c.nodesRev = nodesRev
+				if err := c.flushNodes(rtxn); err != nil {
+					return err
+				}
+			}
+			_, nodesWatch = c.NodesTable.AllWatch(rtxn)
 		}
 		if err := c.flush(); err != nil {
 			return err
@@ -222,9 +254,12 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			}
 		}
 
-		// Apply a batch of policy events, or wait for identities.
+		// Apply a batch of policy events, or wait for identities or
+		// nodes.
+		idWatch, stopNodes := wake.Either(idWatch, nodesWatch)
 		_, ok := k8s.ReceiveBatch4(ctx, idWatch, maxBatch, cnps, onCNP, ccnps, onCCNP, netpols, onNetpol, clusterNetpols, onClusterNetpol)
 		stopWait()
+		stopNodes()
 		if !ok {
 			return nil // the context ended
 		}
@@ -246,6 +281,9 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 	if old, ok := c.policies[name]; ok {
 		for _, s := range old.selectors() {
 			c.cache.removeUser(s.String(), name)
+		}
+		if old.err == nil {
+			c.nodePeers.release(old)
 		}
 		for _, pfx := range old.cidrs {
 			c.cidrRefs[pfx]--
@@ -276,6 +314,7 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 	for _, s := range p.selectors() {
 		c.cache.addUser(s, name)
 	}
+	c.nodePeers.acquire(p)
 	for _, pfx := range p.cidrs {
 		c.cidrRefs[pfx]++
 		c.dirtyCIDRs[pfx] = struct{}{}

@@ -314,7 +314,17 @@ func (pp *policyParser) clusterNetpolRule(path, dir, field, action string, peers
 		case n != 1:
 			pp.errorf(where, "exactly one of namespaces, pods, nodes, networks and domainNames must be set")
 		case peer.Nodes != nil:
-			pp.errorf(where+".nodes", "not supported")
+			if dir != tables.DirEgress {
+				pp.errorf(where+".nodes", "only egress rules have nodes peers")
+				continue
+			}
+			sel, err := ParseNodePeer(peer.Nodes)
+			if err != nil {
+				pp.fail(where+".nodes", err)
+				continue
+			}
+			pp.peers[sel.String()] = sel
+			set[sel.String()] = struct{}{}
 		case peer.DomainNames != nil:
 			pp.errorf(where+".domainNames", "not supported")
 		case peer.Networks != nil:
