@@ -229,7 +229,10 @@ type PolicyRule struct {
 	// DNS are the names (cells/fqdn/pattern syntax, normalized) the DNS
 	// rules of an egress allow rule's ports let the endpoint look up; "*"
 	// for a DNS rule with an empty list. Empty: the rule has no DNS rule.
-	// An endpoint with one has its DNS intercepted by the DNS proxy.
+	// An endpoint with one has its DNS intercepted by the DNS proxy. A
+	// tiered rule's DNS (a ClusterNetworkPolicy domainNames peer) only
+	// asks for that interception: it allows no name of its own, and
+	// every name where no other rule has DNS rules.
 	DNS []string `json:"dns,omitempty" yaml:"dns,omitempty"`
 	// Tier is "" for NetworkPolicy and CNP rules, TierAdmin or
 	// TierBaseline for a ClusterNetworkPolicy's; a tiered rule's Deny is

@@ -627,6 +627,9 @@ func (e *engine) recompute(ep *endpoint) {
 			ep.add(entryKey{dir: dirEgress, port: anyPort}, contrib{policy: p, tier: layerDefault}, 1)
 		}
 	}
+	// interceptBy is the first policy whose domainNames rule wants the
+	// endpoint's DNS intercepted.
+	interceptBy := ""
 	for _, s := range selected {
 		for i := range s.spec.Rules {
 			pr := &s.spec.Rules[i]
@@ -645,7 +648,14 @@ func (e *engine) recompute(ep *endpoint) {
 				}
 				ep.ambiguous = append(ep.ambiguous, policyWarning{s.policy, where + ": " + a})
 			}
-			if dir == dirEgress && !pr.Deny && !pr.Pass {
+			if dir == dirEgress && !pr.Deny && !pr.Pass && pr.Tier != "" && len(pr.DNS) > 0 {
+				// A ClusterNetworkPolicy domainNames rule needs the
+				// endpoint's DNS seen, not a name allowed: it must not
+				// widen the names other policies' DNS rules allow.
+				if interceptBy == "" {
+					interceptBy = s.policy
+				}
+			} else if dir == dirEgress && !pr.Deny && !pr.Pass {
 				for _, n := range pr.DNS {
 					if !slices.ContainsFunc(ep.dns, func(r tables.DNSRule) bool { return r.Pattern == n }) {
 						ep.dns = append(ep.dns, tables.DNSRule{Pattern: n, Policy: s.policy})
@@ -677,6 +687,11 @@ func (e *engine) recompute(ep *endpoint) {
 				}
 			}
 		}
+	}
+	if len(ep.dns) == 0 && interceptBy != "" {
+		// Only domainNames rules: intercepted, every name allowed, as
+		// without interception.
+		ep.dns = []tables.DNSRule{{Pattern: "*", Policy: interceptBy}}
 	}
 	slices.SortFunc(ep.dns, func(a, b tables.DNSRule) int { return strings.Compare(a.Pattern, b.Pattern) })
 }

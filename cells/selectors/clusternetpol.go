@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"regexp"
 	"slices"
 	"strings"
 
@@ -199,14 +200,15 @@ const (
 // The policy does not put its subject into default deny
 // (enableDefaultDeny: false).
 //
-// nodes and domainNames peers are not implemented: such a policy is
-// invalid and fails closed, its subjects denied in the directions it has
-// rules in, so that a policy apiary cannot enforce never leaves open what
-// it meant to close.
+// What apiary cannot enforce exactly makes the policy invalid, and it
+// fails closed, its subjects denied in the directions it has rules in,
+// so that a policy apiary cannot enforce never leaves open what it meant
+// to close.
 //
 // Subjects and peers select pods (never host-network ones, which have the
 // host's identity): namespaces by their labels, pods by theirs and their
-// namespace's. A networks peer is a CIDR selector.
+// namespace's. A networks peer is a CIDR selector, a nodes peer a
+// NodePeer, a domainNames entry an FQDN selector (ParseDomainName).
 func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 	p := &parsedPolicy{name: name}
 	pp := &policyParser{
@@ -326,7 +328,28 @@ func (pp *policyParser) clusterNetpolRule(path, dir, field, action string, peers
 			pp.peers[sel.String()] = sel
 			set[sel.String()] = struct{}{}
 		case peer.DomainNames != nil:
-			pp.errorf(where+".domainNames", "not supported")
+			switch {
+			case dir != tables.DirEgress:
+				pp.errorf(where+".domainNames", "only egress rules have domainNames peers")
+				continue
+			case action != clusterNetpolAccept:
+				pp.errorf(where+".domainNames", "only Accept rules may have domainNames peers (the API's rule)")
+				continue
+			case len(peer.DomainNames) == 0:
+				pp.errorf(where+".domainNames", "needs at least one domain name")
+			}
+			for j, name := range peer.DomainNames {
+				sel, err := ParseDomainName(name)
+				if err != nil {
+					pp.fail(fmt.Sprintf("%s.domainNames[%d]", where, j), err)
+					continue
+				}
+				pp.peers[sel.String()] = sel
+				set[sel.String()] = struct{}{}
+			}
+			// The proxy must see the subjects' DNS answers to label the
+			// names' addresses (tables.PolicyRule.DNS).
+			out.DNS = []string{"*"}
 		case peer.Networks != nil:
 			if dir != tables.DirEgress {
 				pp.errorf(where+".networks", "only egress rules have networks peers")
@@ -374,6 +397,25 @@ func (pp *policyParser) clusterNetpolRule(path, dir, field, action string, peers
 	}
 	out.Peers = append(out.Peers, slices.Sorted(maps.Keys(set))...)
 	return out
+}
+
+// domainNameRE is the API's pattern of a DomainName: an exact name of at
+// least two labels, or "*." before one.
+var domainNameRE = regexp.MustCompile(`^(\*\.)?([a-zA-Z0-9]([-a-zA-Z0-9_]*[a-zA-Z0-9])?\.)+[a-zA-Z0-9]([-a-zA-Z0-9_]*[a-zA-Z0-9])?\.?$`)
+
+// ParseDomainName returns the FQDN selector of a domainNames entry. The
+// API's wildcard "*." matches one or more whole labels ("*.example.com"
+// matches www.example.com and a.b.example.com, not example.com), which
+// is apiary's (and the reference's) "**." pattern; a name without it
+// matches only itself.
+func ParseDomainName(name string) (*FQDNPeer, error) {
+	if !domainNameRE.MatchString(name) {
+		return nil, fmt.Errorf("%q is not a domain name (a name of two labels or more, or one after \"*.\")", name)
+	}
+	if rest, ok := strings.CutPrefix(name, "*."); ok {
+		return ParseFQDN(FQDNSelector{MatchPattern: "**." + rest})
+	}
+	return ParseFQDN(FQDNSelector{MatchName: name})
 }
 
 // parseClusterNetpolProtocol returns a protocol of a rule as a port rule.
