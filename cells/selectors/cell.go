@@ -186,13 +186,25 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			c.setPolicy(name, parseNetworkPolicy(name, ev.Object).withAudit(ev.Object.Annotations))
 		}
 	})
+	// clusterNetpolSeen are the inputs of each ClusterNetworkPolicy last
+	// parsed: an update that changes neither (the status conditions
+	// written back, cells/clusternetpolstatus) is no change of the
+	// policy, and must not rewrite its row and wake the policy
+	// computation.
+	clusterNetpolSeen := map[string]clusterNetpolInput{}
 	onClusterNetpol := k8s.TrackSync(&clusterNetpolSynced, func(ev k8s.Event[*ClusterNetworkPolicy]) {
 		name := ClusterNetpolPrefix + ev.Key.String()
 		if ev.Kind == k8s.Delete {
+			delete(clusterNetpolSeen, name)
 			c.setPolicy(name, nil)
-		} else {
-			c.setPolicy(name, parseClusterNetpol(name, ev.Object).withAudit(ev.Object.Annotations))
+			return
 		}
+		in := clusterNetpolInputOf(ev.Object)
+		if old, ok := clusterNetpolSeen[name]; ok && old.equal(in) {
+			return
+		}
+		clusterNetpolSeen[name] = in
+		c.setPolicy(name, parseClusterNetpol(name, ev.Object).withAudit(ev.Object.Annotations))
 	})
 	tablesInit := false
 	for {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"reflect"
 	"regexp"
 	"slices"
 	"strings"
@@ -174,6 +175,22 @@ var ClusterNetpolKind = k8s.Kind[*ClusterNetworkPolicy]{
 	ListWatch: func(c *k8s.Clientset) cache.ListerWatcher {
 		return k8s.CustomResourceListWatch[*ClusterNetworkPolicy, *ClusterNetworkPolicyList](c, ClusterNetpolGroupVersion.WithResource("clusternetworkpolicies"))
 	},
+}
+
+// clusterNetpolInput is what the parse of a ClusterNetworkPolicy depends
+// on: its spec (with what strict decoding found) and its annotations.
+type clusterNetpolInput struct {
+	spec        ClusterNetworkPolicySpec
+	specErr     string
+	annotations map[string]string
+}
+
+func clusterNetpolInputOf(p *ClusterNetworkPolicy) clusterNetpolInput {
+	return clusterNetpolInput{spec: p.Spec, specErr: p.specErr, annotations: p.Annotations}
+}
+
+func (a clusterNetpolInput) equal(b clusterNetpolInput) bool {
+	return a.specErr == b.specErr && maps.Equal(a.annotations, b.annotations) && reflect.DeepEqual(a.spec, b.spec)
 }
 
 // ParseClusterNetworkPolicy parses a ClusterNetworkPolicy as the cell
