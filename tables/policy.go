@@ -41,6 +41,12 @@ type Policy struct {
 	// Audit is set by the annotation apiary.io/audit: "true": what only
 	// this policy denies is let through and reported as audited.
 	Audit bool `json:"audit,omitempty" yaml:"audit,omitempty"`
+	// SelectedLabelKeys are the pod label keys the policy's pod selectors
+	// name where the API promises selection by every label of a pod
+	// (ClusterNetworkPolicy): the pods' identities carry labels of these
+	// keys whatever the identity label filter says (cells/endpoints), so
+	// that a selector on statefulset.kubernetes.io/pod-name selects.
+	SelectedLabelKeys []string `json:"selectedLabelKeys,omitempty" yaml:"selectedLabelKeys,omitempty"`
 	// Status is "OK" or "Error".
 	Status string `json:"status" yaml:"status"`
 	// Error says what is wrong with an invalid policy; the valid rules of

@@ -15,6 +15,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -52,9 +53,27 @@ var Cell = cell.Module(
 		func(p k8s.ResourceParams) k8s.Resource[*ClusterNetworkPolicy] {
 			return k8s.NewResource(p, ClusterNetpolKind)
 		},
+		newPoliciesSynced,
 	),
 	cell.Invoke(registerController),
 )
+
+// PoliciesSynced says when the policies table holds the rows of every
+// policy the sources had at start (before the table is initialized,
+// which waits for the ipcache). The endpoints cell waits for it before
+// labelling pods, so that a pod's first identity already carries the
+// labels policies select by (tables.Policy.SelectedLabelKeys).
+type PoliciesSynced struct {
+	ch   chan struct{}
+	once sync.Once
+}
+
+func newPoliciesSynced() *PoliciesSynced { return &PoliciesSynced{ch: make(chan struct{})} }
+
+// Done is closed once the policies have synced.
+func (s *PoliciesSynced) Done() <-chan struct{} { return s.ch }
+
+func (s *PoliciesSynced) mark() { s.once.Do(func() { close(s.ch) }) }
 
 // OwnerPolicy owns the prefixes named by policies.
 const OwnerPolicy = "policy"
@@ -77,6 +96,8 @@ type controllerParams struct {
 	NetPols    k8s.Resource[*networkingv1.NetworkPolicy]
 	// ClusterNetpols are policy.networking.k8s.io ClusterNetworkPolicies.
 	ClusterNetpols k8s.Resource[*ClusterNetworkPolicy]
+	// Synced is marked once the policies of every source are written.
+	Synced *PoliciesSynced
 	// NodesTable are the cluster's nodes with their labels
 	// (cells/clusternodes), which ClusterNetworkPolicy nodes peers
 	// select; absent, nodes peers select nothing.
@@ -249,6 +270,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		if !initDone && cnpSynced && ccnpSynced && netpolSynced && clusterNetpolSynced {
 			initDone = true
 			synced()
+			c.Synced.mark()
 		}
 		// The selectors are complete once the policies have synced and
 		// every identity the ipcache had when it was initialized (so
@@ -538,7 +560,8 @@ func (c *controller) writeRows(writes []rowWrite) error {
 // policyRow is the policies row of p; failClosed says whether an invalid
 // policy's fail-closed specs are enforced.
 func policyRow(name string, p *parsedPolicy, failClosed bool) *tables.Policy {
-	row := &tables.Policy{Name: name, Status: tables.PolicyOK, Subjects: []string{}, Peers: []string{}, Audit: p.audit}
+	row := &tables.Policy{Name: name, Status: tables.PolicyOK, Subjects: []string{}, Peers: []string{}, Audit: p.audit,
+		SelectedLabelKeys: p.labelKeys}
 	if p.err != nil {
 		row.Status, row.Error = tables.PolicyError, p.errorText()
 		row.Specs, row.FailClosed = p.failClosed, failClosed && len(p.failClosed) > 0

@@ -272,6 +272,7 @@ func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 		path := fmt.Sprintf("spec.egress[%d]", i)
 		ps.Rules = append(ps.Rules, tiered(pp.clusterNetpolRule(path, tables.DirEgress, "to", r.Action, r.To, r.Protocols), i, r.Name, tables.DirEgress))
 	}
+	p.labelKeys = clusterNetpolLabelKeys(spec)
 	p.subjects = sortedSelectors(pp.subjects)
 	if len(pp.errs) > 0 {
 		p.err = errors.Join(pp.errs...)
@@ -286,6 +287,41 @@ func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 		p.cidrs = append(p.cidrs, pfx)
 	}
 	return p
+}
+
+// clusterNetpolLabelKeys returns the pod label keys the policy's pod
+// selectors (subject and peers) name, sorted: the API selects pods by
+// every label they have, so the pods' identities must carry these
+// whatever the identity label filter leaves out (an invalid policy's too,
+// whose subject still selects the pods it fails closed on).
+func clusterNetpolLabelKeys(spec *ClusterNetworkPolicySpec) []string {
+	keys := map[string]struct{}{}
+	add := func(pods *NamespacedPod) {
+		if pods == nil {
+			return
+		}
+		for k := range pods.PodSelector.MatchLabels {
+			keys[k] = struct{}{}
+		}
+		for _, e := range pods.PodSelector.MatchExpressions {
+			keys[e.Key] = struct{}{}
+		}
+	}
+	add(spec.Subject.Pods)
+	for _, r := range spec.Ingress {
+		for _, peer := range r.From {
+			add(peer.Pods)
+		}
+	}
+	for _, r := range spec.Egress {
+		for _, peer := range r.To {
+			add(peer.Pods)
+		}
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	return slices.Sorted(maps.Keys(keys))
 }
 
 // clusterNetpolPods returns the selector of a subject or peer that is
