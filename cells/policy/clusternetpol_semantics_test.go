@@ -181,6 +181,7 @@ egress: [{toEndpoints: [{}], toPorts: [{ports: [{port: "53", protocol: ANY}], ru
 egress: [{action: Accept, to: [{domainNames: ["*.example.com"]}]}]`)
 	c := baseCluster(dnsRule, names)
 	m := newAgentModel(t, c.localhost)
+	m.eng.dnsProxy = true
 	m.apply(c)
 	for _, tc := range []struct {
 		ep   string
@@ -197,5 +198,13 @@ egress: [{action: Accept, to: [{domainNames: ["*.example.com"]}]}]`)
 		if fmt.Sprint(ep.DNS) != fmt.Sprint(tc.want) {
 			t.Errorf("%s: DNS %v, want %v", tc.ep, ep.DNS, tc.want)
 		}
+	}
+	// Without a proxy that intercepts, the rule intercepts nothing (the
+	// subject's DNS would be denied): it matches nothing, as the API's
+	// fail closed of an Accept rule.
+	m = newAgentModel(t, c.localhost)
+	m.apply(c)
+	if ep := m.out.endpoints["beta/server"]; ep == nil || len(ep.DNS) != 0 {
+		t.Errorf("beta/server without a proxy: %+v, want no DNS rules", ep)
 	}
 }

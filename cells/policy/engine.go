@@ -208,6 +208,12 @@ type engine struct {
 	// allowLocalhost: the host may reach every endpoint in ingress
 	// (--allow-localhost=always).
 	allowLocalhost bool
+	// dnsProxy: the DNS proxy intercepts (--dns-proxy-addr set,
+	// --dns-intercept). Without it a ClusterNetworkPolicy domainNames
+	// rule does not intercept its subjects' DNS, which would then be
+	// denied: the rule matches nothing, as the API's fail closed of an
+	// Accept rule says.
+	dnsProxy bool
 
 	specs     map[string][]tables.PolicySpec // by policy
 	audited   map[string]bool                // policies whose denies are audited
@@ -652,7 +658,7 @@ func (e *engine) recompute(ep *endpoint) {
 				// A ClusterNetworkPolicy domainNames rule needs the
 				// endpoint's DNS seen, not a name allowed: it must not
 				// widen the names other policies' DNS rules allow.
-				if interceptBy == "" {
+				if interceptBy == "" && e.dnsProxy {
 					interceptBy = s.policy
 				}
 			} else if dir == dirEgress && !pr.Deny && !pr.Pass {
