@@ -13,6 +13,10 @@
 //	restart              stop the hive and start a new one on the same
 //	                     directories, as a restarted agent would
 //
+// and the condition [kernel], true when the hive's maps are the kernel's
+// (not MemoryMaps), for the lines that need what only the kernel does
+// (programs loaded and attached).
+//
 // A first line `#! --flag=value ...` passes flags to the hive; they win over
 // the harness's defaults.
 package apiarytest
@@ -41,6 +45,7 @@ import (
 	"github.com/apiary-net/apiary/bpf/memmap"
 	"github.com/apiary-net/apiary/cells/api"
 	"github.com/apiary-net/apiary/cells/bpffs"
+	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/infra"
 	"github.com/apiary-net/apiary/cells/k8s/k8sfake"
@@ -81,7 +86,7 @@ func Run(t *testing.T, pattern string, newCells func(fakeClient cell.Cell) []cel
 	ctx, cancel := context.WithTimeout(context.Background(), ScriptTimeout)
 	t.Cleanup(cancel)
 	newEngine := func(tb testing.TB, args []string) *script.Engine {
-		a := newAgent(tb, newCells, args, o.memoryMaps)
+		a := newAgent(tb, newCells, args, o)
 		e := a.engine()
 		for name, newCmd := range o.cmds {
 			e.Cmds[name] = newCmd(a.apiURL)
@@ -102,6 +107,7 @@ type options struct {
 	cmds       map[string]func(apiURL func() (string, error)) script.Cmd
 	sequential bool
 	memoryMaps bool
+	anyCgroup  bool
 }
 
 // MemoryMaps runs the hives on maps in memory (bpffs.MemoryMaps) and a pin
@@ -110,6 +116,13 @@ type options struct {
 // their contents across a restart, as pinned maps do.
 func MemoryMaps() Option {
 	return func(o *options) { o.memoryMaps = true }
+}
+
+// AnyCgroupRoot lets --cgroup-root be any directory (cgroups.AnyDir), so
+// that scripts without root stand for pods' cgroups with plain
+// directories. With maps in memory, for cells that attach nothing there.
+func AnyCgroupRoot() Option {
+	return func(o *options) { o.anyCgroup = true }
 }
 
 // Sequential runs the script files one after another instead of in
@@ -141,6 +154,8 @@ type agent struct {
 	configDir  string
 	// memory, if set, holds the hive's maps.
 	memory *bpffs.MemoryMaps
+	// anyCgroup provides cgroups.AnyDir.
+	anyCgroup bool
 
 	mu     sync.Mutex
 	hive   *hive.Hive
@@ -148,10 +163,10 @@ type agent struct {
 	server *api.Server
 }
 
-func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string, memoryMaps bool) *agent {
+func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string, o options) *agent {
 	var memory *bpffs.MemoryMaps
 	var pinDir string
-	if memoryMaps {
+	if o.memoryMaps {
 		memory = &bpffs.MemoryMaps{Pins: memmap.NewPins(nil)}
 		pinDir = filepath.Join(tb.TempDir(), "pins")
 	} else {
@@ -177,6 +192,7 @@ func newAgent(tb testing.TB, newCells func(cell.Cell) []cell.Cell, args []string
 		args:       append(defaults, args...),
 		configDir:  configDir,
 		memory:     memory,
+		anyCgroup:  o.anyCgroup,
 	}
 	if err := a.build(); err != nil {
 		tb.Fatal(err)
@@ -198,6 +214,9 @@ func (a *agent) build() error {
 	cells := append(a.newCells(a.fakeClient), cell.Invoke(func(s *api.Server) { server = s }))
 	if a.memory != nil {
 		cells = append(cells, cell.Provide(func() *bpffs.MemoryMaps { return a.memory }))
+	}
+	if a.anyCgroup {
+		cells = append(cells, cell.Provide(func() *cgroups.AnyDir { return &cgroups.AnyDir{} }))
 	}
 	h := hive.NewWithOptions(core.HiveOptions(), cells...)
 	fs := pflag.NewFlagSet("", pflag.ContinueOnError)
@@ -227,9 +246,11 @@ func (a *agent) engine() *script.Engine {
 		"http/get":   a.httpGetCmd(),
 		"restart":    a.restartCmd(),
 	})
+	conds := scripttest.DefaultConds()
+	conds["kernel"] = script.BoolCondition("the hive's maps are the kernel's, not in memory", a.memory == nil)
 	return &script.Engine{
 		Cmds:             cmds,
-		Conds:            scripttest.DefaultConds(),
+		Conds:            conds,
 		RetryInterval:    20 * time.Millisecond,
 		MaxRetryInterval: 200 * time.Millisecond,
 	}

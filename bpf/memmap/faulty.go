@@ -122,6 +122,32 @@ func (f *Faulty) Update(key, value any, flags ebpf.MapUpdateFlags) error {
 	return f.Map.Update(key, value, flags)
 }
 
+// PutInner implements bpf.InnerMaker when the wrapped map does; a write
+// fault fails it.
+func (f *Faulty) PutInner(key any, spec *ebpf.MapSpec) error {
+	if fault := f.take(OpWrite); fault != nil {
+		return fault.error("update")
+	}
+	im, ok := f.Map.(bpf.InnerMaker)
+	if !ok {
+		return fmt.Errorf("update: %s can't store a map", f.Map)
+	}
+	return im.PutInner(key, spec)
+}
+
+// LookupInner implements bpf.InnerMaker when the wrapped map does; a read
+// fault fails it.
+func (f *Faulty) LookupInner(key any) (bpf.Map, error) {
+	if fault := f.take(OpRead); fault != nil {
+		return nil, fault.error("lookup")
+	}
+	im, ok := f.Map.(bpf.InnerMaker)
+	if !ok {
+		return nil, fmt.Errorf("lookup: %s holds no maps", f.Map)
+	}
+	return im.LookupInner(key)
+}
+
 // Lookup implements bpf.Map.
 func (f *Faulty) Lookup(key, valueOut any) error {
 	if fault := f.take(OpRead); fault != nil {

@@ -8,7 +8,11 @@
 // Keys and values are encoded as the kernel would see them (encoding/binary,
 // native byte order), so a key or value of the wrong size is refused as the
 // kernel refuses it. Lookups are by exact key: an LPM trie's longest-prefix
-// match is the datapath's business, not its writers'.
+// match is the datapath's business, not its writers'. An array's entries
+// exist from the start (zero); a per-CPU array holds one value, not one per
+// CPU. A hash or array of maps stores the inner maps bpf.PutInner makes
+// (Map.PutInner) under an ID, which is what a lookup reads, as the kernel's
+// answer.
 package memmap
 
 import (
@@ -39,9 +43,15 @@ type Map struct {
 	// cursors are where each batch lookup in progress stands: the last key
 	// it returned.
 	cursors map[*ebpf.MapBatchCursor]string
+	// inner are the maps PutInner made, by the ID stored for them.
+	inner   map[uint32]*Map
+	innerID uint32
 }
 
-var _ bpf.Map = (*Map)(nil)
+var (
+	_ bpf.Map        = (*Map)(nil)
+	_ bpf.InnerMaker = (*Map)(nil)
+)
 
 // New returns an empty map of spec's type, key and value sizes and max
 // entries. spec.Contents are not written.
@@ -130,10 +140,21 @@ func (m *Map) Lookup(key, valueOut any) error {
 	m.mu.Lock()
 	v, ok := m.entries[k]
 	m.mu.Unlock()
+	if !ok && m.isArray() && binary.NativeEndian.Uint32([]byte(k)) < m.maxEntries {
+		// An array's entries all exist, zero until written.
+		v, ok = make([]byte, m.valueSize), true
+	}
 	if !ok {
 		return fmt.Errorf("lookup: %w", ebpf.ErrKeyNotExist)
 	}
 	return decode(v, valueOut)
+}
+
+// isArray tells whether the map is an array (of one value or one per
+// CPU; the values of a per-CPU array are not told apart), whose keys are
+// 4-byte indexes.
+func (m *Map) isArray() bool {
+	return (m.typ == ebpf.Array || m.typ == ebpf.PerCPUArray) && m.keySize == 4
 }
 
 // Delete implements bpf.Map.
@@ -265,4 +286,48 @@ func decode(b []byte, out any) error {
 		return fmt.Errorf("decode into %T: %w", out, err)
 	}
 	return nil
+}
+
+// PutInner implements bpf.InnerMaker for a hash or array of maps: the
+// value stored is the new inner map's ID, as the kernel answers a lookup
+// with, and Inner returns the map.
+func (m *Map) PutInner(key any, spec *ebpf.MapSpec) error {
+	if m.typ != ebpf.HashOfMaps && m.typ != ebpf.ArrayOfMaps {
+		return fmt.Errorf("update: %s can't store a map", m.typ)
+	}
+	m.mu.Lock()
+	if m.inner == nil {
+		m.inner = map[uint32]*Map{}
+	}
+	m.innerID++
+	id := m.innerID
+	m.inner[id] = New(spec)
+	m.mu.Unlock()
+	return m.Put(key, id)
+}
+
+// LookupInner implements bpf.InnerMaker.
+func (m *Map) LookupInner(key any) (bpf.Map, error) {
+	var id uint32
+	if err := m.Lookup(key, &id); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	inner := m.inner[id]
+	if inner == nil {
+		return nil, fmt.Errorf("lookup: no map %d: %w", id, ebpf.ErrKeyNotExist)
+	}
+	return inner, nil
+}
+
+// Inner returns the inner map stored under key by PutInner, or nil.
+func (m *Map) Inner(key any) *Map {
+	var id uint32
+	if m.Lookup(key, &id) != nil {
+		return nil
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.inner[id]
 }

@@ -188,3 +188,64 @@ func TestPinsKeepContentsAcrossOpens(t *testing.T) {
 		t.Fatal("load of a removed map succeeded")
 	}
 }
+
+// A map of maps and an array in memory answer their users as the
+// kernel's do: bpf.PutInner stores a new map under a key (a lookup reads
+// its ID), the Faulty wrapper passes it on, and an array's entries exist
+// from the start, zero.
+func TestMapsOfMapsAndArrays(t *testing.T) {
+	inner := &ebpf.MapSpec{Name: "inner", Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 2}
+	outer := &ebpf.MapSpec{Name: "outer", Type: ebpf.HashOfMaps, KeySize: 4, ValueSize: 4, MaxEntries: 2, InnerMap: inner}
+	array := &ebpf.MapSpec{Name: "counters", Type: ebpf.PerCPUArray, KeySize: 4, ValueSize: 8, MaxEntries: 2}
+	run := func(t *testing.T, outer, array bpf.Map) {
+		t.Helper()
+		if ok, err := bpf.HasInner(outer, uint32(1)); ok || err != nil {
+			t.Fatalf("empty map of maps: %v, %v", ok, err)
+		}
+		if err := bpf.PutInner(outer, uint32(1), inner); err != nil {
+			t.Fatal(err)
+		}
+		var first uint32
+		if err := outer.Lookup(uint32(1), &first); err != nil || first == 0 {
+			t.Fatalf("lookup of the inner map's ID: %d, %v", first, err)
+		}
+		if err := bpf.PutInner(outer, uint32(1), inner); err != nil {
+			t.Fatal(err)
+		}
+		if ok, err := bpf.HasInner(outer, uint32(1)); !ok || err != nil {
+			t.Fatalf("after PutInner: %v, %v", ok, err)
+		}
+		var second uint32
+		if outer.Lookup(uint32(1), &second); second == first {
+			t.Error("PutInner kept the map it replaces")
+		}
+		counts := make([]uint64, 2)
+		if err := bpf.SumPerCPU(array, "counters", counts); err != nil || counts[0] != 0 || counts[1] != 0 {
+			t.Errorf("counters of a new array: %v, %v", counts, err)
+		}
+		if err := bpf.SumPerCPU(array, "counters", make([]uint64, 3)); err == nil {
+			t.Error("an index past the array's end: no error")
+		}
+	}
+	t.Run("memory", func(t *testing.T) {
+		m := memmap.New(outer)
+		run(t, memmap.NewFaulty(m), memmap.New(array))
+		if m.Inner(uint32(1)) == nil || m.Inner(uint32(2)) != nil {
+			t.Error("Inner does not return the map stored")
+		}
+	})
+	t.Run("kernel", func(t *testing.T) {
+		testenv.RequireRoot(t)
+		km, err := ebpf.NewMap(outer)
+		if err != nil {
+			testenv.Skip(t, "create a BPF map: "+err.Error())
+		}
+		defer km.Close()
+		ka, err := ebpf.NewMap(array)
+		if err != nil {
+			testenv.Skip(t, "create a BPF map: "+err.Error())
+		}
+		defer ka.Close()
+		run(t, km, ka)
+	})
+}

@@ -64,6 +64,8 @@ type Root struct {
 	mu      *sync.Mutex
 	// onAttach are the functions Attached runs, shared by the copies.
 	onAttach *attachHooks
+	// anyDir takes any directory for a cgroup v2 one (AnyDir).
+	anyDir bool
 }
 
 // attachHooks are the functions that run when a feature has attached
@@ -73,8 +75,24 @@ type attachHooks struct {
 	fns []func()
 }
 
-func newRoot(cfg Config) (Root, error) {
-	return NewRoot(cfg.CgroupRoot)
+// AnyDir, provided by a test's hive, lets --cgroup-root be any existing
+// directory: a test without root stands for the kubelet's pod cgroups
+// with plain directories, whose inode numbers are their IDs as a
+// cgroup's are. Nothing can attach to such a root (a hive on maps in
+// memory attaches nothing). The agent never provides it.
+type AnyDir struct{}
+
+type rootParams struct {
+	cell.In
+
+	Config Config
+	AnyDir *AnyDir `optional:"true"`
+}
+
+func newRoot(p rootParams) (Root, error) {
+	r, err := NewRoot(p.Config.CgroupRoot)
+	r.anyDir = p.AnyDir != nil
+	return r, err
 }
 
 // NewRoot checks dir (the value of --cgroup-root) and returns it as a Root.
@@ -139,7 +157,7 @@ func (r Root) Check() error {
 	if r.path == "" {
 		return errUnset
 	}
-	ok, err := isCgroup2(r.path)
+	ok, err := r.isCgroup2(r.path)
 	switch {
 	case ok:
 		return nil
@@ -163,7 +181,7 @@ func (r Root) Prepare() (string, error) {
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	ok, err := isCgroup2(r.path)
+	ok, err := r.isCgroup2(r.path)
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return "", fmt.Errorf("--%s %s: %w", RootFlag, r.path, err)
 	}
@@ -184,6 +202,19 @@ func (r Root) Prepare() (string, error) {
 
 // errUnset is what a zero Root, not made by NewRoot, says.
 var errUnset = fmt.Errorf("--%s: no cgroup root configured", RootFlag)
+
+// isCgroup2 tells whether dir is a cgroup v2 directory (with anyDir,
+// any directory).
+func (r Root) isCgroup2(dir string) (bool, error) {
+	if r.anyDir {
+		fi, err := os.Stat(dir)
+		if err != nil {
+			return false, err
+		}
+		return fi.IsDir(), nil
+	}
+	return isCgroup2(dir)
+}
 
 func isCgroup2(dir string) (bool, error) {
 	var st unix.Statfs_t

@@ -20,6 +20,7 @@ import (
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/bpf/cgrouplink"
 	"github.com/apiary-net/apiary/bpf/policyprog"
+	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/reconcilers"
@@ -44,24 +45,61 @@ type attacher struct {
 	log     *slog.Logger
 	cfg     Config
 	pinDir  string
+	maps    bpf.Opener
 	root    cgroups.Root
 	ops     *reconcilers.Policy
 	ipcache ipcache.Map
-	dns     *dnsMaps
+	dns     *reconcilers.DNSMaps
 	opened  <-chan struct{}
 
-	mu     sync.Mutex
-	links  map[string]link.Link
-	progs  map[string]*ebpf.Program
-	sock   *ebpf.Map // policy_sk, the sockets' flows
-	stats  *ebpf.Map
-	events *ebpf.Map
-	// budget is policy_event_budget: each endpoint's share of events,
-	// and its losses.
-	budget *ebpf.Map
+	mu    sync.Mutex
+	links map[string]link.Link
+	progs map[string]*ebpf.Program
+	// own are the maps only the programs write (policy_sk, policy_stats,
+	// policy_events, policy_event_budget), nil until attached.
+	own *reconcilers.PolicyProgMaps
 	// attached is closed once the programs are attached (the event
 	// reader starts then).
 	attached chan struct{}
+}
+
+type attachParams struct {
+	cell.In
+
+	Log       *slog.Logger
+	Config    Config
+	PinDir    bpffs.PinDir
+	Maps      bpffs.Maps
+	Root      cgroups.Root
+	Jobs      job.Group
+	Lifecycle cell.Lifecycle
+	Ops       *reconcilers.Policy
+	Opened    mapsOpened
+	IPCache   ipcache.Map
+	DNSMaps   *reconcilers.DNSMaps
+}
+
+// newAttacher returns the attacher, whose job attaches the programs (or,
+// with --enable-policy=never, detaches them) and keeps them in order.
+func newAttacher(p attachParams) *attacher {
+	a := &attacher{
+		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), maps: p.Maps, root: p.Root, ops: p.Ops,
+		ipcache: p.IPCache, opened: p.Opened, attached: make(chan struct{}),
+		dns: p.DNSMaps,
+	}
+	p.Jobs.Add(job.OneShot("attach", a.run, job.WithRetry(-1, attachRetry())))
+	// The socket LB attached after the policy programs: back behind it at
+	// once, before its first connection can be judged on a service
+	// address.
+	p.Root.OnAttach(func() {
+		if err := a.keepLast(); err != nil {
+			a.log.Error("Policy programs may run before the socket load balancer", "error", err)
+		}
+	})
+	// The links stay pinned (and attached); only this process's handles
+	// go.
+	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
+	return a
 }
 
 func (a *attacher) linksDir() string { return filepath.Join(a.pinDir, LinksDir) }
@@ -133,40 +171,17 @@ func (a *attacher) attach() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	sock, err := bpf.OpenPinnedMap(a.log, sockSpec, a.pinDir, nil)
+	own, err := reconcilers.OpenPolicyProgMaps(a.log, a.maps, a.pinDir, sockSpec, eventBudgetEndpoints)
 	if err != nil {
 		return "", err
 	}
-	stats, err := bpf.OpenPinnedMap(a.log, bpf.PolicyStatsMapSpec(), a.pinDir, nil)
-	if err != nil {
-		sock.Close()
-		return "", err
-	}
-	events, err := bpf.OpenPinnedMap(a.log, bpf.PolicyEventsMapSpec(bpf.DefaultPolicyEventsSize), a.pinDir, nil)
-	if err != nil {
-		sock.Close()
-		stats.Close()
-		return "", err
-	}
-	budget, err := bpf.OpenPinnedMap(a.log, bpf.PolicyEventBudgetMapSpec(eventBudgetEndpoints), a.pinDir, nil)
-	if err != nil {
-		sock.Close()
-		stats.Close()
-		events.Close()
-		return "", err
-	}
-	closeMaps := func() {
-		sock.Close()
-		stats.Close()
-		events.Close()
-		budget.Close()
-	}
-	dnsSock, dnsOrigin, dnsConfig, err := a.dns.get()
+	closeMaps := own.Close
+	ownMaps, err := own.Programs()
 	if err != nil {
 		closeMaps()
 		return "", err
 	}
-	dnsLost, err := a.dns.lostMap()
+	dns, err := a.dns.Programs()
 	if err != nil {
 		closeMaps()
 		return "", err
@@ -176,9 +191,9 @@ func (a *attacher) attach() (string, error) {
 	err = a.ops.Maps(func(policy, endpoints *ebpf.Map) error {
 		return a.ipcache.WithMap(func(ipc, prefixes *ebpf.Map) error {
 			progs, err = policyprog.Load(policyprog.Maps{
-				Policy: policy, Endpoints: endpoints, EndpointsGen: endpointsGen, Sock: sock.Map, Stats: stats.Map, IPCache: ipc, Prefixes: prefixes,
-				Events: events.Map, Budget: policyprog.EventBudget{Map: budget.Map},
-				DNSSock: dnsSock, DNSOrigin: dnsOrigin, DNSConfig: dnsConfig, DNSOriginLost: dnsLost,
+				Policy: policy, Endpoints: endpoints, EndpointsGen: endpointsGen, Sock: ownMaps.Sock, Stats: ownMaps.Stats, IPCache: ipc, Prefixes: prefixes,
+				Events: ownMaps.Events, Budget: policyprog.EventBudget{Map: ownMaps.Budget},
+				DNSSock: dns.Sock, DNSOrigin: dns.Origin, DNSConfig: dns.Config, DNSOriginLost: dns.OriginLost,
 			})
 			return err
 		})
@@ -208,10 +223,10 @@ func (a *attacher) attach() (string, error) {
 		done = append(done, h.Name+" "+how)
 	}
 	a.mu.Lock()
-	a.links, a.progs, a.sock, a.stats, a.events, a.budget = links, progs, sock.Map, stats.Map, events.Map, budget.Map
+	a.links, a.progs, a.own = links, progs, own
 	a.mu.Unlock()
 	// The shared flow LRU of earlier versions: no program uses it now.
-	if err := bpf.RemovePinnedMap(a.pinDir, bpf.PolicyFlowsMap); err != nil {
+	if err := a.maps.RemoveMap(a.pinDir, bpf.PolicyFlowsMap); err != nil {
 		a.log.Warn("Could not remove the old flows map", "error", err)
 	}
 	select {
@@ -266,16 +281,16 @@ func (a *attacher) detach() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	ifaces, err := detachIfaces(a.pinDir)
+	ifaces, err := detachIfaces(a.maps, a.pinDir)
 	if err != nil {
 		return "", err
 	}
 	if len(ifaces) > 0 {
 		gone = append(gone, fmt.Sprintf("%d pod interface links", len(ifaces)))
 	}
-	for _, name := range []string{bpf.PolicySockMap, bpf.PolicyFlowsMap, bpf.PolicyStatsMap, bpf.PolicyEventsMap,
-		bpf.PolicyEventBudgetMap, bpf.DNSOriginMap, bpf.DNSConfigMap, bpf.DNSOriginLostMap} {
-		if err := bpf.RemovePinnedMap(a.pinDir, name); err != nil {
+	pins := append([]string{bpf.PolicyFlowsMap}, reconcilers.PolicyProgMapsPinned...)
+	for _, name := range append(pins, bpf.DNSOriginMap, bpf.DNSConfigMap, bpf.DNSOriginLostMap) {
+		if err := a.maps.RemoveMap(a.pinDir, name); err != nil {
 			return "", err
 		}
 	}
@@ -295,12 +310,10 @@ func (a *attacher) close() {
 	a.links = nil
 	closePrograms(a.progs)
 	a.progs = nil
-	for _, m := range []*ebpf.Map{a.sock, a.stats, a.events, a.budget} {
-		if m != nil {
-			m.Close()
-		}
+	if a.own != nil {
+		a.own.Close()
+		a.own = nil
 	}
-	a.sock, a.stats, a.events, a.budget = nil, nil, nil, nil
 }
 
 func closePrograms(progs map[string]*ebpf.Program) {
@@ -319,63 +332,50 @@ func (a *attacher) eventsReader(ctx context.Context) (*ringbuf.Reader, error) {
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.events == nil {
+	if a.own == nil {
 		return nil, errors.New("policy_events not open")
 	}
-	rd, err := ringbuf.NewReader(a.events)
+	maps, err := a.own.Programs()
+	if err != nil {
+		return nil, err
+	}
+	rd, err := ringbuf.NewReader(maps.Events)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", bpf.PolicyEventsMap, err)
 	}
 	return rd, nil
 }
 
-// sharedMaps returns policy_events and policy_stats, which the interface
-// programs share with the socket-level ones, once those are attached.
-func (a *attacher) sharedMaps() (events, stats *ebpf.Map, err error) {
+// sharedMaps returns the maps the interface programs share with the
+// socket-level ones (policy_events, policy_stats, policy_event_budget),
+// once those are attached.
+func (a *attacher) sharedMaps() (reconcilers.PolicyProgramMaps, error) {
 	select {
 	case <-a.attached:
 	default:
-		return nil, nil, errors.New("the socket-level policy programs are not attached yet")
+		return reconcilers.PolicyProgramMaps{}, errors.New("the socket-level policy programs are not attached yet")
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.events == nil || a.stats == nil {
-		return nil, nil, errors.New("policy_events and policy_stats are not open")
+	if a.own == nil {
+		return reconcilers.PolicyProgramMaps{}, errors.New("policy_events and policy_stats are not open")
 	}
-	return a.events, a.stats, nil
+	return a.own.Programs()
 }
 
 // eventBudgetEndpoints sizes policy_event_budget: an endpoint beyond it
 // (more than a node has) emits unbounded.
 const eventBudgetEndpoints = 65536
 
-// budgetMap returns policy_event_budget, which the interface programs
-// share with the socket-level ones (nil before those are attached: the
-// interface programs are loaded only after).
-func (a *attacher) budgetMap() *ebpf.Map {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.budget
-}
-
 // budgetLost returns how many events the endpoints lost to their budgets
 // of policy_events, by endpoint ID (summed over CPUs).
 func (a *attacher) budgetLost() map[uint32]uint64 {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	out := map[uint32]uint64{}
-	if a.budget == nil {
-		return out
+	if a.own == nil {
+		return map[uint32]uint64{}
 	}
-	var id uint32
-	var perCPU []bpf.PolicyEventBudget
-	it := a.budget.Iterate()
-	for it.Next(&id, &perCPU) {
-		for _, b := range perCPU {
-			out[id] += b.Lost
-		}
-	}
-	return out
+	return a.own.BudgetLost()
 }
 
 // lost returns how many events found policy_events full.
@@ -390,28 +390,10 @@ func (a *attacher) lost() uint64 {
 // verdicts returns the counts of policy_stats, summed over CPUs, by
 // direction and verdict index, then the events lost.
 func (a *attacher) verdicts() ([bpf.PolicyStatsEntries]uint64, error) {
-	var out [bpf.PolicyStatsEntries]uint64
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.stats == nil {
-		return out, nil
+	if a.own == nil {
+		return [bpf.PolicyStatsEntries]uint64{}, nil
 	}
-	err := sumPerCPU(a.stats, bpf.PolicyStatsMap, out[:])
-	return out, err
-}
-
-// sumPerCPU fills out with the counters of the per-CPU array m (named
-// name), each summed over the CPUs.
-func sumPerCPU(m *ebpf.Map, name string, out []uint64) error {
-	for i := range out {
-		var perCPU []uint64
-		if err := m.Lookup(uint32(i), &perCPU); err != nil {
-			return fmt.Errorf("read %s: %w", name, err)
-		}
-		out[i] = 0
-		for _, v := range perCPU {
-			out[i] += v
-		}
-	}
-	return nil
+	return a.own.Verdicts()
 }

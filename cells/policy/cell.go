@@ -8,7 +8,6 @@
 package policy
 
 import (
-	"context"
 	"fmt"
 	"log/slog"
 
@@ -24,9 +23,7 @@ import (
 	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/cgroups"
 	"github.com/apiary-net/apiary/cells/fqdn"
-	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/metrics"
-	"github.com/apiary-net/apiary/internal/podnet"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -49,6 +46,7 @@ var Cell = cell.Module(
 		newProgress,
 		newMapsOpened,
 		newDNSMaps,
+		newAttacher,
 	),
 	cell.Provide(
 		NewMonitor,
@@ -65,7 +63,9 @@ var Cell = cell.Module(
 	cell.Invoke(
 		registerReconcilers,
 		registerController,
-		registerAttacher,
+		registerEvents,
+		registerPodInterfaces,
+		registerMetrics,
 		registerVerdictWriter,
 	),
 )
@@ -207,7 +207,7 @@ type reconcilerParams struct {
 	Ops       *reconcilers.Policy
 	Resync    bpffs.Resync
 	Config    Config
-	DNSMaps   *dnsMaps
+	DNSMaps   *reconcilers.DNSMaps
 	Registry  prometheus.Registerer
 }
 
@@ -216,11 +216,11 @@ func registerReconcilers(p reconcilerParams) error {
 	p.Ops.ResyncWith(p.Resync.DriftReport())
 	if p.Config.EnablePolicy != ModeNever {
 		// Each endpoint with DNS rules gets its map in dns_origin.
-		p.Ops.SetEndpointMaps(&dnsOrigins{maps: p.DNSMaps})
+		p.Ops.SetEndpointMaps(p.DNSMaps)
 		lost := prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Namespace: metrics.Namespace, Subsystem: "dns", Name: "origins_lost_total",
 			Help: "Intercepted DNS queries whose resolver the programs could not tell the DNS proxy (the endpoint has no map in dns_origin yet, or the write failed): the proxy asks its upstream for them",
-		}, func() float64 { n, _ := p.DNSMaps.lostOrigins(); return float64(n) })
+		}, func() float64 { n, _ := p.DNSMaps.LostOrigins(); return float64(n) })
 		if err := p.Registry.Register(lost); err != nil {
 			return err
 		}
@@ -294,236 +294,4 @@ func newGate(p gateParams) fqdn.Gate {
 		db: p.DB, ipcache: p.IPCache, identities: p.Identities, selectors: p.Selectors,
 		entries: p.Entries, endpoints: p.Endpoints, progress: p.Progress, mode: p.Config.EnablePolicy,
 	}
-}
-
-// newDNSMaps returns the maps of DNS interception, opened on first use.
-func newDNSMaps(log *slog.Logger, pinDir bpffs.PinDir, lc cell.Lifecycle) *dnsMaps {
-	d := &dnsMaps{log: log, pinDir: string(pinDir)}
-	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { d.close(); return nil }})
-	return d
-}
-
-type interceptorParams struct {
-	cell.In
-
-	Config    Config
-	DB        *statedb.DB
-	Maps      *dnsMaps
-	Endpoints statedb.RWTable[*tables.EndpointPolicy]
-	Pods      statedb.Table[*tables.Endpoint]
-	Ifaces    statedb.Table[*tables.PodInterface]
-	Monitor   *Monitor
-}
-
-// newInterceptor returns the DNS proxy's side of DNS interception; none
-// with --enable-policy=never, where no program runs.
-func newInterceptor(p interceptorParams) fqdn.Interceptor {
-	if p.Config.EnablePolicy == ModeNever {
-		return nil
-	}
-	return &interceptor{maps: p.Maps, db: p.DB, endpoints: p.Endpoints, pods: p.Pods, ifaces: p.Ifaces, monitor: p.Monitor}
-}
-
-type attacherParams struct {
-	cell.In
-
-	Log        *slog.Logger
-	Config     Config
-	PinDir     bpffs.PinDir
-	Root       cgroups.Root
-	Jobs       job.Group
-	Lifecycle  cell.Lifecycle
-	Ops        *reconcilers.Policy
-	Opened     mapsOpened
-	IPCache    ipcache.Map
-	Registry   prometheus.Registerer
-	DB         *statedb.DB
-	Identities statedb.Table[*tables.Identity]
-	Endpoints  statedb.RWTable[*tables.EndpointPolicy]
-	Policies   statedb.Table[*tables.Policy]
-	Monitor    *Monitor
-	Counter    *verdictCounter
-
-	ReconcilerParams reconciler.Params
-	PodEndpoints     statedb.Table[*tables.Endpoint]
-	Interfaces       statedb.RWTable[*tables.PodInterface]
-	DNSMaps          *dnsMaps
-}
-
-func registerAttacher(p attacherParams) error {
-	a := &attacher{
-		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), root: p.Root, ops: p.Ops,
-		ipcache: p.IPCache, opened: p.Opened, attached: make(chan struct{}),
-		dns: p.DNSMaps,
-	}
-	p.Jobs.Add(job.OneShot("attach", a.run, job.WithRetry(-1, attachRetry())))
-	// The socket LB attached after the policy programs: back behind it at
-	// once, before its first connection can be judged on a service
-	// address.
-	p.Root.OnAttach(func() {
-		if err := a.keepLast(); err != nil {
-			a.log.Error("Policy programs may run before the socket load balancer", "error", err)
-		}
-	})
-	verdicts := prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: metrics.Namespace, Subsystem: "policy", Name: "verdicts_total",
-		Help: "Connections and flows the policy programs decided, by direction, verdict (audited: would have been denied) and the policy whose entry decided (empty: default deny or no policy); from the verdict events, so events lost are not counted",
-	}, []string{"direction", "verdict", "policy"})
-	if err := p.Registry.Register(verdicts); err != nil {
-		return err
-	}
-	r := &eventReader{
-		log: p.Log, db: p.DB, identities: p.Identities, endpoints: p.Endpoints, policies: p.Policies,
-		monitor: p.Monitor, counter: p.Counter, verdicts: verdicts, lost: a.lost,
-	}
-	p.Jobs.Add(job.OneShot("events", func(ctx context.Context, _ cell.Health) error {
-		if p.Config.EnablePolicy == ModeNever {
-			return nil
-		}
-		rd, err := a.eventsReader(ctx)
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			return err
-		}
-		return r.run(ctx, rd)
-	}))
-	// The links stay pinned (and attached); only this process's handles
-	// go.
-	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { a.close(); return nil }})
-	if err := registerPodInterfaces(p, a); err != nil {
-		return err
-	}
-	return registerMetrics(p.Registry, a, p.Ops)
-}
-
-// registerPodInterfaces starts packet-level enforcement on pods'
-// interfaces (--policy-pod-interfaces), or removes what an earlier run
-// attached when it is off.
-func registerPodInterfaces(p attacherParams, a *attacher) error {
-	switch {
-	case p.Config.EnablePolicy == ModeNever:
-		return nil // the attacher detaches everything
-	case !p.Config.PolicyPodInterfaces:
-		p.Jobs.Add(job.OneShot("pod-interfaces-off", func(context.Context, cell.Health) error {
-			gone, err := detachIfaces(string(p.PinDir))
-			if len(gone) > 0 {
-				p.Log.Info("Packet-level enforcement off (--"+PodInterfacesFlag+"=false): detached", "links", gone)
-			}
-			return err
-		}))
-		return nil
-	}
-	finder, err := podnet.NewFinder()
-	if err != nil {
-		return fmt.Errorf("pod interfaces: %w", err)
-	}
-	d := &ifaceDiscovery{
-		log: p.Log, db: p.DB, root: p.Root, endpoints: p.PodEndpoints, interfaces: p.Interfaces, finder: finder,
-	}
-	p.Jobs.Add(job.OneShot("pod-interfaces", d.run))
-	ops := &ifaceOps{
-		log: p.Log, cfg: p.Config, pinDir: string(p.PinDir), mode: iflink.Mode(p.Config.PolicyInterfaceAttach),
-		a: a, policy: p.Ops, ipcache: p.IPCache,
-		attached: map[string]int{},
-	}
-	p.Jobs.Add(job.OneShot("pod-interface-programs", ops.publish, job.WithRetry(-1, attachRetry())))
-	if err := registerIfaceReconciler(p.ReconcilerParams, ops, p.Interfaces); err != nil {
-		return err
-	}
-	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { ops.close(); return nil }})
-	return p.Registry.Register(&decisionsCollector{
-		read: func() ([]uint64, error) { c, err := ops.stats(); return c[:], err },
-		decisions: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "interface_decisions_total"),
-			"Decisions of the programs on pods' interfaces (packets of flows they do not know yet), by direction and verdict; counted in the datapath",
-			[]string{"direction", "verdict"}, nil),
-		drops: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "interface_drops_total"),
-			"Packets dropped on pods' interfaces whatever the policy: reason spoofed (a source not the pod's own), not-ip (neither IP nor ARP), unparsable (IP whose headers cannot be read to the ports) or fragment-unknown (a later fragment whose first one the interface does not know: denied, or pushed out by the pod's newer ones)",
-			[]string{"reason"}, nil),
-		dropReasons: map[int]string{
-			bpf.PolicyIfaceStatsSpoofed: "spoofed", bpf.PolicyIfaceStatsNotIP: "not-ip",
-			bpf.PolicyIfaceStatsUnparsable: "unparsable", bpf.PolicyIfaceStatsFragUnknown: "fragment-unknown",
-		},
-	})
-}
-
-// decisionsCollector exports, when scraped, the counts a policy program
-// keeps in its stats map (read): decisions by direction and verdict, and,
-// if drops is set, the drops by reason (dropReasons: index → reason).
-type decisionsCollector struct {
-	read        func() ([]uint64, error)
-	decisions   *prometheus.Desc
-	drops       *prometheus.Desc
-	dropReasons map[int]string
-}
-
-func (c *decisionsCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- c.decisions
-	if c.drops != nil {
-		ch <- c.drops
-	}
-}
-
-func (c *decisionsCollector) Collect(ch chan<- prometheus.Metric) {
-	counts, err := c.read()
-	if err != nil {
-		ch <- prometheus.NewInvalidMetric(c.decisions, err)
-		return
-	}
-	names := [...]string{bpf.PolicyVerdictAllowed: "allowed", bpf.PolicyVerdictDenied: "denied", bpf.PolicyVerdictAudited: "audited"}
-	for d, dir := range []string{"ingress", "egress"} {
-		for v, verdict := range names {
-			ch <- prometheus.MustNewConstMetric(c.decisions, prometheus.CounterValue,
-				float64(counts[d*bpf.PolicyVerdicts+v]), dir, verdict)
-		}
-	}
-	for i, reason := range c.dropReasons {
-		ch <- prometheus.MustNewConstMetric(c.drops, prometheus.CounterValue, float64(counts[i]), reason)
-	}
-}
-
-// registerMetrics exports the verdict counters of the datapath and the
-// policy map's writes.
-func registerMetrics(reg prometheus.Registerer, a *attacher, ops *reconcilers.Policy) error {
-	collectors := []prometheus.Collector{
-		&decisionsCollector{
-			read: func() ([]uint64, error) { c, err := a.verdicts(); return c[:], err },
-			decisions: prometheus.NewDesc(prometheus.BuildFQName(metrics.Namespace, "policy", "decisions_total"),
-				"Decisions of the policy programs (connections, and packets of flows not yet known), by direction and verdict (audited: would have been denied); counted in the datapath, exact",
-				[]string{"direction", "verdict"}, nil),
-		},
-		prometheus.NewCounterFunc(prometheus.CounterOpts{
-			Namespace: metrics.Namespace, Subsystem: "policy", Name: "events_lost_total",
-			Help: "Verdict events the policy programs could not hand to the agent (a full ring buffer)",
-		}, func() float64 { return float64(a.lost()) }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{
-			Namespace: metrics.Namespace, Subsystem: "policy", Name: "events_over_budget_total",
-			Help: "Verdict events the policy programs dropped because their endpoint exceeded its share of the ring (per endpoint in the pinned policy_event_budget map)",
-		}, func() float64 {
-			var n uint64
-			for _, lost := range a.budgetLost() {
-				n += lost
-			}
-			return float64(n)
-		}),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{
-			Namespace: metrics.Namespace, Subsystem: "policy", Name: "map_updates_total",
-			Help: "Entries written to the policy and policy_endpoints maps",
-		}, func() float64 { u, _ := ops.Writes(); return float64(u) }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{
-			Namespace: metrics.Namespace, Subsystem: "policy", Name: "map_deletes_total",
-			Help: "Entries deleted from the policy and policy_endpoints maps",
-		}, func() float64 { _, d := ops.Writes(); return float64(d) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Namespace: metrics.Namespace, Subsystem: "policy", Name: "map_entries",
-			Help: "Entries in the policy map",
-		}, func() float64 { return float64(ops.Entries()) }),
-	}
-	for _, c := range collectors {
-		if err := reg.Register(c); err != nil {
-			return err
-		}
-	}
-	return nil
 }

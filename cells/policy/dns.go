@@ -1,183 +1,61 @@
 package policy
 
 import (
-	"errors"
-	"fmt"
 	"log/slog"
 	"net/netip"
 	"sync"
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/hive/cell"
 	"github.com/cilium/statedb"
 
 	"github.com/apiary-net/apiary/bpf"
 	"github.com/apiary-net/apiary/bpf/policyprog"
+	"github.com/apiary-net/apiary/cells/bpffs"
 	"github.com/apiary-net/apiary/cells/fqdn"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
 
-// dnsMaps are the pinned maps of DNS interception (bpf/c/dns_redirect.h),
-// opened on first use by the attacher (for the programs) and by the
-// interceptor (for the DNS proxy), and kept open until the agent stops.
-type dnsMaps struct {
-	log    *slog.Logger
-	pinDir string
-
-	mu                   sync.Mutex
-	sock, origin, config *ebpf.Map
-	lost                 *ebpf.Map // dns_origin_lost
-}
-
-// get returns the maps, opening (or creating and pinning) them the first
-// time.
-func (d *dnsMaps) get() (sock, origin, config *ebpf.Map, err error) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.sock != nil {
-		return d.sock, d.origin, d.config, nil
-	}
-	spec, err := policyprog.Spec()
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	sockSpec, err := bpf.DNSSockMapSpec(spec)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	sock, err = bpf.OpenDNSSockMap(d.log, sockSpec, d.pinDir)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	opened := []*ebpf.Map{sock}
-	for _, s := range []*ebpf.MapSpec{bpf.DNSOriginMapSpec(), bpf.DNSConfigMapSpec(), bpf.DNSOriginLostMapSpec()} {
-		// No migration: what they hold is rebuilt by the next query
-		// (or, for the origins' inner maps, by the endpoint-policy
-		// reconciler, whose Prune after a replacement makes none: its
-		// Update of each row does, retried until the map is there).
-		pm, err := bpf.OpenPinnedMap(d.log, s, d.pinDir, nil)
+// newDNSMaps returns the maps of DNS interception, opened on first use.
+func newDNSMaps(log *slog.Logger, pinDir bpffs.PinDir, maps bpffs.Maps, lc cell.Lifecycle) *reconcilers.DNSMaps {
+	d := reconcilers.NewDNSMaps(log, maps, string(pinDir), func() (*ebpf.MapSpec, error) {
+		spec, err := policyprog.Spec()
 		if err != nil {
-			for _, m := range opened {
-				m.Close()
-			}
-			return nil, nil, nil, err
+			return nil, err
 		}
-		opened = append(opened, pm.Map)
-	}
-	d.sock, d.origin, d.config, d.lost = opened[0], opened[1], opened[2], opened[3]
-	return d.sock, d.origin, d.config, nil
+		return bpf.DNSSockMapSpec(spec)
+	})
+	lc.Append(cell.Hook{OnStop: func(cell.HookContext) error { d.Close(); return nil }})
+	return d
 }
 
-// lostMap returns dns_origin_lost.
-func (d *dnsMaps) lostMap() (*ebpf.Map, error) {
-	if _, _, _, err := d.get(); err != nil {
-		return nil, err
-	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.lost, nil
+type interceptorParams struct {
+	cell.In
+
+	Config    Config
+	DB        *statedb.DB
+	Maps      *reconcilers.DNSMaps
+	Endpoints statedb.RWTable[*tables.EndpointPolicy]
+	Pods      statedb.Table[*tables.Endpoint]
+	Ifaces    statedb.Table[*tables.PodInterface]
+	Monitor   *Monitor
 }
 
-// lostOrigins returns how many origins the programs could not publish.
-func (d *dnsMaps) lostOrigins() (uint64, error) {
-	m, err := d.lostMap()
-	if err != nil {
-		return 0, err
-	}
-	var perCPU []uint64
-	if err := m.Lookup(uint32(0), &perCPU); err != nil {
-		return 0, fmt.Errorf("read %s: %w", bpf.DNSOriginLostMap, err)
-	}
-	var n uint64
-	for _, v := range perCPU {
-		n += v
-	}
-	return n, nil
-}
-
-func (d *dnsMaps) close() {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	for _, m := range []*ebpf.Map{d.sock, d.origin, d.config, d.lost} {
-		if m != nil {
-			m.Close()
-		}
-	}
-	d.sock, d.origin, d.config, d.lost = nil, nil, nil, nil
-}
-
-// dnsOrigins implements reconcilers.EndpointMaps on dns_origin: an
-// endpoint with DNS rules has a map of its own there, which only its
-// sockets write. The endpoint-policy reconciler is its only writer.
-type dnsOrigins struct {
-	maps *dnsMaps
-}
-
-var _ reconcilers.EndpointMaps = (*dnsOrigins)(nil)
-
-// Ensure implements reconcilers.EndpointMaps.
-func (d *dnsOrigins) Ensure(e *tables.EndpointPolicy) error {
-	if len(e.DNS) == 0 {
-		return d.Remove(e.ID)
-	}
-	_, origin, _, err := d.maps.get()
-	if err != nil {
-		return err
-	}
-	var inner *ebpf.Map
-	if err := origin.Lookup(e.ID, &inner); err == nil {
-		inner.Close() // kept: its entries are still the endpoint's
+// newInterceptor returns the DNS proxy's side of DNS interception; none
+// with --enable-policy=never, where no program runs.
+func newInterceptor(p interceptorParams) fqdn.Interceptor {
+	if p.Config.EnablePolicy == ModeNever {
 		return nil
 	}
-	m, err := ebpf.NewMap(bpf.DNSOriginInnerSpec())
-	if err != nil {
-		return fmt.Errorf("create the %s map of endpoint ID %d: %w", bpf.DNSOriginMap, e.ID, err)
-	}
-	defer m.Close()
-	if err := origin.Put(e.ID, m); err != nil {
-		return fmt.Errorf("write %s[%d]: %w", bpf.DNSOriginMap, e.ID, err)
-	}
-	return nil
-}
-
-// Remove implements reconcilers.EndpointMaps.
-func (d *dnsOrigins) Remove(id uint32) error {
-	_, origin, _, err := d.maps.get()
-	if err != nil {
-		return err
-	}
-	if err := origin.Delete(id); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("delete %s[%d]: %w", bpf.DNSOriginMap, id, err)
-	}
-	return nil
-}
-
-// Prune implements reconcilers.EndpointMaps.
-func (d *dnsOrigins) Prune(keep map[uint32]struct{}) error {
-	_, origin, _, err := d.maps.get()
-	if err != nil {
-		return err
-	}
-	var stale []uint32
-	var id, inner uint32
-	it := origin.Iterate()
-	for it.Next(&id, &inner) {
-		if _, ok := keep[id]; !ok {
-			stale = append(stale, id)
-		}
-	}
-	errs := []error{it.Err()}
-	for _, id := range stale {
-		errs = append(errs, d.Remove(id))
-	}
-	return errors.Join(errs...)
+	return &interceptor{maps: p.Maps, db: p.DB, endpoints: p.Endpoints, pods: p.Pods, ifaces: p.Ifaces, monitor: p.Monitor}
 }
 
 // interceptor implements fqdn.Interceptor on the DNS maps, the
 // endpoint-policy table and the verdict monitor.
 type interceptor struct {
-	maps      *dnsMaps
+	maps      *reconcilers.DNSMaps
 	db        *statedb.DB
 	endpoints statedb.Table[*tables.EndpointPolicy]
 	monitor   *Monitor
@@ -199,14 +77,7 @@ func (i *interceptor) SetProxy(proxy4, proxy6 netip.AddrPort, intercept bool) er
 	if err != nil {
 		return err
 	}
-	_, _, config, err := i.maps.get()
-	if err != nil {
-		return err
-	}
-	if err := config.Put(uint32(0), cfg); err != nil {
-		return fmt.Errorf("write %s: %w", bpf.DNSConfigMap, err)
-	}
-	return nil
+	return i.maps.SetConfig(cfg)
 }
 
 // Origin implements fqdn.Interceptor. The client's address gives the pod,
@@ -215,27 +86,21 @@ func (i *interceptor) SetProxy(proxy4, proxy6 netip.AddrPort, intercept bool) er
 // (one bound to this pod's address with IP_FREEBIND or IP_TRANSPARENT
 // writes into its own endpoint's map).
 func (i *interceptor) Origin(protocol uint8, client netip.AddrPort) (fqdn.Origin, bool) {
-	_, origin, _, err := i.maps.get()
-	if err != nil {
+	if err := i.maps.Open(); err != nil {
 		return fqdn.Origin{}, false
 	}
 	i.waitEndpoints()
 	name, isPod := i.podOf(client.Addr())
 	if !isPod {
-		return i.originOfHostSource(origin, protocol, client)
+		return i.originOfHostSource(protocol, client)
 	}
 	rtxn := i.db.ReadTxn()
 	row, _, found := i.endpoints.Get(rtxn, tables.EndpointPolicyNameIndex.Query(name))
 	if !found || row.ID == 0 || row.PodTree {
 		return i.originByAddr(client.Addr())
 	}
-	var inner *ebpf.Map
-	if err := origin.Lookup(row.ID, &inner); err != nil {
-		return i.originByAddr(client.Addr())
-	}
-	defer inner.Close()
-	var v bpf.DNSOrigin
-	if err := inner.Lookup(bpf.NewDNSOriginKey(protocol, client), &v); err != nil || v.EndpointID != row.ID {
+	v, ok := i.maps.Origin(row.ID, bpf.NewDNSOriginKey(protocol, client))
+	if !ok {
 		return i.originByAddr(client.Addr())
 	}
 	return fqdn.Origin{Resolver: v.ResolverAddr(), Endpoint: row.Name, Rules: row.DNS}, true
@@ -269,7 +134,7 @@ func (i *interceptor) waitEndpoints() {
 // of their own are searched (one with its own interface sends from the
 // node's addresses only by binding one not its own, whose packets its
 // interface drops), and an entry found in more than one is used in none.
-func (i *interceptor) originOfHostSource(origin *ebpf.Map, protocol uint8, client netip.AddrPort) (fqdn.Origin, bool) {
+func (i *interceptor) originOfHostSource(protocol uint8, client netip.AddrPort) (fqdn.Origin, bool) {
 	rtxn := i.db.ReadTxn()
 	key := bpf.NewDNSOriginKey(protocol, client)
 	var found fqdn.Origin
@@ -278,14 +143,7 @@ func (i *interceptor) originOfHostSource(origin *ebpf.Map, protocol uint8, clien
 		if row.ID == 0 || row.PodTree || len(row.DNS) == 0 || i.hasInterface(rtxn, row.Name) {
 			continue
 		}
-		var inner *ebpf.Map
-		if err := origin.Lookup(row.ID, &inner); err != nil {
-			continue
-		}
-		var v bpf.DNSOrigin
-		err := inner.Lookup(key, &v)
-		inner.Close()
-		if err == nil && v.EndpointID == row.ID {
+		if v, ok := i.maps.Origin(row.ID, key); ok {
 			found = fqdn.Origin{Resolver: v.ResolverAddr(), Endpoint: row.Name, Rules: row.DNS}
 			n++
 		}

@@ -29,11 +29,23 @@ type Entry struct {
 	Value bpf.PolicyValue
 }
 
-// ReadPinned reads the policy maps pinned in pinDir.
+// ReadPinned reads the policy maps pinned in pinDir (read-only).
 func ReadPinned(pinDir string) ([]Endpoint, []Entry, error) {
+	return readMaps(pinDir, func(name string) (bpf.Map, error) {
+		return ebpf.LoadPinnedMap(filepath.Join(pinDir, name), &ebpf.LoadPinOptions{ReadOnly: true})
+	})
+}
+
+// ReadMaps reads the policy maps pinned in pinDir through opener: the
+// kernel's (bpf.KernelMaps) or a test's in memory.
+func ReadMaps(opener bpf.Opener, pinDir string) ([]Endpoint, []Entry, error) {
+	return readMaps(pinDir, func(name string) (bpf.Map, error) { return opener.LoadMap(pinDir, name) })
+}
+
+func readMaps(pinDir string, load func(name string) (bpf.Map, error)) ([]Endpoint, []Entry, error) {
 	var eps []Endpoint
 	var entries []Entry
-	err := withPinned(filepath.Join(pinDir, bpf.PolicyEndpointsMap), func(m *ebpf.Map) error {
+	err := withPinned(pinDir, bpf.PolicyEndpointsMap, load, func(m bpf.Map) error {
 		return bpf.Walk(m, 1024, func(keys []uint64, values []bpf.PolicyEndpointValue) error {
 			for i, k := range keys {
 				eps = append(eps, Endpoint{k, values[i]})
@@ -44,7 +56,7 @@ func ReadPinned(pinDir string) ([]Endpoint, []Entry, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	err = withPinned(filepath.Join(pinDir, bpf.PolicyMap), func(m *ebpf.Map) error {
+	err = withPinned(pinDir, bpf.PolicyMap, load, func(m bpf.Map) error {
 		return bpf.Walk(m, 1024, func(keys []bpf.PolicyKey, values []bpf.PolicyValue) error {
 			for i, k := range keys {
 				entries = append(entries, Entry{k, values[i]})
@@ -55,8 +67,9 @@ func ReadPinned(pinDir string) ([]Endpoint, []Entry, error) {
 	return eps, entries, err
 }
 
-func withPinned(path string, fn func(*ebpf.Map) error) error {
-	m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+func withPinned(pinDir, name string, load func(string) (bpf.Map, error), fn func(bpf.Map) error) error {
+	path := filepath.Join(pinDir, name)
+	m, err := load(name)
 	if errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("%s: not pinned (has the agent run with policy enforcement?)", path)
 	}

@@ -11,17 +11,68 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf/ringbuf"
+	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
 	"github.com/apiary-net/apiary/bpf"
+	"github.com/apiary-net/apiary/cells/metrics"
 	"github.com/apiary-net/apiary/tables"
 )
 
 // eventsPoll is how often the reader looks for events the programs did
 // not wake it for: the latency of `apiary monitor` on a quiet node.
 const eventsPoll = 250 * time.Millisecond
+
+type eventsParams struct {
+	cell.In
+
+	Log        *slog.Logger
+	Config     Config
+	Jobs       job.Group
+	Registry   prometheus.Registerer
+	DB         *statedb.DB
+	Identities statedb.Table[*tables.Identity]
+	Endpoints  statedb.RWTable[*tables.EndpointPolicy]
+	Policies   statedb.Table[*tables.Policy]
+	Monitor    *Monitor
+	Counter    *verdictCounter
+	Attacher   *attacher
+}
+
+// registerEvents starts the reader of policy_events once the programs are
+// attached: verdicts to the monitor, the verdict counters and the
+// policies' counts.
+func registerEvents(p eventsParams) error {
+	verdicts := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: metrics.Namespace, Subsystem: "policy", Name: "verdicts_total",
+		Help: "Connections and flows the policy programs decided, by direction, verdict (audited: would have been denied) and the policy whose entry decided (empty: default deny or no policy); from the verdict events, so events lost are not counted",
+	}, []string{"direction", "verdict", "policy"})
+	if err := p.Registry.Register(verdicts); err != nil {
+		return err
+	}
+	a := p.Attacher
+	r := &eventReader{
+		log: p.Log, db: p.DB, identities: p.Identities, endpoints: p.Endpoints, policies: p.Policies,
+		monitor: p.Monitor, counter: p.Counter, verdicts: verdicts, lost: a.lost,
+	}
+	p.Jobs.Add(job.OneShot("events", func(ctx context.Context, _ cell.Health) error {
+		if p.Config.EnablePolicy == ModeNever {
+			return nil
+		}
+		rd, err := a.eventsReader(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		return r.run(ctx, rd)
+	}))
+	return nil
+}
 
 // eventReader turns the datapath's verdict events into Verdicts for the
 // monitor, the per-policy counts of the policies table and the

@@ -14,8 +14,10 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/hive/cell"
+	"github.com/cilium/hive/job"
 	"github.com/cilium/statedb"
 	"github.com/cilium/statedb/reconciler"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vishvananda/netlink"
 
 	"github.com/apiary-net/apiary/bpf"
@@ -23,6 +25,8 @@ import (
 	"github.com/apiary-net/apiary/bpf/podiface"
 	"github.com/apiary-net/apiary/bpf/policyprog"
 	"github.com/apiary-net/apiary/cells/ipcache"
+	"github.com/apiary-net/apiary/cells/policy/podifaces"
+	"github.com/apiary-net/apiary/internal/podnet"
 	"github.com/apiary-net/apiary/reconcilers"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -32,15 +36,12 @@ import (
 // "<ifindex>_to_pod".
 const IfaceLinksDir = "ifaces"
 
-// ifaceMaps are the maps of packet-level enforcement, opened once.
-type ifaceMaps struct {
-	ifaces, flows, frags, stats *ebpf.Map
-}
-
 // ifaceOps reconciles the pod-interfaces table: each row with an interface
 // gets its policy_ifaces entry, a flow map of its own in
 // policy_iface_flows, and the interface programs attached to its host side
-// through pinned tcx links. It is the only writer of these maps and links.
+// through pinned tcx links. It is the only writer of these maps (besides
+// apiary-cni's pending entries) and links; the map operations are
+// reconcilers.PolicyIfaces'.
 type ifaceOps struct {
 	log     *slog.Logger
 	cfg     Config
@@ -49,9 +50,9 @@ type ifaceOps struct {
 	a       *attacher
 	policy  *reconcilers.Policy
 	ipcache ipcache.Map
+	maps    *reconcilers.PolicyIfaces
 
 	mu    sync.Mutex
-	maps  *ifaceMaps
 	progs map[string]*ebpf.Program
 	// attached is the interface each endpoint's links are on, as this
 	// process attached or found them.
@@ -82,18 +83,18 @@ func (o *ifaceOps) load() error {
 	if o.progs != nil {
 		return nil
 	}
-	events, stats, err := o.a.sharedMaps()
+	shared, err := o.a.sharedMaps()
 	if err != nil {
 		return err
 	}
-	if o.maps == nil {
-		m, err := openIfaceMaps(o.log, o.pinDir, o.cfg.PolicyInterfaceFlows)
-		if err != nil {
-			return err
-		}
-		o.maps = m
+	if err := o.maps.Open(); err != nil {
+		return err
 	}
-	_, _, dnsConfig, err := o.a.dns.get()
+	own, err := o.maps.Programs()
+	if err != nil {
+		return err
+	}
+	dns, err := o.a.dns.Programs()
 	if err != nil {
 		return err
 	}
@@ -101,10 +102,10 @@ func (o *ifaceOps) load() error {
 	err = o.policy.Maps(func(policy, endpoints *ebpf.Map) error {
 		return o.ipcache.WithMap(func(ipc, prefixes *ebpf.Map) error {
 			progs, err = policyprog.LoadInterface(policyprog.InterfaceMaps{
-				Policy: policy, Endpoints: endpoints, Stats: stats, IPCache: ipc, Prefixes: prefixes, Events: events,
-				Budget: policyprog.EventBudget{Map: o.a.budgetMap()},
-				Ifaces: o.maps.ifaces, Flows: o.maps.flows, Frags: o.maps.frags, IfaceStats: o.maps.stats,
-				DNSConfig: dnsConfig,
+				Policy: policy, Endpoints: endpoints, Stats: shared.Stats, IPCache: ipc, Prefixes: prefixes, Events: shared.Events,
+				Budget: policyprog.EventBudget{Map: shared.Budget},
+				Ifaces: own.Ifaces, Flows: own.Flows, Frags: own.Frags, IfaceStats: own.Stats,
+				DNSConfig: dns.Config,
 			})
 			return err
 		})
@@ -118,104 +119,6 @@ func (o *ifaceOps) load() error {
 	}
 	o.progs = progs
 	return nil
-}
-
-// publish pins the interface programs under podiface.ProgramsDir, once
-// the socket-level programs (whose maps they share) are attached, so that
-// apiary-cni can attach them to a pod's interface the moment it is made,
-// while this agent is away or before it has found the pod. Each run of the
-// agent pins its own programs over the last run's.
-func (o *ifaceOps) publish(ctx context.Context, health cell.Health) error {
-	select {
-	case <-o.a.attached:
-	case <-ctx.Done():
-		return nil
-	}
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	err := o.load()
-	if err == nil {
-		err = pinPrograms(o.pinDir, o.progs)
-	}
-	if err != nil {
-		health.Degraded("Pinning the interface programs for apiary-cni failed; retrying", err)
-		return fmt.Errorf("pin the interface programs: %w", err)
-	}
-	dir := filepath.Join(o.pinDir, podiface.ProgramsDir)
-	health.OK("Interface programs pinned in " + dir + " for apiary-cni")
-	o.log.Info("Pinned the interface programs for apiary-cni", "dir", dir)
-	return nil
-}
-
-// pinPrograms pins each interface program as NAME_new and renames it over
-// NAME, so that the plugin always finds a whole program at NAME.
-func pinPrograms(pinDir string, progs map[string]*ebpf.Program) error {
-	if err := os.MkdirAll(filepath.Join(pinDir, podiface.ProgramsDir), 0o750); err != nil {
-		return fmt.Errorf("programs directory: %w", err)
-	}
-	for _, name := range podiface.Programs {
-		prog, ok := progs[name]
-		if !ok {
-			return fmt.Errorf("no program %s", name)
-		}
-		// A clone, whose pin path the rename makes stale, not the
-		// program the links get.
-		clone, err := prog.Clone()
-		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
-		}
-		pin := podiface.ProgramPin(pinDir, name)
-		tmp := pin + "_new"
-		_ = os.Remove(tmp)
-		err = clone.Pin(tmp)
-		clone.Close()
-		if err != nil {
-			return fmt.Errorf("pin %s: %w", tmp, err)
-		}
-		if err := os.Rename(tmp, pin); err != nil {
-			os.Remove(tmp)
-			return fmt.Errorf("rename %s to %s: %w", tmp, pin, err)
-		}
-	}
-	return nil
-}
-
-// unpinPrograms removes the pins of the interface programs: without them
-// apiary-cni refuses new pods (unless its netconf says failOpen).
-func unpinPrograms(pinDir string) error {
-	var errs []error
-	for _, name := range podiface.Programs {
-		pin := podiface.ProgramPin(pinDir, name)
-		for _, p := range []string{pin, pin + "_new"} {
-			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-				errs = append(errs, err)
-			}
-		}
-	}
-	if err := os.Remove(filepath.Join(pinDir, podiface.ProgramsDir)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, err)
-	}
-	return errors.Join(errs...)
-}
-
-func openIfaceMaps(log *slog.Logger, pinDir string, flows uint32) (*ifaceMaps, error) {
-	var maps []*ebpf.Map
-	for _, spec := range []*ebpf.MapSpec{
-		bpf.PolicyIfacesMapSpec(endpointsMax),
-		bpf.PolicyIfaceFlowsMapSpec(endpointsMax, flows),
-		bpf.PolicyIfaceFragsMapSpec(endpointsMax),
-		bpf.PolicyIfaceStatsMapSpec(),
-	} {
-		pm, err := bpf.OpenPinnedMap(log, spec, pinDir, nil)
-		if err != nil {
-			for _, m := range maps {
-				m.Close()
-			}
-			return nil, err
-		}
-		maps = append(maps, pm.Map)
-	}
-	return &ifaceMaps{ifaces: maps[0], flows: maps[1], frags: maps[2], stats: maps[3]}, nil
 }
 
 // Update implements reconciler.Operations.
@@ -271,12 +174,8 @@ func (o *ifaceOps) writeEntry(row *tables.PodInterface) (addrErr, err error) {
 	// pod_connection) is asked in the namespace the host side's link
 	// names, which the pod cannot change; without it, none is asked.
 	value.SetNetns(podNetnsID(row.Ifindex))
-	key := uint32(row.Ifindex)
-	var cur bpf.PolicyIfaceValue
-	if err := o.maps.ifaces.Lookup(key, &cur); err != nil || cur != value {
-		if err := o.maps.ifaces.Put(key, value); err != nil {
-			return nil, fmt.Errorf("write %s[%d]: %w", bpf.PolicyIfacesMap, key, err)
-		}
+	if err := o.maps.Put(row.Ifindex, value); err != nil {
+		return nil, err
 	}
 	return addrErr, nil
 }
@@ -287,12 +186,8 @@ func (o *ifaceOps) writeEntry(row *tables.PodInterface) (addrErr, err error) {
 // there already (an agent restart) keep theirs. Links apiary-cni made are
 // not fresh, but the plugin removed the state of an index it took over.
 func (o *ifaceOps) ensureFlows(row *tables.PodInterface, fresh bool) error {
-	key := uint32(row.Ifindex)
-	if err := ensureInner(o.maps.flows, key, fresh, bpf.PolicyIfaceFlowsInnerSpec(o.cfg.PolicyInterfaceFlows)); err != nil {
-		return fmt.Errorf("the flow map of %s: %w", row.Interface, err)
-	}
-	if err := ensureInner(o.maps.frags, key, fresh, bpf.PolicyIfaceFragsInnerSpec()); err != nil {
-		return fmt.Errorf("the fragment map of %s: %w", row.Interface, err)
+	if err := o.maps.EnsureState(row.Ifindex, fresh); err != nil {
+		return fmt.Errorf("%s: %w", row.Interface, err)
 	}
 	return nil
 }
@@ -302,11 +197,7 @@ func (o *ifaceOps) ensureFlows(row *tables.PodInterface, fresh bool) error {
 // and the agent raced on a new pod): without it the pod would stay
 // denied until its row changed.
 func (o *ifaceOps) adoptPending(row *tables.PodInterface) error {
-	if o.maps == nil || row.Ifindex == 0 || o.attached[row.Name] != row.Ifindex {
-		return nil
-	}
-	var cur bpf.PolicyIfaceValue
-	if err := o.maps.ifaces.Lookup(uint32(row.Ifindex), &cur); err == nil && !podiface.Pending(cur) {
+	if row.Ifindex == 0 || o.attached[row.Name] != row.Ifindex || !o.maps.Pending(row.Ifindex) {
 		return nil
 	}
 	o.log.Info("Pod interface: replacing the entry apiary-cni wrote", "endpoint", row.Name, "ifindex", row.Ifindex)
@@ -314,28 +205,6 @@ func (o *ifaceOps) adoptPending(row *tables.PodInterface) error {
 		return err
 	}
 	return o.ensureFlows(row, false)
-}
-
-// ensureInner gives interface key a new inner map of outer, made from
-// spec, when it has none or fresh says its old one is another pod's.
-func ensureInner(outer *ebpf.Map, key uint32, fresh bool, spec *ebpf.MapSpec) error {
-	var inner *ebpf.Map
-	if err := outer.Lookup(key, &inner); err == nil && !fresh {
-		inner.Close()
-		return nil
-	}
-	if inner != nil {
-		inner.Close()
-	}
-	m, err := ebpf.NewMap(spec)
-	if err != nil {
-		return fmt.Errorf("create: %w", err)
-	}
-	defer m.Close()
-	if err := outer.Put(key, m); err != nil {
-		return fmt.Errorf("write %s[%d]: %w", outer.String(), key, err)
-	}
-	return nil
 }
 
 // podNetnsID returns the id, in the host's network namespace, of the
@@ -393,14 +262,7 @@ func (o *ifaceOps) removeLocked(ifindex int) error {
 			errs = append(errs, err)
 		}
 	}
-	if o.maps != nil {
-		key := uint32(ifindex)
-		for _, m := range []*ebpf.Map{o.maps.ifaces, o.maps.flows, o.maps.frags} {
-			if err := m.Delete(key); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-				errs = append(errs, fmt.Errorf("delete %d from %s: %w", ifindex, m.String(), err))
-			}
-		}
-	}
+	errs = append(errs, o.maps.Remove(ifindex))
 	return errors.Join(errs...)
 }
 
@@ -438,14 +300,11 @@ func (o *ifaceOps) Prune(_ context.Context, _ statedb.ReadTxn, rows iter.Seq2[*t
 			stale[ifindex] = true
 		}
 	}
-	if o.maps != nil {
-		var key uint32
-		var v bpf.PolicyIfaceValue
-		it := o.maps.ifaces.Iterate()
-		for it.Next(&key, &v) {
-			if !want[int(key)] && !hostInterfaceExists(int(key)) {
-				stale[int(key)] = true
-			}
+	listed, err := o.maps.Interfaces()
+	errs = append(errs, err)
+	for _, ifindex := range listed {
+		if !want[ifindex] && !hostInterfaceExists(ifindex) {
+			stale[ifindex] = true
 		}
 	}
 	for ifindex := range stale {
@@ -464,7 +323,7 @@ func hostInterfaceExists(ifindex int) bool {
 // (pinned tcx links, and tc filters on the interfaces policy_ifaces lists)
 // and the maps only they use: --enable-policy=never, or
 // --policy-pod-interfaces=false.
-func detachIfaces(pinDir string) ([]string, error) {
+func detachIfaces(opener bpf.Opener, pinDir string) ([]string, error) {
 	dir := filepath.Join(pinDir, LinksDir, IfaceLinksDir)
 	var gone []string
 	var errs []error
@@ -497,13 +356,11 @@ func detachIfaces(pinDir string) ([]string, error) {
 			detach(ifindex)
 		}
 	}
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, bpf.PolicyIfacesMap), nil); err == nil {
-		var key uint32
-		var v bpf.PolicyIfaceValue
-		for it := m.Iterate(); it.Next(&key, &v); {
-			detach(int(key))
-		}
-		m.Close()
+	// What can be read: an unreadable map must not keep its pin (and
+	// the other pins) from going.
+	listed, _ := reconcilers.PinnedPolicyInterfaces(opener, pinDir)
+	for _, ifindex := range listed {
+		detach(ifindex)
 	}
 	for i, err := range errs {
 		if errors.Is(err, os.ErrNotExist) {
@@ -511,8 +368,8 @@ func detachIfaces(pinDir string) ([]string, error) {
 		}
 	}
 	errs = append(errs, unpinPrograms(pinDir))
-	for _, name := range []string{bpf.PolicyIfacesMap, bpf.PolicyIfaceFlowsMap, bpf.PolicyIfaceFragsMap, bpf.PolicyIfaceStatsMap} {
-		errs = append(errs, bpf.RemovePinnedMap(pinDir, name))
+	for _, name := range reconcilers.PolicyIfacesPinned {
+		errs = append(errs, opener.RemoveMap(pinDir, name))
 	}
 	return gone, errors.Join(errs...)
 }
@@ -523,24 +380,69 @@ func (o *ifaceOps) close() {
 	defer o.mu.Unlock()
 	closePrograms(o.progs)
 	o.progs = nil
-	if o.maps != nil {
-		for _, m := range []*ebpf.Map{o.maps.ifaces, o.maps.flows, o.maps.frags, o.maps.stats} {
-			m.Close()
-		}
-		o.maps = nil
-	}
+	o.maps.Close()
 }
 
-// stats returns policy_iface_stats summed over the CPUs.
-func (o *ifaceOps) stats() ([bpf.PolicyIfaceStatsEntries]uint64, error) {
-	var out [bpf.PolicyIfaceStatsEntries]uint64
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if o.maps == nil {
-		return out, nil
+type podIfaceParams struct {
+	cell.In
+
+	Jobs             job.Group
+	Lifecycle        cell.Lifecycle
+	Registry         prometheus.Registerer
+	DB               *statedb.DB
+	ReconcilerParams reconciler.Params
+	PodEndpoints     statedb.Table[*tables.Endpoint]
+	Interfaces       statedb.RWTable[*tables.PodInterface]
+	Attacher         *attacher
+}
+
+// registerPodInterfaces starts packet-level enforcement on pods'
+// interfaces (--policy-pod-interfaces): the discovery of their interfaces
+// (podifaces), the reconciler that attaches the interface programs and
+// writes their maps, and the programs pinned for apiary-cni; or removes
+// what an earlier run attached when it is off.
+func registerPodInterfaces(p podIfaceParams) error {
+	a := p.Attacher
+	switch {
+	case a.cfg.EnablePolicy == ModeNever:
+		return nil // the attacher detaches everything
+	case !a.cfg.PolicyPodInterfaces:
+		p.Jobs.Add(job.OneShot("pod-interfaces-off", func(context.Context, cell.Health) error {
+			gone, err := detachIfaces(a.maps, a.pinDir)
+			if len(gone) > 0 {
+				a.log.Info("Packet-level enforcement off (--"+PodInterfacesFlag+"=false): detached", "links", gone)
+			}
+			return err
+		}))
+		return nil
 	}
-	err := sumPerCPU(o.maps.stats, bpf.PolicyIfaceStatsMap, out[:])
-	return out, err
+	finder, err := podnet.NewFinder()
+	if err != nil {
+		return fmt.Errorf("pod interfaces: %w", err)
+	}
+	d := podifaces.NewDiscovery(a.log, p.DB, a.root, p.PodEndpoints, p.Interfaces, finder)
+	p.Jobs.Add(job.OneShot("pod-interfaces", d.Run))
+	ops := &ifaceOps{
+		log: a.log, cfg: a.cfg, pinDir: a.pinDir, mode: iflink.Mode(a.cfg.PolicyInterfaceAttach),
+		a: a, policy: a.ops, ipcache: a.ipcache,
+		maps:     reconcilers.NewPolicyIfaces(a.log, a.maps, a.pinDir, endpointsMax, a.cfg.PolicyInterfaceFlows),
+		attached: map[string]int{},
+	}
+	p.Jobs.Add(job.OneShot("pod-interface-programs", ops.publish, job.WithRetry(-1, attachRetry())))
+	if err := registerIfaceReconciler(p.ReconcilerParams, ops, p.Interfaces); err != nil {
+		return err
+	}
+	p.Lifecycle.Append(cell.Hook{OnStop: func(cell.HookContext) error { ops.close(); return nil }})
+	return p.Registry.Register(newDecisionsCollector("interface_",
+		"Decisions of the programs on pods' interfaces (packets of flows they do not know yet), by direction and verdict; counted in the datapath",
+		func() ([]uint64, error) { c, err := ops.maps.Stats(); return c[:], err },
+		&dropsDesc{
+			help: "Packets dropped on pods' interfaces whatever the policy: reason spoofed (a source not the pod's own), not-ip (neither IP nor ARP), unparsable (IP whose headers cannot be read to the ports) or fragment-unknown (a later fragment whose first one the interface does not know: denied, or pushed out by the pod's newer ones)",
+			reasons: map[int]string{
+				bpf.PolicyIfaceStatsSpoofed: "spoofed", bpf.PolicyIfaceStatsNotIP: "not-ip",
+				bpf.PolicyIfaceStatsUnparsable: "unparsable", bpf.PolicyIfaceStatsFragUnknown: "fragment-unknown",
+			},
+		}))
 }
 
 // registerIfaceReconciler registers the reconciler of the pod-interfaces
@@ -548,7 +450,7 @@ func (o *ifaceOps) stats() ([bpf.PolicyIfaceStatsEntries]uint64, error) {
 func registerIfaceReconciler(params reconciler.Params, ops *ifaceOps, table statedb.RWTable[*tables.PodInterface]) error {
 	_, err := reconciler.Register(params, table,
 		(*tables.PodInterface).Clone, (*tables.PodInterface).SetStatus, (*tables.PodInterface).GetStatus,
-		ops, nil, reconciler.WithRefreshing(0, nil), reconciler.WithPruning(ifaceRescanInterval))
+		ops, nil, reconciler.WithRefreshing(0, nil), reconciler.WithPruning(podifaces.RescanInterval))
 	if err != nil {
 		return fmt.Errorf("register %s reconciler: %w", tables.PodInterfacesTableName, err)
 	}

@@ -44,7 +44,8 @@ import (
 //
 // --cgroup-root comes from the environment (APIARY_CGROUP_ROOT), as a `#!`
 // line cannot know the directory; so the files run one after another, each
-// with its own.
+// with its own. Lines that need the programs loaded (and attached) are
+// marked [kernel]: TestScriptInMemory runs the same files without them.
 func TestScript(t *testing.T) {
 	testenv.RequireRoot(t)
 	files, err := filepath.Glob("testdata/*.txtar")
@@ -61,6 +62,22 @@ func TestScript(t *testing.T) {
 	}
 }
 
+// TestScriptInMemory runs the same scripts without root: on maps in
+// memory (bpf/memmap), with a plain directory as --cgroup-root whose
+// subdirectories stand for the pods' cgroups. Nothing is loaded or
+// attached; the policy maps' entries are the same.
+func TestScriptInMemory(t *testing.T) {
+	files, err := filepath.Glob("testdata/*.txtar")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no testdata: %v", err)
+	}
+	t.Setenv("APIARY_CGROUP_ROOT", "") // restored when the test ends
+	for _, file := range files {
+		os.Setenv("APIARY_CGROUP_ROOT", t.TempDir())
+		apiarytest.Run(t, file, scriptCells, apiarytest.Sequential(), apiarytest.MemoryMaps(), apiarytest.AnyCgroupRoot())
+	}
+}
+
 // scriptCells is the hive of a script: the infrastructure, the fake
 // clientset, what policy needs, the policy cell and the test's commands.
 func scriptCells(fakeClient cell.Cell) []cell.Cell {
@@ -71,10 +88,10 @@ func scriptCells(fakeClient cell.Cell) []cell.Cell {
 	}
 }
 
-func scriptTestCommands(root cgroups.Root, pinDir bpffs.PinDir) hive.ScriptCmdsOut {
+func scriptTestCommands(root cgroups.Root, pinDir bpffs.PinDir, maps bpffs.Maps) hive.ScriptCmdsOut {
 	return hive.NewScriptCmds(map[string]script.Cmd{
 		"cgroup/mkdir": cgroupMkdirCmd(root),
-		"policy/maps":  policyMapsCmd(root, pinDir),
+		"policy/maps":  policyMapsCmd(root, pinDir, maps),
 	})
 }
 
@@ -108,7 +125,7 @@ func cgroupMkdirCmd(root cgroups.Root) script.Cmd {
 
 var cgroupIDRE = regexp.MustCompile(`^((?:endpoint \d+|pod tree) cgroup )(\d+)( .*)$`)
 
-func policyMapsCmd(root cgroups.Root, pinDir bpffs.PinDir) script.Cmd {
+func policyMapsCmd(root cgroups.Root, pinDir bpffs.PinDir, maps bpffs.Maps) script.Cmd {
 	return script.Command(
 		script.CmdUsage{
 			Summary: "Print the pinned policy maps as `apiary bpf policy list` does, cgroup IDs as paths below --cgroup-root",
@@ -124,7 +141,7 @@ func policyMapsCmd(root cgroups.Root, pinDir bpffs.PinDir) script.Cmd {
 			if err != nil {
 				return nil, err
 			}
-			eps, entries, err := policy.ReadPinned(string(pinDir))
+			eps, entries, err := policy.ReadMaps(maps, string(pinDir))
 			if err != nil {
 				return nil, err
 			}

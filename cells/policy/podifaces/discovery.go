@@ -1,4 +1,9 @@
-package policy
+// Package podifaces finds the host side of each local pod's veth (through
+// the network namespaces of the processes in its cgroup) and keeps the
+// pod-interfaces table, on which the policy cell reconciles the interface
+// programs and their maps. A pod whose interface cannot be found fails
+// closed. See docs/policy.md#socket-level-and-packet-level.
+package podifaces
 
 import (
 	"cmp"
@@ -24,17 +29,24 @@ import (
 	"github.com/apiary-net/apiary/tables"
 )
 
-// ifaceRescanInterval is how often the interfaces of every pod are looked
+// RescanInterval is how often the interfaces of every pod are looked
 // for again, besides when an endpoint or a host interface changes: a pod's
 // first process may start after both.
-const ifaceRescanInterval = 10 * time.Second
+const RescanInterval = 10 * time.Second
 
-// ifaceFinder is podnet.Finder, or a test's.
-type ifaceFinder interface {
+// Finder finds a pod's veths: podnet.Finder, or a test's.
+type Finder interface {
 	Find(cgroupDir string, addrs []netip.Addr) ([]podnet.HostVeth, error)
 }
 
-// ifaceDiscovery keeps the pod-interfaces table: for each endpoint with a
+// NewDiscovery returns the discovery that keeps interfaces (the table it
+// alone writes) from the endpoints whose cgroups are below root.
+func NewDiscovery(log *slog.Logger, db *statedb.DB, root cgroups.Root, endpoints statedb.Table[*tables.Endpoint],
+	interfaces statedb.RWTable[*tables.PodInterface], finder Finder) *Discovery {
+	return &Discovery{log: log, db: db, root: root, endpoints: endpoints, interfaces: interfaces, finder: finder}
+}
+
+// Discovery keeps the pod-interfaces table: for each endpoint with a
 // cgroup and a network namespace of its own, the host side of its veth.
 //
 // An interface given to a pod stays the pod's until the endpoint is gone
@@ -43,13 +55,13 @@ type ifaceFinder interface {
 // away, so that nothing a pod does in its namespaces (unshare -n, a
 // crafted veth pair) moves enforcement off its interface. An interface
 // held by one pod is never given to another.
-type ifaceDiscovery struct {
+type Discovery struct {
 	log        *slog.Logger
 	db         *statedb.DB
 	root       cgroups.Root
 	endpoints  statedb.Table[*tables.Endpoint]
 	interfaces statedb.RWTable[*tables.PodInterface]
-	finder     ifaceFinder
+	finder     Finder
 
 	// found is what Find returned for each endpoint, by name, when it
 	// found veths, the host's namespace or no process yet: a rescan for a
@@ -89,9 +101,9 @@ type ifaceScan struct {
 	failClosed     map[string]string
 }
 
-// run rescans when the endpoints change, when a host interface comes or
-// goes (a pod's veth), and every ifaceRescanInterval.
-func (d *ifaceDiscovery) run(ctx context.Context, health cell.Health) error {
+// Run rescans when the endpoints change, when a host interface comes or
+// goes (a pod's veth), and every RescanInterval.
+func (d *Discovery) Run(ctx context.Context, health cell.Health) error {
 	links := make(chan netlink.LinkUpdate, 64)
 	linkDone := make(chan struct{})
 	defer close(linkDone)
@@ -106,7 +118,7 @@ func (d *ifaceDiscovery) run(ctx context.Context, health cell.Health) error {
 		d.log.Warn("Cannot follow the host's interfaces; looking for pods' interfaces periodically only", "error", err)
 		linkEvents = nil
 	}
-	ticker := time.NewTicker(ifaceRescanInterval)
+	ticker := time.NewTicker(RescanInterval)
 	defer ticker.Stop()
 	full := true
 	for {
@@ -168,7 +180,7 @@ const failClosedSuffix = "; denied both ways until its interface is found (fail 
 // scan updates the table from the endpoints. full looks for every
 // endpoint's interface again; otherwise only for the endpoints not found
 // before or whose rows changed.
-func (d *ifaceDiscovery) scan(full bool) ifaceScan {
+func (d *Discovery) scan(full bool) ifaceScan {
 	rtxn := d.db.ReadTxn()
 	if full || d.found == nil {
 		d.found = map[string]ifaceFound{}
@@ -286,7 +298,7 @@ func (d *ifaceDiscovery) scan(full bool) ifaceScan {
 // forgetHeld drops the held interfaces of endpoints that are gone (or
 // whose cgroup changed: another pod by the same name) and of interfaces
 // that are gone. An interface that cannot be listed is kept.
-func (d *ifaceDiscovery) forgetHeld(cgroups map[string]uint64) {
+func (d *Discovery) forgetHeld(cgroups map[string]uint64) {
 	for name, h := range d.held {
 		if cg, ok := cgroups[name]; !ok || cg != h.cgroupID {
 			delete(d.held, name)
@@ -316,7 +328,7 @@ func (d *ifaceDiscovery) forgetHeld(cgroups map[string]uint64) {
 
 // give gives row the best of veths no other pod holds, and returns why
 // none could be given ("" when one was).
-func (d *ifaceDiscovery) give(row *tables.PodInterface, veths []podnet.HostVeth, owner map[int]string) string {
+func (d *Discovery) give(row *tables.PodInterface, veths []podnet.HostVeth, owner map[int]string) string {
 	var taken []string
 	for _, v := range veths {
 		if o := owner[v.Ifindex]; o != "" && o != row.Name {
@@ -334,7 +346,7 @@ func (d *ifaceDiscovery) give(row *tables.PodInterface, veths []podnet.HostVeth,
 // noteDisagreement logs, once, that Find says other than an endpoint's
 // held interface: the pod changed its namespaces (or the interface went
 // and the link event is on its way). The held interface stays.
-func (d *ifaceDiscovery) noteDisagreement(name string, h heldIface, f ifaceFound, failErr string) {
+func (d *Discovery) noteDisagreement(name string, h heldIface, f ifaceFound, failErr string) {
 	var says string
 	switch {
 	case failErr != "":
@@ -357,7 +369,7 @@ func (d *ifaceDiscovery) noteDisagreement(name string, h heldIface, f ifaceFound
 }
 
 // write makes the table what want says.
-func (d *ifaceDiscovery) write(want map[string]*tables.PodInterface) {
+func (d *Discovery) write(want map[string]*tables.PodInterface) {
 	wtxn := d.db.WriteTxn(d.interfaces)
 	defer wtxn.Abort()
 	for old := range d.interfaces.All(wtxn) {
