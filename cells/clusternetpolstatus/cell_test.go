@@ -2,6 +2,7 @@ package clusternetpolstatus_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"github.com/cilium/hive/hivetest"
 	"github.com/cilium/statedb"
 	"github.com/spf13/pflag"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -216,4 +218,36 @@ ingress:
 		t.Fatal(err)
 	}
 	a.waitCondition(t, "b", "True", clusternetpolstatus.ReasonEnforced, "enforced")
+}
+
+// A status write the API server refuses is shown in the table with the
+// error and retried until it is written.
+func TestConditionWriteRefused(t *testing.T) {
+	a := startAgent(t)
+	refuse := make(chan struct{})
+	a.fake.Dynamic.Fake().PrependReactor("update", "clusternetworkpolicies", func(action k8stesting.Action) (bool, runtime.Object, error) {
+		select {
+		case <-refuse:
+			return false, nil, nil
+		default:
+		}
+		if action.GetSubresource() == "status" {
+			return true, nil, apierrors.NewForbidden(gvr.GroupResource(), "a", errors.New("no RBAC"))
+		}
+		return false, nil, nil
+	})
+	if _, err := a.fake.Dynamic.Resource(gvr).Create(context.Background(), policyObject(t, "a", valid), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	written := func(want string) {
+		t.Helper()
+		testenv.Eventually(t, 15*time.Second, "Written "+want, func() (bool, string) {
+			row, _, found := a.status.Get(a.db.ReadTxn(), tables.ClusterNetpolStatusNameIndex.Query("clusternetpol/a"))
+			return found && strings.Contains(row.Written, want), fmt.Sprintf("%+v", row)
+		})
+	}
+	written("forbidden")
+	close(refuse)
+	written(clusternetpolstatus.WrittenYes)
+	a.waitCondition(t, "a", "True", clusternetpolstatus.ReasonEnforced, "enforced")
 }
