@@ -3,6 +3,7 @@ package main
 import (
 	"github.com/cilium/hive/cell"
 
+	"github.com/apiary-net/apiary/cells/clusternetpolstatus"
 	"github.com/apiary-net/apiary/cells/clusternodes"
 	"github.com/apiary-net/apiary/cells/cnichain"
 	"github.com/apiary-net/apiary/cells/ct"
@@ -39,6 +40,8 @@ var ControlPlane = cell.Group(
 	// Node objects: the nodes table, other nodes' addresses → reserved:remote-node
 	clusternodes.Cell,
 	selectors.Cell, // CiliumNetworkPolicies: policies, selectors, policy CIDR prefixes
+	// ClusterNetworkPolicies' status conditions (Ready-On-Node-<node>) → the objects, clusternetpol-status
+	clusternetpolstatus.Cell,
 	fqdn.Cell,      // DNS proxy: addresses of names FQDN selectors match → prefixes (fqdn-names)
 	endpoints.Cell, // pods: security labels of pod IPs, endpoints of this node, their cgroups
 	policy.Cell,    // policy enforcement: per-endpoint entries → policy maps, cgroup programs (--enable-policy)

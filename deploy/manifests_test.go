@@ -26,6 +26,7 @@ import (
 
 	"github.com/apiary-net/apiary/apis/v1alpha1"
 	"github.com/apiary-net/apiary/cells/api"
+	"github.com/apiary-net/apiary/cells/clusternetpolstatus"
 	"github.com/apiary-net/apiary/cells/cnichain"
 	"github.com/apiary-net/apiary/cells/core"
 	"github.com/apiary-net/apiary/cells/endpoints"
@@ -287,6 +288,8 @@ func TestAgentRBAC(t *testing.T) {
 	need = append(need, informer(selectors.CCNPKind)...)
 	need = append(need, informer(selectors.NetworkPolicyKind)...)
 	need = append(need, informer(selectors.ClusterNetpolKind)...)
+	need = append(need, kindGrants(selectors.ClusterNetpolGroupVersion.Group, "clusternetworkpolicies", clusternetpolstatus.ObjectVerbs)...)
+	need = append(need, kindGrants(selectors.ClusterNetpolGroupVersion.Group, clusternetpolstatus.StatusResource, clusternetpolstatus.StatusVerbs)...)
 	need = append(need, informer(v1alpha1.IdentityKind)...)
 	need = append(need, kindGrants(v1alpha1.GroupVersion.Group, v1alpha1.IdentityResource, v1alpha1.AgentReadVerbs)...)
 	need = append(need, kindGrants(v1alpha1.GroupVersion.Group, v1alpha1.IdentityResource, v1alpha1.AgentWriteVerbs)...)

@@ -23,7 +23,16 @@ const (
 	// the API matches cluster traffic against networks too, so those pods
 	// are told apart from their workload's others by identity.
 	SourcePodNet = "podnet"
+	// SourceNodes labels the addresses of the nodes a ClusterNetworkPolicy
+	// nodes peer selects: "nodes:{<selector>}" (see NodesLabel).
+	SourceNodes = "nodes"
 )
+
+// NodesLabel returns the label of the nodes a nodes peer with the given
+// canonical selector text selects: "nodes:{<selector>}". The braces keep
+// it from ever reading as a pod label's key (no label key holds '{'), so
+// pod selectors never select it.
+func NodesLabel(selector string) string { return SourceNodes + ":{" + selector + "}" }
 
 // Reserved labels.
 const (

@@ -1,7 +1,9 @@
 package tables
 
 import (
+	"maps"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"github.com/cilium/statedb"
@@ -28,14 +30,24 @@ type Node struct {
 	// its addresses or addresses in its pod CIDRs (left out of Addresses,
 	// not remote-node), pod CIDRs overlapping its own.
 	Conflicts []string `json:"conflicts,omitempty" yaml:"conflicts,omitempty"`
+	// Labels are the Node object's labels, which ClusterNetworkPolicy
+	// nodes peers select by.
+	Labels map[string]string `json:"labels,omitempty" yaml:"labels,omitempty"`
 }
 
 // RemoteNodeOwner returns the prefixes owner of a remote node's addresses,
 // "remote-node/<name>".
 func RemoteNodeOwner(name string) string { return "remote-node/" + name }
 
+// NodesPeerOwner returns the prefixes owner of the nodes: labels a remote
+// node's addresses get from the ClusterNetworkPolicy nodes peers that
+// select it, "nodes-peer/<name>".
+func NodesPeerOwner(name string) string { return "nodes-peer/" + name }
+
 // TableHeader implements statedb.TableWritable.
-func (*Node) TableHeader() []string { return []string{"Name", "Local", "Addresses", "Conflicts"} }
+func (*Node) TableHeader() []string {
+	return []string{"Name", "Local", "Addresses", "Conflicts", "Labels"}
+}
 
 // TableRow implements statedb.TableWritable.
 func (n *Node) TableRow() []string {
@@ -47,7 +59,11 @@ func (n *Node) TableRow() []string {
 	if n.Local {
 		local = "yes"
 	}
-	return []string{n.Name, local, strings.Join(addrs, ", "), strings.Join(n.Conflicts, "; ")}
+	labels := make([]string, 0, len(n.Labels))
+	for _, k := range slices.Sorted(maps.Keys(n.Labels)) {
+		labels = append(labels, k+"="+n.Labels[k])
+	}
+	return []string{n.Name, local, strings.Join(addrs, ", "), strings.Join(n.Conflicts, "; "), strings.Join(labels, ", ")}
 }
 
 // NodeNameIndex is the primary index of the nodes table.

@@ -41,6 +41,12 @@ type Policy struct {
 	// Audit is set by the annotation apiary.io/audit: "true": what only
 	// this policy denies is let through and reported as audited.
 	Audit bool `json:"audit,omitempty" yaml:"audit,omitempty"`
+	// SelectedLabelKeys are the pod label keys the policy's pod selectors
+	// name where the API promises selection by every label of a pod
+	// (ClusterNetworkPolicy): the pods' identities carry labels of these
+	// keys whatever the identity label filter says (cells/endpoints), so
+	// that a selector on statefulset.kubernetes.io/pod-name selects.
+	SelectedLabelKeys []string `json:"selectedLabelKeys,omitempty" yaml:"selectedLabelKeys,omitempty"`
 	// Status is "OK" or "Error".
 	Status string `json:"status" yaml:"status"`
 	// Error says what is wrong with an invalid policy; the valid rules of
@@ -229,7 +235,10 @@ type PolicyRule struct {
 	// DNS are the names (cells/fqdn/pattern syntax, normalized) the DNS
 	// rules of an egress allow rule's ports let the endpoint look up; "*"
 	// for a DNS rule with an empty list. Empty: the rule has no DNS rule.
-	// An endpoint with one has its DNS intercepted by the DNS proxy.
+	// An endpoint with one has its DNS intercepted by the DNS proxy. A
+	// tiered rule's DNS (a ClusterNetworkPolicy domainNames peer) only
+	// asks for that interception: it allows no name of its own, and
+	// every name where no other rule has DNS rules.
 	DNS []string `json:"dns,omitempty" yaml:"dns,omitempty"`
 	// Tier is "" for NetworkPolicy and CNP rules, TierAdmin or
 	// TierBaseline for a ClusterNetworkPolicy's; a tiered rule's Deny is

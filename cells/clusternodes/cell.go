@@ -167,7 +167,7 @@ func addresses(n *corev1.Node, ipv6 bool) []netip.Addr {
 func (c *controller) upsert(n *corev1.Node) error {
 	if n.Name == c.Node.NodeName {
 		c.local = n
-		if err := c.insertRow(&tables.Node{Name: n.Name, Local: true, Addresses: addresses(n, c.Node.EnableIPv6)}); err != nil {
+		if err := c.insertRow(&tables.Node{Name: n.Name, Local: true, Addresses: addresses(n, c.Node.EnableIPv6), Labels: maps.Clone(n.Labels)}); err != nil {
 			return err
 		}
 		// What this node owns may have changed: judge the others again.
@@ -219,7 +219,7 @@ func (c *controller) upsertRemote(n *corev1.Node) error {
 	if len(addrs) == 0 && len(conflicts) == 0 {
 		c.Log.Warn("Node has no InternalIP or ExternalIP address: its host is not known as remote-node", "node", n.Name)
 	}
-	return c.insertRow(&tables.Node{Name: n.Name, Addresses: addrs, Conflicts: conflicts})
+	return c.insertRow(&tables.Node{Name: n.Name, Addresses: addrs, Conflicts: conflicts, Labels: maps.Clone(n.Labels)})
 }
 
 // ownedHere says why a is this node's ("" when it is not): one of its

@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -33,6 +34,7 @@ import (
 	"github.com/apiary-net/apiary/cells/ipcache"
 	"github.com/apiary-net/apiary/cells/k8s"
 	"github.com/apiary-net/apiary/cells/node"
+	"github.com/apiary-net/apiary/cells/selectors"
 	"github.com/apiary-net/apiary/internal/wake"
 	"github.com/apiary-net/apiary/tables"
 )
@@ -71,6 +73,13 @@ func (def Config) Flags(fs *pflag.FlagSet) {
 // SecurityLabels returns the security labels of pod in a namespace with
 // the labels nsLabels: those filter keeps.
 func SecurityLabels(pod *corev1.Pod, nsLabels map[string]string, filter *LabelFilter) tables.Labels {
+	return SelectableLabels(pod, nsLabels, filter, nil)
+}
+
+// SelectableLabels is SecurityLabels with, besides, the pod's labels of
+// the keys in selected whatever the filter says: the keys policies whose
+// API selects pods by every label name (tables.Policy.SelectedLabelKeys).
+func SelectableLabels(pod *corev1.Pod, nsLabels map[string]string, filter *LabelFilter, selected map[string]struct{}) tables.Labels {
 	out := make([]string, 0, len(pod.Labels)+len(nsLabels)+1)
 	add := func(key, value string) {
 		if filter.Keep(tables.SourceK8s, key) {
@@ -78,6 +87,10 @@ func SecurityLabels(pod *corev1.Pod, nsLabels map[string]string, filter *LabelFi
 		}
 	}
 	for k, v := range pod.Labels {
+		if _, ok := selected[k]; ok && !filter.Keep(tables.SourceK8s, k) {
+			out = append(out, tables.SourceK8s+":"+k+"="+v)
+			continue
+		}
 		add(k, v)
 	}
 	for k, v := range nsLabels {
@@ -140,6 +153,13 @@ type controllerParams struct {
 	Prefixes   ipcache.Prefixes
 	Pods       k8s.Resource[*corev1.Pod]
 	Namespaces k8s.Resource[*corev1.Namespace]
+	// Policies name the pod label keys identities must carry whatever
+	// the label filter says (tables.Policy.SelectedLabelKeys); absent,
+	// none.
+	Policies statedb.Table[*tables.Policy] `optional:"true"`
+	// PoliciesSynced is waited for before the pods are labelled, so that
+	// their first identities carry the keys policies select by.
+	PoliciesSynced *selectors.PoliciesSynced `optional:"true"`
 }
 
 type podState struct {
@@ -161,6 +181,9 @@ type controller struct {
 
 	// filter decides which labels make identities (--identity-labels).
 	filter *LabelFilter
+	// selected are the pod label keys policies select by that identities
+	// carry although the filter leaves them out (see SelectableLabels).
+	selected map[string]struct{}
 
 	// markInitialized marks the endpoints table initialized.
 	markInitialized func(statedb.WriteTxn)
@@ -244,7 +267,20 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 	defer recheck.Stop()
 	recheck.Stop()
 	c.ensureRoot(c.now())
+	if c.PoliciesSynced != nil {
+		// Pods labelled before the policies are known would get an
+		// identity without the labels policies select by, then another:
+		// a moment in which a Deny selecting by such a label misses.
+		select {
+		case <-c.PoliciesSynced.Done():
+		case <-ctx.Done():
+			return nil
+		}
+	}
 	for {
+		// A change of the pod label keys policies select by relabels
+		// pods, flushed with the rest.
+		policiesWatch := c.updateSelected(c.DB.ReadTxn())
 		if err := c.flush(); err != nil {
 			return err
 		}
@@ -274,6 +310,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 				ipcacheWatch, stopWait = wake.Either(ipcacheWatch, ipcacheInitWatch)
 			}
 		}
+		ipcacheWatch, stopPolicies := wake.Either(ipcacheWatch, policiesWatch)
 		msg := fmt.Sprintf("%d pods, %d on this node", len(c.pods), c.local) + c.cgroupHealth()
 		if problems := c.problems(); problems != "" {
 			h.Degraded(msg+"; "+problems, errors.New(problems))
@@ -290,6 +327,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		// recheck to be due.
 		ok := receive(ctx, ipcacheWatch, recheck.C, pods, onPod, namespaces, onNamespace)
 		stopWait()
+		stopPolicies()
 		if !ok {
 			return nil
 		}
@@ -346,7 +384,7 @@ func (c *controller) podChanged(ev k8s.Event[*corev1.Pod]) {
 	}
 	s := &podState{
 		pod: ev.Object, ips: podIPs(ev.Object),
-		labels: SecurityLabels(ev.Object, c.nsLabels[ev.Key.Namespace], c.filter),
+		labels: SelectableLabels(ev.Object, c.nsLabels[ev.Key.Namespace], c.filter, c.selected),
 		uid:    string(ev.Object.UID),
 	}
 	if old != nil {
@@ -380,14 +418,49 @@ func (c *controller) namespaceChanged(ev k8s.Event[*corev1.Namespace]) {
 		if key.Namespace != ns {
 			continue
 		}
-		s := *old
-		s.labels = SecurityLabels(old.pod, c.nsLabels[ns], c.filter)
-		c.pods[key] = &s
-		if c.isLocal(&s) {
-			c.dirty[key] = struct{}{}
-		}
-		c.relabel(key, old, &s)
+		c.relabelPod(key, old)
 	}
+}
+
+// relabelPod recomputes the labels of the pod key, whose state is old.
+func (c *controller) relabelPod(key k8s.Key, old *podState) {
+	s := *old
+	s.labels = SelectableLabels(old.pod, c.nsLabels[key.Namespace], c.filter, c.selected)
+	if s.labels.Equal(old.labels) {
+		return
+	}
+	c.pods[key] = &s
+	if c.isLocal(&s) {
+		c.dirty[key] = struct{}{}
+	}
+	c.relabel(key, old, &s)
+}
+
+// updateSelected takes the pod label keys the policies select by
+// (tables.Policy.SelectedLabelKeys) and relabels the pods when the keys
+// the filter leaves out among them changed. It returns a channel closed
+// when the policies change.
+func (c *controller) updateSelected(rtxn statedb.ReadTxn) <-chan struct{} {
+	if c.Policies == nil {
+		return nil
+	}
+	rows, watch := c.Policies.AllWatch(rtxn)
+	selected := map[string]struct{}{}
+	for row := range rows {
+		for _, k := range row.SelectedLabelKeys {
+			if !c.filter.Keep(tables.SourceK8s, k) {
+				selected[k] = struct{}{}
+			}
+		}
+	}
+	if maps.Equal(selected, c.selected) {
+		return watch
+	}
+	c.selected = selected
+	for key, old := range c.pods {
+		c.relabelPod(key, old)
+	}
+	return watch
 }
 
 // relabel queues the prefix changes from old to new (either may be nil):

@@ -71,6 +71,9 @@ func TestAcquire(t *testing.T) {
 		{"cidr is local", []string{"cidr:10.0.0.0/8", "reserved:world"}, MinLocal},
 		{"fqdn is local", []string{"fqdn:*.example.com", "reserved:world"}, MinLocal},
 		{"workload is cluster", []string{"k8s:app=web"}, MinCluster},
+		{"remote-node alone", []string{"reserved:remote-node"}, IDRemoteNode},
+		{"remote-node a nodes peer selects is local", []string{"nodes:{role=db}", "reserved:remote-node"}, MinLocal},
+		{"host a nodes peer selects stays 1", []string{"nodes:{role=db}", "reserved:host"}, IDHost},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a := newTestAllocator(t)

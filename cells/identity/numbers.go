@@ -2,6 +2,7 @@ package identity
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/cilium/hive/cell"
 
@@ -85,9 +86,17 @@ func ReservedFor(l tables.Labels) (uint32, bool) {
 		{tables.LabelInit, IDInit},
 		{tables.LabelUnmanaged, IDUnmanaged},
 	} {
-		if l.Has(r.label) {
-			return r.id, true
+		if !l.Has(r.label) {
+			continue
 		}
+		// A remote node that ClusterNetworkPolicy nodes peers select
+		// (nodes: labels) gets an identity of its own label set, so that
+		// the peer selects it and not every remote node; it keeps
+		// reserved:remote-node, which the remote-node entity selects.
+		if r.id == IDRemoteNode && hasSource(l, tables.SourceNodes) {
+			return 0, false
+		}
+		return r.id, true
 	}
 	if len(l) == 1 {
 		switch l[0] {
@@ -102,13 +111,23 @@ func ReservedFor(l tables.Labels) (uint32, bool) {
 	return 0, false
 }
 
+// hasSource reports whether l holds a label of source src.
+func hasSource(l tables.Labels, src string) bool {
+	for _, s := range l {
+		if strings.HasPrefix(s, src+":") {
+			return true
+		}
+	}
+	return false
+}
+
 // ScopeOf returns the scope of the identity of a label set that has no
-// reserved identity: local when every label comes from cidr:, fqdn: or
-// reserved:, cluster otherwise (a workload's labels).
+// reserved identity: local when every label comes from cidr:, fqdn:,
+// nodes: or reserved:, cluster otherwise (a workload's labels).
 func ScopeOf(l tables.Labels) tables.IdentityScope {
 	for _, s := range l {
 		switch src, _, _, _ := tables.SplitLabel(s); src {
-		case tables.SourceCIDR, tables.SourceFQDN, tables.SourceReserved:
+		case tables.SourceCIDR, tables.SourceFQDN, tables.SourceReserved, tables.SourceNodes:
 		default:
 			return tables.ScopeCluster
 		}

@@ -265,6 +265,10 @@ type controllerParams struct {
 	// Interfaces are the pod-interfaces rows: a pod whose interface
 	// cannot be found is denied (FailClosed).
 	Interfaces statedb.RWTable[*tables.PodInterface]
+	// FQDN says whether the DNS proxy intercepts, which a
+	// ClusterNetworkPolicy domainNames rule needs; absent (no fqdn
+	// cell), it does not.
+	FQDN fqdn.Config `optional:"true"`
 }
 
 func registerController(p controllerParams) error {

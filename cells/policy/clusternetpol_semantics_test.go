@@ -169,3 +169,42 @@ ingress: [{fromEntities: [all], toPorts: [{ports: [{port: "80", protocol: TCP}, 
 		}
 	}
 }
+
+// A domainNames rule gets its subjects' DNS intercepted, so that the
+// proxy labels the names' addresses, without allowing a name: a pod
+// whose CNP has DNS rules keeps exactly their names; a pod without any
+// may look up every name ("*", as without interception).
+func TestClusterNetworkPolicyDomainNamesDNS(t *testing.T) {
+	dnsRule := cnp("beta", "dns", `endpointSelector: {matchLabels: {app: web}}
+egress: [{toEndpoints: [{}], toPorts: [{ports: [{port: "53", protocol: ANY}], rules: {dns: [{matchPattern: "*.allowed.com"}]}}]}]`)
+	names := clusterNetpolDoc("names", "Admin", 1, `subject: {namespaces: {matchLabels: {kubernetes.io/metadata.name: beta}}}
+egress: [{action: Accept, to: [{domainNames: ["*.example.com"]}]}]`)
+	c := baseCluster(dnsRule, names)
+	m := newAgentModel(t, c.localhost)
+	m.eng.dnsProxy = true
+	m.apply(c)
+	for _, tc := range []struct {
+		ep   string
+		want []tables.DNSRule
+	}{
+		{"beta/web", []tables.DNSRule{{Pattern: "*.allowed.com", Policy: "cnp/beta/dns"}}},
+		{"beta/server", []tables.DNSRule{{Pattern: "*", Policy: "clusternetpol/names"}}},
+		{"alpha/web", nil},
+	} {
+		ep := m.out.endpoints[tc.ep]
+		if ep == nil {
+			t.Fatalf("no endpoint %s", tc.ep)
+		}
+		if fmt.Sprint(ep.DNS) != fmt.Sprint(tc.want) {
+			t.Errorf("%s: DNS %v, want %v", tc.ep, ep.DNS, tc.want)
+		}
+	}
+	// Without a proxy that intercepts, the rule intercepts nothing (the
+	// subject's DNS would be denied): it matches nothing, as the API's
+	// fail closed of an Accept rule.
+	m = newAgentModel(t, c.localhost)
+	m.apply(c)
+	if ep := m.out.endpoints["beta/server"]; ep == nil || len(ep.DNS) != 0 {
+		t.Errorf("beta/server without a proxy: %+v, want no DNS rules", ep)
+	}
+}

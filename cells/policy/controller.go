@@ -76,6 +76,7 @@ func (c *controller) run(ctx context.Context, health cell.Health) error {
 	eng.denyPending = c.Config.UnclassifiedPods == UnclassifiedDeny
 	trees := newPodTrees(c)
 	eng.allowLocalhost = c.Config.AllowLocalhost == LocalhostAlways
+	eng.dnsProxy = c.FQDN.DNSProxyAddr != "" && c.FQDN.DNSIntercept
 
 	wtxn := c.DB.WriteTxn(c.Policies, c.Selectors, c.Endpoints)
 	policies, err := c.Policies.Changes(wtxn)

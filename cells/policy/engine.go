@@ -240,6 +240,12 @@ type engine struct {
 	// allowLocalhost: the host may reach every endpoint in ingress
 	// (--allow-localhost=always).
 	allowLocalhost bool
+	// dnsProxy: the DNS proxy intercepts (--dns-proxy-addr set,
+	// --dns-intercept). Without it a ClusterNetworkPolicy domainNames
+	// rule does not intercept its subjects' DNS, which would then be
+	// denied: the rule matches nothing, as the API's fail closed of an
+	// Accept rule says.
+	dnsProxy bool
 
 	specs     map[string][]tables.PolicySpec // by policy
 	audited   map[string]bool                // policies whose denies are audited
@@ -729,6 +735,9 @@ func (e *engine) recompute(ep *endpoint) {
 		}
 	}
 	var shared [2][]sharedPeer
+	// interceptBy is the first policy whose domainNames rule wants the
+	// endpoint's DNS intercepted.
+	interceptBy := ""
 	for _, s := range selected {
 		for i := range s.spec.Rules {
 			pr := &s.spec.Rules[i]
@@ -747,7 +756,14 @@ func (e *engine) recompute(ep *endpoint) {
 				}
 				ep.ambiguous = append(ep.ambiguous, policyWarning{s.policy, where + ": " + a})
 			}
-			if dir == dirEgress && !pr.Deny && !pr.Pass {
+			if dir == dirEgress && !pr.Deny && !pr.Pass && pr.Tier != "" && len(pr.DNS) > 0 {
+				// A ClusterNetworkPolicy domainNames rule needs the
+				// endpoint's DNS seen, not a name allowed: it must not
+				// widen the names other policies' DNS rules allow.
+				if interceptBy == "" && e.dnsProxy {
+					interceptBy = s.policy
+				}
+			} else if dir == dirEgress && !pr.Deny && !pr.Pass {
 				for _, n := range pr.DNS {
 					if !slices.ContainsFunc(ep.dns, func(r tables.DNSRule) bool { return r.Pattern == n }) {
 						ep.dns = append(ep.dns, tables.DNSRule{Pattern: n, Policy: s.policy})
@@ -797,6 +813,11 @@ func (e *engine) recompute(ep *endpoint) {
 				}
 			}
 		}
+	}
+	if len(ep.dns) == 0 && interceptBy != "" {
+		// Only domainNames rules: intercepted, every name allowed, as
+		// without interception.
+		ep.dns = []tables.DNSRule{{Pattern: "*", Policy: interceptBy}}
 	}
 	slices.SortFunc(ep.dns, func(a, b tables.DNSRule) int { return strings.Compare(a.Pattern, b.Pattern) })
 	for dir, peers := range shared {

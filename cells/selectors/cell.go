@@ -15,6 +15,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/cilium/hive/cell"
 	"github.com/cilium/hive/job"
@@ -52,9 +53,27 @@ var Cell = cell.Module(
 		func(p k8s.ResourceParams) k8s.Resource[*ClusterNetworkPolicy] {
 			return k8s.NewResource(p, ClusterNetpolKind)
 		},
+		newPoliciesSynced,
 	),
 	cell.Invoke(registerController),
 )
+
+// PoliciesSynced says when the policies table holds the rows of every
+// policy the sources had at start (before the table is initialized,
+// which waits for the ipcache). The endpoints cell waits for it before
+// labelling pods, so that a pod's first identity already carries the
+// labels policies select by (tables.Policy.SelectedLabelKeys).
+type PoliciesSynced struct {
+	ch   chan struct{}
+	once sync.Once
+}
+
+func newPoliciesSynced() *PoliciesSynced { return &PoliciesSynced{ch: make(chan struct{})} }
+
+// Done is closed once the policies have synced.
+func (s *PoliciesSynced) Done() <-chan struct{} { return s.ch }
+
+func (s *PoliciesSynced) mark() { s.once.Do(func() { close(s.ch) }) }
 
 // OwnerPolicy owns the prefixes named by policies.
 const OwnerPolicy = "policy"
@@ -77,6 +96,12 @@ type controllerParams struct {
 	NetPols    k8s.Resource[*networkingv1.NetworkPolicy]
 	// ClusterNetpols are policy.networking.k8s.io ClusterNetworkPolicies.
 	ClusterNetpols k8s.Resource[*ClusterNetworkPolicy]
+	// Synced is marked once the policies of every source are written.
+	Synced *PoliciesSynced
+	// NodesTable are the cluster's nodes with their labels
+	// (cells/clusternodes), which ClusterNetworkPolicy nodes peers
+	// select; absent, nodes peers select nothing.
+	NodesTable statedb.Table[*tables.Node] `optional:"true"`
 }
 
 type controller struct {
@@ -86,6 +111,9 @@ type controller struct {
 	markPolicies, markSelectors func(statedb.WriteTxn)
 
 	cache *selectorCache
+	// nodePeers are the ClusterNetworkPolicy nodes peers and what they
+	// labelled.
+	nodePeers *nodePeers
 	// endpointFQDN keeps the selectors of one endpoint's FQDN labels.
 	endpointFQDN *endpointFQDN
 	policies     map[string]*parsedPolicy
@@ -97,6 +125,8 @@ type controller struct {
 	// podNetRefs counts the policies naming each prefix as a
 	// ClusterNetworkPolicy networks peer (each also in cidrRefs).
 	podNetRefs map[netip.Prefix]int
+	// nodesRev is the nodes table's revision nodePeers last saw.
+	nodesRev uint64
 	// dirtyPolicies and dirtyCIDRs changed since the last flush.
 	dirtyPolicies map[string]struct{}
 	dirtyCIDRs    map[netip.Prefix]struct{}
@@ -109,6 +139,7 @@ func registerController(p controllerParams) error {
 	c := &controller{
 		controllerParams: p,
 		cache:            newSelectorCache(),
+		nodePeers:        newNodePeers(),
 		endpointFQDN:     newEndpointFQDN(),
 		policies:         map[string]*parsedPolicy{},
 		invalid:          map[string]struct{}{},
@@ -180,13 +211,25 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			c.setPolicy(name, parseNetworkPolicy(name, ev.Object).withAudit(ev.Object.Annotations))
 		}
 	})
+	// clusterNetpolSeen are the inputs of each ClusterNetworkPolicy last
+	// parsed: an update that changes neither (the status conditions
+	// written back, cells/clusternetpolstatus) is no change of the
+	// policy, and must not rewrite its row and wake the policy
+	// computation.
+	clusterNetpolSeen := map[string]clusterNetpolInput{}
 	onClusterNetpol := k8s.TrackSync(&clusterNetpolSynced, func(ev k8s.Event[*ClusterNetworkPolicy]) {
 		name := ClusterNetpolPrefix + ev.Key.String()
 		if ev.Kind == k8s.Delete {
+			delete(clusterNetpolSeen, name)
 			c.setPolicy(name, nil)
-		} else {
-			c.setPolicy(name, parseClusterNetpol(name, ev.Object).withAudit(ev.Object.Annotations))
+			return
 		}
+		in := clusterNetpolInputOf(ev.Object)
+		if old, ok := clusterNetpolSeen[name]; ok && old.equal(in) {
+			return
+		}
+		clusterNetpolSeen[name] = in
+		c.setPolicy(name, parseClusterNetpol(name, ev.Object).withAudit(ev.Object.Annotations))
 	})
 	tablesInit := false
 	for {
@@ -195,12 +238,34 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		seq, idWatch := idChanges.Next(rtxn)
 		for change := range seq {
 			if change.Deleted {
+				if change.Object.ID == hostIdentity {
+					c.nodePeers.hostBase = nil
+				}
 				c.cache.deleteIdentity(change.Object.ID)
 				c.endpointFQDN.update(c.cache, change.Object.ID, nil)
 			} else {
-				c.cache.upsertIdentity(change.Object.ID, change.Object.Labels)
+				labels := change.Object.Labels
+				if change.Object.ID == hostIdentity {
+					// The host carries the nodes: labels of the nodes
+					// peers selecting this node (see flushNodes).
+					c.nodePeers.hostBase = labels
+					labels = c.nodePeers.hostIdentityLabels()
+				}
+				c.cache.upsertIdentity(change.Object.ID, labels)
 				c.endpointFQDN.update(c.cache, change.Object.ID, change.Object.Labels)
 			}
+		}
+		var nodesWatch <-chan struct{}
+		if c.NodesTable != nil {
+			var nodesRev uint64
+			nodesRev = c.NodesTable.Revision(rtxn)
+			if nodesRev != c.nodesRev || c.nodePeers.dirty {
+				c.nodesRev = nodesRev
+				if err := c.flushNodes(rtxn); err != nil {
+					return err
+				}
+			}
+			_, nodesWatch = c.NodesTable.AllWatch(rtxn)
 		}
 		if err := c.flush(); err != nil {
 			return err
@@ -209,6 +274,7 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 		if !initDone && cnpSynced && ccnpSynced && netpolSynced && clusterNetpolSynced {
 			initDone = true
 			synced()
+			c.Synced.mark()
 		}
 		// The selectors are complete once the policies have synced and
 		// every identity the ipcache had when it was initialized (so
@@ -226,9 +292,12 @@ func (c *controller) run(ctx context.Context, h cell.Health, synced func()) erro
 			}
 		}
 
-		// Apply a batch of policy events, or wait for identities.
+		// Apply a batch of policy events, or wait for identities or
+		// nodes.
+		idWatch, stopNodes := wake.Either(idWatch, nodesWatch)
 		_, ok := k8s.ReceiveBatch4(ctx, idWatch, maxBatch, cnps, onCNP, ccnps, onCCNP, netpols, onNetpol, clusterNetpols, onClusterNetpol)
 		stopWait()
+		stopNodes()
 		if !ok {
 			return nil // the context ended
 		}
@@ -250,6 +319,9 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 	if old, ok := c.policies[name]; ok {
 		for _, s := range old.selectors() {
 			c.cache.removeUser(s.String(), name)
+		}
+		if old.err == nil {
+			c.nodePeers.release(old)
 		}
 		for _, pfx := range old.cidrs {
 			c.cidrRefs[pfx]--
@@ -285,6 +357,7 @@ func (c *controller) setPolicy(name string, p *parsedPolicy) {
 	for _, s := range p.selectors() {
 		c.cache.addUser(s, name)
 	}
+	c.nodePeers.acquire(p)
 	for _, pfx := range p.cidrs {
 		c.cidrRefs[pfx]++
 		c.dirtyCIDRs[pfx] = struct{}{}
@@ -503,7 +576,8 @@ func (c *controller) writeRows(writes []rowWrite) error {
 // policyRow is the policies row of p; failClosed says whether an invalid
 // policy's fail-closed specs are enforced.
 func policyRow(name string, p *parsedPolicy, failClosed bool) *tables.Policy {
-	row := &tables.Policy{Name: name, Status: tables.PolicyOK, Subjects: []string{}, Peers: []string{}, Audit: p.audit}
+	row := &tables.Policy{Name: name, Status: tables.PolicyOK, Subjects: []string{}, Peers: []string{}, Audit: p.audit,
+		SelectedLabelKeys: p.labelKeys}
 	if p.err != nil {
 		row.Status, row.Error = tables.PolicyError, p.errorText()
 		row.Specs, row.FailClosed = p.failClosed, failClosed && len(p.failClosed) > 0

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"reflect"
+	"regexp"
 	"slices"
 	"strings"
 
@@ -175,6 +177,22 @@ var ClusterNetpolKind = k8s.Kind[*ClusterNetworkPolicy]{
 	},
 }
 
+// clusterNetpolInput is what the parse of a ClusterNetworkPolicy depends
+// on: its spec (with what strict decoding found) and its annotations.
+type clusterNetpolInput struct {
+	spec        ClusterNetworkPolicySpec
+	specErr     string
+	annotations map[string]string
+}
+
+func clusterNetpolInputOf(p *ClusterNetworkPolicy) clusterNetpolInput {
+	return clusterNetpolInput{spec: p.Spec, specErr: p.specErr, annotations: p.Annotations}
+}
+
+func (a clusterNetpolInput) equal(b clusterNetpolInput) bool {
+	return a.specErr == b.specErr && maps.Equal(a.annotations, b.annotations) && reflect.DeepEqual(a.spec, b.spec)
+}
+
 // ParseClusterNetworkPolicy parses a ClusterNetworkPolicy as the cell
 // does; the error says why it is invalid.
 func ParseClusterNetworkPolicy(p *ClusterNetworkPolicy) (Parsed, error) {
@@ -199,14 +217,15 @@ const (
 // The policy does not put its subject into default deny
 // (enableDefaultDeny: false).
 //
-// nodes and domainNames peers are not implemented: such a policy is
-// invalid and fails closed, its subjects denied in the directions it has
-// rules in, so that a policy apiary cannot enforce never leaves open what
-// it meant to close.
+// What apiary cannot enforce exactly makes the policy invalid, and it
+// fails closed, its subjects denied in the directions it has rules in,
+// so that a policy apiary cannot enforce never leaves open what it meant
+// to close.
 //
 // Subjects and peers select pods (never host-network ones, which have the
 // host's identity): namespaces by their labels, pods by theirs and their
-// namespace's. A networks peer is a CIDR selector.
+// namespace's. A networks peer is a CIDR selector, a nodes peer a
+// NodePeer, a domainNames entry an FQDN selector (ParseDomainName).
 func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 	p := &parsedPolicy{name: name}
 	pp := &policyParser{
@@ -254,6 +273,7 @@ func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 		path := fmt.Sprintf("spec.egress[%d]", i)
 		ps.Rules = append(ps.Rules, tiered(pp.clusterNetpolRule(path, tables.DirEgress, "to", r.Action, r.To, r.Protocols), i, r.Name, tables.DirEgress))
 	}
+	p.labelKeys = clusterNetpolLabelKeys(spec)
 	p.subjects = sortedSelectors(pp.subjects)
 	if len(pp.errs) > 0 {
 		p.err = errors.Join(pp.errs...)
@@ -271,6 +291,41 @@ func parseClusterNetpol(name string, cnp *ClusterNetworkPolicy) *parsedPolicy {
 		return strings.Compare(a.String(), b.String())
 	})
 	return p
+}
+
+// clusterNetpolLabelKeys returns the pod label keys the policy's pod
+// selectors (subject and peers) name, sorted: the API selects pods by
+// every label they have, so the pods' identities must carry these
+// whatever the identity label filter leaves out (an invalid policy's too,
+// whose subject still selects the pods it fails closed on).
+func clusterNetpolLabelKeys(spec *ClusterNetworkPolicySpec) []string {
+	keys := map[string]struct{}{}
+	add := func(pods *NamespacedPod) {
+		if pods == nil {
+			return
+		}
+		for k := range pods.PodSelector.MatchLabels {
+			keys[k] = struct{}{}
+		}
+		for _, e := range pods.PodSelector.MatchExpressions {
+			keys[e.Key] = struct{}{}
+		}
+	}
+	add(spec.Subject.Pods)
+	for _, r := range spec.Ingress {
+		for _, peer := range r.From {
+			add(peer.Pods)
+		}
+	}
+	for _, r := range spec.Egress {
+		for _, peer := range r.To {
+			add(peer.Pods)
+		}
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	return slices.Sorted(maps.Keys(keys))
 }
 
 // clusterNetpolPods returns the selector of a subject or peer that is
@@ -318,9 +373,40 @@ func (pp *policyParser) clusterNetpolRule(path, dir, field, action string, peers
 		case n != 1:
 			pp.errorf(where, "exactly one of namespaces, pods, nodes, networks and domainNames must be set")
 		case peer.Nodes != nil:
-			pp.errorf(where+".nodes", "not supported")
+			if dir != tables.DirEgress {
+				pp.errorf(where+".nodes", "only egress rules have nodes peers")
+				continue
+			}
+			sel, err := ParseNodePeer(peer.Nodes)
+			if err != nil {
+				pp.fail(where+".nodes", err)
+				continue
+			}
+			pp.peers[sel.String()] = sel
+			set[sel.String()] = struct{}{}
 		case peer.DomainNames != nil:
-			pp.errorf(where+".domainNames", "not supported")
+			switch {
+			case dir != tables.DirEgress:
+				pp.errorf(where+".domainNames", "only egress rules have domainNames peers")
+				continue
+			case action != clusterNetpolAccept:
+				pp.errorf(where+".domainNames", "only Accept rules may have domainNames peers (the API's rule)")
+				continue
+			case len(peer.DomainNames) == 0:
+				pp.errorf(where+".domainNames", "needs at least one domain name")
+			}
+			for j, name := range peer.DomainNames {
+				sel, err := ParseDomainName(name)
+				if err != nil {
+					pp.fail(fmt.Sprintf("%s.domainNames[%d]", where, j), err)
+					continue
+				}
+				pp.peers[sel.String()] = sel
+				set[sel.String()] = struct{}{}
+			}
+			// The proxy must see the subjects' DNS answers to label the
+			// names' addresses (tables.PolicyRule.DNS).
+			out.DNS = []string{"*"}
 		case peer.Networks != nil:
 			if dir != tables.DirEgress {
 				pp.errorf(where+".networks", "only egress rules have networks peers")
@@ -374,6 +460,25 @@ func (pp *policyParser) clusterNetpolRule(path, dir, field, action string, peers
 	}
 	out.Peers = append(out.Peers, slices.Sorted(maps.Keys(set))...)
 	return out
+}
+
+// domainNameRE is the API's pattern of a DomainName: an exact name of at
+// least two labels, or "*." before one.
+var domainNameRE = regexp.MustCompile(`^(\*\.)?([a-zA-Z0-9]([-a-zA-Z0-9_]*[a-zA-Z0-9])?\.)+[a-zA-Z0-9]([-a-zA-Z0-9_]*[a-zA-Z0-9])?\.?$`)
+
+// ParseDomainName returns the FQDN selector of a domainNames entry. The
+// API's wildcard "*." matches one or more whole labels ("*.example.com"
+// matches www.example.com and a.b.example.com, not example.com), which
+// is apiary's (and the reference's) "**." pattern; a name without it
+// matches only itself.
+func ParseDomainName(name string) (*FQDNPeer, error) {
+	if !domainNameRE.MatchString(name) {
+		return nil, fmt.Errorf("%q is not a domain name (a name of two labels or more, or one after \"*.\")", name)
+	}
+	if rest, ok := strings.CutPrefix(name, "*."); ok {
+		return ParseFQDN(FQDNSelector{MatchPattern: "**." + rest})
+	}
+	return ParseFQDN(FQDNSelector{MatchName: name})
 }
 
 // parseClusterNetpolProtocol returns a protocol of a rule as a port rule.

@@ -1,9 +1,11 @@
 package selectors
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/apiary-net/apiary/cells/fqdn/pattern"
 	"sigs.k8s.io/yaml"
 
 	"github.com/apiary-net/apiary/tables"
@@ -120,10 +122,20 @@ func TestClusterNetworkPolicyInvalid(t *testing.T) {
 			`spec.tier: "Top" is neither Admin nor Baseline`, true, false},
 		{"priority", "tier: Admin\npriority: 1001\n" + subject + "ingress: [{action: Deny, from: [{namespaces: {}}]}]",
 			"spec.priority: 1001 is not from 0 to 1000", true, false},
-		{"nodes", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{nodes: {}}]}]",
-			"spec.egress[0].to[0].nodes: not supported", false, true},
-		{"domainNames", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{domainNames: [example.com]}]}]",
-			"spec.egress[0].to[0].domainNames: not supported", false, true},
+		{"ingress nodes", "tier: Admin\npriority: 1\n" + subject + "ingress: [{action: Deny, from: [{nodes: {}}]}]",
+			"spec.ingress[0].from[0].nodes: only egress", true, false},
+		{"bad nodes selector", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{nodes: {matchExpressions: [{key: a, operator: Near}]}}]}]",
+			"spec.egress[0].to[0].nodes: ", false, true},
+		{"domainNames in Deny", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{domainNames: [example.com]}]}]",
+			"spec.egress[0].to[0].domainNames: only Accept rules", false, true},
+		{"domainNames in Pass", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Pass, to: [{domainNames: [example.com]}]}]",
+			"spec.egress[0].to[0].domainNames: only Accept rules", false, true},
+		{"one-label domain name", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Accept, to: [{domainNames: [localhost]}]}]",
+			`spec.egress[0].to[0].domainNames[0]: "localhost" is not a domain name`, false, true},
+		{"inner wildcard", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Accept, to: [{domainNames: [\"www.*.com\"]}]}]",
+			`spec.egress[0].to[0].domainNames[0]: "www.*.com" is not a domain name`, false, true},
+		{"partial wildcard", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Accept, to: [{domainNames: [\"*x.example.com\"]}]}]",
+			`is not a domain name`, false, true},
 		{"two peer kinds", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: [{namespaces: {}, networks: [10.0.0.0/8]}]}]",
 			"spec.egress[0].to[0]: exactly one of", false, true},
 		{"no peers", "tier: Admin\npriority: 1\n" + subject + "egress: [{action: Deny, to: []}]",
@@ -182,6 +194,63 @@ func TestClusterNetworkPolicyAudit(t *testing.T) {
 		parsed, err := ParseClusterNetworkPolicy(p)
 		if (err == nil) != tc.ok || parsed.Audit != tc.audit {
 			t.Errorf("%s: audit %v, error %v", tc.value, parsed.Audit, err)
+		}
+	}
+}
+
+// nodes and domainNames peers become a NodePeer and FQDN selectors; a
+// domainNames rule asks for the subjects' DNS to be intercepted ("*").
+// The API's "*." is apiary's "**." (one or more whole labels).
+func TestClusterNetworkPolicyNodesAndDomainNames(t *testing.T) {
+	p := decodeClusterNetpol(t, `
+tier: Admin
+priority: 10
+subject: {namespaces: {}}
+egress:
+- name: db-nodes
+  action: Accept
+  to: [{nodes: {matchLabels: {role: db}, matchExpressions: [{key: zone, operator: In, values: [b, a]}]}}, {nodes: {}}]
+- name: names
+  action: Accept
+  to: [{domainNames: ["*.Example.com", "kubernetes.io", "www.kubernetes.io."]}]
+`)
+	parsed := parseClusterNetpol("clusternetpol/p", p)
+	if parsed.err != nil {
+		t.Fatal(parsed.err)
+	}
+	rules := parsed.specs[0].Rules
+	wantNodes := []string{"nodes:{role=db,zone in (a,b)}", "nodes:{}"}
+	if !slices.Equal(rules[0].Peers, wantNodes) || len(rules[0].DNS) != 0 {
+		t.Errorf("nodes rule: %+v, want peers %v", rules[0], wantNodes)
+	}
+	wantNames := []string{"fqdn:**.example.com", "fqdn:kubernetes.io", "fqdn:www.kubernetes.io"}
+	if !slices.Equal(rules[1].Peers, wantNames) || !slices.Equal(rules[1].DNS, []string{"*"}) {
+		t.Errorf("domainNames rule: %+v, want peers %v and DNS [*]", rules[1], wantNames)
+	}
+	for _, tc := range []struct {
+		domain, name string
+		match        bool
+	}{
+		{"*.kubernetes.io", "www.kubernetes.io", true},
+		{"*.kubernetes.io", "latest.blog.kubernetes.io", true},
+		{"*.kubernetes.io", "kubernetes.io", false},
+		{"*.kubernetes.io", "wikipedia.org", false},
+		{"kubernetes.io", "kubernetes.io", true},
+		{"kubernetes.io", "www.kubernetes.io", false},
+		{"kubernetes.io", "my-kubernetes.io", false},
+		{"blog.kubernetes.io", "blog.kubernetes.io", true},
+		{"blog.kubernetes.io", "www.kubernetes.io", false},
+	} {
+		sel, err := ParseDomainName(tc.domain)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.domain, err)
+		}
+		pat, err := pattern.ParsePattern(strings.TrimPrefix(sel.Label, tables.SourceFQDN+":"))
+		if err != nil {
+			t.Fatalf("%s: %v", sel.Label, err)
+		}
+		if got := pat.Match(tc.name); got != tc.match {
+			t.Errorf("%s (%s) matches %s: %v, want %v", tc.domain, sel.Label, tc.name, got, tc.match)
 		}
 	}
 }

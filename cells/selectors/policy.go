@@ -32,7 +32,9 @@ type parsedPolicy struct {
 	failClosed []tables.PolicySpec
 	// audit: the policy's denies are audited (AuditAnnotation).
 	audit bool
-	err   error
+	// labelKeys are tables.Policy.SelectedLabelKeys.
+	labelKeys []string
+	err       error
 }
 
 // AuditAnnotation, set to "true" on a policy, makes what only that policy

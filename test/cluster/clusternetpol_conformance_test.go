@@ -55,6 +55,21 @@ var cnpCISubset = map[string][]string{
 	"CNPAdminTierIntegration": {
 		"Should Deny traffic from slytherin to gryffindor respecting admin CNP",
 	},
+	// nodes peers, and pod selectors on a label the identity filter
+	// leaves out (statefulset.kubernetes.io/pod-name).
+	"CNPAdminTierEgressNodePeers": {
+		"Should support an 'allow-egress' rule policy for egress-node-peer",
+		"Should support a 'pass-egress' rule policy for egress-node-peer",
+	},
+	"CNPBaselineTierEgressNodePeers": {
+		"Should support an 'allow-egress' rule policy for egress-node-peer",
+	},
+	"CNPAdminTierPodSelector": {
+		"Should support pod selectors in ingress peers",
+	},
+	"CNPBaselineTierPodSelector": {
+		"Should support pod selectors in ingress peers",
+	},
 }
 
 // cnpRunPattern is the -test.run pattern of a subset: go test matches each

@@ -69,8 +69,8 @@ func clusterNetpolDoc(name, spec string) string {
 // the subject's traffic open (no default deny); ingress by namespace,
 // egress by network and port, a named port; verdicts name
 // clusternetpol/<name>/<rule>; a policy apiary cannot enforce exactly (a
-// nodes peer) fails closed; removing the policies restores traffic. Then
-// the tiers: Baseline Deny where no NetworkPolicy selects, a
+// domainNames peer in a Deny rule, which the API forbids) fails closed;
+// removing the policies restores traffic. Then the tiers: Baseline Deny where no NetworkPolicy selects, a
 // NetworkPolicy over it, Admin Accept over the NetworkPolicy's default
 // deny, Admin Pass back to the NetworkPolicy.
 func TestClusterNetworkPolicy(t *testing.T) {
@@ -202,7 +202,7 @@ spec:
 		policy("accept", `  tier: Admin
   priority: 5
   subject: {pods: {namespaceSelector: {matchLabels: {tenant: b}}, podSelector: {matchLabels: {app: client}}}}
-  egress: [{action: Accept, to: [{nodes: {}}]}]
+  egress: [{action: Deny, to: [{domainNames: [example.com]}]}]
 `)
 		expect(t, "client's egress closed",
 			probe{"client", server("9090"), "EPERM"}, probe{"client", ipCNOutside + ":7001", "EPERM"})
@@ -219,7 +219,7 @@ spec:
 				switch p.Name {
 				case "clusternetpol/accept":
 					n++
-					ok = ok && p.Status == "Error" && p.FailClosed && strings.Contains(p.Error, "spec.egress[0].to[0].nodes: not supported")
+					ok = ok && p.Status == "Error" && p.FailClosed && strings.Contains(p.Error, "spec.egress[0].to[0].domainNames: only Accept rules")
 				case "clusternetpol/tenant-isolation", "clusternetpol/no-outside-7000":
 					n++
 					ok = ok && p.Status == "OK"
