@@ -113,32 +113,26 @@ func SplitLabel(label string) (source, key, value string, hasValue bool) {
 }
 
 // CIDRLabel returns the label "cidr:<prefix>" of prefix, canonicalised.
-func CIDRLabel(p netip.Prefix) string {
-	return SourceCIDR + ":" + CanonicalPrefix(p).String()
-}
+func CIDRLabel(p netip.Prefix) string { return prefixLabel(SourceCIDR, p) }
 
 // ParseCIDRLabel returns the prefix of a "cidr:<prefix>" label.
-func ParseCIDRLabel(label string) (netip.Prefix, bool) {
-	rest, ok := strings.CutPrefix(label, SourceCIDR+":")
-	if !ok {
-		return netip.Prefix{}, false
-	}
-	p, err := netip.ParsePrefix(rest)
-	if err != nil {
-		return netip.Prefix{}, false
-	}
-	return p, true
-}
+func ParseCIDRLabel(label string) (netip.Prefix, bool) { return parsePrefixLabel(SourceCIDR, label) }
 
 // PodNetLabel returns the label "podnet:<prefix>" of prefix (see
 // SourcePodNet), canonicalised.
-func PodNetLabel(p netip.Prefix) string {
-	return SourcePodNet + ":" + CanonicalPrefix(p).String()
-}
+func PodNetLabel(p netip.Prefix) string { return prefixLabel(SourcePodNet, p) }
 
 // ParsePodNetLabel returns the prefix of a "podnet:<prefix>" label.
 func ParsePodNetLabel(label string) (netip.Prefix, bool) {
-	rest, ok := strings.CutPrefix(label, SourcePodNet+":")
+	return parsePrefixLabel(SourcePodNet, label)
+}
+
+func prefixLabel(source string, p netip.Prefix) string {
+	return source + ":" + CanonicalPrefix(p).String()
+}
+
+func parsePrefixLabel(source, label string) (netip.Prefix, bool) {
+	rest, ok := strings.CutPrefix(label, source+":")
 	if !ok {
 		return netip.Prefix{}, false
 	}
