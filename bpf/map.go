@@ -100,6 +100,29 @@ func KernelMap(m Map) (*ebpf.Map, error) {
 	return km, nil
 }
 
+// MapInto is a map and where ToKernelMaps puts the kernel's map behind it.
+type MapInto struct {
+	m    Map
+	into **ebpf.Map
+}
+
+// Into pairs m with the variable ToKernelMaps sets to the kernel's map behind
+// it.
+func Into(into **ebpf.Map, m Map) MapInto { return MapInto{m: m, into: into} }
+
+// ToKernelMaps sets each pair's variable to the kernel's map behind its map,
+// for a program loader's map references; a map in memory is an error.
+func ToKernelMaps(maps ...MapInto) error {
+	for _, p := range maps {
+		km, err := KernelMap(p.m)
+		if err != nil {
+			return err
+		}
+		*p.into = km
+	}
+	return nil
+}
+
 func (kernelMaps) LoadMap(pinDir, name string) (Map, error) {
 	if err := checkPinName(name); err != nil {
 		return nil, err

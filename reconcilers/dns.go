@@ -92,15 +92,8 @@ func (d *DNSMaps) Programs() (DNSProgramMaps, error) {
 		return DNSProgramMaps{}, err
 	}
 	var out DNSProgramMaps
-	for _, p := range []struct {
-		m   bpf.Map
-		out **ebpf.Map
-	}{{d.sock, &out.Sock}, {d.origin, &out.Origin}, {d.config, &out.Config}, {d.lost, &out.OriginLost}} {
-		km, err := bpf.KernelMap(p.m)
-		if err != nil {
-			return DNSProgramMaps{}, err
-		}
-		*p.out = km
+	if err := bpf.ToKernelMaps(bpf.Into(&out.Sock, d.sock), bpf.Into(&out.Origin, d.origin), bpf.Into(&out.Config, d.config), bpf.Into(&out.OriginLost, d.lost)); err != nil {
+		return DNSProgramMaps{}, err
 	}
 	return out, nil
 }

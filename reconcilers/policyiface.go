@@ -97,15 +97,8 @@ func (p *PolicyIfaces) Programs() (PolicyIfaceProgramMaps, error) {
 		return PolicyIfaceProgramMaps{}, p.errNotOpen()
 	}
 	var out PolicyIfaceProgramMaps
-	for _, x := range []struct {
-		m   bpf.Map
-		out **ebpf.Map
-	}{{p.ifaces, &out.Ifaces}, {p.flowMaps, &out.Flows}, {p.frags, &out.Frags}, {p.st, &out.Stats}} {
-		km, err := bpf.KernelMap(x.m)
-		if err != nil {
-			return PolicyIfaceProgramMaps{}, err
-		}
-		*x.out = km
+	if err := bpf.ToKernelMaps(bpf.Into(&out.Ifaces, p.ifaces), bpf.Into(&out.Flows, p.flowMaps), bpf.Into(&out.Frags, p.frags), bpf.Into(&out.Stats, p.st)); err != nil {
+		return PolicyIfaceProgramMaps{}, err
 	}
 	return out, nil
 }

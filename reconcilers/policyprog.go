@@ -54,15 +54,8 @@ type PolicyProgramMaps struct {
 // Programs returns the maps as the kernel's; maps in memory are an error.
 func (m *PolicyProgMaps) Programs() (PolicyProgramMaps, error) {
 	var out PolicyProgramMaps
-	for _, x := range []struct {
-		m   bpf.Map
-		out **ebpf.Map
-	}{{m.sock, &out.Sock}, {m.stats, &out.Stats}, {m.events, &out.Events}, {m.budget, &out.Budget}} {
-		km, err := bpf.KernelMap(x.m)
-		if err != nil {
-			return PolicyProgramMaps{}, err
-		}
-		*x.out = km
+	if err := bpf.ToKernelMaps(bpf.Into(&out.Sock, m.sock), bpf.Into(&out.Stats, m.stats), bpf.Into(&out.Events, m.events), bpf.Into(&out.Budget, m.budget)); err != nil {
+		return PolicyProgramMaps{}, err
 	}
 	return out, nil
 }
