@@ -83,17 +83,6 @@ const (
 	layerDefault
 )
 
-// tierLayer returns the layer of a rule's tier.
-func tierLayer(tier string) uint8 {
-	switch tier {
-	case tables.TierAdmin:
-		return layerAdmin
-	case tables.TierBaseline:
-		return layerBaseline
-	}
-	return layerRules
-}
-
 // before says whether tiered contribution a comes before b in its tier:
 // lower priority first; the API leaves policies of the same priority
 // unordered, apiary orders them by name; then the rules' order.
@@ -199,26 +188,6 @@ type endpoint struct {
 	// set is the policy set this pseudo-endpoint holds the entries of
 	// (nil for an endpoint).
 	set *policySet
-}
-
-// policySet is a set of allows that endpoints share: those of the rules
-// whose peer selects many identities (engine.shareMin), which the
-// endpoints of a direction with the same such rules (peer and ports,
-// whichever policy) would each have had an entry of, for every identity.
-// A pseudo-endpoint with an ID of its own holds its entries; each of its
-// endpoints has one reference entry to it (docs/policy.md, Shared policy
-// sets).
-type policySet struct {
-	key   string
-	name  string
-	ep    *endpoint
-	users map[*endpoint]struct{}
-}
-
-// sharedPeer is an allow rule's peer and ports kept in a policy set.
-type sharedPeer struct {
-	peer  string
-	ports []portKey
 }
 
 // engine computes the policy entries of every local endpoint from the
@@ -584,12 +553,52 @@ func (e *engine) warnings() map[string][]string {
 	return out
 }
 
-// recompute rebuilds the rules and contributions of ep.
+// recompute rebuilds the rules and contributions of ep: what selects it,
+// the state of each direction, the entries every policy implies, then its
+// rules' entries and the policy sets it shares.
 func (e *engine) recompute(ep *endpoint) {
 	e.unindex(ep)
 	oldSets := ep.sets
-	ep.sets, ep.sharedRules = [2]*policySet{}, nil
 	defer func() { e.releaseSets(ep, oldSets) }()
+	ep.reset()
+	if e.mode == ModeNever || e.unenforced(ep) {
+		return
+	}
+	selected := e.selectedSpecs(ep)
+	on, allow := e.directions(ep, selected)
+	if ep.id == 0 {
+		return // no cgroup yet: nothing to enforce on
+	}
+	if e.allowLocalhost && ep.ingress == tables.EnforceDefaultDeny {
+		// The node reaches its pods whatever the policy (kubelet's
+		// probes); a deny of the host still wins over this allow.
+		ep.add(entryKey{identity: identity.IDHost, dir: dirIngress, port: anyPort}, contrib{policy: LocalhostEntryPolicy}, 1)
+	}
+	for dir, policies := range allow {
+		for _, p := range policies {
+			ep.add(entryKey{dir: uint8(dir), port: anyPort}, contrib{policy: p, tier: layerDefault}, 1)
+		}
+	}
+	shared, interceptBy := e.addRules(ep, selected, on)
+	if len(ep.dns) == 0 && interceptBy != "" {
+		// Only domainNames rules: intercepted, every name allowed, as
+		// without interception.
+		ep.dns = []tables.DNSRule{{Pattern: "*", Policy: interceptBy}}
+	}
+	slices.SortFunc(ep.dns, func(a, b tables.DNSRule) int { return strings.Compare(a.Pattern, b.Pattern) })
+	for dir, peers := range shared {
+		if len(peers) == 0 {
+			continue
+		}
+		set := e.acquireSet(uint8(dir), peers, ep)
+		ep.sets[dir] = set
+		ep.add(entryKey{identity: tables.PolicySetRef, dir: uint8(dir), port: anyPort}, contrib{policy: set.name}, 1)
+	}
+}
+
+// reset forgets what the last recompute of ep found.
+func (ep *endpoint) reset() {
+	ep.sets, ep.sharedRules = [2]*policySet{}, nil
 	// Cleared rather than made anew: a recompute usually gives about as
 	// many entries as the last one, and the maps keep their room.
 	if ep.contribs == nil {
@@ -606,9 +615,12 @@ func (e *engine) recompute(ep *endpoint) {
 	ep.auditIngress, ep.auditEgress = false, false
 	ep.rulesDeny = [2]bool{}
 	ep.reason = ""
-	if e.mode == ModeNever {
-		return
-	}
+}
+
+// unenforced gives ep its ID once it can have one, and says whether its
+// policies are set aside (host network, identity pending, no interface),
+// its state and reason set.
+func (e *engine) unenforced(ep *endpoint) bool {
 	// A pod whose identity is not known yet gets no ID (nothing is
 	// written for it): the pod tree denies its processes as unclassified
 	// until the identity comes, with no map write to undo then.
@@ -620,49 +632,57 @@ func (e *engine) recompute(ep *endpoint) {
 		// Registered, so that its cgroup is not unclassified, and
 		// never enforced: policy applies to it as the host.
 		ep.reason = reasonHostNetwork
-		return
 	case e.pending(ep):
 		ep.ingress, ep.egress = tables.EnforceDefaultDeny, tables.EnforceDefaultDeny
 		ep.reason = reasonPending
 		if ep.row.Error != "" {
 			ep.reason += ": " + ep.row.Error
 		}
-		return
 	case e.noIface[ep.row.Name] != "" && ep.id != 0:
 		// Default deny with no entries: the cgroup programs deny it
 		// both ways.
 		ep.ingress, ep.egress = tables.EnforceDefaultDeny, tables.EnforceDefaultDeny
 		ep.reason = tables.ReasonFailClosed + reasonNoInterface + ": " + e.noIface[ep.row.Name]
-		return
+	default:
+		return false
 	}
+	return true
+}
 
-	var selected []struct {
-		policy string
-		spec   *tables.PolicySpec
+// selectedSpec is a spec of a policy that selects an endpoint.
+type selectedSpec struct {
+	policy string
+	spec   *tables.PolicySpec
+}
+
+// selectedSpecs returns the specs that select ep, by policy name.
+func (e *engine) selectedSpecs(ep *endpoint) []selectedSpec {
+	if ep.row.Identity == 0 {
+		return nil
 	}
-	if ep.row.Identity != 0 {
-		for _, name := range slices.Sorted(maps.Keys(e.specs)) {
-			specs := e.specs[name]
-			for i := range specs {
-				if _, ok := e.selectors[specs[i].Subject][ep.row.Identity]; ok {
-					selected = append(selected, struct {
-						policy string
-						spec   *tables.PolicySpec
-					}{name, &specs[i]})
-				}
+	var selected []selectedSpec
+	for _, name := range slices.Sorted(maps.Keys(e.specs)) {
+		specs := e.specs[name]
+		for i := range specs {
+			if _, ok := e.selectors[specs[i].Subject][ep.row.Identity]; ok {
+				selected = append(selected, selectedSpec{name, &specs[i]})
 			}
 		}
 	}
-	// Enforcement per direction: on when a selecting spec has rules
-	// there (or always); default deny unless every such spec turned it
-	// off.
-	var inOn, inDeny, outOn, outDeny bool
+	return selected
+}
+
+// directions sets ep's policies, the invalid ones it fails closed for and
+// the state of each direction: on when a selecting spec has rules there
+// (or always); default deny unless every such spec turned it off. It
+// returns, by map direction, whether it is on, and when not default deny
+// the policies that allow it all.
+func (e *engine) directions(ep *endpoint, selected []selectedSpec) (on [2]bool, allow [2][]string) {
+	var deny [2]bool
 	// Default deny by a policy that is not audited (or by the mode).
-	var inEnforced, outEnforced bool
-	var allowIn, allowOut []string
+	var enforced [2]bool
 	if e.mode == ModeAlways {
-		inOn, inDeny, outOn, outDeny = true, true, true, true
-		inEnforced, outEnforced = true, true
+		on, deny, enforced = [2]bool{true, true}, [2]bool{true, true}, [2]bool{true, true}
 	}
 	for _, s := range selected {
 		if !slices.Contains(ep.policies, s.policy) {
@@ -679,73 +699,53 @@ func (e *engine) recompute(ep *endpoint) {
 				ep.failEgress = append(ep.failEgress, s.policy)
 			}
 		}
-		if s.spec.Ingress {
-			inOn = true
-			if s.spec.DefaultDenyIngress {
-				inDeny = true
-				ep.rulesDeny[dirIngress] = true
-				inEnforced = inEnforced || !e.audited[s.policy]
-			} else {
-				allowIn = append(allowIn, s.policy)
+		for _, d := range []struct {
+			dir          uint8
+			has, denyAll bool
+		}{{dirIngress, s.spec.Ingress, s.spec.DefaultDenyIngress}, {dirEgress, s.spec.Egress, s.spec.DefaultDenyEgress}} {
+			if !d.has {
+				continue
 			}
-		}
-		if s.spec.Egress {
-			outOn = true
-			if s.spec.DefaultDenyEgress {
-				outDeny = true
-				ep.rulesDeny[dirEgress] = true
-				outEnforced = outEnforced || !e.audited[s.policy]
+			on[d.dir] = true
+			if d.denyAll {
+				deny[d.dir] = true
+				ep.rulesDeny[d.dir] = true
+				enforced[d.dir] = enforced[d.dir] || !e.audited[s.policy]
 			} else {
-				allowOut = append(allowOut, s.policy)
+				allow[d.dir] = append(allow[d.dir], s.policy)
 			}
 		}
 	}
-	ep.ingress, ep.egress = enforceState(inOn, inDeny), enforceState(outOn, outDeny)
-	ep.auditIngress, ep.auditEgress = inDeny && !inEnforced, outDeny && !outEnforced
-	if ep.id == 0 {
-		return // no cgroup yet: nothing to enforce on
-	}
-	if e.allowLocalhost && inOn && inDeny {
-		// The node reaches its pods whatever the policy (kubelet's
-		// probes); a deny of the host still wins over this allow.
-		ep.add(entryKey{identity: identity.IDHost, dir: dirIngress, port: anyPort}, contrib{policy: LocalhostEntryPolicy}, 1)
-	}
-	if inOn && !inDeny {
-		for _, p := range allowIn {
-			ep.add(entryKey{dir: dirIngress, port: anyPort}, contrib{policy: p, tier: layerDefault}, 1)
+	ep.ingress, ep.egress = enforceState(on[dirIngress], deny[dirIngress]), enforceState(on[dirEgress], deny[dirEgress])
+	ep.auditIngress, ep.auditEgress = deny[dirIngress] && !enforced[dirIngress], deny[dirEgress] && !enforced[dirEgress]
+	for dir := range allow {
+		if !on[dir] || deny[dir] {
+			allow[dir] = nil
 		}
 	}
-	if outOn && !outDeny {
-		for _, p := range allowOut {
-			ep.add(entryKey{dir: dirEgress, port: anyPort}, contrib{policy: p, tier: layerDefault}, 1)
-		}
-	}
+	return on, allow
+}
+
+// addRules adds the rules of the selected specs in the directions that are
+// on to ep, with their peers' identities, and its DNS rules. It returns
+// the peers, by map direction, whose allows go into a policy set, and the
+// first policy whose domainNames rule wants ep's DNS intercepted.
+func (e *engine) addRules(ep *endpoint, selected []selectedSpec, on [2]bool) (shared [2][]sharedPeer, interceptBy string) {
 	// A direction with ClusterNetworkPolicy rules shares nothing: its
 	// tiered groups fold every rule of the peer (decideTiered).
 	var tiered [2]bool
 	for _, s := range selected {
 		for i := range s.spec.Rules {
 			if pr := &s.spec.Rules[i]; tierLayer(pr.Tier) != layerRules {
-				if pr.Direction == tables.DirEgress {
-					tiered[dirEgress] = true
-				} else {
-					tiered[dirIngress] = true
-				}
+				tiered[ruleDir(pr)] = true
 			}
 		}
 	}
-	var shared [2][]sharedPeer
-	// interceptBy is the first policy whose domainNames rule wants the
-	// endpoint's DNS intercepted.
-	interceptBy := ""
 	for _, s := range selected {
 		for i := range s.spec.Rules {
 			pr := &s.spec.Rules[i]
-			dir := dirIngress
-			if pr.Direction == tables.DirEgress {
-				dir = dirEgress
-			}
-			if (dir == dirIngress && !inOn) || (dir == dirEgress && !outOn) {
+			dir := ruleDir(pr)
+			if !on[dir] {
 				continue
 			}
 			ports, ambiguous := portKeys(pr.Ports, e.namedPorts(ep, dir))
@@ -778,137 +778,43 @@ func (e *engine) recompute(ep *endpoint) {
 				continue
 			}
 			if e.shareMin > 0 && !pr.Deny && !pr.Pass && tierLayer(pr.Tier) == layerRules && !tiered[dir] {
-				var own []string
-				for _, p := range peers {
-					if !e.shareable(p) {
-						own = append(own, p)
-						continue
-					}
-					shared[dir] = append(shared[dir], sharedPeer{p, ports})
-					for _, pk := range ports {
-						ep.sharedRules = append(ep.sharedRules, tables.SharedRule{Policy: s.policy, Direction: dirName(dir),
-							Peer: p, Protocol: pk.proto, Port: pk.port, PortBits: pk.bits})
-					}
-				}
-				if len(own) == 0 {
+				peers = e.share(ep, s.policy, dir, peers, ports, &shared[dir])
+				if len(peers) == 0 {
 					continue
 				}
-				peers = own
 			}
-			r := &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: peers, ports: ports,
-				tier: tierLayer(pr.Tier), pass: pr.Pass, priority: pr.Priority, index: pr.Index, label: pr.Label}
-			ep.rules = append(ep.rules, r)
-			for _, p := range r.peers {
-				if p == tables.AnyPeer {
-					ep.addIdentity(r, 0, 1, false)
-					continue
-				}
-				if e.peerUsers[p] == nil {
-					e.peerUsers[p] = map[*rule]struct{}{}
-				}
-				e.peerUsers[p][r] = struct{}{}
-				podAddrs := tables.MatchesPodAddrs(p)
-				for id := range e.selectors[p] {
-					ep.addIdentity(r, id, 1, podAddrs)
-				}
-			}
+			e.addRule(ep, &rule{ep: ep, policy: s.policy, dir: dir, deny: pr.Deny, peers: peers, ports: ports,
+				tier: tierLayer(pr.Tier), pass: pr.Pass, priority: pr.Priority, index: pr.Index, label: pr.Label})
 		}
 	}
-	if len(ep.dns) == 0 && interceptBy != "" {
-		// Only domainNames rules: intercepted, every name allowed, as
-		// without interception.
-		ep.dns = []tables.DNSRule{{Pattern: "*", Policy: interceptBy}}
+	return shared, interceptBy
+}
+
+// ruleDir is the map direction of a spec's rule.
+func ruleDir(pr *tables.PolicyRule) uint8 {
+	if pr.Direction == tables.DirEgress {
+		return dirEgress
 	}
-	slices.SortFunc(ep.dns, func(a, b tables.DNSRule) int { return strings.Compare(a.Pattern, b.Pattern) })
-	for dir, peers := range shared {
-		if len(peers) == 0 {
+	return dirIngress
+}
+
+// addRule adds r to its endpoint with the identities of its peers, and
+// indexes it under its peers so that a selector's change reaches it.
+func (e *engine) addRule(ep *endpoint, r *rule) {
+	ep.rules = append(ep.rules, r)
+	for _, p := range r.peers {
+		if p == tables.AnyPeer {
+			ep.addIdentity(r, 0, 1, false)
 			continue
 		}
-		set := e.acquireSet(uint8(dir), peers, ep)
-		ep.sets[dir] = set
-		ep.add(entryKey{identity: tables.PolicySetRef, dir: uint8(dir), port: anyPort}, contrib{policy: set.name}, 1)
-	}
-}
-
-// shareable says whether a peer selector's allows go into policy sets:
-// one that selects at least shareMin identities, unless it is any peer
-// (identity 0), matches pods' addresses (ipBlock, by_address reads the
-// endpoint's own entries) or names DNS answers (the FQDN selectors, one
-// of which is the endpoint's own).
-func (e *engine) shareable(peer string) bool {
-	return peer != tables.AnyPeer && !tables.MatchesPodAddrs(peer) &&
-		!strings.HasPrefix(peer, tables.SourceFQDN+":") && len(e.selectors[peer]) >= e.shareMin
-}
-
-// acquireSet returns the policy set of the shared peers of a direction,
-// made if no endpoint has it yet, with ep among its users.
-func (e *engine) acquireSet(dir uint8, peers []sharedPeer, ep *endpoint) *policySet {
-	slices.SortFunc(peers, func(a, b sharedPeer) int {
-		if c := strings.Compare(a.peer, b.peer); c != 0 {
-			return c
+		if e.peerUsers[p] == nil {
+			e.peerUsers[p] = map[*rule]struct{}{}
 		}
-		return slices.CompareFunc(a.ports, b.ports, comparePorts)
-	})
-	peers = slices.CompactFunc(peers, func(a, b sharedPeer) bool {
-		return a.peer == b.peer && slices.Equal(a.ports, b.ports)
-	})
-	var b strings.Builder
-	b.WriteString(dirName(dir))
-	for _, p := range peers {
-		b.WriteString("|")
-		b.WriteString(p.peer)
-		for _, pk := range p.ports {
-			b.WriteString(" " + strconv.Itoa(int(pk.proto)) + "/" + strconv.Itoa(int(pk.port)) + "/" + strconv.Itoa(int(pk.bits)))
+		e.peerUsers[p][r] = struct{}{}
+		podAddrs := tables.MatchesPodAddrs(p)
+		for id := range e.selectors[p] {
+			ep.addIdentity(r, id, 1, podAddrs)
 		}
-	}
-	key := b.String()
-	if s := e.sets[key]; s != nil {
-		s.users[ep] = struct{}{}
-		return s
-	}
-	s := &policySet{key: key, users: map[*endpoint]struct{}{ep: {}}}
-	s.ep = &endpoint{emitted: map[groupKey][]portEntry{}, set: s,
-		contribs: map[entryKey][]contribCount{}, groups: map[groupKey][]portKey{}, dirtyGroups: map[groupKey]struct{}{}}
-	s.ep.id = e.allocateSetID(s.ep)
-	s.name = tables.PolicySetName(s.ep.id)
-	e.sets[key] = s
-	for _, p := range peers {
-		r := &rule{ep: s.ep, policy: s.name, dir: dir, peers: []string{p.peer}, ports: p.ports}
-		s.ep.rules = append(s.ep.rules, r)
-		if e.peerUsers[p.peer] == nil {
-			e.peerUsers[p.peer] = map[*rule]struct{}{}
-		}
-		e.peerUsers[p.peer][r] = struct{}{}
-		for id := range e.selectors[p.peer] {
-			s.ep.addIdentity(r, id, 1, false)
-		}
-	}
-	return s
-}
-
-// releaseSets takes ep out of the users of the sets in old it no longer
-// has; a set without users goes at the next flush.
-func (e *engine) releaseSets(ep *endpoint, old [2]*policySet) {
-	for _, s := range old {
-		if s != nil && s != ep.sets[0] && s != ep.sets[1] {
-			delete(s.users, ep)
-		}
-	}
-}
-
-// allocateSetID returns a free ID for a policy set's pseudo-endpoint.
-func (e *engine) allocateSetID(ep *endpoint) uint32 {
-	for {
-		id := e.nextID
-		e.nextID++
-		if e.nextID == 0 {
-			e.nextID = 1
-		}
-		if id == 0 || e.usedIDs[id] != nil || slices.Contains(slices.Collect(maps.Values(e.restored)), id) {
-			continue
-		}
-		e.usedIDs[id] = ep
-		return id
 	}
 }
 
@@ -1326,173 +1232,6 @@ func (ep *endpoint) entry(name string, gk groupKey, pk portKey, v entryValue) *t
 	}
 }
 
-// hasTiered says whether a group of a peer identity has contributions of
-// ClusterNetworkPolicy rules: its entries are then computed by
-// recomputeTiered.
-func (ep *endpoint) hasTiered(gk groupKey, keys []portKey) bool {
-	for _, pk := range keys {
-		for _, c := range ep.contribs[entryKey{gk.identity, gk.dir, pk}] {
-			if c.tier == layerAdmin || c.tier == layerBaseline {
-				return true
-			}
-		}
-	}
-	return false
-}
-
-// recomputeTiered returns the entries of a group of a peer identity that
-// ClusterNetworkPolicy rules contribute to, sorted by port. Each decides
-// alone (final), with every layer folded in: the group's own
-// contributions and those of identity 0 in the same direction, since the
-// datapath looks up identity 0 no more once a final entry matched. The
-// keys are the group's and those of identity 0 inside one of them, so
-// that the longest-prefix match finds, for any port, the key whose
-// covering contributions are exactly those that apply to the port; each
-// key's decision is then that of the layers in order (decideTiered).
-func (ep *endpoint) recomputeTiered(gk groupKey, keys []portKey, audited func(policy string) bool) []portEntry {
-	zero := ep.groups[groupKey{0, gk.dir}]
-	all := slices.Clone(keys)
-	for _, k0 := range zero {
-		if !slices.Contains(all, k0) && slices.ContainsFunc(keys, func(k portKey) bool { return k.covers(k0) }) {
-			all = append(all, k0)
-		}
-	}
-	out := make([]portEntry, 0, len(all))
-	var cs []contrib
-	for _, pk := range all {
-		cs = cs[:0]
-		for _, k := range keys {
-			if k.covers(pk) {
-				for _, c := range ep.contribs[entryKey{gk.identity, gk.dir, k}] {
-					cs = append(cs, c.contrib)
-				}
-			}
-		}
-		for _, k := range zero {
-			if k.covers(pk) {
-				for _, c := range ep.contribs[entryKey{0, gk.dir, k}] {
-					cs = append(cs, c.contrib)
-				}
-			}
-		}
-		out = append(out, portEntry{pk, ep.decideTiered(cs, gk.dir, audited)})
-	}
-	// A key of identity 0 that decides as the longest key covering it
-	// adds nothing: the lookup would find that one instead, to the same
-	// effect. (An Admin rule of every port over a NetworkPolicy of many
-	// ports to any peer would otherwise copy those ports into every
-	// peer's group.)
-	if len(all) > len(keys) {
-		kept := out[:0:0]
-		for i, pe := range out {
-			if i >= len(keys) {
-				var parent *portEntry
-				for j := range out[:len(all)] {
-					c := &out[j]
-					if c.port != pe.port && c.port.covers(pe.port) && (parent == nil || parent.port.covers(c.port)) {
-						parent = c
-					}
-				}
-				if parent != nil && parent.v.equal(pe.v) {
-					continue
-				}
-			}
-			kept = append(kept, pe)
-		}
-		out = kept
-	}
-	slices.SortFunc(out, func(a, b portEntry) int { return comparePorts(a.port, b.port) })
-	return out
-}
-
 // passArrow joins an Admin tier Pass rule's label and what decided after
 // it, in entries and verdicts.
 const passArrow = " → "
-
-// decideTiered is the decision of the contributions that apply to a
-// connection, layer by layer (the API's order): the first Admin tier rule
-// (lowest priority, then policy name, then rule index) decides if it is
-// Accept or Deny, and hands over if Pass; then NetworkPolicy and CNP
-// rules (deny wins over allow), and their default deny when one puts the
-// direction into it (the entry passes: the datapath's default deny, and
-// its allow by address, decide as they would without the tiers); then the
-// first Baseline tier rule; then the default (the entry passes too).
-// Where an invalid policy keeps the direction closed, Accept rules are
-// left out.
-func (ep *endpoint) decideTiered(cs []contrib, dir uint8, audited func(policy string) bool) entryValue {
-	var admin, base *contrib
-	var denies, allows []string
-	podAddrs := false
-	// A direction an invalid policy keeps closed takes no Accept of a
-	// tier: the API makes a broken Deny or Pass rule "deny all" at its
-	// priority, which the entries cannot place, so no Accept overrides
-	// the fail-closed default deny.
-	failClosed := (dir == dirIngress && len(ep.failIngress) > 0) || (dir == dirEgress && len(ep.failEgress) > 0)
-	for i := range cs {
-		c := &cs[i]
-		if failClosed && (c.tier == layerAdmin || c.tier == layerBaseline) && !c.deny && !c.pass {
-			continue
-		}
-		switch c.tier {
-		case layerAdmin:
-			if admin == nil || c.before(admin) {
-				admin = c
-			}
-		case layerBaseline:
-			if base == nil || c.before(base) {
-				base = c
-			}
-		case layerRules:
-			if c.deny {
-				if !slices.Contains(denies, c.policy) {
-					denies = append(denies, c.policy)
-				}
-			} else {
-				if !slices.Contains(allows, c.policy) {
-					allows = append(allows, c.policy)
-				}
-				podAddrs = podAddrs || c.podAddrs
-			}
-		}
-	}
-	passed := ""
-	if admin != nil {
-		switch {
-		case admin.pass:
-			passed = admin.label
-		case admin.deny:
-			return entryValue{final: true, deny: true, drop: true, audit: audited(admin.policy), policies: []string{admin.label}}
-		default:
-			return entryValue{final: true, policies: []string{admin.label}}
-		}
-	}
-	// named prefixes the first of the deciding policies with the Pass
-	// that handed over to them.
-	named := func(ps []string) []string {
-		slices.Sort(ps)
-		if passed != "" {
-			ps[0] = passed + passArrow + ps[0]
-		}
-		return ps
-	}
-	switch {
-	case len(denies) > 0:
-		audit := true
-		for _, p := range denies {
-			audit = audit && audited(p)
-		}
-		return entryValue{final: true, deny: true, audit: audit, policies: named(denies)}
-	case len(allows) > 0:
-		return entryValue{final: true, podAddrs: podAddrs, policies: named(allows)}
-	case !ep.rulesDeny[dir] && base != nil && !base.pass:
-		if base.deny {
-			return entryValue{final: true, deny: true, drop: true, audit: audited(base.policy), policies: named([]string{base.label})}
-		}
-		return entryValue{final: true, policies: named([]string{base.label})}
-	}
-	v := entryValue{pass: true}
-	if passed != "" {
-		v.policies = []string{passed}
-	}
-	return v
-}
