@@ -555,7 +555,7 @@ func metric(t *testing.T, name string) (float64, bool) {
 // replacing the old one) keeps enforcing throughout, the new agent is not
 // denied by the pinned programs as an unclassified pod, and, finding
 // everything in place, writes nothing to the policy maps but its own pod's
-// entries.
+// entries and the policy sets.
 func testAgentRestart(t *testing.T, n *node, w *workloads) {
 	ctx := context.Background()
 	before := n.waitAgentReady()
@@ -588,12 +588,42 @@ func testAgentRestart(t *testing.T, n *node, w *workloads) {
 	// the agent's own pod's, which the rollout replaced: its new container
 	// (written at start) and its new pod (a host-network endpoint) in
 	// policy_endpoints, and the old pod's and old container's entries
-	// deleted.
-	for _, m := range []string{"apiary_policy_map_updates_total", "apiary_policy_map_deletes_total"} {
-		if v, ok := metric(t, m); !ok || v != 2 {
-			t.Errorf("%s after the restart = %v (present %v), want 2 (the agent pod's own entries)", m, v, ok)
+	// deleted; and the policy sets, which a restart makes anew under new
+	// numbers (docs/policy.md, Shared policy sets): their entries and each
+	// endpoint's reference to them, the old ones left to the prune.
+	sets := setEntries(t)
+	for _, c := range []struct {
+		metric string
+		want   float64
+	}{{"apiary_policy_map_updates_total", 2 + float64(sets)}, {"apiary_policy_map_deletes_total", 2}} {
+		if v, ok := metric(t, c.metric); !ok || v != c.want {
+			t.Errorf("%s after the restart = %v (present %v), want %v (the agent pod's own 2 entries, and %d of policy sets and references to them)", c.metric, v, ok, c.want, sets)
 		}
 	}
+}
+
+// setEntries returns how many rows of the agent's policy-entries table are
+// a policy set's entries or an endpoint's reference to its set.
+func setEntries(t *testing.T) int {
+	t.Helper()
+	code, body, err := httpGet(agentAPI + "/statedb/dump/policy-entries")
+	if err != nil || code != http.StatusOK {
+		t.Fatalf("GET /statedb/dump/policy-entries: %d %v %s", code, err, body)
+	}
+	var all map[string][]struct {
+		Endpoint string `json:"endpoint"`
+		Identity uint32 `json:"identity"`
+	}
+	if err := json.Unmarshal([]byte(body), &all); err != nil {
+		t.Fatalf("GET /statedb/dump/policy-entries: %v", err)
+	}
+	n := 0
+	for _, e := range all["policy-entries"] {
+		if strings.HasPrefix(e.Endpoint, "policy-set:") || e.Identity == 0xffffffff {
+			n++
+		}
+	}
+	return n
 }
 
 // testUninstall: deleting the DaemonSet leaves enforcement in place (by
