@@ -588,42 +588,59 @@ func testAgentRestart(t *testing.T, n *node, w *workloads) {
 	// the agent's own pod's, which the rollout replaced: its new container
 	// (written at start) and its new pod (a host-network endpoint) in
 	// policy_endpoints, and the old pod's and old container's entries
-	// deleted; and the policy sets, which a restart makes anew under new
+	// deleted; the policy sets, which a restart makes anew under new
 	// numbers (docs/policy.md, Shared policy sets): their entries and each
-	// endpoint's reference to them, the old ones left to the prune.
-	sets := setEntries(t)
+	// endpoint's reference to them, the old ones left to the prune; and
+	// the interface mark of each endpoint whose pod interface is enforced,
+	// cleared when the map is opened and set again once this run has
+	// reconciled the interface (so that a ClusterNetworkPolicy Deny is
+	// never let through for an interface no longer there to drop it).
+	sets, ifaces := restartRewrites(t)
 	for _, c := range []struct {
 		metric string
 		want   float64
-	}{{"apiary_policy_map_updates_total", 2 + float64(sets)}, {"apiary_policy_map_deletes_total", 2}} {
+	}{{"apiary_policy_map_updates_total", float64(2 + sets + 2*ifaces)}, {"apiary_policy_map_deletes_total", 2}} {
 		if v, ok := metric(t, c.metric); !ok || v != c.want {
-			t.Errorf("%s after the restart = %v (present %v), want %v (the agent pod's own 2 entries, and %d of policy sets and references to them)", c.metric, v, ok, c.want, sets)
+			t.Errorf("%s after the restart = %v (present %v), want %v (the agent pod's own 2 entries, %d of policy sets and references to them, %d endpoints' interface marks cleared and set)",
+				c.metric, v, ok, c.want, sets, ifaces)
 		}
 	}
 }
 
-// setEntries returns how many rows of the agent's policy-entries table are
-// a policy set's entries or an endpoint's reference to its set.
-func setEntries(t *testing.T) int {
+// restartRewrites returns how many rows of the agent's policy-entries
+// table are a policy set's entries or an endpoint's reference to its set,
+// and how many endpoint-policy rows mark the pod's interface enforced.
+func restartRewrites(t *testing.T) (sets, ifaces int) {
 	t.Helper()
-	code, body, err := httpGet(agentAPI + "/statedb/dump/policy-entries")
-	if err != nil || code != http.StatusOK {
-		t.Fatalf("GET /statedb/dump/policy-entries: %d %v %s", code, err, body)
+	dump := func(table string, rows any) {
+		code, body, err := httpGet(agentAPI + "/statedb/dump/" + table)
+		if err != nil || code != http.StatusOK {
+			t.Fatalf("GET /statedb/dump/%s: %d %v %s", table, code, err, body)
+		}
+		if err := json.Unmarshal([]byte(body), rows); err != nil {
+			t.Fatalf("GET /statedb/dump/%s: %v", table, err)
+		}
 	}
-	var all map[string][]struct {
+	var entries map[string][]struct {
 		Endpoint string `json:"endpoint"`
 		Identity uint32 `json:"identity"`
 	}
-	if err := json.Unmarshal([]byte(body), &all); err != nil {
-		t.Fatalf("GET /statedb/dump/policy-entries: %v", err)
-	}
-	n := 0
-	for _, e := range all["policy-entries"] {
+	dump("policy-entries", &entries)
+	for _, e := range entries["policy-entries"] {
 		if strings.HasPrefix(e.Endpoint, "policy-set:") || e.Identity == 0xffffffff {
-			n++
+			sets++
 		}
 	}
-	return n
+	var eps map[string][]struct {
+		PodIface bool `json:"podIface"`
+	}
+	dump("endpoint-policy", &eps)
+	for _, e := range eps["endpoint-policy"] {
+		if e.PodIface {
+			ifaces++
+		}
+	}
+	return sets, ifaces
 }
 
 // testUninstall: deleting the DaemonSet leaves enforcement in place (by
