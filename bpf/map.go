@@ -100,6 +100,24 @@ func KernelMap(m Map) (*ebpf.Map, error) {
 	return km, nil
 }
 
+// OpenMaps opens (or creates) through opener the maps of specs pinned in
+// pinDir, in order and with no migration (for maps whose content is
+// rebuilt): when one cannot be opened, those opened before it are closed.
+func OpenMaps(opener Opener, log *slog.Logger, pinDir string, specs ...*ebpf.MapSpec) ([]Map, error) {
+	opened := make([]Map, 0, len(specs))
+	for _, spec := range specs {
+		om, err := opener.OpenMap(log, spec, pinDir, nil)
+		if err != nil {
+			for _, m := range opened {
+				m.Close()
+			}
+			return nil, err
+		}
+		opened = append(opened, om.Map)
+	}
+	return opened, nil
+}
+
 // MapInto is a map and where ToKernelMaps puts the kernel's map behind it.
 type MapInto struct {
 	m    Map

@@ -59,22 +59,16 @@ func (d *DNSMaps) openLocked() error {
 	if err != nil {
 		return err
 	}
-	opened := []bpf.Map{sock.Map}
-	for _, s := range []*ebpf.MapSpec{bpf.DNSOriginMapSpec(), bpf.DNSConfigMapSpec(), bpf.DNSOriginLostMapSpec()} {
-		// No migration: what they hold is rebuilt by the next query
-		// (or, for the origins' inner maps, by the endpoint-policy
-		// reconciler, whose Prune after a replacement makes none: its
-		// Update of each row does, retried until the map is there).
-		om, err := d.opener.OpenMap(d.log, s, d.pinDir, nil)
-		if err != nil {
-			for _, m := range opened {
-				m.Close()
-			}
-			return err
-		}
-		opened = append(opened, om.Map)
+	// No migration: what they hold is rebuilt by the next query (or, for
+	// the origins' inner maps, by the endpoint-policy reconciler, whose
+	// Prune after a replacement makes none: its Update of each row does,
+	// retried until the map is there).
+	rest, err := bpf.OpenMaps(d.opener, d.log, d.pinDir, bpf.DNSOriginMapSpec(), bpf.DNSConfigMapSpec(), bpf.DNSOriginLostMapSpec())
+	if err != nil {
+		sock.Map.Close()
+		return err
 	}
-	d.sock, d.origin, d.config, d.lost = opened[0], opened[1], opened[2], opened[3]
+	d.sock, d.origin, d.config, d.lost = sock.Map, rest[0], rest[1], rest[2]
 	return nil
 }
 

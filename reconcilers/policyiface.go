@@ -55,21 +55,10 @@ func (p *PolicyIfaces) Open() error {
 	if p.ifaces != nil {
 		return nil
 	}
-	var opened []bpf.Map
-	for _, spec := range []*ebpf.MapSpec{
-		bpf.PolicyIfacesMapSpec(p.max),
-		bpf.PolicyIfaceFlowsMapSpec(p.max, p.flows),
-		bpf.PolicyIfaceFragsMapSpec(p.max),
-		bpf.PolicyIfaceStatsMapSpec(),
-	} {
-		om, err := p.opener.OpenMap(p.log, spec, p.pinDir, nil)
-		if err != nil {
-			for _, m := range opened {
-				m.Close()
-			}
-			return err
-		}
-		opened = append(opened, om.Map)
+	opened, err := bpf.OpenMaps(p.opener, p.log, p.pinDir, bpf.PolicyIfacesMapSpec(p.max),
+		bpf.PolicyIfaceFlowsMapSpec(p.max, p.flows), bpf.PolicyIfaceFragsMapSpec(p.max), bpf.PolicyIfaceStatsMapSpec())
+	if err != nil {
+		return err
 	}
 	p.ifaces, p.flowMaps, p.frags, p.st = opened[0], opened[1], opened[2], opened[3]
 	return nil

@@ -26,21 +26,10 @@ var PolicyProgMapsPinned = []string{bpf.PolicySockMap, bpf.PolicyStatsMap, bpf.P
 // policy_sk from sockSpec (the programs' own definition), the budget map
 // with room for budgetEndpoints endpoints.
 func OpenPolicyProgMaps(log *slog.Logger, opener bpf.Opener, pinDir string, sockSpec *ebpf.MapSpec, budgetEndpoints uint32) (*PolicyProgMaps, error) {
-	var opened []bpf.Map
-	for _, spec := range []*ebpf.MapSpec{
-		sockSpec,
-		bpf.PolicyStatsMapSpec(),
-		bpf.PolicyEventsMapSpec(bpf.DefaultPolicyEventsSize),
-		bpf.PolicyEventBudgetMapSpec(budgetEndpoints),
-	} {
-		om, err := opener.OpenMap(log, spec, pinDir, nil)
-		if err != nil {
-			for _, m := range opened {
-				m.Close()
-			}
-			return nil, err
-		}
-		opened = append(opened, om.Map)
+	opened, err := bpf.OpenMaps(opener, log, pinDir, sockSpec, bpf.PolicyStatsMapSpec(),
+		bpf.PolicyEventsMapSpec(bpf.DefaultPolicyEventsSize), bpf.PolicyEventBudgetMapSpec(budgetEndpoints))
+	if err != nil {
+		return nil, err
 	}
 	return &PolicyProgMaps{sock: opened[0], stats: opened[1], events: opened[2], budget: opened[3]}, nil
 }

@@ -229,6 +229,8 @@ type engine struct {
 
 	// Endpoint IDs: restored (by cgroup) from the map at start, in use, next.
 	restored map[uint64]uint32
+	// reserved are the restored IDs, which no new endpoint or set takes.
+	reserved map[uint32]struct{}
 	usedIDs  map[uint32]*endpoint
 	nextID   uint32
 
@@ -269,7 +271,9 @@ func newEngine(mode string, audit bool, restored map[uint64]uint32) *engine {
 		noIface: map[string]string{}, ifaceDone: map[string]ifaceDone{},
 		sets: map[string]*policySet{},
 	}
+	e.reserved = make(map[uint32]struct{}, len(restored))
 	for _, id := range restored {
+		e.reserved[id] = struct{}{}
 		if id >= e.nextID {
 			e.nextID = id + 1
 		}
@@ -858,17 +862,19 @@ func (e *engine) allocateID(ep *endpoint) uint32 {
 		e.usedIDs[id] = ep
 		return id
 	}
-	reserved := map[uint32]struct{}{}
-	for _, id := range e.restored {
-		reserved[id] = struct{}{}
-	}
+	return e.freeID(ep)
+}
+
+// freeID hands ep (an endpoint or a policy set's pseudo-endpoint) the next
+// ID that nothing uses and no restored endpoint or set may claim.
+func (e *engine) freeID(ep *endpoint) uint32 {
 	for {
 		id := e.nextID
 		e.nextID++
 		if e.nextID == 0 {
 			e.nextID = 1
 		}
-		if _, ok := reserved[id]; ok || e.usedIDs[id] != nil || id == 0 {
+		if _, ok := e.reserved[id]; ok || e.usedIDs[id] != nil || id == 0 {
 			continue
 		}
 		e.usedIDs[id] = ep

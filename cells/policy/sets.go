@@ -1,7 +1,6 @@
 package policy
 
 import (
-	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -89,7 +88,7 @@ func (e *engine) acquireSet(dir uint8, peers []sharedPeer, ep *endpoint) *policy
 	s := &policySet{key: key, users: map[*endpoint]struct{}{ep: {}}}
 	s.ep = &endpoint{emitted: map[groupKey][]portEntry{}, set: s,
 		contribs: map[entryKey][]contribCount{}, groups: map[groupKey][]portKey{}, dirtyGroups: map[groupKey]struct{}{}}
-	s.ep.id = e.allocateSetID(s.ep)
+	s.ep.id = e.freeID(s.ep)
 	s.name = tables.PolicySetName(s.ep.id)
 	e.sets[key] = s
 	for _, p := range peers {
@@ -113,21 +112,5 @@ func (e *engine) releaseSets(ep *endpoint, old [2]*policySet) {
 		if s != nil && s != ep.sets[0] && s != ep.sets[1] {
 			delete(s.users, ep)
 		}
-	}
-}
-
-// allocateSetID returns a free ID for a policy set's pseudo-endpoint.
-func (e *engine) allocateSetID(ep *endpoint) uint32 {
-	for {
-		id := e.nextID
-		e.nextID++
-		if e.nextID == 0 {
-			e.nextID = 1
-		}
-		if id == 0 || e.usedIDs[id] != nil || slices.Contains(slices.Collect(maps.Values(e.restored)), id) {
-			continue
-		}
-		e.usedIDs[id] = ep
-		return id
 	}
 }
